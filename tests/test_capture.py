@@ -1,0 +1,342 @@
+"""Capture on CPU: lazy copies behind the optimizer's pre-hook, exact round trips, slot capacity.
+
+Copies are made deterministic by occupying the copier: with ``host.copy_threads: 1``, a job that waits
+on an event holds the only copy thread, so a save's copies cannot start until the test lets them.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from tierckpt import CapacityError, Checkpointer
+from tierckpt.capture.copier import _PIECE_BYTES
+
+DEADLINE_S = 30.0  # a deadlock guard only: every wait below ends on an event long before it
+
+
+def make_config(tmp_path: Path, *, capacity: str = "8MiB", snapshots: int = 2, copy_threads: int = 2, compressed: bool = False) -> dict[str, Any]:
+    tiers: list[dict[str, Any]] = [
+        {"name": "ram", "type": "memory"},
+        {"name": "nvme", "type": "filesystem", "path": str(tmp_path / "nvme")},
+    ]
+    if compressed:
+        tiers.append({"name": "pfs", "type": "filesystem", "path": str(tmp_path / "pfs"), "compression": {"codec": "zstd", "level": 3}})
+    return {"host": {"capacity": capacity, "snapshots": snapshots, "copy_threads": copy_threads}, "tiers": tiers}
+
+
+def fs_only_config(path: Path) -> dict[str, Any]:
+    return {"host": {"capacity": "8MiB", "snapshots": 1}, "tiers": [{"name": "disk", "type": "filesystem", "path": str(path)}]}
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same(got: Any, want: Any, path: str = "<root>") -> None:
+    """Values, types, dtypes, shapes and devices equal; tensors and arrays compared bit for bit."""
+    if isinstance(want, torch.Tensor):
+        assert type(got) is torch.Tensor, f"{path}: {type(got)}"  # a Parameter comes back as a tensor
+        assert (got.dtype, tuple(got.shape), got.device) == (want.dtype, tuple(want.shape), want.device), path
+        assert torch.equal(raw_bytes(got), raw_bytes(want)), f"{path}: bytes differ"
+        return
+    assert type(got) is type(want), f"{path}: {type(got)} is not {type(want)}"
+    if isinstance(want, np.ndarray):
+        assert (got.dtype, got.shape) == (want.dtype, want.shape), path
+        assert np.ascontiguousarray(got).tobytes() == np.ascontiguousarray(want).tobytes(), f"{path}: bytes differ"
+    elif isinstance(want, np.generic):
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), path
+    elif isinstance(want, dict):
+        assert list(got) == list(want), f"{path}: keys {list(got)} != {list(want)}"
+        for key in want:
+            assert_same(got[key], want[key], f"{path}[{key!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), path
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same(g, w, f"{path}[{i}]")
+    else:
+        assert got == want, f"{path}: {got!r} != {want!r}"
+
+
+def clone(state: Any) -> Any:
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return type(state)((k, clone(v)) for k, v in state.items())
+    if isinstance(state, (list, tuple)):
+        return type(state)(clone(v) for v in state)
+    return state
+
+
+class OccupiedCopier:
+    """Holds every copy thread of ``ckpt`` on an event until :meth:`release` (or the end of the block)."""
+
+    def __init__(self, ckpt: Checkpointer, threads: int = 1) -> None:
+        self.gate = threading.Event()
+        self.jobs = [ckpt._copier._executor.submit(self.gate.wait, DEADLINE_S) for _ in range(threads)]
+
+    def release(self) -> None:
+        self.gate.set()
+        concurrent.futures.wait(self.jobs, DEADLINE_S)
+        assert all(job.result() for job in self.jobs), "a copy thread gave up waiting: the test deadlocked"
+
+    def __enter__(self) -> OccupiedCopier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.gate.set()
+
+
+@pytest.fixture
+def checkpointers() -> Iterator[list[Checkpointer]]:
+    """Checkpointers made by a test, closed at its end even when it fails."""
+    made: list[Checkpointer] = []
+    yield made
+    for ckpt in made:
+        ckpt.close_sync()
+
+
+# -- lazy capture --------------------------------------------------------------------------------------
+
+
+def test_lazy_capture_blocks_the_optimizer_step_until_the_copy_is_done(tmp_path: Path, checkpointers: list[Checkpointer]) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    x = torch.randn(8, 16)
+
+    def forward_backward() -> None:
+        optimizer.zero_grad()
+        model(x).pow(2).mean().backward()
+
+    forward_backward()
+    optimizer.step()  # Adam now has exp_avg / exp_avg_sq to capture too
+    ckpt = Checkpointer(make_config(tmp_path, copy_threads=1))
+    checkpointers.append(ckpt)
+    reached, passed = threading.Event(), threading.Event()
+    optimizer.register_step_pre_hook(lambda *_: reached.set())  # runs before the barrier
+    ckpt.attach(optimizer)
+    optimizer.register_step_pre_hook(lambda *_: passed.set())  # runs after it
+    forward_backward()
+    before = clone({"model": model.state_dict(), "optim": optimizer.state_dict()})
+
+    with OccupiedCopier(ckpt) as occupied:
+        handle = ckpt.save_sync(1, {"model": model.state_dict(), "optim": optimizer.state_dict()})
+        assert handle._tracker.captured.done() is False  # save() returned with the copy still to do
+        stepper = threading.Thread(target=optimizer.step)
+        stepper.start()
+        assert reached.wait(DEADLINE_S)
+        assert not passed.wait(0.2), "optimizer.step() ran past the lazy barrier before the copy"
+        assert_same(model.state_dict(), before["model"])  # nothing overwritten yet
+        occupied.release()
+        stepper.join(DEADLINE_S)
+    assert not stepper.is_alive() and passed.is_set()
+    assert handle.captured_sync(DEADLINE_S) is True
+
+    live = model.state_dict()
+    assert all(not torch.equal(live[k], before["model"][k]) for k in live), "the step did not change the parameters"
+    restored = ckpt.restore_latest_sync()
+    assert restored is not None and (restored.step, restored.tier) == (1, "ram")
+    assert_same(restored.state["model"], before["model"])
+    assert_same(restored.state["optim"], before["optim"])
+    moments = [s[name] for s in restored.state["optim"]["state"].values() for name in ("exp_avg", "exp_avg_sq")]
+    assert len(moments) == 8
+    # The flushed copy holds the pre-step values too.
+    assert handle.committed_sync("nvme", DEADLINE_S) is True
+    ckpt.close_sync()
+    with Checkpointer(fs_only_config(tmp_path / "nvme")) as disk:
+        on_disk = disk.restore_latest_sync()
+    assert on_disk is not None and on_disk.step == 1
+    assert_same(on_disk.state, before)
+
+
+def test_wait_captured_is_the_barrier_for_state_outside_an_optimizer(tmp_path: Path, checkpointers: list[Checkpointer]) -> None:
+    ckpt = Checkpointer(make_config(tmp_path, copy_threads=1))
+    checkpointers.append(ckpt)
+    assert ckpt.wait_captured(timeout=0) is True  # nothing in flight
+    ema = torch.arange(1000, dtype=torch.float32)
+    expected = ema.clone()
+    mutated = threading.Event()
+
+    def update_ema() -> None:
+        assert ckpt.wait_captured(DEADLINE_S)
+        ema.mul_(0.5).add_(1.0)
+        mutated.set()
+
+    with OccupiedCopier(ckpt) as occupied:
+        handle = ckpt.save_sync(1, {"ema": ema})
+        assert ckpt.wait_captured(timeout=0.05) is False
+        assert not handle._tracker.captured.done()
+        updater = threading.Thread(target=update_ema)
+        updater.start()
+        assert not mutated.wait(0.2), "wait_captured() returned before the copy"
+        occupied.release()
+        updater.join(DEADLINE_S)
+    assert mutated.is_set()
+    assert ckpt.wait_captured(timeout=DEADLINE_S) is True
+    assert handle.captured_sync(DEADLINE_S) is True
+    restored = ckpt.restore_latest_sync()
+    assert restored is not None
+    assert_same(restored.state["ema"], expected)
+    assert not torch.equal(ema, expected)
+
+
+# -- exact round trips ----------------------------------------------------------------------------------
+
+
+def rich_state() -> dict[Any, Any]:
+    g = torch.Generator().manual_seed(1234)
+    base = torch.randn(10, 12, generator=g)
+    return {
+        "f32": torch.randn(5, 7, generator=g),
+        "f64": torch.randn(3, 2, generator=g, dtype=torch.float64),
+        "f16_transposed": torch.randn(6, 4, generator=g).half().t(),
+        "bf16": torch.randn(33, generator=g).bfloat16(),
+        "c64": torch.randn(4, 3, generator=g, dtype=torch.complex64),
+        "c64_conj_view": torch.randn(5, generator=g, dtype=torch.complex64).conj(),
+        "bool": torch.rand(17, generator=g) > 0.5,
+        "i8": torch.randint(-128, 128, (9,), generator=g, dtype=torch.int8),
+        "u8": torch.randint(0, 256, (3, 3), generator=g, dtype=torch.uint8),
+        "i16": torch.randint(-1000, 1000, (7,), generator=g, dtype=torch.int16),
+        "i32": torch.randint(-(2**31), 2**31 - 1, (5,), generator=g, dtype=torch.int32),
+        "i64": torch.tensor([-(2**63), 2**63 - 1, 0, 42]),
+        "f32_special": torch.tensor([float("inf"), float("-inf"), -0.0, 1e-45]),
+        "zero_d": torch.tensor(3.25),
+        "zero_d_int": torch.tensor(-7),
+        "empty": torch.empty(0, 3),
+        "slice_view": base[2:5, 3:9],  # non-contiguous, with a storage offset
+        "row_view": base[4],  # contiguous, with a storage offset
+        "expanded": torch.arange(3.0).expand(4, 3),  # stride 0
+        "param": torch.nn.Parameter(torch.randn(3, generator=g)),
+        "np_f32": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "np_i16_transposed": np.arange(20, dtype=np.int16).reshape(4, 5).T,
+        "np_bool": np.array([True, False, True]),
+        "np_c128": np.array([1 + 2j, -3.5j]),
+        "np_u64": np.array([2**64 - 1, 0], dtype=np.uint64),
+        "np_big_endian": np.arange(4, dtype=">i4"),
+        "np_0d": np.array(7.5),
+        "np_scalar_f32": np.float32(2.5),
+        "np_scalar_i64": np.int64(-3),
+        "int_keys": {1: "one", -2: (3, 4.5, None), 2**40: [b"\x00\xff", True]},
+        "tuple": (1, "two", None, (torch.ones(2, dtype=torch.int16),)),
+        "str": "h\u00e9llo \u2603",
+        "bytes": b"\x00\x01\xfe",
+        "none": None,
+        "bool_scalar": False,
+        "float": 1.5e-300,
+        "big_int": 2**70,
+        "negative_big_int": -(2**80),
+        "dtype": torch.bfloat16,
+        "device": torch.device("cpu"),
+        "ordered": collections.OrderedDict([("z", 1), ("a", torch.zeros(2))]),
+        "nested": [{"a": torch.full((2,), 5, dtype=torch.int16)}, [], {}],
+        7: "an int key at the root",
+    }
+
+
+def test_rich_state_round_trips_exactly_through_memory_and_filesystem_tiers(tmp_path: Path, checkpointers: list[Checkpointer]) -> None:
+    state = rich_state()
+    expected = clone(state)
+    ckpt = Checkpointer(make_config(tmp_path, compressed=True))
+    checkpointers.append(ckpt)
+    handle = ckpt.save_sync(11, state, metadata={"note": "rich"})
+    assert handle.captured_sync(DEADLINE_S) is True
+    from_memory = ckpt.restore_latest_sync()
+    assert from_memory is not None and (from_memory.step, from_memory.tier) == (11, "ram")
+    assert from_memory.metadata == {"note": "rich"}
+    assert_same(from_memory.state, expected)
+    ckpt.wait_sync()
+    assert handle.committed_sync("nvme", 0) is True and handle.committed_sync("pfs", 0) is True
+    ckpt.close_sync()
+
+    # A second Checkpointer on the same directories: its memory tier is empty, so nvme serves it.
+    again = Checkpointer(make_config(tmp_path, compressed=True))
+    checkpointers.append(again)
+    from_disk = again.restore_latest_sync()
+    assert from_disk is not None and (from_disk.step, from_disk.tier) == (11, "nvme")
+    assert from_disk.metadata == {"note": "rich"}
+    assert_same(from_disk.state, expected)
+    again.close_sync()
+    # ... and the zstd-compressed copy on pfs restores to the same bytes.
+    with Checkpointer(fs_only_config(tmp_path / "pfs")) as pfs:
+        from_pfs = pfs.restore_latest_sync()
+    assert from_pfs is not None and from_pfs.step == 11
+    assert_same(from_pfs.state, expected)
+    # The live state was read, never modified.
+    assert_same(clone(state), expected)
+
+
+def test_restore_into_a_template_keeps_its_tensors(tmp_path: Path, checkpointers: list[Checkpointer]) -> None:
+    state = {"w": torch.randn(4, 5), "n": np.arange(3.0), "step": 3}
+    ckpt = Checkpointer(make_config(tmp_path))
+    checkpointers.append(ckpt)
+    ckpt.save_sync(3, state).captured_sync(DEADLINE_S)
+    template = {"w": torch.zeros(4, 5), "n": np.zeros(3), "step": 0}
+    w, n = template["w"], template["n"]
+    restored = ckpt.restore_latest_sync(template)
+    assert restored is not None
+    assert restored.state["w"] is w and restored.state["n"] is n
+    assert_same(restored.state, state)
+
+
+# -- capacity -------------------------------------------------------------------------------------------
+
+
+async def test_a_state_larger_than_a_slot_raises_capacity_error(tmp_path: Path) -> None:
+    async with Checkpointer(make_config(tmp_path, capacity="64KiB", snapshots=2)) as ckpt:
+        too_big = {"w": torch.zeros(40 * 1024 // 4)}  # 40 KiB > one 32 KiB slot
+        for attempt in range(2):
+            with pytest.raises(CapacityError) as info:
+                if attempt == 0:
+                    ckpt.save_sync(5, too_big)
+                else:
+                    await ckpt.save(5, too_big)
+            error = info.value
+            assert isinstance(error, ValueError)
+            assert "host.capacity" in str(error)
+            assert (error.step, error.key) == (5, "host.capacity")
+        assert ckpt.versions() == [] and ckpt.counters.saves == 0
+        # Nothing was reserved: a state that fits still saves.
+        handle = await ckpt.save(6, {"w": torch.ones(1024)})
+        assert await handle.committed("nvme") is True
+
+
+def test_a_state_filling_a_slot_exactly_fits(tmp_path: Path, checkpointers: list[Checkpointer]) -> None:
+    ckpt = Checkpointer(make_config(tmp_path, capacity="64KiB", snapshots=2))
+    checkpointers.append(ckpt)
+    state = {"a": torch.arange(4 * 1024, dtype=torch.int32), "b": torch.arange(4 * 1024, dtype=torch.int32) * -1}
+    handle = ckpt.save_sync(1, state)  # 2 x 16 KiB = 32 KiB, exactly one slot
+    assert handle.captured_sync(DEADLINE_S) is True
+    restored = ckpt.restore_latest_sync()
+    assert restored is not None
+    assert_same(restored.state, state)
+
+
+# -- big tensors split across copy threads -------------------------------------------------------------
+
+
+def test_a_tensor_bigger_than_a_copy_piece_is_captured_bitwise(tmp_path: Path, checkpointers: list[Checkpointer]) -> None:
+    n = 70 * 2**20 // 8 + 3  # ~70 MB of int64: more than one 64 MiB piece, and not a whole number of pieces
+    base = torch.arange(n + 5, dtype=torch.int64)
+    big = base[5:]  # a contiguous view with a storage offset: the pieces must start at the right place
+    assert big.numel() * 8 > _PIECE_BYTES
+    tail = torch.arange(1000, dtype=torch.float32)
+    config = make_config(tmp_path, capacity="80MiB", snapshots=1, copy_threads=2)
+    config["tiers"] = config["tiers"][:1]  # memory only: this test is about capture
+    ckpt = Checkpointer(config)
+    checkpointers.append(ckpt)
+    handle = ckpt.save_sync(1, {"big": big, "tail": tail})
+    assert handle.captured_sync(DEADLINE_S) is True
+    restored = ckpt.restore_latest_sync()
+    assert restored is not None
+    got = restored.state["big"]
+    assert got.dtype == torch.int64 and got.shape == big.shape
+    assert torch.equal(got, big)
+    assert torch.equal(restored.state["tail"], tail)

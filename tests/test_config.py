@@ -1,0 +1,661 @@
+"""tierckpt.config and tierckpt.units: the example file, every error a config can make, round trips."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pickle
+import string
+import types
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tierckpt.config import CompressionConfig, Config, FlushPolicy, HostConfig, KeepPolicy, TierConfig
+from tierckpt.errors import ConfigError
+from tierckpt.units import format_size, parse_duration, parse_size
+
+# ARCHITECTURE.md, section 6, as written.
+EXAMPLE = """\
+host:
+  capacity: 4GiB        # host memory for snapshots in flight (pinned when CUDA is present)
+  snapshots: 2          # at most this many snapshots held at once (PCheck)
+  on_full: block        # block | skip : what save() does when every slot is busy
+tiers:
+  - name: ram
+    type: memory
+    keep: {last: 2}
+  - name: nvme
+    type: filesystem
+    path: ./checkpoints/nvme
+    flush: {every: 1}                      # every version that reaches the tier above
+    keep: {last: 3}
+  - name: pfs
+    type: filesystem
+    path: ./checkpoints/pfs
+    flush: {every_steps: 100, min_interval: 30s}
+    keep: {last: 2, every_steps: 1000}     # keep the newest 2, and every 1000th step forever
+    compression: {codec: zstd, level: 3}
+"""
+
+
+def load(tmp_path: Path, text: str) -> Config:
+    path = tmp_path / "tiers.yaml"
+    path.write_text(text)
+    return Config.from_yaml(path)
+
+
+def load_error(tmp_path: Path, text: str) -> ConfigError:
+    with pytest.raises(ConfigError) as caught:
+        load(tmp_path, text)
+    return caught.value
+
+
+def small(host: str = "  capacity: 1GiB\n", nvme: str = "") -> str:
+    """A two-tier config; with one host line, the lines in ``nvme`` start at line 9."""
+    return (
+        "host:\n" + host + "tiers:\n"
+        "  - name: ram\n"
+        "    type: memory\n"
+        "  - name: nvme\n"
+        "    type: filesystem\n"
+        "    path: /tmp/nvme\n" + nvme
+    )
+
+
+# --- the example ----------------------------------------------------------------------------------
+
+
+def test_example_loads_as_written(tmp_path: Path) -> None:
+    config = load(tmp_path, EXAMPLE)
+
+    assert config.host.capacity_bytes == 4 * 2**30
+    assert config.host.snapshots == 2
+    assert config.host.on_full == "block"
+    assert config.host.copy_threads == 2
+    assert config.host.slot_bytes == 2 * 2**30
+    assert [tier.name for tier in config.tiers] == ["ram", "nvme", "pfs"]
+
+    ram, nvme, pfs = config.tiers
+    assert ram.type == "memory"
+    assert ram.path is None
+    assert ram.keep == KeepPolicy(last=2, every_steps=None)
+    assert ram.flush == FlushPolicy()
+    assert ram.compression == CompressionConfig(codec="none", level=3)
+
+    assert nvme.type == "filesystem"
+    assert nvme.path == Path("./checkpoints/nvme")
+    assert not nvme.path.is_absolute()
+    assert nvme.flush == FlushPolicy(every=1, every_steps=None, min_interval_s=0.0)
+    assert nvme.keep == KeepPolicy(last=3, every_steps=None)
+    assert nvme.compression.codec == "none"
+    assert nvme.io_threads == 2
+
+    assert pfs.path == Path("checkpoints/pfs")
+    assert pfs.flush.every == 1
+    assert pfs.flush.every_steps == 100
+    assert pfs.flush.min_interval_s == 30.0
+    assert isinstance(pfs.flush.min_interval_s, float)
+    assert pfs.keep == KeepPolicy(last=2, every_steps=1000)
+    assert pfs.compression == CompressionConfig(codec="zstd", level=3)
+    assert config.tier("pfs") is pfs
+
+
+def test_example_as_dict(tmp_path: Path) -> None:
+    assert load(tmp_path, EXAMPLE).to_dict() == {
+        "host": {"capacity": 4 * 2**30, "snapshots": 2, "on_full": "block", "copy_threads": 2},
+        "tiers": [
+            {"name": "ram", "type": "memory", "keep": {"last": 2, "every_steps": None}},
+            {
+                "name": "nvme",
+                "type": "filesystem",
+                "path": "checkpoints/nvme",
+                "flush": {"every": 1, "every_steps": None, "min_interval": 0.0},
+                "keep": {"last": 3, "every_steps": None},
+                "compression": {"codec": "none", "level": 3},
+                "io_threads": 2,
+            },
+            {
+                "name": "pfs",
+                "type": "filesystem",
+                "path": "checkpoints/pfs",
+                "flush": {"every": 1, "every_steps": 100, "min_interval": 30.0},
+                "keep": {"last": 2, "every_steps": 1000},
+                "compression": {"codec": "zstd", "level": 3},
+                "io_threads": 2,
+            },
+        ],
+    }
+
+
+def test_defaults() -> None:
+    config = Config.from_dict({"tiers": [{"name": "disk", "type": "filesystem", "path": "ckpt"}]})
+    assert config.host == HostConfig(capacity_bytes=1 << 30, snapshots=2, on_full="block", copy_threads=2)
+    assert config.tiers == (TierConfig(name="disk", type="filesystem", path=Path("ckpt")),)
+
+
+# --- errors through YAML: key path, line, value, what is allowed ---------------------------------------
+
+
+def test_unknown_key_message(tmp_path: Path) -> None:
+    error = load_error(tmp_path, small(nvme="    flush: {evry: 1}\n"))
+    assert str(error) == (
+        f"tiers[1].flush.evry: unknown key (in {tmp_path / 'tiers.yaml'}, line 9); "
+        "allowed: every, every_steps, min_interval"
+    )
+    assert error.key == "tiers[1].flush.evry"
+
+
+def test_wrong_choice_message(tmp_path: Path) -> None:
+    error = load_error(tmp_path, small(host="  capacity: 1GiB\n  on_full: wait\n"))
+    assert str(error) == f"host.on_full: 'wait' is not allowed (in {tmp_path / 'tiers.yaml'}, line 3); use one of: block, skip"
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "line", "allowed"),
+    [
+        (small() + "distributed: {timeout: 60s}\n", "distributed", 9, "host, tiers"),
+        (small(host="  capacity: 1GiB\n  snapshot: 2\n"), "host.snapshot", 3, "capacity, snapshots, on_full, copy_threads"),
+        (small(nvme="    copies: 2\n"), "tiers[1].copies", 9, "name, type, path, flush, keep, compression, io_threads"),
+        (small(nvme="    flush:\n      every: 2\n      max_staleness: 1m\n"), "tiers[1].flush.max_staleness", 11, "every, every_steps, min_interval"),
+        (small(nvme="    keep: {last: 2, within: 1h}\n"), "tiers[1].keep.within", 9, "last, every_steps"),
+        (small(nvme="    keep: {max_bytes: 1GiB}\n"), "tiers[1].keep.max_bytes", 9, "last, every_steps"),
+        (small(nvme="    compression: {codec: zstd, shuffle: true}\n"), "tiers[1].compression.shuffle", 9, "codec, level"),
+    ],
+)
+def test_unknown_keys(tmp_path: Path, text: str, key: str, line: int, allowed: str) -> None:
+    error = load_error(tmp_path, text)
+    assert error.key == key
+    assert str(error) == f"{key}: unknown key (in {tmp_path / 'tiers.yaml'}, line {line}); allowed: {allowed}"
+
+
+@pytest.mark.parametrize(
+    ("host", "nvme", "key", "line", "says"),
+    [
+        ("  snapshots: two\n", "", "host.snapshots", 2, ["'two' is not an integer", "integer >= 1"]),
+        ("  snapshots: true\n", "", "host.snapshots", 2, ["True is not an integer"]),
+        ("  snapshots: 0\n", "", "host.snapshots", 2, ["0 is not allowed", "integer >= 1"]),
+        ("  capacity: true\n", "", "host.capacity", 2, ["True is not a size", "4GiB"]),
+        ("  capacity: 1.5\n", "", "host.capacity", 2, ["1.5 is not a size", "512MiB"]),
+        ("  capacity: 4 GB and more\n", "", "host.capacity", 2, ["'4 GB and more' is not a size"]),
+        ("  capacity: 4XB\n", "", "host.capacity", 2, ["unknown unit 'XB'"]),
+        ("  capacity: -1GiB\n", "", "host.capacity", 2, ["'-1GiB' is negative"]),
+        ("  on_full: evict\n", "", "host.on_full", 2, ["'evict' is not allowed", "block, skip"]),
+        ("  on_full: true\n", "", "host.on_full", 2, ["True is not allowed"]),
+        ("  copy_threads: 65\n", "", "host.copy_threads", 2, ["65 is not allowed", "from 1 to 64"]),
+        ("", "    flush: {every: 0}\n", "tiers[1].flush.every", 9, ["0 is not allowed", ">= 1"]),
+        ("", "    flush: {every: '1'}\n", "tiers[1].flush.every", 9, ["'1' is not an integer"]),
+        ("", "    flush: {every_steps: 2.5}\n", "tiers[1].flush.every_steps", 9, ["2.5 is not an integer", "or null"]),
+        ("", "    flush: {min_interval: soon}\n", "tiers[1].flush.min_interval", 9, ["'soon' is not a duration", "30s"]),
+        ("", "    flush: {min_interval: -5}\n", "tiers[1].flush.min_interval", 9, ["-5 is negative"]),
+        ("", "    flush: {min_interval: 5w}\n", "tiers[1].flush.min_interval", 9, ["unknown unit 'w'"]),
+        ("", "    flush: {min_interval: .inf}\n", "tiers[1].flush.min_interval", 9, ["inf is not a finite duration"]),
+        ("", "    flush: 3\n", "tiers[1].flush", 9, ["3 is not a mapping", "every, every_steps, min_interval"]),
+        ("", "    keep: {last: 0}\n", "tiers[1].keep.last", 9, ["0 is not allowed"]),
+        ("", "    keep: {every_steps: false}\n", "tiers[1].keep.every_steps", 9, ["False is not an integer"]),
+        ("", "    keep:\n", "tiers[1].keep", 9, ["None is not a mapping"]),
+        ("", "    compression: {codec: gzip}\n", "tiers[1].compression.codec", 9, ["'gzip' is not allowed", "none, zstd"]),
+        ("", "    compression: {codec: zstd, level: 0}\n", "tiers[1].compression.level", 9, ["0 is not allowed", "1 to 22"]),
+        ("", "    compression: {level: 23}\n", "tiers[1].compression.level", 9, ["23 is not allowed"]),
+        ("", "    compression: {level: -8}\n", "tiers[1].compression.level", 9, ["-8 is not allowed", "-7 to -1"]),
+        ("", "    io_threads: 0\n", "tiers[1].io_threads", 9, ["0 is not allowed", "from 1 to 64"]),
+        ("", "    io_threads: '4'\n", "tiers[1].io_threads", 9, ["'4' is not an integer"]),
+    ],
+)
+def test_bad_values(tmp_path: Path, host: str, nvme: str, key: str, line: int, says: list[str]) -> None:
+    error = load_error(tmp_path, small(host=host or "  capacity: 1GiB\n", nvme=nvme))
+    assert error.key == key
+    assert str(error).startswith(f"{key}: ")
+    assert f"(in {tmp_path / 'tiers.yaml'}, line {line})" in str(error)
+    for text in says:
+        assert text in str(error)
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "line", "says"),
+    [
+        ("host:\n  capacity: 1GiB\n", "tiers", None, "missing"),
+        ("tiers:\n  - type: memory\n", "tiers[0].name", 2, "required here: name, type"),
+        ("tiers:\n  - name: ram\n", "tiers[0].type", 2, "required here: name, type"),
+        ("tiers:\n  - name: disk\n    type: filesystem\n", "tiers[0].path", 2, "a filesystem tier needs a directory"),
+        ("tiers:\n  - name: disk\n    type: filesystem\n    path: ''\n", "tiers[0].path", 4, "'' is not allowed"),
+        ("tiers:\n  - name: disk\n    type: filesystem\n    path: 7\n", "tiers[0].path", 4, "7 is not allowed"),
+        ("tiers:\n  - name: disk\n    type: filesystem\n    path:\n", "tiers[0].path", 4, "missing"),
+        ("tiers:\n  - name: my disk\n    type: memory\n", "tiers[0].name", 2, "use letters, digits"),
+        ("tiers:\n  - name: 7\n    type: memory\n", "tiers[0].name", 2, "7 is not allowed"),
+        ("tiers:\n  - name: _ram\n    type: memory\n", "tiers[0].name", 2, "'_ram' is not allowed"),
+        ("tiers:\n  - name: ram\n    type: peer\n", "tiers[0].type", 3, "use one of: memory, filesystem"),
+        ("tiers: []\n", "tiers", 1, "no tier is given"),
+        ("tiers: {name: ram, type: memory}\n", "tiers", 1, "is not a list"),
+        ("tiers:\n  - ram\n", "tiers[0]", 2, "'ram' is not a mapping"),
+        ("host: 4GiB\ntiers: [{name: ram, type: memory}]\n", "host", 1, "'4GiB' is not a mapping"),
+    ],
+)
+def test_missing_and_malformed(tmp_path: Path, text: str, key: str, line: int | None, says: str) -> None:
+    error = load_error(tmp_path, text)
+    assert error.key == key
+    where = f"in {tmp_path / 'tiers.yaml'}" + (f", line {line}" if line else "")
+    assert str(error).startswith(f"{key}: ")
+    assert f"({where})" in str(error)
+    assert says in str(error)
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "line", "says"),
+    [
+        (small(nvme="  - name: ram\n    type: filesystem\n    path: /tmp/x\n"), "tiers[2].name", 9,
+         "'ram' is already the name of tiers[0]"),
+        ("tiers:\n  - {name: disk, type: filesystem, path: /tmp/d}\n  - {name: ram, type: memory}\n",
+         "tiers[1].type", 3, "a memory tier can only be the first tier"),
+        ("tiers:\n  - {name: ram, type: memory}\n  - {name: ram2, type: memory}\n",
+         "tiers[1].type", 3, "a memory tier can only be the first tier"),
+        ("tiers:\n  - name: ram\n    type: memory\n    flush: {every: 1}\n", "tiers[0].flush", 4,
+         "not allowed on a memory tier"),
+        ("tiers:\n  - name: ram\n    type: memory\n    flush: {}\n", "tiers[0].flush", 4,
+         "a memory tier is the first tier and receives every save"),
+        ("tiers:\n  - name: ram\n    type: memory\n    compression: {codec: zstd}\n", "tiers[0].compression", 4,
+         "not allowed on a memory tier"),
+        ("tiers:\n  - name: ram\n    type: memory\n    compression: {}\n", "tiers[0].compression", 4,
+         "not allowed on a memory tier"),
+        ("tiers:\n  - name: ram\n    type: memory\n    path: /dev/shm/ckpt\n", "tiers[0].path", 4,
+         "a path on a memory tier is not supported yet"),
+        ("tiers:\n  - name: ram\n    type: memory\n    io_threads: 4\n", "tiers[0].io_threads", 4,
+         "io_threads applies to filesystem tiers"),
+        ("host:\n  capacity: 4096\n  snapshots: 2\ntiers: [{name: ram, type: memory}]\n", "host.capacity", 2,
+         "4KiB over 2 snapshots leaves 2KiB per snapshot"),
+    ],
+)
+def test_tier_rules(tmp_path: Path, text: str, key: str, line: int, says: str) -> None:
+    error = load_error(tmp_path, text)
+    assert error.key == key
+    assert f"(in {tmp_path / 'tiers.yaml'}, line {line})" in str(error)
+    assert says in str(error)
+
+
+def test_a_filesystem_tier_listed_first_may_have_flush(tmp_path: Path) -> None:
+    # The Checkpointer puts a host memory tier in front of it, which feeds it.
+    config = load(tmp_path, "tiers:\n  - {name: pfs, type: filesystem, path: /p, flush: {every_steps: 100}}\n")
+    assert config.tiers[0].flush == FlushPolicy(every_steps=100)
+    assert Config.from_dict(config.to_dict()) == config
+
+
+def test_smallest_slot_is_allowed() -> None:
+    assert HostConfig(capacity_bytes=8192, snapshots=2).slot_bytes == 4096
+    assert HostConfig(capacity_bytes=3 * 4096 + 2, snapshots=3).slot_bytes == 4096
+    with pytest.raises(ConfigError, match=r"^host\.capacity: 12KiB over 4 snapshots leaves 3KiB per snapshot; "):
+        HostConfig(capacity_bytes=12 * 1024, snapshots=4)
+
+
+# --- errors about the file itself -----------------------------------------------------------------------
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nowhere.yaml"
+    with pytest.raises(ConfigError, match="nowhere.yaml: cannot read the config file") as caught:
+        Config.from_yaml(path)
+    assert isinstance(caught.value.__cause__, FileNotFoundError)
+    assert str(path) in str(caught.value)
+
+
+def test_yaml_syntax_error(tmp_path: Path) -> None:
+    error = load_error(tmp_path, "host:\n  capacity: 4GiB\ntiers: [{name: ram, type: memory}\n")
+    assert str(error).startswith(f"{tmp_path / 'tiers.yaml'}: not valid YAML: ")
+    assert "line 4" in str(error)
+    assert error.__cause__ is not None
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "# nothing here\n"])
+def test_empty_file(tmp_path: Path, text: str) -> None:
+    assert "the file is empty" in str(load_error(tmp_path, text))
+
+
+def test_top_level_must_be_a_mapping(tmp_path: Path) -> None:
+    error = load_error(tmp_path, "- name: ram\n  type: memory\n")
+    assert str(error).startswith(f"{tmp_path / 'tiers.yaml'}: [")
+    assert "is not a mapping; use a mapping with keys: host, tiers" in str(error)
+
+
+def test_repeated_key_is_an_error(tmp_path: Path) -> None:
+    error = load_error(tmp_path, small(nvme="    keep: {last: 2}\n    keep: {last: 3}\n"))
+    assert error.key == "tiers[1].keep"
+    assert "given twice, first on line 9" in str(error)
+    assert "line 10)" in str(error)
+
+
+def test_merge_keys_and_anchors(tmp_path: Path) -> None:
+    text = (
+        "tiers:\n"
+        "  - &disk {name: nvme, type: filesystem, path: /tmp/nvme, io_threads: 4}\n"
+        "  - <<: *disk\n"
+        "    name: pfs\n"
+        "    path: /tmp/pfs\n"
+    )
+    nvme, pfs = load(tmp_path, text).tiers
+    assert (pfs.name, pfs.path, pfs.io_threads) == ("pfs", Path("/tmp/pfs"), 4)
+    assert nvme.path == Path("/tmp/nvme")
+
+
+# --- from_dict, coerce, built in code ------------------------------------------------------------------
+
+
+def test_from_dict_errors_name_the_source() -> None:
+    data = {"tiers": [{"name": "ram", "type": "memory", "bogus": 1}]}
+    with pytest.raises(ConfigError) as caught:
+        Config.from_dict(data)
+    assert str(caught.value) == "tiers[0].bogus: unknown key; allowed: name, type, path, flush, keep, compression, io_threads"
+    with pytest.raises(ConfigError, match=r"^tiers\[0\]\.bogus: unknown key \(in job\.json\); allowed: "):
+        Config.from_dict(data, source="job.json")
+    with pytest.raises(ConfigError, match=r"^config: \[\] is not a mapping; use a mapping with keys: host, tiers$"):
+        Config.from_dict([])  # type: ignore[arg-type]
+
+
+def test_from_dict_takes_tuples_and_read_only_mappings() -> None:
+    data = types.MappingProxyType({"tiers": ({"name": "ram", "type": "memory", "keep": {"last": 1}},)})
+    assert Config.from_dict(data).tiers == (TierConfig(name="ram", type="memory", keep=KeepPolicy(last=1)),)
+
+
+def test_explicit_nulls_mean_the_default() -> None:
+    tier = {"name": "d", "type": "filesystem", "path": "d", "keep": {"last": None, "every_steps": None}}
+    config = Config.from_dict({"tiers": [{"name": "ram", "type": "memory"}, tier]})
+    assert config.tiers[1].keep == KeepPolicy()
+
+
+def test_coerce(tmp_path: Path) -> None:
+    config = load(tmp_path, EXAMPLE)
+    assert Config.coerce(config) is config
+    assert Config.coerce(config.to_dict()) == config
+    assert Config.coerce(tmp_path / "tiers.yaml") == config
+    assert Config.coerce(str(tmp_path / "tiers.yaml")) == config
+    with pytest.raises(ConfigError, match="^config: 42 is not allowed; use a Config, a mapping, or the path"):
+        Config.coerce(42)  # type: ignore[arg-type]
+
+
+def test_tier_lookup(tmp_path: Path) -> None:
+    config = load(tmp_path, EXAMPLE)
+    assert config.tier("nvme").path == Path("checkpoints/nvme")
+    with pytest.raises(KeyError, match="no tier named 'ssd'; the tiers are: ram, nvme, pfs"):
+        config.tier("ssd")
+
+
+def test_built_in_code_names_keys_by_section() -> None:
+    with pytest.raises(ConfigError, match=r"^flush\.every: 0 is not allowed; use an integer >= 1$") as caught:
+        FlushPolicy(every=0)
+    assert caught.value.key == "flush.every"
+    with pytest.raises(ConfigError, match=r"^host\.snapshots: True is not an integer"):
+        HostConfig(snapshots=True)
+    with pytest.raises(ConfigError, match=r"^host\.capacity: '4GiB' is not an integer"):
+        HostConfig(capacity_bytes="4GiB")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^flush\.min_interval: '30s' is not allowed"):
+        FlushPolicy(min_interval_s="30s")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^keep\.last: -1 is not allowed"):
+        KeepPolicy(last=-1)
+    with pytest.raises(ConfigError, match=r"^tier\.path: missing"):
+        TierConfig(name="disk", type="filesystem")
+    with pytest.raises(ConfigError, match=r"^tier\.flush: \{'every': 2\} is not allowed; use a FlushPolicy"):
+        TierConfig(name="disk", type="filesystem", path="d", flush={"every": 2})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^tiers: no tier is given"):
+        Config(tiers=())
+    ram = TierConfig(name="ram", type="memory")
+    with pytest.raises(ConfigError, match=r"^tiers\[1\]\.name: 'ram' is already the name of tiers\[0\]"):
+        Config(tiers=(ram, ram))
+    with pytest.raises(ConfigError, match=r"^tier\.flush: not allowed on a memory tier; a memory tier is the first"):
+        TierConfig(name="ram", type="memory", flush=FlushPolicy(every=2))
+    with pytest.raises(ConfigError, match=r"^tier\.path: not allowed on a memory tier; .* not supported yet"):
+        TierConfig(name="ram", type="memory", path="/dev/shm/ckpt")
+
+
+def test_built_in_code_normalises_types(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    tier = TierConfig(name="disk", type="filesystem", path="~/ckpt")
+    assert tier.path == tmp_path / "ckpt"
+    assert TierConfig(name="disk", type="filesystem", path=Path("rel/dir")).path == Path("rel/dir")
+    assert FlushPolicy(min_interval_s=30).min_interval_s == 30.0
+    config = Config(tiers=[TierConfig(name="ram", type="memory")])  # type: ignore[arg-type]
+    assert isinstance(config.tiers, tuple)
+
+
+def test_tilde_in_yaml_is_expanded(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = load(tmp_path, "tiers:\n  - {name: disk, type: filesystem, path: ~/ckpt}\n")
+    assert config.tiers[0].path == tmp_path / "ckpt"
+
+
+@pytest.mark.parametrize(
+    "section",
+    [
+        HostConfig(),
+        FlushPolicy(),
+        KeepPolicy(),
+        CompressionConfig(),
+        TierConfig(name="ram", type="memory"),
+        Config(tiers=(TierConfig(name="ram", type="memory"),)),
+    ],
+)
+def test_frozen(section: object) -> None:
+    name = dataclasses.fields(section)[0].name  # type: ignore[arg-type]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(section, name, getattr(section, name))
+    assert hash(section) == hash(pickle.loads(pickle.dumps(section)))
+    assert pickle.loads(pickle.dumps(section)) == section
+
+
+# --- units ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        (4096, 4096),
+        (0, 0),
+        ("4096", 4096),
+        (" 7 ", 7),
+        ("10B", 10),
+        ("4GiB", 4 * 2**30),
+        ("4gib", 4 * 2**30),
+        ("4 GiB", 4 * 2**30),
+        ("4Gi", 4 * 2**30),
+        ("512MiB", 512 * 2**20),
+        ("64KiB", 64 * 1024),
+        ("1TiB", 2**40),
+        ("1.5GiB", 3 * 2**29),
+        (".5KiB", 512),
+        ("1.1KiB", 1126),  # 1126.4 bytes: rounded down
+        ("1.5GB", 1_500_000_000),
+        ("3KB", 3000),
+        ("2k", 2000),
+        ("2K", 2000),
+        ("5M", 5_000_000),
+        ("1TB", 10**12),
+    ],
+)
+def test_parse_size(text: object, size: int) -> None:
+    assert parse_size(text, key="host.capacity") == size
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        (-1, "-1 is negative"),
+        ("-1GiB", "'-1GiB' is negative"),
+        ("4 XB", "'4 XB' has an unknown unit 'XB'"),
+        ("4GiBs", "'4GiBs' has an unknown unit 'GiBs'"),
+        ("GiB", "'GiB' is not a size"),
+        ("", "'' is not a size"),
+        ("1e9", "'1e9' is not a size"),
+        ("4,096", "'4,096' is not a size"),
+        (1.5, "1.5 is not a size"),
+        (True, "True is not a size"),
+        (None, "None is not a size"),
+    ],
+)
+def test_parse_size_errors(value: object, problem: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_size(value, key="host.capacity", where="in t.yaml, line 2")
+    assert str(caught.value).startswith(f"host.capacity: {problem}")
+    assert "(in t.yaml, line 2); use a whole number of bytes or a number with a unit, e.g. 4096, 64KiB" in str(caught.value)
+    assert caught.value.key == "host.capacity"
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        (30, 30.0),
+        (0, 0.0),
+        (0.5, 0.5),
+        ("30", 30.0),
+        ("500ms", 0.5),
+        ("30s", 30.0),
+        ("30S", 30.0),
+        ("10m", 600.0),
+        (" 2 m ", 120.0),
+        ("1.5h", 5400.0),
+        ("2h", 7200.0),
+        ("1d", 86400.0),
+    ],
+)
+def test_parse_duration(text: object, seconds: float) -> None:
+    result = parse_duration(text, key="flush.min_interval")
+    assert result == seconds
+    assert isinstance(result, float)
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        (-1, "-1 is negative"),
+        ("-5s", "'-5s' is negative"),
+        ("5 weeks", "'5 weeks' has an unknown unit 'weeks'"),
+        ("soon", "'soon' is not a duration"),
+        ("", "'' is not a duration"),
+        (True, "True is not a duration"),
+        (None, "None is not a duration"),
+        (math.nan, "nan is not a finite duration"),
+        (math.inf, "inf is not a finite duration"),
+    ],
+)
+def test_parse_duration_errors(value: object, problem: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_duration(value, key="flush.min_interval")
+    assert str(caught.value).startswith(f"flush.min_interval: {problem}; use a number of seconds or a number")
+    assert "500ms, 30s, 10m, 2h, 1d" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("size", "text"),
+    [
+        (0, "0B"),
+        (1, "1B"),
+        (4097, "4097B"),
+        (1000, "1KB"),
+        (1024, "1KiB"),
+        (1536, "1.5KiB"),
+        (1_500_000, "1.5MB"),
+        (4 * 2**30, "4GiB"),
+        (10**12, "1TB"),
+        (2**40, "1TiB"),
+        (3 * 2**50, "3072TiB"),
+    ],
+)
+def test_format_size(size: int, text: str) -> None:
+    assert format_size(size) == text
+
+
+def test_format_size_errors() -> None:
+    with pytest.raises(ValueError, match="size >= 0"):
+        format_size(-1)
+    with pytest.raises(TypeError):
+        format_size(1.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        format_size(True)
+
+
+@given(st.integers(min_value=0, max_value=2**70))
+def test_size_format_parse_round_trip(size: int) -> None:
+    assert parse_size(format_size(size), key="k") == size
+
+
+UNITS = {
+    "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "k": 10**3,
+    "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "Ki": 2**10,
+}  # fmt: skip
+
+
+@given(st.integers(min_value=0, max_value=10**6), st.sampled_from(sorted(UNITS)), st.booleans(), st.booleans())
+def test_size_units(number: int, unit: str, space: bool, lower: bool) -> None:
+    text = f"{number}{' ' if space else ''}{unit.lower() if lower else unit}"
+    assert parse_size(text, key="k") == number * UNITS[unit]
+
+
+# --- round trips of random valid configs --------------------------------------------------------------
+
+names = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,12}", fullmatch=True)
+path_parts = st.one_of(
+    st.text(string.ascii_letters + string.digits + "_-. ", min_size=1, max_size=8),
+    st.text(st.characters(codec="utf-8", exclude_characters="/\x00"), min_size=1, max_size=4),
+    st.sampled_from(["yes", "null", "1.5", "~", "..", "#x", "- a", "a: b", "'q'", "0x1F"]),
+).filter(lambda part: part == "~" or not part.startswith("~"))  # "~name" expands to a user's home
+paths = st.builds(
+    lambda root, parts: Path(root + "/".join(parts)),
+    st.sampled_from(["", "/", "./"]),
+    st.lists(path_parts, min_size=1, max_size=4),
+)
+flushes = st.builds(
+    FlushPolicy,
+    every=st.integers(1, 10**6),
+    every_steps=st.none() | st.integers(1, 10**9),
+    min_interval_s=st.floats(0, 1e9, allow_nan=False, allow_infinity=False),
+)
+keeps = st.builds(KeepPolicy, last=st.none() | st.integers(1, 1000), every_steps=st.none() | st.integers(1, 10**9))
+compressions = st.builds(
+    CompressionConfig, codec=st.sampled_from(["none", "zstd"]), level=st.integers(-7, 22).filter(bool)
+)
+
+
+@st.composite
+def hosts(draw: st.DrawFn) -> HostConfig:
+    snapshots = draw(st.integers(1, 16))
+    return HostConfig(
+        capacity_bytes=draw(st.integers(4096 * snapshots, 2**50)),
+        snapshots=snapshots,
+        on_full=draw(st.sampled_from(["block", "skip"])),
+        copy_threads=draw(st.integers(1, 64)),
+    )
+
+
+@st.composite
+def configs(draw: st.DrawFn) -> Config:
+    with_memory = draw(st.booleans())
+    count = draw(st.integers(0 if with_memory else 1, 3))
+    tier_names = draw(st.lists(names, min_size=count + with_memory, max_size=count + with_memory, unique=True))
+    tiers = [TierConfig(name=tier_names.pop(), type="memory", keep=draw(keeps))] if with_memory else []
+    for name in tier_names:
+        tiers.append(
+            TierConfig(
+                name=name,
+                type="filesystem",
+                path=draw(paths),
+                flush=draw(flushes),
+                keep=draw(keeps),
+                compression=draw(compressions),
+                io_threads=draw(st.integers(1, 64)),
+            )
+        )
+    return Config(host=draw(hosts()), tiers=tuple(tiers))
+
+
+@given(configs())
+def test_dict_round_trip(config: Config) -> None:
+    data = config.to_dict()
+    assert Config.from_dict(data) == config
+    assert Config.from_dict(json.loads(json.dumps(data))) == config
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
+@given(config=configs())
+def test_yaml_round_trip(tmp_path: Path, config: Config) -> None:
+    path = tmp_path / "tiers.yaml"
+    path.write_text(config.to_yaml(), encoding="utf-8")
+    assert Config.from_yaml(path) == config

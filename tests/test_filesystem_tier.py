@@ -1,0 +1,434 @@
+"""The filesystem tier on real directories: sweeping on open, O_DIRECT fallback, replacement, full disks."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from tierckpt import Checkpointer
+from tierckpt.codecs import NoneCodec
+from tierckpt.errors import ConfigError, FlushError
+from tierckpt.format import MANIFEST_FILE, Chunk, Manifest, TensorRecord, checksum, version_dirname
+from tierckpt.tiers import fswrite
+from tierckpt.tiers.filesystem import FilesystemSource, FilesystemTier
+from tierckpt.tiers.fsio import probe_direct_io
+
+
+def _config(path: Path, *, capacity: str = "8MiB", name: str = "nvme", **tier: Any) -> dict[str, Any]:
+    return {
+        "host": {"capacity": capacity, "snapshots": 2},
+        "tiers": [{"name": "ram", "type": "memory"}, {"name": name, "type": "filesystem", "path": str(path), **tier}],
+    }
+
+
+class _Opened:
+    """Checkpointers a test opens, all closed at teardown (even when the test failed)."""
+
+    def __init__(self) -> None:
+        self.all: list[Checkpointer] = []
+
+    def __call__(self, config: dict[str, Any]) -> Checkpointer:
+        c = Checkpointer(config)
+        self.all.append(c)
+        return c
+
+    def close(self) -> None:
+        for c in self.all:
+            try:
+                c.close_sync()
+            except FlushError:
+                pass  # already asserted on by the test that provoked it
+
+
+@pytest.fixture
+def opened() -> Iterator[_Opened]:
+    o = _Opened()
+    try:
+        yield o
+    finally:
+        o.close()
+
+
+def _state(step: int, numel: int = 50_000) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(numel, generator=g), "i": torch.arange(1001) * step, "step": step}
+
+
+def _assert_state(actual: Any, step: int, numel: int = 50_000) -> None:
+    expected = _state(step, numel)
+    assert actual["step"] == step
+    for key in ("w", "i"):
+        assert actual[key].dtype == expected[key].dtype
+        assert actual[key].shape == expected[key].shape
+        assert torch.equal(actual[key], expected[key]), key
+
+
+def _hidden(path: Path) -> list[str]:
+    return sorted(n for n in os.listdir(path) if n.startswith("."))
+
+
+def _fs_tier(ckpt: Checkpointer, name: str = "nvme") -> FilesystemTier:
+    tier = next(t for t in ckpt._pipeline.tiers if t.name == name)
+    assert isinstance(tier, FilesystemTier)
+    return tier
+
+
+def _save_committed(ckpt: Checkpointer, step: int, state: Any, tier: str = "nvme") -> None:
+    assert ckpt.save_sync(step, state).committed_sync(tier, timeout=60) is True
+
+
+def _restore_fresh(opened: _Opened, path: Path, **tier: Any) -> Any:
+    """Restore through a new Checkpointer: its memory tier is empty, so this reads the disk."""
+    restored = opened(_config(path, **tier)).restore_latest_sync()
+    assert restored is None or restored.tier == tier.get("name", "nvme")
+    return restored
+
+
+# -- sweeping on open ---------------------------------------------------------------------------------
+
+
+def test_leftovers_are_swept_on_open(opened: _Opened, tmp_path: Path) -> None:
+    root = tmp_path / "nvme"
+    _save_committed(opened(_config(root)), 3, _state(3))
+    opened.close()
+
+    leftovers = [
+        root / ".tmp-step-000000000007-abc",
+        root / ".trash-step-000000000002-def",
+        root / ".trash-step-000000000003-0123456789ab",
+        root / "step-000000000009",  # no manifest: never committed
+    ]
+    for d in leftovers:
+        d.mkdir()
+        (d / "data-r00000.bin").write_bytes(b"\x01" * 5000)
+    (leftovers[0] / "sub").mkdir()
+    (leftovers[0] / "sub" / "x").write_bytes(b"x")
+    # Not ours: left alone.
+    (root / "notes.txt").write_text("mine")
+    (root / "other-dir").mkdir()
+    (root / "step-12").mkdir()
+
+    ckpt = opened(_config(root))
+    for d in leftovers:
+        assert not d.exists(), d.name
+    assert sorted(os.listdir(root)) == ["notes.txt", "other-dir", "step-000000000003", "step-12"]
+    assert [(v.tier, v.step) for v in ckpt.versions()] == [("nvme", 3)]
+    restored = ckpt.restore_latest_sync()
+    assert restored is not None and (restored.step, restored.tier) == (3, "nvme")
+    _assert_state(restored.state, 3)
+
+
+def test_a_version_with_a_corrupted_manifest_is_kept_but_skipped(opened: _Opened, tmp_path: Path) -> None:
+    root = tmp_path / "nvme"
+    first = opened(_config(root))
+    _save_committed(first, 4, _state(4))
+    _save_committed(first, 8, _state(8))
+    opened.close()
+    manifest = root / version_dirname(8) / MANIFEST_FILE
+    data = bytearray(manifest.read_bytes())
+    data[len(data) // 2] ^= 0x55
+    manifest.write_bytes(bytes(data))
+
+    ckpt = opened(_config(root))
+    assert (root / version_dirname(8)).is_dir()  # maybe someone's only copy: never deleted
+    assert manifest.read_bytes() == bytes(data)
+    assert [v.step for v in ckpt.versions()] == [4, 8]
+    with pytest.warns(RuntimeWarning, match=r"step 8 on tier 'nvme' does not verify.*checksum mismatch"):
+        restored = ckpt.restore_latest_sync()
+    assert restored is not None and restored.step == 4
+    _assert_state(restored.state, 4)
+    assert (root / version_dirname(8)).is_dir()
+
+
+def test_a_version_with_a_garbage_manifest_is_kept_and_skipped(opened: _Opened, tmp_path: Path) -> None:
+    root = tmp_path / "nvme"
+    root.mkdir()
+    version = root / version_dirname(10)
+    version.mkdir()
+    (version / MANIFEST_FILE).write_bytes(b"\xc1 garbage")
+    ckpt = opened(_config(root))
+    assert version.is_dir()
+    with pytest.warns(RuntimeWarning, match="step 10 on tier 'nvme'"):
+        assert ckpt.restore_latest_sync() is None
+
+
+# -- O_DIRECT and its fallback ------------------------------------------------------------------------
+
+
+def test_direct_io_on_the_regular_disk_matches_the_probe(opened: _Opened, tmp_path: Path) -> None:
+    root = tmp_path / "nvme"
+    root.mkdir()
+    probed = probe_direct_io(root)
+    assert isinstance(probed, bool)
+    assert not [n for n in os.listdir(root)], "the probe leaves no file behind"
+    ckpt = opened(_config(root))
+    assert _fs_tier(ckpt).direct is probed
+    _save_committed(ckpt, 1, _state(1, 123_457))
+    opened.close()
+    restored = _restore_fresh(opened, root)
+    _assert_state(restored.state, 1, 123_457)
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    path = Path(tempfile.mkdtemp(prefix="tierckpt-test-", dir="/dev/shm"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_tier_on_dev_shm_writes_and_restores(opened: _Opened, shm_dir: Path) -> None:
+    # tmpfs refused O_DIRECT before Linux 6.6 and accepts it since: the tier follows the probe.
+    ckpt = opened(_config(shm_dir))
+    assert _fs_tier(ckpt).direct is probe_direct_io(shm_dir)
+    _save_committed(ckpt, 2, _state(2, 77_777))
+    opened.close()
+    _assert_state(_restore_fresh(opened, shm_dir).state, 2, 77_777)
+
+
+def _mount(fstype: str, target: Path, options: str | None = None) -> None:
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip(f"mounting a {fstype} needs root and mount(8)")
+    target.mkdir(parents=True, exist_ok=True)
+    command = ["mount", "-t", fstype] + (["-o", options] if options else []) + [fstype, str(target)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a {fstype}: {result.stderr.strip()}")
+
+
+def _unmount(target: Path) -> None:
+    result = subprocess.run(["umount", str(target)], capture_output=True, timeout=30)
+    if result.returncode != 0:
+        subprocess.run(["umount", "-l", str(target)], capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def ramfs(tmp_path: Path) -> Iterator[Path]:
+    target = tmp_path / "ramfs"
+    _mount("ramfs", target)
+    try:
+        yield target
+    finally:
+        _unmount(target)
+
+
+def test_a_file_system_refusing_o_direct_falls_back_to_buffered_io(opened: _Opened, ramfs: Path) -> None:
+    assert probe_direct_io(ramfs) is False  # ramfs has no direct I/O at all
+    assert os.listdir(ramfs) == []
+    ckpt = opened(_config(ramfs / "nvme", capacity="16MiB"))
+    assert _fs_tier(ckpt).direct is False
+    state = {"a": torch.randn(1_000_001), "b": torch.arange(3), "c": torch.empty(0)}
+    assert ckpt.save_sync(1, state).committed_sync("nvme", timeout=60)
+    opened.close()
+    restored = _restore_fresh(opened, ramfs / "nvme")
+    for key, value in state.items():
+        assert torch.equal(restored.state[key], value)
+
+
+def test_buffered_and_direct_writes_store_the_same_bytes(opened: _Opened, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = {"a": torch.randn(100_003), "b": torch.arange(5000, dtype=torch.int16)}
+    direct = opened(_config(tmp_path / "direct"))
+    _save_committed(direct, 1, state)
+    monkeypatch.setattr("tierckpt.tiers.filesystem.probe_direct_io", lambda path: False)
+    buffered = opened(_config(tmp_path / "buffered"))
+    assert _fs_tier(buffered).direct is False
+    _save_committed(buffered, 1, state)
+    opened.close()
+    payloads = []
+    for name in ("direct", "buffered"):
+        version = tmp_path / name / version_dirname(1)
+        manifest = Manifest.decode((version / MANIFEST_FILE).read_bytes())
+        data = (version / "data-r00000.bin").read_bytes()
+        payloads.append([(r.key, [data[c.offset : c.offset + c.stored] for c in r.chunks]) for r in manifest.records])
+        restored = _restore_fresh(opened, tmp_path / name)
+        for key, value in state.items():
+            assert torch.equal(restored.state[key], value)
+    assert payloads[0] == payloads[1]
+
+
+def test_packed_raw_chunks_are_not_clobbered_by_direct_io_padding(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks whose size is not a multiple of 4 KiB are packed back to back; with O_DIRECT, the
+    zero-padded tail page of one would overwrite the head of the next if that one was written first."""
+    if not probe_direct_io(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    src = tmp_path / "src"
+    src.mkdir()
+    chunk_bytes = 5000  # as a version written with another chunk size might have
+    payload = bytes(range(1, 251)) * 40
+    (src / "data-r00000.bin").write_bytes(payload)
+    chunks = tuple(Chunk(i * chunk_bytes, chunk_bytes, checksum(payload[i * chunk_bytes : (i + 1) * chunk_bytes])) for i in range(2))
+    record = TensorRecord(0, "['x']", "numpy", "|u1", (10_000,), 10_000, "data-r00000.bin", "none", chunk_bytes, chunks)
+    source = FilesystemSource("src", src, Manifest(step=1, created=0.0, skeleton=["leaf", 0], records=(record,)))
+
+    # A legal schedule on two threads: the chunk given the page-aligned offset writes last.
+    write, other_wrote = fswrite.pwrite_all, threading.Event()
+
+    def ordered(data: memoryview, offset: int, fd: int, direct_fd: int | None) -> None:
+        if offset % 4096 == 0:
+            assert other_wrote.wait(30)
+        write(data, offset, fd, direct_fd)
+        if offset % 4096:
+            other_wrote.set()
+
+    monkeypatch.setattr(fswrite, "pwrite_all", ordered)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as executor:
+            records = fswrite.write_data_file(source, tmp_path / "out.bin", NoneCodec(), executor, direct=True)
+    finally:
+        source.close()
+    data = (tmp_path / "out.bin").read_bytes()
+    stored = b"".join(data[c.offset : c.offset + c.stored] for c in records[0].chunks)
+    assert stored == payload
+    assert [checksum(data[c.offset : c.offset + c.stored]) for c in records[0].chunks] == [c.checksum for c in chunks]
+
+
+# -- replacing a committed step -----------------------------------------------------------------------
+
+
+def test_saving_a_committed_step_again_replaces_it(opened: _Opened, tmp_path: Path) -> None:
+    root = tmp_path / "nvme"
+    _save_committed(opened(_config(root)), 5, _state(5))
+    opened.close()
+    _save_committed(opened(_config(root)), 5, _state(55))
+    opened.close()
+    assert sorted(os.listdir(root)) == [version_dirname(5)]
+    restored = _restore_fresh(opened, root)
+    assert restored.step == 5
+    assert torch.equal(restored.state["w"], _state(55)["w"])
+    assert restored.state["step"] == 55
+
+
+def test_replacing_within_one_checkpointer(opened: _Opened, tmp_path: Path) -> None:
+    root = tmp_path / "nvme"
+    ckpt = opened(_config(root))
+    for seed in (1, 2, 3):
+        _save_committed(ckpt, 7, _state(seed))
+    assert [(v.tier, v.step) for v in ckpt.versions() if v.tier == "nvme"] == [("nvme", 7)]
+    opened.close()
+    assert sorted(os.listdir(root)) == [version_dirname(7)]
+    _assert_state(_restore_fresh(opened, root).state, 3)
+
+
+def test_an_interrupted_replacement_puts_the_old_version_back(opened: _Opened, tmp_path: Path) -> None:
+    # What a crash between the two renames of a replacement leaves: the committed version moved aside
+    # (``.replaced-<dir>-<random>``), the new one still staged. tests/test_crash.py provokes it for real.
+    root = tmp_path / "nvme"
+    ckpt = opened(_config(root))
+    _save_committed(ckpt, 5, _state(5))
+    _save_committed(ckpt, 6, _state(6))
+    opened.close()
+    os.rename(root / version_dirname(5), root / ".replaced-step-000000000005-0123456789ab")
+    staged = root / ".tmp-step-000000000005-ba9876543210"
+    shutil.copytree(root / version_dirname(6), staged)
+
+    ckpt = opened(_config(root))
+    assert sorted(os.listdir(root)) == [version_dirname(5), version_dirname(6)]
+    assert [v.step for v in ckpt.versions()] == [5, 6]
+    os.rename(root / version_dirname(6), root / ".trash-step-000000000006-x")  # read step 5 from disk
+    opened.close()
+    restored = _restore_fresh(opened, root)
+    assert restored.step == 5
+    _assert_state(restored.state, 5)
+
+
+def test_a_moved_aside_version_is_swept_once_its_replacement_is_committed(opened: _Opened, tmp_path: Path) -> None:
+    root = tmp_path / "nvme"
+    _save_committed(opened(_config(root)), 5, _state(5))
+    opened.close()
+    shutil.copytree(root / version_dirname(5), root / ".replaced-step-000000000005-0123456789ab")
+    (root / ".replaced-step-000000000007-0123456789ab").mkdir()  # no manifest: nothing to put back
+    (root / ".replaced-garbage").mkdir()
+    opened(_config(root))
+    assert sorted(os.listdir(root)) == [version_dirname(5)]
+
+
+# -- a full disk ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    target = tmp_path / "small"
+    _mount("tmpfs", target, "size=8m")
+    try:
+        yield target
+    finally:
+        _unmount(target)
+
+
+def _errnos(exc: BaseException | None) -> list[int | None]:
+    seen = []
+    while exc is not None:
+        seen.append(getattr(exc, "errno", None))
+        exc = exc.__cause__ or exc.__context__
+    return seen
+
+
+def test_a_full_disk_fails_the_flush_and_keeps_the_previous_version(opened: _Opened, small_tmpfs: Path) -> None:
+    root = small_tmpfs / "nvme"
+    ckpt = opened(_config(root, capacity="32MiB"))
+    small = {"w": torch.arange(500_000, dtype=torch.int32), "step": 1}  # 2 MB: fits
+    _save_committed(ckpt, 1, small)
+
+    big = {"w": torch.ones(3_000_000, dtype=torch.float32), "step": 2}  # 12 MB: does not fit in 8 MiB
+    handle = ckpt.save_sync(2, big)
+    with pytest.raises(FlushError) as info:
+        handle.committed_sync("nvme", timeout=60)
+    failure = info.value
+    assert (failure.tier, failure.step) == ("nvme", 2)
+    assert errno.ENOSPC in _errnos(failure), _errnos(failure)
+    assert handle.committed_sync("ram", timeout=1) is True  # the host copy itself was fine
+
+    # Reported again, once, at the next call that can report it; that save does not happen.
+    with pytest.raises(FlushError) as again:
+        ckpt.save_sync(3, small)
+    assert again.value is failure
+    assert ckpt.counters.flush_errors == 1
+
+    assert sorted(os.listdir(root)) == [version_dirname(1)]  # no .tmp-* left, step 1 untouched
+    assert [v.step for v in ckpt.versions() if v.tier == "nvme"] == [1]
+
+    # The tier still works once there is room again.
+    _save_committed(ckpt, 4, {"w": torch.arange(1000, dtype=torch.int32), "step": 4})
+    ckpt.wait_sync()
+    opened.close()
+    assert sorted(os.listdir(root)) == [version_dirname(1), version_dirname(4)]
+
+    shutil.rmtree(root / version_dirname(4))
+    restored = _restore_fresh(opened, root, capacity="32MiB")
+    assert restored.step == 1
+    assert torch.equal(restored.state["w"], small["w"]) and restored.state["step"] == 1
+
+
+# -- bad paths ------------------------------------------------------------------------------------------
+
+
+def test_a_tier_path_that_is_a_regular_file_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "not-a-dir"
+    path.write_text("x")
+    with pytest.raises(ConfigError) as info:
+        Checkpointer(_config(path, name="pfs"))
+    message = str(info.value)
+    assert "'pfs'" in message and str(path) in message
+    assert info.value.tier == "pfs"
+    assert path.read_text() == "x"
+
+
+def test_a_tier_path_below_a_regular_file_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "file"
+    path.write_text("x")
+    with pytest.raises(ConfigError, match="'nvme'") as info:
+        Checkpointer(_config(path / "sub"))
+    assert str(path / "sub") in str(info.value)

@@ -1,0 +1,580 @@
+"""The pipeline: backpressure, PCheck newest-only flushing, flush policies, retention, leases, failures.
+
+Slow flushes are made deterministic with a gated tier (a :class:`tierckpt.testing.SlowTier` whose
+writes wait for the test to open a gate) instead of timed sleeps; clocks are injected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import itertools
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from tierckpt import Checkpointer, FlushError
+from tierckpt.config import TierConfig
+from tierckpt.tiers.base import Staged, VersionSource
+from tierckpt.testing import SlowTier, faulty, slow
+
+DEADLINE_S = 30.0  # a deadlock guard only: every wait below ends on an event long before it
+
+
+class GatedTier(SlowTier):
+    """A SlowTier whose writes wait until the test opens ``gate``; ``started`` tells a write began."""
+
+    def __init__(self, config: TierConfig) -> None:
+        super().__init__(config, 0.0)
+        self.gate = threading.Event()
+        self.started = threading.Event()
+        self.steps: list[int] = []  # steps whose write started, in order
+
+    async def write(self, source: VersionSource) -> Staged:
+        self.steps.append(source.step)
+        self.started.set()
+        opened = await asyncio.get_running_loop().run_in_executor(None, self.gate.wait, DEADLINE_S)
+        if not opened:
+            raise TimeoutError("the test never opened the gate")
+        return await super().write(source)
+
+
+class Gates:
+    """A tier_factory that makes the named tiers gated and remembers them."""
+
+    def __init__(self, *names: str) -> None:
+        self.names = names
+        self.tiers: dict[str, GatedTier] = {}
+
+    def __call__(self, config: TierConfig) -> GatedTier | None:
+        if config.name not in self.names:
+            return None
+        tier = self.tiers[config.name] = GatedTier(config)
+        return tier
+
+    def __getitem__(self, name: str) -> GatedTier:
+        return self.tiers[name]
+
+    def open_all(self) -> None:
+        for tier in self.tiers.values():
+            tier.gate.set()
+
+
+class FakeClock:
+    """A monotonic clock the test moves by hand (read from the engine thread)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def checkpointers() -> Iterator[list[Any]]:
+    """Checkpointers (and Gates) made by a test: gates opened and checkpointers closed at its end."""
+    made: list[Any] = []
+    yield made
+    for item in made:
+        if isinstance(item, Gates):
+            item.open_all()
+    for item in made:
+        if isinstance(item, Checkpointer) and not item._closed:
+            try:
+                item.close_sync()
+            except FlushError:
+                pass  # the test failed already; its own assertion says why
+
+
+def tier(name: str, path: Path | None = None, **settings: Any) -> dict[str, Any]:
+    if path is None:
+        return {"name": name, "type": "memory", **settings}
+    return {"name": name, "type": "filesystem", "path": str(path), **settings}
+
+
+def config(*tiers: dict[str, Any], capacity: str = "4MiB", snapshots: int = 2, on_full: str = "block", copy_threads: int = 2) -> dict[str, Any]:
+    return {"host": {"capacity": capacity, "snapshots": snapshots, "on_full": on_full, "copy_threads": copy_threads}, "tiers": list(tiers)}
+
+
+def state_for(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(32, 16, generator=g), "i": torch.arange(step, step + 10), "n": np.full(3, step, dtype=np.int32), "step": step}
+
+
+def assert_state(got: Any, step: int) -> None:
+    want = state_for(step)
+    assert list(got) == list(want)
+    for key in ("w", "i"):  # bit for bit
+        assert (got[key].dtype, got[key].shape) == (want[key].dtype, want[key].shape)
+        assert torch.equal(got[key].reshape(-1).view(torch.uint8), want[key].reshape(-1).view(torch.uint8))
+    assert got["n"].dtype == want["n"].dtype and np.array_equal(got["n"], want["n"])
+    assert got["step"] == step
+
+
+def step_dirs(path: Path) -> list[str]:
+    """Everything in a tier directory (leftover temporary or trash entries included)."""
+    return sorted(os.listdir(path))
+
+
+def names(*steps: int) -> list[str]:
+    return [f"step-{s:012d}" for s in steps]
+
+
+def held(ckpt: Checkpointer, tier_name: str) -> list[int]:
+    return [v.step for v in ckpt.versions() if v.tier == tier_name]
+
+
+_isolated = itertools.count()
+
+
+def restore_version_dir(version_dir: Path, scratch: Path) -> Any:
+    """Restore one version directory on its own: copied alone into a fresh tier directory."""
+    root = scratch / f"isolated-{next(_isolated)}"
+    shutil.copytree(version_dir, root / version_dir.name)
+    with Checkpointer(config(tier("only", root), capacity="1MiB", snapshots=1)) as ckpt:
+        restored = ckpt.restore_latest_sync()
+    assert restored is not None
+    return restored
+
+
+# -- backpressure -------------------------------------------------------------------------------------
+
+
+def test_on_full_block_returns_only_once_the_flush_freed_the_slot(tmp_path: Path, checkpointers: list[Any]) -> None:
+    made: list[Any] = []
+    make_slow = slow({"nvme": 0.3})
+    ckpt = Checkpointer(
+        config(tier("ram"), tier("nvme", tmp_path / "nvme"), snapshots=1, on_full="block"),
+        tier_factory=lambda cfg: made.append(make_slow(cfg)) or made[-1],
+    )
+    checkpointers.append(ckpt)
+    slow_nvme = next(t for t in made if isinstance(t, SlowTier))
+    first = ckpt.save_sync(1, state_for(1))
+    # Until its flush starts, step 1 is only pending and a newer save may replace it (newest only);
+    # once nvme reads it, the only slot is leased until the 0.3 s write is done.
+    deadline = time.monotonic() + DEADLINE_S
+    while slow_nvme.writes_started == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert slow_nvme.writes_started == 1
+    second = ckpt.save_sync(2, state_for(2))
+    flushed = first._tracker.committed["nvme"]
+    assert flushed.done(), "save() returned while the only slot was still being flushed"
+    assert flushed.result() is True
+    assert not second.skipped
+    assert second.committed_sync("nvme", DEADLINE_S) is True
+    assert step_dirs(tmp_path / "nvme") == names(1, 2)
+
+
+def test_saves_do_not_wait_for_disk_while_a_slot_can_be_had(tmp_path: Path, checkpointers: list[Any]) -> None:
+    gates = Gates("nvme")
+    checkpointers.append(gates)
+    ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme"), snapshots=2), tier_factory=gates)
+    checkpointers.append(ckpt)
+    h1 = ckpt.save_sync(1, state_for(1))
+    assert gates["nvme"].started.wait(DEADLINE_S)  # step 1's flush holds its slot
+
+    def more_saves() -> list[Any]:
+        # Step 2 takes the free slot; step 3 replaces step 2, which is only waiting to be flushed.
+        handles = [ckpt.save_sync(step, state_for(step)) for step in (2, 3)]
+        for handle in handles:
+            handle.captured_sync(DEADLINE_S)
+        return handles
+
+    result: list[Any] = []
+    worker = threading.Thread(target=lambda: result.extend(more_saves()))
+    worker.start()
+    worker.join(DEADLINE_S)
+    assert not worker.is_alive(), "save() waited for the disk"
+    h2, h3 = result
+    assert not h1._tracker.committed["nvme"].done()  # the gate is still closed
+    assert h2.committed_sync("nvme", DEADLINE_S) is False  # superseded by step 3
+    gates.open_all()
+    assert h1.committed_sync("nvme", DEADLINE_S) is True
+    assert h3.committed_sync("nvme", DEADLINE_S) is True
+
+
+async def test_on_full_skip_drops_the_save_while_the_slow_flush_holds_the_slot(tmp_path: Path, checkpointers: list[Any]) -> None:
+    gates = Gates("nvme")
+    checkpointers.append(gates)
+    ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme"), snapshots=1, on_full="skip"), tier_factory=gates)
+    checkpointers.append(ckpt)
+    first = await ckpt.save(1, state_for(1))
+    assert await first.captured() is True
+    assert await asyncio.to_thread(gates["nvme"].started.wait, DEADLINE_S)
+
+    skipped = await ckpt.save(2, state_for(2))
+    assert skipped.skipped is True and skipped.step == 2
+    assert await skipped.captured() is False
+    assert await skipped.committed("ram") is False
+    assert await skipped.committed("nvme") is False
+    assert ckpt.counters.skipped_saves == 1
+    assert not first._tracker.committed["nvme"].done()
+
+    gates.open_all()
+    assert await first.committed("nvme") is True
+    await ckpt.wait()
+    # With the slot free again, the next save happens.
+    third = await ckpt.save(3, state_for(3))
+    assert third.skipped is False
+    assert await third.committed("nvme") is True
+    counters = ckpt.counters
+    assert (counters.saves, counters.skipped_saves) == (3, 1)
+    assert held(ckpt, "nvme") == [1, 3]
+    restored = await ckpt.restore_latest()
+    assert restored is not None and restored.step == 3
+    assert_state(restored.state, 3)
+
+
+# -- PCheck: the flusher takes the newest --------------------------------------------------------------
+
+
+def test_a_busy_flusher_takes_the_newest_and_the_superseded_resolve_false(tmp_path: Path, checkpointers: list[Any]) -> None:
+    gates = Gates("nvme")
+    checkpointers.append(gates)
+    ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme"), snapshots=3), tier_factory=gates)
+    checkpointers.append(ckpt)
+    handles = {1: ckpt.save_sync(1, state_for(1))}
+    assert gates["nvme"].started.wait(DEADLINE_S)  # step 1 is being flushed
+    for step in range(2, 6):
+        handles[step] = ckpt.save_sync(step, state_for(step))
+    for step in range(2, 6):
+        assert handles[step].captured_sync(DEADLINE_S) is True
+    for step in (2, 3, 4):
+        assert handles[step].committed_sync("nvme", DEADLINE_S) is False, step
+    assert not handles[5]._tracker.committed["nvme"].done()  # pending behind the closed gate
+    assert not handles[1]._tracker.committed["nvme"].done()
+
+    gates.open_all()
+    assert handles[1].committed_sync("nvme", DEADLINE_S) is True
+    assert handles[5].committed_sync("nvme", DEADLINE_S) is True
+    ckpt.wait_sync()
+    assert gates["nvme"].steps == [1, 5]
+    assert step_dirs(tmp_path / "nvme") == names(1, 5)
+    assert ckpt.counters.passed_over["nvme"] == 3
+    assert ckpt.counters.flushed["nvme"] == 2
+
+
+def test_captures_finishing_out_of_order_still_flush_the_newest(tmp_path: Path, checkpointers: list[Any]) -> None:
+    """Two copy threads: a big save 1 and a tiny save 2 start together, so save 2 is usually captured
+    first. Whatever the order, the newest save must end up flushed (it used to be the older one)."""
+    ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme"), capacity="20MiB", snapshots=2, copy_threads=2))
+    checkpointers.append(ckpt)
+    gate = threading.Event()
+    occupied = [ckpt._copier._executor.submit(gate.wait, DEADLINE_S) for _ in range(2)]
+    try:
+        h1 = ckpt.save_sync(1, {"big": torch.ones(2 << 20)})  # 8 MiB: one long copy
+        h2 = ckpt.save_sync(2, {"small": torch.arange(16)})
+    finally:
+        gate.set()
+    assert all(job.result(DEADLINE_S) for job in occupied)
+    ckpt.wait_sync()
+    assert h2.committed_sync("nvme", 0) is True
+    assert h1.committed_sync("nvme", 0) is False
+    assert held(ckpt, "nvme") == [2]
+
+
+# -- flush policies ------------------------------------------------------------------------------------
+
+
+def test_flush_every_n_then_every_steps_select_the_right_versions(tmp_path: Path, checkpointers: list[Any]) -> None:
+    ckpt = Checkpointer(
+        config(
+            tier("ram", keep={"last": 1}),
+            tier("nvme", tmp_path / "nvme", flush={"every": 2}),
+            tier("pfs", tmp_path / "pfs", flush={"every_steps": 3}),
+        )
+    )
+    checkpointers.append(ckpt)
+    steps = list(range(101, 113))  # arrivals 1..12 at nvme; steps chosen so that arrival != step
+    results = {}
+    for step in steps:
+        handle = ckpt.save_sync(step, state_for(step))
+        ckpt.wait_sync()  # one at a time: nothing is superseded, only the policies decide
+        results[step] = (handle.committed_sync("nvme", 0), handle.committed_sync("pfs", 0))
+    nvme_steps = [s for s in steps if (s - 100) % 2 == 0]  # every 2nd arrival
+    pfs_steps = [s for s in nvme_steps if s % 3 == 0]  # of those, steps divisible by 3
+    assert nvme_steps == [102, 104, 106, 108, 110, 112] and pfs_steps == [102, 108]
+    assert results == {s: (s in nvme_steps, s in pfs_steps) for s in steps}
+    assert step_dirs(tmp_path / "nvme") == names(*nvme_steps)
+    assert step_dirs(tmp_path / "pfs") == names(*pfs_steps)
+    assert ckpt.counters.passed_over == {"nvme": 6, "pfs": 4}
+
+
+def test_flush_every_steps_directly_below_memory(tmp_path: Path, checkpointers: list[Any]) -> None:
+    ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme", flush={"every_steps": 3})))
+    checkpointers.append(ckpt)
+    committed = {}
+    for step in range(1, 8):
+        handle = ckpt.save_sync(step, state_for(step))
+        ckpt.wait_sync()
+        committed[step] = handle.committed_sync("nvme", 0)
+    assert committed == {1: False, 2: False, 3: True, 4: False, 5: False, 6: True, 7: False}
+    assert step_dirs(tmp_path / "nvme") == names(3, 6)
+
+
+def test_min_interval_holds_versions_back_with_an_injected_clock(tmp_path: Path, checkpointers: list[Any]) -> None:
+    clock = FakeClock()
+    ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme", flush={"min_interval": "100s"}), snapshots=3), clock=clock)
+    checkpointers.append(ckpt)
+    h1 = ckpt.save_sync(1, state_for(1))
+    assert h1.committed_sync("nvme", DEADLINE_S) is True  # the first flush is not held back
+
+    clock.now = 10.0  # within 100 s of the first flush's start (0.0)
+    h2 = ckpt.save_sync(2, state_for(2))
+    assert h2.captured_sync(DEADLINE_S) is True
+    h3 = ckpt.save_sync(3, state_for(3))
+    assert h2.committed_sync("nvme", DEADLINE_S) is False  # superseded by 3 while held back
+    assert h3.captured_sync(DEADLINE_S) is True
+    assert not h3._tracker.committed["nvme"].done()  # pending: held back by min_interval
+    assert held(ckpt, "nvme") == [1]
+
+    clock.now = 150.0  # the interval has passed: the next arrival goes down at once
+    h4 = ckpt.save_sync(4, state_for(4))
+    assert h4.committed_sync("nvme", DEADLINE_S) is True
+    assert h3.committed_sync("nvme", 0) is False
+
+    h5 = ckpt.save_sync(5, state_for(5))  # within 100 s of step 4's flush (150.0)
+    assert h5.captured_sync(DEADLINE_S) is True
+    assert not h5._tracker.committed["nvme"].done()
+    ckpt.wait_sync()  # drain waives min_interval
+    assert h5.committed_sync("nvme", 0) is True
+    assert step_dirs(tmp_path / "nvme") == names(1, 4, 5)
+
+
+# -- retention -----------------------------------------------------------------------------------------
+
+
+def test_keep_last_n_keeps_exactly_the_newest_n_directories(tmp_path: Path, checkpointers: list[Any]) -> None:
+    ckpt = Checkpointer(config(tier("ram", keep={"last": 1}), tier("nvme", tmp_path / "nvme", keep={"last": 2})))
+    checkpointers.append(ckpt)
+    for step in range(1, 7):
+        ckpt.save_sync(step * 10, state_for(step * 10))
+        ckpt.wait_sync()
+        kept = [s * 10 for s in range(max(1, step - 1), step + 1)]
+        assert step_dirs(tmp_path / "nvme") == names(*kept), step
+        assert held(ckpt, "nvme") == kept
+    restored = restore_version_dir(tmp_path / "nvme" / names(50)[0], tmp_path)
+    assert restored.step == 50
+    assert_state(restored.state, 50)
+
+
+def test_keep_every_steps_keeps_those_forever(tmp_path: Path, checkpointers: list[Any]) -> None:
+    ckpt = Checkpointer(config(tier("ram", keep={"last": 1}), tier("nvme", tmp_path / "nvme", keep={"last": 1, "every_steps": 3})))
+    checkpointers.append(ckpt)
+    for step in range(1, 11):
+        ckpt.save_sync(step, state_for(step))
+        ckpt.wait_sync()
+    assert step_dirs(tmp_path / "nvme") == names(3, 6, 9, 10)
+    assert held(ckpt, "nvme") == [3, 6, 9, 10]
+
+
+def test_retention_keeps_the_version_a_downstream_flusher_is_reading(tmp_path: Path, checkpointers: list[Any]) -> None:
+    gates = Gates("pfs")
+    checkpointers.append(gates)
+    ckpt = Checkpointer(
+        config(
+            tier("ram", keep={"last": 1}),
+            tier("nvme", tmp_path / "nvme", keep={"last": 1}),
+            tier("pfs", tmp_path / "pfs"),
+        ),
+        tier_factory=gates,
+    )
+    checkpointers.append(ckpt)
+    h1 = ckpt.save_sync(1, state_for(1))
+    assert gates["pfs"].started.wait(DEADLINE_S)  # pfs holds a lease on nvme's step 1 while it copies it
+    h2 = ckpt.save_sync(2, state_for(2))
+    assert h2.committed_sync("nvme", DEADLINE_S) is True
+    assert held(ckpt, "nvme") == [1, 2]  # keep last 1, but step 1 is leased
+    h3 = ckpt.save_sync(3, state_for(3))
+    assert h3.committed_sync("nvme", DEADLINE_S) is True
+    assert held(ckpt, "nvme") == [1, 3]  # 2 was nobody's: pruned; 1 is still leased
+    assert (tmp_path / "nvme" / names(1)[0] / "manifest.msgpack").exists()
+    assert h2.committed_sync("pfs", DEADLINE_S) is False  # superseded by 3 while pfs was busy
+
+    gates.open_all()
+    assert h1.committed_sync("pfs", DEADLINE_S) is True
+    assert h3.committed_sync("pfs", DEADLINE_S) is True
+    ckpt.wait_sync()
+    assert step_dirs(tmp_path / "pfs") == names(1, 3)
+    # The lease is gone: the next prune on nvme lets step 1 go.
+    ckpt.save_sync(4, state_for(4))
+    ckpt.wait_sync()
+    assert step_dirs(tmp_path / "nvme") == names(4)
+    assert step_dirs(tmp_path / "pfs") == names(1, 3, 4)
+    # pfs's copy of step 1, read from nvme while retention wanted it gone, is whole.
+    restored = restore_version_dir(tmp_path / "pfs" / names(1)[0], tmp_path)
+    assert restored.step == 1
+    assert_state(restored.state, 1)
+
+
+def test_retention_keeps_the_version_a_downstream_flusher_is_waiting_to_take(tmp_path: Path, checkpointers: list[Any]) -> None:
+    """pfs is busy with step 2 when step 4 (eligible for pfs) and step 5 (not eligible) reach nvme, which
+    keeps the last 1. Step 4 is pfs's pending version: nvme must keep it until pfs has taken it."""
+    gates = Gates("pfs")
+    checkpointers.append(gates)
+    ckpt = Checkpointer(
+        config(
+            tier("ram", keep={"last": 1}),
+            tier("nvme", tmp_path / "nvme", keep={"last": 1}),
+            tier("pfs", tmp_path / "pfs", flush={"every_steps": 2}),
+        ),
+        tier_factory=gates,
+    )
+    checkpointers.append(ckpt)
+    h2 = ckpt.save_sync(2, state_for(2))
+    assert gates["pfs"].started.wait(DEADLINE_S)
+    h4 = ckpt.save_sync(4, state_for(4))
+    assert h4.committed_sync("nvme", DEADLINE_S) is True
+    h5 = ckpt.save_sync(5, state_for(5))
+    assert h5.committed_sync("nvme", DEADLINE_S) is True
+    assert h5.committed_sync("pfs", DEADLINE_S) is False  # not eligible for pfs
+    assert held(ckpt, "nvme") == [2, 4, 5]
+
+    gates.open_all()
+    assert h2.committed_sync("pfs", DEADLINE_S) is True
+    assert h4.committed_sync("pfs", DEADLINE_S) is True
+    ckpt.wait_sync()  # raises if a flush failed
+    assert step_dirs(tmp_path / "pfs") == names(2, 4)
+    restored = restore_version_dir(tmp_path / "pfs" / names(4)[0], tmp_path)
+    assert_state(restored.state, 4)
+
+
+def test_memory_keep_last(tmp_path: Path, checkpointers: list[Any]) -> None:
+    ckpt = Checkpointer(config(tier("ram", keep={"last": 2}), tier("nvme", tmp_path / "nvme"), snapshots=4))
+    checkpointers.append(ckpt)
+    for step in range(1, 6):
+        ckpt.save_sync(step, state_for(step))
+        ckpt.wait_sync()
+        assert held(ckpt, "ram") == list(range(max(1, step - 1), step + 1))
+    assert held(ckpt, "nvme") == [1, 2, 3, 4, 5]
+    restored = ckpt.restore_latest_sync()
+    assert restored is not None and (restored.step, restored.tier) == (5, "ram")
+    assert_state(restored.state, 5)
+
+
+def test_memory_only_config_keeps_last(tmp_path: Path, checkpointers: list[Any]) -> None:
+    ckpt = Checkpointer(config(tier("ram", keep={"last": 1}), snapshots=2))
+    checkpointers.append(ckpt)
+    for step in range(1, 5):
+        handle = ckpt.save_sync(step, state_for(step))
+        assert handle.committed_sync("ram", DEADLINE_S) is True
+        ckpt.wait_sync()
+    assert held(ckpt, "ram") == [4]
+    restored = ckpt.restore_latest_sync()
+    assert restored is not None and restored.step == 4
+    assert_state(restored.state, 4)
+
+
+def test_versions_reports_what_each_tier_holds(tmp_path: Path, checkpointers: list[Any]) -> None:
+    ckpt = Checkpointer(
+        config(
+            tier("ram", keep={"last": 1}),
+            tier("nvme", tmp_path / "nvme", keep={"last": 2}),
+            tier("pfs", tmp_path / "pfs", flush={"every_steps": 2}, compression={"codec": "zstd"}),
+        )
+    )
+    checkpointers.append(ckpt)
+    assert ckpt.versions() == []
+    before = time.time()
+    for step in (1, 2, 3):
+        ckpt.save_sync(step, state_for(step))
+        ckpt.wait_sync()
+    after = time.time()
+    infos = ckpt.versions()
+    assert [(v.tier, v.step) for v in infos] == [("ram", 3), ("nvme", 2), ("nvme", 3), ("pfs", 2)]
+    for info in infos:
+        assert info.nbytes > 0
+        assert before - 1 <= info.created <= after + 1
+        if info.tier == "ram":
+            assert info.path is None
+        else:
+            assert info.path == str((tmp_path / info.tier / names(info.step)[0]).absolute())
+    created = {(v.tier, v.step): v.created for v in infos}
+    assert created[("nvme", 2)] == created[("pfs", 2)]  # the save's time travels with the version
+    assert ckpt.tiers == ("ram", "nvme", "pfs")
+
+
+# -- failures ------------------------------------------------------------------------------------------
+
+
+def test_a_failing_tier_reports_once_and_keeps_earlier_versions(tmp_path: Path, checkpointers: list[Any]) -> None:
+    nvme = tmp_path / "nvme"
+    ckpt = Checkpointer(config(tier("ram", keep={"last": 1}), tier("nvme", nvme)), tier_factory=faulty({"nvme": {2}}))
+    checkpointers.append(ckpt)
+    h1 = ckpt.save_sync(1, state_for(1))
+    assert h1.committed_sync("nvme", DEADLINE_S) is True
+    h2 = ckpt.save_sync(2, state_for(2))
+    with pytest.raises(FlushError) as info:
+        h2.committed_sync("nvme", DEADLINE_S)
+    error = info.value
+    assert (error.tier, error.step) == ("nvme", 2)
+    assert isinstance(error, OSError)
+    assert isinstance(error.__cause__, OSError) and error.__cause__.errno == errno.ENOSPC
+    assert h2.committed_sync("ram", 0) is True  # the host copy itself was fine
+
+    with pytest.raises(FlushError) as again:  # the next save reports it, once
+        ckpt.save_sync(3, state_for(3))
+    assert again.value is error
+    h4 = ckpt.save_sync(4, state_for(4))  # later saves work
+    assert h4.committed_sync("nvme", DEADLINE_S) is True
+    ckpt.wait_sync()  # nothing left to report
+    assert ckpt.counters.flush_errors == 1
+    assert held(ckpt, "nvme") == [1, 4]
+    assert step_dirs(nvme) == names(1, 4)  # no temporary directory left behind
+    ckpt.close_sync()
+
+    with Checkpointer(config(tier("nvme", nvme), capacity="1MiB", snapshots=1)) as fresh:
+        restored = fresh.restore_latest_sync()
+    assert restored is not None and (restored.step, restored.tier) == (4, "nvme")
+    assert_state(restored.state, 4)
+    first = restore_version_dir(nvme / names(1)[0], tmp_path)
+    assert first.step == 1
+    assert_state(first.state, 1)
+
+
+def test_a_flush_failure_is_raised_by_wait_when_no_save_came_after(tmp_path: Path, checkpointers: list[Any]) -> None:
+    ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme")), tier_factory=faulty({"nvme": {1}}))
+    checkpointers.append(ckpt)
+    ckpt.save_sync(1, state_for(1))
+    with pytest.raises(FlushError) as info:
+        ckpt.wait_sync()
+    assert (info.value.tier, info.value.step) == ("nvme", 1)
+    ckpt.wait_sync()  # reported once
+    ckpt.close_sync()
+
+
+def test_a_failed_capture_is_reported_and_frees_its_slot(tmp_path: Path, checkpointers: list[Any]) -> None:
+    ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme"), snapshots=1, on_full="skip", copy_threads=1))
+    checkpointers.append(ckpt)
+    array = np.zeros(1000, dtype=np.float32)
+    gate = threading.Event()
+    occupied = ckpt._copier._executor.submit(gate.wait, DEADLINE_S)
+    try:
+        handle = ckpt.save_sync(1, {"a": array})
+        # Before its copy runs, the array changes shape under the save: the copy must fail cleanly.
+        array.resize(2000, refcheck=False)
+    finally:
+        gate.set()
+    assert occupied.result(DEADLINE_S) is True
+    with pytest.raises(FlushError) as info:
+        handle.captured_sync(DEADLINE_S)
+    error = info.value
+    assert (error.tier, error.step) == ("ram", 1)
+    assert isinstance(error.__cause__, ValueError)
+    with pytest.raises(FlushError):
+        handle.committed_sync("nvme", DEADLINE_S)
+    assert ckpt.counters.captures_failed == 1
+    with pytest.raises(FlushError):  # the next save reports it, once
+        ckpt.save_sync(2, state_for(2))
+    later = ckpt.save_sync(3, state_for(3))
+    assert later.skipped is False  # the failed capture gave its only slot back
+    assert later.committed_sync("nvme", DEADLINE_S) is True
+    ckpt.wait_sync()
+    assert [(v.tier, v.step) for v in ckpt.versions()] == [("ram", 3), ("nvme", 3)]

@@ -1,0 +1,35 @@
+"""tierckpt: asynchronous, multi-tier checkpointing for PyTorch training.
+
+``save()`` copies the state to host memory on copy threads and returns; a pipeline on the library's
+own thread flushes it down configurable tiers (host RAM, local NVMe, a parallel file system) with a
+retention and a flush policy each; ``restore_latest()`` loads the newest version that verifies.
+"""
+
+from tierckpt.checkpointer import Checkpointer, SaveHandle
+from tierckpt.config import Config
+from tierckpt.errors import (
+    CapacityError,
+    ConfigError,
+    CorruptCheckpointError,
+    FlushError,
+    NoCheckpointError,
+    TierckptError,
+    UnsupportedStateError,
+)
+from tierckpt.restore import Restored
+from tierckpt.tiers.base import VersionInfo
+
+__all__ = [
+    "CapacityError",
+    "Checkpointer",
+    "Config",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "FlushError",
+    "NoCheckpointError",
+    "Restored",
+    "SaveHandle",
+    "TierckptError",
+    "UnsupportedStateError",
+    "VersionInfo",
+]

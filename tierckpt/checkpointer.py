@@ -1,0 +1,325 @@
+"""The public entry point: :class:`Checkpointer` and the :class:`SaveHandle` each save returns."""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import threading
+import time
+import weakref
+from typing import Any, Callable, Mapping
+
+import msgpack
+import torch
+
+from tierckpt.capture import Copier, HostPool
+from tierckpt.config import Config, TierConfig
+from tierckpt.errors import CapacityError, ClosedError, ConfigError
+from tierckpt.pipeline import Counters, Engine, Pipeline, SaveTracker
+from tierckpt.restore import Restored, restore_latest
+from tierckpt.snapshot import plan_entries
+from tierckpt.state import flatten
+from tierckpt.tiers.base import Tier, VersionInfo
+from tierckpt.tiers.filesystem import FilesystemTier
+from tierckpt.tiers.memory import MemoryTier
+from tierckpt.units import format_size
+
+log = logging.getLogger("tierckpt")
+
+_MAX_STEP = 10**12 - 1  # directory names carry 12 digits
+
+TierFactory = Callable[[TierConfig], "Tier | None"]
+
+
+class SaveHandle:
+    """What :meth:`Checkpointer.save` returns: lets the caller wait for the copy or for a tier.
+
+    Example::
+
+        handle = await ckpt.save(step, state)
+        await handle.committed("nvme")   # True once durable there; False if that tier will not get it
+    """
+
+    def __init__(self, tracker: SaveTracker) -> None:
+        self._tracker = tracker
+
+    @property
+    def step(self) -> int:
+        return self._tracker.step
+
+    @property
+    def skipped(self) -> bool:
+        """True when the save did not happen: every host slot was busy under ``on_full: skip``."""
+        return self._tracker.token == 0
+
+    async def captured(self) -> bool:
+        """Wait for the host copy; True when done, False for a skipped save; raises FlushError if it failed."""
+        return await asyncio.wrap_future(self._tracker.captured)
+
+    async def committed(self, tier: str) -> bool:
+        """Wait until the version is committed on ``tier`` (True) or will never be (False).
+
+        False means the tier's flush policy passed it over or a newer version replaced it; a failed
+        write raises :class:`FlushError`.
+        """
+        return await asyncio.wrap_future(self._future(tier))
+
+    def captured_sync(self, timeout: float | None = None) -> bool:
+        return self._tracker.captured.result(timeout)
+
+    def committed_sync(self, tier: str, timeout: float | None = None) -> bool:
+        return self._future(tier).result(timeout)
+
+    def _future(self, tier: str) -> concurrent.futures.Future[bool]:
+        try:
+            return self._tracker.committed[tier]
+        except KeyError:
+            raise KeyError(f"no tier named {tier!r}; tiers are {sorted(self._tracker.committed)}") from None
+
+    def __repr__(self) -> str:
+        return f"SaveHandle(step={self.step}{', skipped' if self.skipped else ''})"
+
+
+class Checkpointer:
+    """Asynchronous, multi-tier checkpointing of a training state.
+
+    ``save()`` returns once the host copy is enqueued; the copy runs on copy threads while training
+    goes on, and :meth:`attach` makes ``optimizer.step()`` wait for it. Captured snapshots flow from
+    host memory down the configured tiers on the library's own thread.
+
+    Args:
+        config: a :class:`Config`, a mapping in the YAML's shape, or the path of a YAML file.
+        tier_factory: builds a tier from its config (return None for the default); for tests and
+            custom storage (see :mod:`tierckpt.testing`).
+
+    Raises:
+        ConfigError: a bad setting, or a tier directory that cannot be created.
+
+    Example::
+
+        with Checkpointer.from_yaml("tiers.yaml") as ckpt:
+            ckpt.attach(optimizer)
+            for step in range(steps):
+                train_step()
+                ckpt.save_sync(step, {"model": model.state_dict(), "optim": optimizer.state_dict()})
+    """
+
+    def __init__(self, config: Config | Mapping[str, Any] | str | os.PathLike[str], *, tier_factory: TierFactory | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = Config.coerce(config)
+        host = self.config.host
+        self._pool = HostPool(host.capacity_bytes, host.snapshots)
+        self._copier = Copier(self._pool, host.copy_threads)
+        tier_configs = list(self.config.tiers)
+        if tier_configs[0].type != "memory":
+            names = {t.name for t in tier_configs}
+            implicit = next(n for n in ("host", "host-memory", "tierckpt-host") if n not in names)
+            tier_configs.insert(0, TierConfig(name=implicit, type="memory"))
+        tiers: list[Tier] = []
+        for cfg in tier_configs:
+            tier = tier_factory(cfg) if tier_factory else None
+            if tier is None:
+                tier = MemoryTier(cfg, self._pool) if cfg.type == "memory" else FilesystemTier(cfg)
+            tiers.append(tier)
+        self._pipeline = Pipeline(self.config, self._pool, self._copier, tiers, clock=clock)
+        self._engine = Engine()
+        self._closed = False
+        try:
+            self._engine.run_sync(self._pipeline.start())
+        except BaseException:
+            try:
+                self._engine.run_sync(self._pipeline.shutdown())
+            finally:
+                self._teardown()
+            raise
+        _register_exit(weakref.ref(self))
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str], **kwargs: Any) -> Checkpointer:
+        """Build a Checkpointer from a YAML file (see README for every key)."""
+        return cls(Config.from_yaml(path), **kwargs)
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        """Tier names, fastest first (an implicit host-memory tier first if the config has none)."""
+        return tuple(t.name for t in self._pipeline.tiers)
+
+    @property
+    def counters(self) -> Counters:
+        """Save, skip, flush and error counts so far (a copy)."""
+        c = self._pipeline.counters
+        return dataclasses.replace(c, flushed=dict(c.flushed), passed_over=dict(c.passed_over))
+
+    # -- capture ---------------------------------------------------------------------------------
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Make ``optimizer.step()`` wait for pending host copies first (the lazy barrier).
+
+        Returns the hook handle; ``handle.remove()`` detaches. State that no optimizer updates in place
+        (a GradScaler, EMA weights, buffers you modify yourself) needs :meth:`wait_captured` before
+        it is modified.
+        """
+
+        def barrier(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+            self.wait_captured()
+
+        return optimizer.register_step_pre_hook(barrier)
+
+    def wait_captured(self, timeout: float | None = None) -> bool:
+        """Block until every host copy started so far has finished (False if ``timeout`` ran out)."""
+        return self._copier.wait_captured(timeout)
+
+    # -- save ------------------------------------------------------------------------------------
+
+    async def save(self, step: int, state: Any, *, metadata: Mapping[str, Any] | None = None) -> SaveHandle:
+        """Snapshot ``state`` as version ``step``; returns once the host copy is under way.
+
+        Waits only for a free host slot, and only under ``host.on_full: block``.
+
+        Raises:
+            UnsupportedStateError: a value in ``state`` cannot be stored (names its key path).
+            CapacityError: the state is larger than one host slot.
+            FlushError: an earlier background capture or flush failed (reported once).
+        """
+        args = self._prepare(step, state, metadata)
+        return SaveHandle(await self._engine.run(self._pipeline.save(*args)))
+
+    def save_sync(self, step: int, state: Any, *, metadata: Mapping[str, Any] | None = None) -> SaveHandle:
+        """Synchronous twin of :meth:`save`."""
+        args = self._prepare(step, state, metadata)
+        return SaveHandle(self._engine.run_sync(self._pipeline.save(*args)))
+
+    def _prepare(self, step: int, state: Any, metadata: Mapping[str, Any] | None) -> tuple[Any, ...]:
+        self._check_open()
+        started = time.perf_counter()
+        if type(step) is not int or not 0 <= step <= _MAX_STEP:
+            raise ValueError(f"step must be an int from 0 to {_MAX_STEP}, got {step!r}")
+        meta = dict(metadata or {})
+        try:
+            msgpack.packb(meta, use_bin_type=True)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise TypeError(f"metadata must hold only msgpack types (str, int, float, bool, None, bytes, lists, dicts): {exc}") from exc
+        skeleton, leaves = flatten(state)
+        entries, nbytes = plan_entries(leaves)
+        slot = self._pool.slot_size
+        if nbytes > slot:
+            host = self.config.host
+            raise CapacityError(
+                f"step {step}: the state needs {format_size(nbytes)} of host memory but one slot holds "
+                f"{format_size(slot)} (host.capacity {format_size(host.capacity_bytes)} / host.snapshots "
+                f"{host.snapshots}); raise host.capacity to at least {format_size(nbytes * host.snapshots)} "
+                f"or lower host.snapshots",
+                step=step,
+                key="host.capacity",
+            )
+        return step, leaves, entries, nbytes, skeleton, meta, started
+
+    # -- wait, restore, list -----------------------------------------------------------------------
+
+    async def wait(self) -> None:
+        """Wait until every capture and every due flush is done (``min_interval`` is waived)."""
+        self._check_open()
+        await self._engine.run(self._pipeline.wait())
+
+    def wait_sync(self) -> None:
+        self._check_open()
+        self._engine.run_sync(self._pipeline.wait())
+
+    async def restore_latest(self, template: Any = None) -> Restored | None:
+        """Load the newest committed version that verifies, from whichever tier holds it.
+
+        With ``template`` (a state of the same structure), tensors are copied into the template's
+        tensors in place, keeping their device; otherwise new CPU tensors are returned.
+        Returns None when no tier holds a version.
+
+        Raises:
+            RestoreError: the template's tensors do not match the stored ones.
+        """
+        self._check_open()
+        return await self._engine.run(restore_latest(self._pipeline.tiers, template))
+
+    def restore_latest_sync(self, template: Any = None) -> Restored | None:
+        self._check_open()
+        return self._engine.run_sync(restore_latest(self._pipeline.tiers, template))
+
+    def versions(self) -> list[VersionInfo]:
+        """What each tier holds now: one :class:`VersionInfo` per committed version, per tier."""
+        self._check_open()
+
+        async def collect() -> list[VersionInfo]:
+            return self._pipeline.versions()
+
+        return self._engine.run_sync(collect())
+
+    # -- close -------------------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Drain every pending flush, stop the engine and release host memory."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._engine.run(self._pipeline.close())
+        finally:
+            self._teardown()
+
+    def close_sync(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._engine.run_sync(self._pipeline.close())
+        finally:
+            self._teardown()
+
+    def _teardown(self) -> None:
+        self._closed = True
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.stop()
+        self._copier.close()
+        self._pool.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("this Checkpointer is closed")
+
+    async def __aenter__(self) -> Checkpointer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close_sync()
+
+
+def _register_exit(ref: weakref.ref[Checkpointer]) -> None:
+    """Drain at interpreter exit if the user never closed.
+
+    It must run before concurrent.futures refuses new work at shutdown, which happens in threading's
+    own exit hooks (run newest first), before ``atexit``; so register there when that exists.
+    """
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is not None:
+            register(_close_at_exit, ref)
+            return
+    except RuntimeError:  # already shutting down
+        return
+    atexit.register(_close_at_exit, ref)
+
+
+def _close_at_exit(ref: weakref.ref[Checkpointer]) -> None:
+    ckpt = ref()
+    if ckpt is not None and not ckpt._closed:
+        try:
+            ckpt.close_sync()
+        except Exception as exc:  # at interpreter exit there is nobody left to raise to
+            log.error("tierckpt: closing at exit failed: %s", exc)

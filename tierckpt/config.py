@@ -1,0 +1,430 @@
+"""Configuration: frozen dataclasses for the host pool and the tiers, read from YAML or a mapping.
+
+YAML is only a serialisation of the dataclasses. Keys are spelled as in YAML (``capacity``,
+``min_interval``) and fill fields that carry their unit in their name (``capacity_bytes``,
+``min_interval_s``); sizes and durations may be written with units (:mod:`tierckpt.units`). The
+example file is in ARCHITECTURE.md, section 6.
+
+Every section validates itself in ``__post_init__`` and raises :class:`~tierckpt.errors.ConfigError`
+naming the key as written in YAML (``tiers[2].flush.every``), the value and what is allowed, and, when
+the value came from a file, the file and the line. Unknown keys are errors too.
+
+Tier paths are kept as given, with ``~`` expanded; relative paths are resolved by the user of the config,
+against the working directory.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tierckpt._config_schema import (
+    Key,
+    Site,
+    build,
+    check_choice,
+    check_int,
+    check_mapping,
+    check_path,
+    is_default,
+    read,
+    read_duration,
+    read_size,
+    read_yaml,
+    section,
+    site,
+    write,
+)
+from tierckpt.errors import ConfigError
+from tierckpt.units import format_size
+
+__all__ = ["Config", "HostConfig", "TierConfig", "FlushPolicy", "KeepPolicy", "CompressionConfig"]
+
+_ON_FULL = ("block", "skip")
+_TIER_TYPES = ("memory", "filesystem")
+_CODECS = ("none", "zstd")
+_TIER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+# A slot must hold at least one 4 KiB block: tensor data is laid out in 4 KiB-aligned extents.
+_MIN_SLOT_BYTES = 4096
+# Keys a tier of a type does not take, and why; a tier may not set them, not even to their default.
+_NOT_FOR_TYPE: dict[str, dict[str, str]] = {
+    "memory": {
+        "flush": "a memory tier is the first tier and receives every save",
+        "path": "a path on a memory tier is not supported yet",
+        "compression": "a memory tier holds snapshots uncompressed; compress on a filesystem tier",
+        "io_threads": "a memory tier does no file I/O; io_threads applies to filesystem tiers",
+    },
+    "filesystem": {},
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HostConfig:
+    """The host memory that snapshots are captured into (YAML section ``host``).
+
+    Attributes:
+        capacity_bytes: host memory for snapshots in flight (YAML ``capacity``: bytes or ``"4GiB"``),
+            pinned when CUDA is present, split evenly into ``snapshots`` slots of at least 4 KiB each.
+        snapshots: at most this many snapshots are held at once (>= 1).
+        on_full: what ``save()`` does when every slot is busy: ``"block"`` waits for a free slot,
+            ``"skip"`` drops that save.
+        copy_threads: threads that copy tensors into host slots (1..64).
+
+    Raises:
+        ConfigError: a value is of the wrong type or out of range, or a slot would be under 4 KiB.
+
+    Example:
+        >>> HostConfig(capacity_bytes=8 << 30, snapshots=4).slot_bytes == 2 << 30
+        True
+    """
+
+    capacity_bytes: int = 1 << 30
+    snapshots: int = 2
+    on_full: str = "block"
+    copy_threads: int = 2
+
+    def __post_init__(self) -> None:
+        at = site("host")
+        check_int(at, "capacity", self.capacity_bytes, low=0)
+        check_int(at, "snapshots", self.snapshots, low=1)
+        check_choice(at, "on_full", self.on_full, _ON_FULL)
+        check_int(at, "copy_threads", self.copy_threads, low=1, high=64)
+        if self.slot_bytes < _MIN_SLOT_BYTES:
+            capacity, slot = format_size(self.capacity_bytes), format_size(self.slot_bytes)
+            problem = f"{capacity} over {self.snapshots} snapshots leaves {slot} per snapshot"
+            hint = "a snapshot needs at least 4KiB; raise host.capacity or lower host.snapshots"
+            raise at.error("capacity", problem=problem, hint=hint)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one host slot: ``capacity_bytes // snapshots``."""
+        return self.capacity_bytes // self.snapshots
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FlushPolicy:
+    """Which versions arriving from the tier above a tier writes (YAML section ``flush``).
+
+    A version is flushed when it meets every condition that is set.
+
+    Attributes:
+        every: flush every N-th version that arrives from the tier above (>= 1).
+        every_steps: flush only versions whose step is divisible by N (>= 1), or ``None``.
+        min_interval_s: at least this many seconds between two flushes to this tier (YAML
+            ``min_interval``: seconds or ``"500ms"``, ``"30s"``, ``"10m"``, ``"2h"``, ``"1d"``).
+
+    Raises:
+        ConfigError: a value is of the wrong type or out of range.
+
+    Example:
+        >>> FlushPolicy(every_steps=100, min_interval_s=30).min_interval_s
+        30.0
+    """
+
+    every: int = 1
+    every_steps: int | None = None
+    min_interval_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        at = site("flush")
+        check_int(at, "every", self.every, low=1)
+        check_int(at, "every_steps", self.every_steps, low=1, optional=True)
+        value = self.min_interval_s
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+            hint = "use a number of seconds >= 0"
+            raise at.error("min_interval", problem=f"{value!r} is not allowed", hint=hint)
+        object.__setattr__(self, "min_interval_s", float(value))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KeepPolicy:
+    """Which committed versions a tier keeps (YAML section ``keep``).
+
+    A tier keeps the union of what the set rules keep, and always its newest version; with no rule set
+    it keeps everything (:func:`tierckpt.policy.retain` applies it).
+
+    Attributes:
+        last: keep the newest N versions (>= 1), or ``None``.
+        every_steps: keep versions whose step is divisible by N forever (>= 1), or ``None``.
+
+    Raises:
+        ConfigError: a value is of the wrong type or out of range.
+
+    Example:
+        >>> KeepPolicy(last=2, every_steps=1000)
+        KeepPolicy(last=2, every_steps=1000)
+    """
+
+    last: int | None = None
+    every_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        at = site("keep")
+        check_int(at, "last", self.last, low=1, optional=True)
+        check_int(at, "every_steps", self.every_steps, low=1, optional=True)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CompressionConfig:
+    """How a filesystem tier compresses tensor bytes (YAML section ``compression``).
+
+    Attributes:
+        codec: ``"none"`` or ``"zstd"``.
+        level: the zstd level: 1..22, or -7..-1 for zstd's fast levels (ignored by ``"none"``).
+
+    Raises:
+        ConfigError: a value is of the wrong type or out of range.
+
+    Example:
+        >>> CompressionConfig(codec="zstd", level=9).level
+        9
+    """
+
+    codec: str = "none"
+    level: int = 3
+
+    def __post_init__(self) -> None:
+        at = site("compression")
+        check_choice(at, "codec", self.codec, _CODECS)
+        level = self.level
+        if isinstance(level, bool) or not isinstance(level, int) or not -7 <= level <= 22 or level == 0:
+            hint = "use an integer from 1 to 22, or from -7 to -1 for zstd's fast levels"
+            raise at.error("level", problem=f"{level!r} is not allowed", hint=hint)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TierConfig:
+    """One storage tier (an item of the YAML list ``tiers``).
+
+    Attributes:
+        name: unique name: letters, digits, ``_ . -``, starting with a letter or a digit.
+        type: ``"memory"`` (host slots; only as the first tier) or ``"filesystem"``.
+        path: the directory of a filesystem tier, required there; a ``str`` or ``os.PathLike`` is stored
+            as a ``Path`` with ``~`` expanded, a relative path stays relative. Not on a memory tier yet.
+        flush: which versions from the tier above this tier writes. Not on a memory tier: it is first
+            and receives every save. (A filesystem tier listed first is fed by the host tier that the
+            Checkpointer puts in front of it, so it may have one.)
+        keep: which committed versions this tier keeps.
+        compression: how tensor bytes are compressed; filesystem tiers only.
+        io_threads: writer and reader threads of a filesystem tier (1..64); filesystem tiers only.
+
+    Raises:
+        ConfigError: a value is missing, of the wrong type or out of range, or a key does not apply to
+            this type of tier.
+
+    Example:
+        >>> TierConfig(name="nvme", type="filesystem", path="/local/ckpt").path
+        PosixPath('/local/ckpt')
+    """
+
+    name: str
+    type: str
+    path: Path | None = None
+    flush: FlushPolicy = FlushPolicy()
+    keep: KeepPolicy = KeepPolicy()
+    compression: CompressionConfig = CompressionConfig()
+    io_threads: int = 2
+
+    def __post_init__(self) -> None:
+        at = site("tier")
+        if not isinstance(self.name, str) or not _TIER_NAME.fullmatch(self.name):
+            hint = "use letters, digits, '_', '.' and '-', starting with a letter or a digit"
+            raise at.error("name", problem=f"{self.name!r} is not allowed", hint=hint)
+        check_choice(at, "type", self.type, _TIER_TYPES)
+        _check_keys_for_type(at, self.type, [key.name for key in _TIER_KEYS if not is_default(self, key)])
+        if self.path is not None:
+            object.__setattr__(self, "path", check_path(at, "path", self.path))
+        elif self.type == "filesystem":
+            hint = "a filesystem tier needs a directory, e.g. path: ./checkpoints"
+            raise at.error("path", problem="missing", hint=hint)
+        for key, kind in (("flush", FlushPolicy), ("keep", KeepPolicy), ("compression", CompressionConfig)):
+            if not isinstance(value := getattr(self, key), kind):
+                raise at.error(key, problem=f"{value!r} is not allowed", hint=f"use a {kind.__name__}")
+        check_int(at, "io_threads", self.io_threads, low=1, high=64)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Config:
+    """A whole configuration: the host pool and the tiers, fastest first.
+
+    Attributes:
+        host: the host memory that snapshots are captured into.
+        tiers: at least one tier, names unique; a memory tier may only be the first. A list is stored
+            as a tuple.
+
+    Raises:
+        ConfigError: a value is missing, of the wrong type or out of range, or the tiers break a rule above.
+
+    Example:
+        >>> config = Config(tiers=(TierConfig(name="nvme", type="filesystem", path="ckpt"),))
+        >>> Config.from_dict(config.to_dict()) == config
+        True
+    """
+
+    host: HostConfig = HostConfig()
+    tiers: tuple[TierConfig, ...]
+
+    def __post_init__(self) -> None:
+        at = site()
+        if not isinstance(self.host, HostConfig):
+            raise at.error("host", problem=f"{self.host!r} is not allowed", hint="use a HostConfig")
+        if isinstance(self.tiers, list):
+            object.__setattr__(self, "tiers", tuple(self.tiers))
+        if not isinstance(self.tiers, tuple):
+            raise at.error("tiers", problem=f"{self.tiers!r} is not a list", hint="use a list of tiers")
+        if not self.tiers:
+            raise at.error("tiers", problem="no tier is given", hint="a config needs at least one tier")
+        index_of: dict[str, int] = {}
+        for index, tier in enumerate(self.tiers):
+            if not isinstance(tier, TierConfig):
+                raise at.error("tiers", index, problem=f"{tier!r} is not allowed", hint="use a TierConfig")
+            if tier.name in index_of:
+                problem = f"{tier.name!r} is already the name of tiers[{index_of[tier.name]}]"
+                raise at.error("tiers", index, "name", problem=problem, hint="tier names must be unique")
+            index_of[tier.name] = index
+            if tier.type == "memory" and index > 0:
+                hint = "a memory tier can only be the first tier"
+                raise at.error("tiers", index, "type", problem="'memory' is not allowed here", hint=hint)
+
+    def tier(self, name: str) -> TierConfig:
+        """The tier called ``name``.
+
+        Raises:
+            KeyError: no tier has that name; the message lists the names there are.
+
+        Example:
+            >>> Config(tiers=(TierConfig(name="ram", type="memory"),)).tier("ram").type
+            'memory'
+        """
+        for tier in self.tiers:
+            if tier.name == name:
+                return tier
+        raise KeyError(f"no tier named {name!r}; the tiers are: {', '.join(t.name for t in self.tiers)}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str | None = None) -> Config:
+        """Build a config from a mapping spelled as the YAML file (``capacity``, ``min_interval``, ...).
+
+        ``tiers`` may be a list or a tuple; ``source``, where the mapping came from, is named in errors.
+
+        Raises:
+            ConfigError: a key is unknown or missing, or a value is not allowed.
+
+        Example:
+            >>> Config.from_dict({"tiers": [{"name": "ram", "type": "memory"}]}).host.on_full
+            'block'
+        """
+        return _read_config(data, Site(source=source))
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> Config:
+        """Read a config from a YAML file (safe loading; errors name the file and the line of the key).
+
+        Raises:
+            ConfigError: the file cannot be read, is empty or is not valid YAML, or the config in it is
+                not valid (see :meth:`from_dict`).
+
+        Example:
+            >>> Config.from_yaml("tiers.yaml")  # doctest: +SKIP
+        """
+        source = os.fspath(path)
+        try:
+            text = Path(source).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"{source}: cannot read the config file: {exc.strerror or exc}") from exc
+        data, lines = read_yaml(text, source)
+        return _read_config(data, Site(source=source, lines=lines))
+
+    @classmethod
+    def coerce(cls, value: Config | Mapping[str, Any] | str | os.PathLike[str]) -> Config:
+        """A ``Config`` as is, a mapping through :meth:`from_dict`, a path through :meth:`from_yaml`.
+
+        Raises:
+            ConfigError: the value is none of these, or what it holds is not a valid config.
+
+        Example:
+            >>> Config.coerce({"tiers": [{"name": "ram", "type": "memory"}]}).tiers[0].name
+            'ram'
+        """
+        if isinstance(value, Config):
+            return value
+        if isinstance(value, Mapping):
+            return cls.from_dict(value)
+        if isinstance(value, (str, os.PathLike)):
+            return cls.from_yaml(value)
+        hint = "use a Config, a mapping, or the path of a YAML file"
+        raise ConfigError(f"config: {value!r} is not allowed; {hint}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as a mapping spelled as the YAML file: sizes in bytes, durations in seconds, paths
+        as ``str``; ``Config.from_dict(config.to_dict()) == config``."""
+        return write(self, _CONFIG_KEYS)
+
+    def to_yaml(self) -> str:
+        """The config as YAML text; ``Config.from_yaml`` of a file holding it gives an equal config."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _check_keys_for_type(at: Site, tier_type: str, keys: Collection[str]) -> None:
+    for key, reason in _NOT_FOR_TYPE[tier_type].items():
+        if key in keys:
+            raise at.error(key, problem=f"not allowed on a {tier_type} tier", hint=reason)
+
+
+def _read_tier(data: Any, at: Site) -> TierConfig:
+    check_mapping(TierConfig, _TIER_KEYS, data, at)
+    check_choice(at, "type", data["type"], _TIER_TYPES)
+    _check_keys_for_type(at, data["type"], data.keys())
+    return build(TierConfig, at, read(_TIER_KEYS, data, at))
+
+
+def _read_tiers(data: Any, at: Site) -> tuple[TierConfig, ...]:
+    if not isinstance(data, (list, tuple)):
+        raise at.error(problem=f"{data!r} is not a list", hint="use a list of tiers, fastest first")
+    return tuple(_read_tier(item, at.at(index)) for index, item in enumerate(data))
+
+
+def _write_tiers(tiers: tuple[TierConfig, ...]) -> list[dict[str, Any]]:
+    # Leave out the keys the loader would refuse for the tier's type.
+    return [write(tier, _TIER_KEYS, skip=frozenset(_NOT_FOR_TYPE[tier.type])) for tier in tiers]
+
+
+def _read_config(data: Any, at: Site) -> Config:
+    check_mapping(Config, _CONFIG_KEYS, data, at)
+    return build(Config, at, read(_CONFIG_KEYS, data, at))
+
+
+# One row per YAML key: a new key is a row here, plus its field and its check in the dataclass.
+_HOST_KEYS = (
+    Key("capacity", "capacity_bytes", read_size),
+    Key("snapshots", "snapshots"),
+    Key("on_full", "on_full"),
+    Key("copy_threads", "copy_threads"),
+)
+_FLUSH_KEYS = (
+    Key("every", "every"),
+    Key("every_steps", "every_steps"),
+    Key("min_interval", "min_interval_s", read_duration),
+)
+_KEEP_KEYS = (Key("last", "last"), Key("every_steps", "every_steps"))
+_COMPRESSION_KEYS = (Key("codec", "codec"), Key("level", "level"))
+_TIER_KEYS = (
+    Key("name", "name"),
+    Key("type", "type"),
+    Key("path", "path", write=str),
+    Key("flush", "flush", *section(FlushPolicy, _FLUSH_KEYS)),
+    Key("keep", "keep", *section(KeepPolicy, _KEEP_KEYS)),
+    Key("compression", "compression", *section(CompressionConfig, _COMPRESSION_KEYS)),
+    Key("io_threads", "io_threads"),
+)
+_CONFIG_KEYS = (
+    Key("host", "host", *section(HostConfig, _HOST_KEYS)),
+    Key("tiers", "tiers", _read_tiers, _write_tiers),
+)

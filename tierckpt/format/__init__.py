@@ -1,0 +1,32 @@
+"""The on-disk format, version 1: manifests, checksums, layout constants."""
+
+from tierckpt.format.checksum import CHECKSUM_ALGORITHM, checksum
+from tierckpt.format.manifest import (
+    ALIGN,
+    CHUNK_BYTES,
+    DATA_FILE,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    Chunk,
+    Manifest,
+    TensorRecord,
+    version_dirname,
+    parse_version_dirname,
+)
+
+__all__ = [
+    "ALIGN",
+    "CHECKSUM_ALGORITHM",
+    "CHUNK_BYTES",
+    "DATA_FILE",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MANIFEST_FILE",
+    "Chunk",
+    "Manifest",
+    "TensorRecord",
+    "checksum",
+    "parse_version_dirname",
+    "version_dirname",
+]

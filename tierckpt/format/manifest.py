@@ -1,0 +1,220 @@
+"""The manifest of one stored version (format version 1) and its msgpack encoding.
+
+A version is a directory ``step-<12 digits>/`` holding ``manifest.msgpack`` and the data files. The
+manifest file is ``msgpack({"body": <msgpack bytes>, "xxh3_64": <checksum of body>})``, so a torn or
+bit-flipped manifest is detected before any field is trusted. Decoding validates every field: the
+bytes come from disk and are treated as untrusted (no pickle, no eval, bounded sizes).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from tierckpt.errors import CorruptCheckpointError, FormatVersionError
+from tierckpt.format.checksum import CHECKSUM_ALGORITHM, checksum
+
+FORMAT_NAME = "tierckpt"
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.msgpack"
+DATA_FILE = "data-r{rank:05d}.bin"
+ALIGN = 4096
+# Independent units of hashing, compression and I/O; a multiple of ALIGN so uncompressed chunks stay
+# aligned for O_DIRECT, and large enough that per-chunk overhead is noise next to the copy.
+CHUNK_BYTES = 16 << 20
+
+_DIR_RE = re.compile(r"^step-(\d{12})$")
+_MAX_MANIFEST_BYTES = 1 << 30
+
+
+def version_dirname(step: int) -> str:
+    return f"step-{step:012d}"
+
+
+def parse_version_dirname(name: str) -> int | None:
+    match = _DIR_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One independently stored piece of a tensor's bytes."""
+
+    offset: int  # in the record's file
+    stored: int  # bytes on disk (after the codec)
+    checksum: int  # of the stored bytes
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """Where one array leaf of the state lives and how to check and decode it."""
+
+    index: int  # the leaf index the skeleton refers to
+    key: str  # readable key path, for messages
+    kind: str  # "torch" | "numpy"
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int  # logical (decoded) length
+    file: str
+    codec: str
+    chunk_bytes: int  # logical bytes per chunk; the last one may be shorter
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def stored(self) -> int:
+        return sum(c.stored for c in self.chunks)
+
+    def chunk_span(self, i: int) -> tuple[int, int]:
+        """Logical (start, length) of chunk ``i`` in the decoded tensor bytes."""
+        start = i * self.chunk_bytes
+        return start, min(self.chunk_bytes, self.nbytes - start)
+
+
+def chunk_count(nbytes: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    return -(-nbytes // chunk_bytes)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    created: float
+    skeleton: Any
+    records: tuple[TensorRecord, ...]
+    metadata: dict[str, Any] = field(default_factory=dict)
+    world_size: int = 1
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(r.stored for r in self.records)
+
+    def encode(self) -> bytes:
+        body = msgpack.packb(
+            {
+                "format": FORMAT_NAME,
+                "version": FORMAT_VERSION,
+                "step": self.step,
+                "created": self.created,
+                "world_size": self.world_size,
+                "checksum": CHECKSUM_ALGORITHM,
+                "metadata": self.metadata,
+                "skeleton": self.skeleton,
+                "records": [_encode_record(r) for r in self.records],
+            },
+            use_bin_type=True,
+        )
+        return msgpack.packb({"body": body, CHECKSUM_ALGORITHM: checksum(body)}, use_bin_type=True)
+
+    @classmethod
+    def decode(cls, data: bytes, *, tier: str | None = None, step: int | None = None) -> Manifest:
+        """Parse and validate manifest bytes; raises CorruptCheckpointError / FormatVersionError."""
+
+        def bad(why: str) -> CorruptCheckpointError:
+            return CorruptCheckpointError(f"manifest of step {step} on tier {tier!r}: {why}", tier=tier, step=step)
+
+        if len(data) > _MAX_MANIFEST_BYTES:
+            raise bad("file is implausibly large")
+        try:
+            outer = msgpack.unpackb(data, raw=False)
+        except Exception as exc:
+            raise bad(f"not msgpack ({exc})") from exc
+        if not isinstance(outer, dict) or not isinstance(outer.get("body"), bytes):
+            raise bad("missing body")
+        body_bytes = outer["body"]
+        if outer.get(CHECKSUM_ALGORITHM) != checksum(body_bytes):
+            raise bad("checksum mismatch (torn or corrupted write)")
+        try:
+            body = msgpack.unpackb(body_bytes, raw=False, strict_map_key=False)
+        except Exception as exc:
+            raise bad(f"body is not msgpack ({exc})") from exc
+        if not isinstance(body, dict):
+            raise bad("body is not a map")
+        if body.get("format") != FORMAT_NAME:
+            raise FormatVersionError(f"step {step} on tier {tier!r}: not a {FORMAT_NAME} manifest", tier=tier, step=step)
+        if body.get("version") != FORMAT_VERSION:
+            raise FormatVersionError(
+                f"step {step} on tier {tier!r}: format version {body.get('version')!r} is not supported "
+                f"(this release reads version {FORMAT_VERSION})",
+                tier=tier,
+                step=step,
+            )
+        if body.get("checksum") != CHECKSUM_ALGORITHM:
+            raise bad(f"unknown checksum algorithm {body.get('checksum')!r}")
+        try:
+            records = tuple(_decode_record(r) for r in body["records"])
+            manifest = cls(
+                step=_int(body["step"]),
+                created=float(body["created"]),
+                skeleton=body["skeleton"],
+                records=records,
+                metadata=dict(body["metadata"]),
+                world_size=_int(body["world_size"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise bad(f"malformed field ({exc!r})") from exc
+        if step is not None and manifest.step != step:
+            raise bad(f"records step {manifest.step}")
+        if [r.index for r in records] != list(range(len(records))):
+            raise bad("tensor records are not numbered 0..n-1")
+        return manifest
+
+
+def _encode_record(r: TensorRecord) -> dict[str, Any]:
+    return {
+        "index": r.index,
+        "key": r.key,
+        "kind": r.kind,
+        "dtype": r.dtype,
+        "shape": list(r.shape),
+        "nbytes": r.nbytes,
+        "file": r.file,
+        "codec": r.codec,
+        "chunk_bytes": r.chunk_bytes,
+        "chunks": [[c.offset, c.stored, c.checksum] for c in r.chunks],
+    }
+
+
+def _int(value: Any) -> int:
+    if type(value) is not int or value < 0:
+        raise ValueError(f"expected a non-negative int, got {value!r}")
+    return value
+
+
+def _str(value: Any) -> str:
+    if type(value) is not str:
+        raise ValueError(f"expected a string, got {value!r}")
+    return value
+
+
+def _triple(value: Any) -> list[Any]:
+    if type(value) is not list or len(value) != 3:
+        raise ValueError(f"a chunk is [offset, stored, checksum], got {value!r}")
+    return value
+
+
+def _decode_record(raw: Any) -> TensorRecord:
+    if not isinstance(raw, dict):
+        raise ValueError("record is not a map")
+    shape = tuple(_int(d) for d in raw["shape"])
+    chunks = tuple(Chunk(*(_int(v) for v in _triple(c))) for c in raw["chunks"])
+    record = TensorRecord(
+        index=_int(raw["index"]),
+        key=_str(raw["key"]),
+        kind=_str(raw["kind"]),
+        dtype=_str(raw["dtype"]),
+        shape=shape,
+        nbytes=_int(raw["nbytes"]),
+        file=_str(raw["file"]),
+        codec=_str(raw["codec"]),
+        chunk_bytes=_int(raw["chunk_bytes"]),
+        chunks=chunks,
+    )
+    if record.kind not in ("torch", "numpy"):
+        raise ValueError(f"unknown kind {record.kind!r}")
+    if "/" in record.file or record.file.startswith("."):
+        raise ValueError(f"file name {record.file!r} escapes the version directory")
+    if record.chunk_bytes <= 0 or len(chunks) != chunk_count(record.nbytes, record.chunk_bytes):
+        raise ValueError(f"{record.key}: {len(chunks)} chunks do not cover {record.nbytes} bytes")
+    return record

@@ -1,0 +1,158 @@
+"""The tier interface, and the version source every flush and restore reads from.
+
+Call order for a :class:`Tier` (all on the engine thread, the library's event loop):
+
+1. ``await open()`` once: create, sweep leftovers of a crashed run, index committed versions.
+2. Any interleaving of ``versions()``, ``lease(step)``, ``await read(step)`` and ``await delete(step)``.
+   ``await write(source)`` followed by ``await commit(staged)`` (or ``await abort(staged)``) stores a
+   version: one write at a time per tier (its flusher's), concurrent with reads of other versions.
+3. ``await close()`` once, after the tier's flusher has stopped.
+
+Bulk bytes never move on the event loop: ``write`` and ``read``'s sources run their byte work in the
+tier's own threads. A leased version is never deleted; ``delete`` of a leased step raises.
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+from dataclasses import dataclass
+from typing import Any
+
+from tierckpt.codecs import decoder
+from tierckpt.config import TierConfig
+from tierckpt.format import TensorRecord
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    """One committed version on one tier, as :meth:`Checkpointer.versions` reports it."""
+
+    tier: str
+    step: int
+    nbytes: int  # bytes held on the tier (after compression)
+    created: float  # unix time the state was saved
+    path: str | None = None  # the version's directory on a filesystem tier
+    # False: its manifest did not verify when the tier was opened. Restore tries it last-resort style
+    # (and warns); retention neither counts nor deletes it, so a damaged newer version can never
+    # push good ones out.
+    valid: bool = True
+
+
+class VersionSource(abc.ABC):
+    """Read access to one version's bytes, for a flusher writing it further down or a restore.
+
+    ``read_stored`` and ``read_logical`` block and are called from worker threads, concurrently for
+    different chunks. ``close`` is called once by whoever opened the source.
+    """
+
+    tier: str
+    step: int
+    created: float
+    skeleton: Any
+    metadata: dict[str, Any]
+    records: tuple[TensorRecord, ...]
+
+    @abc.abstractmethod
+    def read_stored(self, record: TensorRecord, chunk: int, scratch: memoryview) -> memoryview:
+        """Chunk ``chunk`` of ``record`` as stored (encoded), verified against its checksum if it has one.
+
+        May return a view of ``scratch`` (large enough for one stored chunk) or of memory the source owns.
+        """
+
+    def checksum_of(self, record: TensorRecord, chunk: int) -> int | None:
+        """The verified checksum of a stored chunk, when the source has one (saves hashing it again)."""
+        value = record.chunks[chunk].checksum
+        return value if value >= 0 else None
+
+    def read_logical(self, record: TensorRecord, chunk: int, out: memoryview, scratch: memoryview) -> None:
+        """Decode chunk ``chunk`` of ``record`` into ``out`` (exactly its logical length), verified."""
+        decoder(record.codec).decode_into(self.read_stored(record, chunk, scratch), out)
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release files or leases the source holds."""
+
+
+@dataclass
+class Staged:
+    """A version written under a temporary name: durable, not yet visible."""
+
+    step: int
+    location: Any
+    nbytes: int
+    created: float
+
+
+class Lease:
+    """Pins one version of one tier against retention and deletion until released."""
+
+    def __init__(self, release: Any) -> None:
+        self._release = release
+
+    def release(self) -> None:
+        if self._release is not None:
+            release, self._release = self._release, None
+            release()
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Tier(abc.ABC):
+    """One level of storage. See the module docstring for the call order."""
+
+    def __init__(self, config: TierConfig) -> None:
+        self.config = config
+        self.name = config.name
+        self._leases: collections.Counter[int] = collections.Counter()
+
+    async def open(self) -> None:  # noqa: B027 - optional hook
+        """Prepare the tier: create it, sweep what a crash left, index what is committed."""
+
+    @abc.abstractmethod
+    def versions(self) -> list[VersionInfo]:
+        """Committed versions, oldest step first (from an in-memory index: no I/O)."""
+
+    def lease(self, step: int) -> Lease:
+        """Pin ``step`` so retention leaves it alone while it is read."""
+        self._leases[step] += 1
+
+        def release() -> None:
+            self._leases[step] -= 1
+            if self._leases[step] <= 0:
+                del self._leases[step]
+            self.on_release(step)
+
+        return Lease(release)
+
+    def leased(self, step: int) -> bool:
+        return self._leases.get(step, 0) > 0
+
+    def on_release(self, step: int) -> None:  # noqa: B027 - optional hook
+        """Called when the last lease on ``step`` goes."""
+
+    @abc.abstractmethod
+    async def read(self, step: int) -> VersionSource:
+        """Open a committed version for reading; the caller holds a lease on it and closes the source."""
+
+    async def write(self, source: VersionSource) -> Staged:
+        """Store ``source`` durably under a temporary name."""
+        raise NotImplementedError(f"tier {self.name!r} is not written by flushes")
+
+    async def commit(self, staged: Staged) -> VersionInfo:
+        """Make a staged version visible atomically; replaces an older version of the same step."""
+        raise NotImplementedError(f"tier {self.name!r} is not written by flushes")
+
+    async def abort(self, staged: Staged) -> None:
+        """Remove a staged version that will not be committed."""
+        raise NotImplementedError(f"tier {self.name!r} is not written by flushes")
+
+    @abc.abstractmethod
+    async def delete(self, step: int) -> None:
+        """Remove a committed, unleased version."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release threads and files."""

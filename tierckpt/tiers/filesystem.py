@@ -1,0 +1,284 @@
+"""A filesystem tier: local NVMe or a parallel file system, one directory per committed version.
+
+Layout (format v1): ``<path>/step-<12 digits>/{manifest.msgpack, data-r00000.bin}``. A version is
+written under ``.tmp-step-...`` in the same parent, its files fsynced, renamed into place, and the
+parent fsynced: a reader sees a whole version or none. Deletion renames to ``.trash-...`` first, so a
+crash mid-delete never leaves a half-removed version that looks committed. ``.tmp-``/``.trash-``
+leftovers and step directories without a manifest are swept on open; a step directory whose manifest
+is damaged is kept (never delete what may be someone's only copy) and fails verification on restore.
+
+Replacing a committed version of the same step takes two renames (a non-empty directory cannot be
+renamed over): the old one goes to ``.replaced-step-...``, then the new one into place. A crash between
+the two leaves no ``step-...`` directory, so open renames the ``.replaced-`` copy back instead of
+sweeping it: the step keeps its old, committed content rather than vanishing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import aiofiles
+import aiofiles.os
+
+from tierckpt.codecs import get_codec
+from tierckpt.config import TierConfig
+from tierckpt.errors import ConfigError, CorruptCheckpointError
+from tierckpt.format import (
+    DATA_FILE,
+    MANIFEST_FILE,
+    Manifest,
+    TensorRecord,
+    checksum,
+    parse_version_dirname,
+    version_dirname,
+)
+from tierckpt.tiers.base import Staged, Tier, VersionInfo, VersionSource
+from tierckpt.tiers.fsio import fsync_dir, pread_exact, probe_direct_io
+from tierckpt.tiers.fswrite import write_data_file
+
+log = logging.getLogger("tierckpt")
+
+_fsync = aiofiles.os.wrap(os.fsync)
+_fsync_dir = aiofiles.os.wrap(fsync_dir)
+_rmtree = aiofiles.os.wrap(shutil.rmtree)
+_REPLACED = ".replaced-"  # + the step directory's name + "-<random>": a committed version being replaced
+
+
+class FilesystemTier(Tier):
+    """Versions as directories under ``config.path`` (relative paths resolve against the working directory)."""
+
+    def __init__(self, config: TierConfig) -> None:
+        super().__init__(config)
+        assert config.path is not None  # guaranteed by TierConfig validation
+        self.root = Path(config.path).expanduser().absolute()
+        self.codec = get_codec(config.compression.codec, config.compression.level)
+        self.executor = concurrent.futures.ThreadPoolExecutor(
+            config.io_threads, thread_name_prefix=f"tierckpt-io-{config.name}"
+        )
+        self.direct = False
+        self._index: dict[int, VersionInfo] = {}
+
+    async def open(self) -> None:
+        try:
+            await aiofiles.os.makedirs(self.root, exist_ok=True)
+            self.direct = await asyncio.get_running_loop().run_in_executor(self.executor, probe_direct_io, self.root)
+        except OSError as exc:
+            raise ConfigError(
+                f"tier {self.name!r}: cannot use {str(self.root)!r} as a checkpoint directory ({exc.strerror or exc})",
+                tier=self.name,
+                key=f"tiers.{self.name}.path",
+            ) from exc
+        if not self.direct:
+            log.info("tier %r: %s refuses O_DIRECT; writing through the page cache", self.name, self.root)
+        replaced = []
+        for entry in await aiofiles.os.scandir(self.root):
+            if entry.name.startswith(_REPLACED):
+                replaced.append(entry)
+                continue
+            if entry.name.startswith(".direct-probe-") and entry.is_file():
+                await aiofiles.os.remove(entry.path)  # a probe file from a crash mid-probe
+                continue
+            if entry.name.startswith((".tmp-", ".trash-")):
+                log.info("tier %r: sweeping %s left by an interrupted write or delete", self.name, entry.name)
+                await _rmtree(entry.path, ignore_errors=True)
+                continue
+            step = parse_version_dirname(entry.name)
+            if step is None or not entry.is_dir():
+                continue
+            manifest_path = Path(entry.path) / MANIFEST_FILE
+            if not await aiofiles.os.path.exists(manifest_path):
+                log.warning("tier %r: sweeping %s: no manifest, so it was never committed", self.name, entry.name)
+                await _rmtree(entry.path, ignore_errors=True)
+                continue
+            self._index[step] = await self._describe(step, Path(entry.path))
+        for entry in replaced:
+            await self._recover_replaced(Path(entry.path))
+
+    async def _recover_replaced(self, path: Path) -> None:
+        """A committed version moved aside by an interrupted replacement: put it back if it is the only copy."""
+        step = parse_version_dirname(path.name[len(_REPLACED) :].rsplit("-", 1)[0])
+        final = self.root / version_dirname(step if step is not None else 0)
+        if (
+            step is not None
+            and step not in self._index
+            and not await aiofiles.os.path.exists(final)
+            and await aiofiles.os.path.exists(path / MANIFEST_FILE)
+        ):
+            log.warning("tier %r: restoring %s: its replacement was interrupted before it was committed", self.name, final.name)
+            await aiofiles.os.rename(path, final)
+            await _fsync_dir(self.root)
+            self._index[step] = await self._describe(step, final)
+            return
+        log.info("tier %r: sweeping %s left by an interrupted replacement", self.name, path.name)
+        await _rmtree(path, ignore_errors=True)
+
+    async def _describe(self, step: int, path: Path) -> VersionInfo:
+        try:
+            manifest = await self._manifest(step, path)
+            return VersionInfo(self.name, step, manifest.stored_bytes, manifest.created, str(path))
+        except CorruptCheckpointError as exc:
+            log.warning("tier %r: %s", self.name, exc)
+            stat = await aiofiles.os.stat(path)
+            return VersionInfo(self.name, step, 0, stat.st_mtime, str(path), valid=False)
+
+    async def _manifest(self, step: int, path: Path) -> Manifest:
+        try:
+            async with aiofiles.open(path / MANIFEST_FILE, "rb") as f:
+                data = await f.read()
+        except FileNotFoundError as exc:
+            raise CorruptCheckpointError(
+                f"step {step} on tier {self.name!r}: {MANIFEST_FILE} is missing", tier=self.name, step=step
+            ) from exc
+        return Manifest.decode(data, tier=self.name, step=step)
+
+    def versions(self) -> list[VersionInfo]:
+        return [self._index[s] for s in sorted(self._index)]
+
+    async def write(self, source: VersionSource) -> Staged:
+        tmp = self.root / f".tmp-{version_dirname(source.step)}-{uuid.uuid4().hex[:12]}"
+        await aiofiles.os.mkdir(tmp)
+        try:
+            records = await asyncio.to_thread(
+                write_data_file,
+                source,
+                tmp / DATA_FILE.format(rank=0),
+                self.codec,
+                self.executor,
+                direct=self.direct,
+            )
+            manifest = Manifest(
+                step=source.step,
+                created=source.created,
+                skeleton=source.skeleton,
+                records=records,
+                metadata=source.metadata,
+            )
+            async with aiofiles.open(tmp / MANIFEST_FILE, "wb") as f:
+                await f.write(manifest.encode())
+                await f.flush()
+                await _fsync(f.fileno())
+            await _fsync_dir(tmp)
+        except BaseException:
+            await _rmtree(tmp, ignore_errors=True)
+            raise
+        return Staged(source.step, tmp, manifest.stored_bytes, source.created)
+
+    async def commit(self, staged: Staged) -> VersionInfo:
+        final = self.root / version_dirname(staged.step)
+        old = None
+        if await aiofiles.os.path.exists(final):
+            old = self.root / f"{_REPLACED}{final.name}-{uuid.uuid4().hex[:12]}"
+            await aiofiles.os.rename(final, old)
+        try:
+            await aiofiles.os.rename(staged.location, final)
+        except BaseException:
+            if old is not None:
+                await aiofiles.os.rename(old, final)
+            raise
+        await _fsync_dir(self.root)
+        if old is not None:
+            await _rmtree(old, ignore_errors=True)
+        info = VersionInfo(self.name, staged.step, staged.nbytes, staged.created, str(final))
+        self._index[staged.step] = info
+        return info
+
+    async def abort(self, staged: Staged) -> None:
+        await _rmtree(staged.location, ignore_errors=True)
+
+    async def read(self, step: int) -> VersionSource:
+        path = self.root / version_dirname(step)
+        manifest = await self._manifest(step, path)
+        return await asyncio.to_thread(FilesystemSource, self.name, path, manifest)
+
+    async def delete(self, step: int) -> None:
+        if self.leased(step):
+            raise RuntimeError(f"tier {self.name!r}: step {step} is leased and cannot be deleted")
+        info = self._index.pop(step, None)
+        final = self.root / version_dirname(step)
+        trash = self.root / f".trash-{final.name}-{uuid.uuid4().hex[:12]}"
+        try:
+            await aiofiles.os.rename(final, trash)
+        except FileNotFoundError:
+            return
+        except BaseException:
+            if info is not None:
+                self._index[step] = info
+            raise
+        await _fsync_dir(self.root)
+        await _rmtree(trash, ignore_errors=True)
+
+    async def close(self) -> None:
+        self.executor.shutdown(wait=True)
+
+
+class FilesystemSource(VersionSource):
+    """A committed version's files, opened for reading; verifies every chunk it returns."""
+
+    def __init__(self, tier: str, path: Path, manifest: Manifest) -> None:
+        self.tier = tier
+        self.step = manifest.step
+        self.created = manifest.created
+        self.skeleton = manifest.skeleton
+        self.metadata = manifest.metadata
+        self.records = manifest.records
+        self._fds: dict[str, int] = {}
+        try:
+            for name in sorted({r.file for r in manifest.records}):
+                try:
+                    self._fds[name] = os.open(path / name, os.O_RDONLY | os.O_CLOEXEC)
+                except FileNotFoundError as exc:
+                    raise CorruptCheckpointError(
+                        f"step {self.step} on tier {tier!r}: data file {name} is missing", tier=tier, step=self.step
+                    ) from exc
+        except BaseException:
+            self.close()
+            raise
+
+    def _verify(self, record: TensorRecord, chunk: int, data: memoryview) -> None:
+        if checksum(data) != record.chunks[chunk].checksum:
+            raise CorruptCheckpointError(
+                f"step {self.step} on tier {self.tier!r}: checksum mismatch in {record.key} (chunk {chunk})",
+                tier=self.tier,
+                step=self.step,
+                key=record.key,
+            )
+
+    def _pread(self, record: TensorRecord, chunk: int, out: memoryview) -> None:
+        what = f"step {self.step} on tier {self.tier!r}, {record.key}"
+        try:
+            pread_exact(self._fds[record.file], out, record.chunks[chunk].offset, what=what)
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(str(exc), tier=self.tier, step=self.step, key=record.key) from None
+
+    def read_stored(self, record: TensorRecord, chunk: int, scratch: memoryview) -> memoryview:
+        stored = record.chunks[chunk].stored
+        out = scratch[:stored] if scratch.nbytes >= stored else memoryview(bytearray(stored))
+        self._pread(record, chunk, out)
+        self._verify(record, chunk, out)
+        return out
+
+    def read_logical(self, record: TensorRecord, chunk: int, out: memoryview, scratch: memoryview) -> None:
+        if record.codec != "none":
+            super().read_logical(record, chunk, out, scratch)
+            return
+        if record.chunks[chunk].stored != out.nbytes:
+            raise CorruptCheckpointError(
+                f"step {self.step} on tier {self.tier!r}: {record.key} chunk {chunk} has the wrong length",
+                tier=self.tier,
+                step=self.step,
+                key=record.key,
+            )
+        # Uncompressed chunks land straight in the destination: no bounce, one pass to hash.
+        self._pread(record, chunk, out)
+        self._verify(record, chunk, out)
+
+    def close(self) -> None:
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)

@@ -1,0 +1,120 @@
+"""Writing one version's data file from a :class:`VersionSource` (blocking; runs in tier threads).
+
+Chunks are the unit of work: each writer thread reads a chunk from the source (a zero-copy view of a
+host slot, or a verified read from the tier above), re-encodes it only when the codecs differ, hashes
+the stored bytes while they are hot in cache, and writes them with ``pwrite``. Uncompressed records
+keep the slot's 4 KiB-aligned layout, so host slot bytes go to disk with O_DIRECT as they are;
+compressed chunks are packed back to back.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+from pathlib import Path
+
+from tierckpt._buffers import align_up
+from tierckpt.codecs import Codec, decoder
+from tierckpt.format import ALIGN, Chunk, TensorRecord, checksum
+from tierckpt.tiers.base import VersionSource
+from tierckpt.tiers.fsio import O_DIRECT, pwrite_all, scratch, scratch2
+
+def scratch_bytes(chunk_bytes: int) -> int:
+    """Room for one stored chunk: zstd's worst case grows a chunk by well under 1%."""
+    return align_up(chunk_bytes + chunk_bytes // 64 + (1 << 16))
+
+
+def write_data_file(
+    source: VersionSource,
+    path: Path,
+    codec: Codec,
+    executor: concurrent.futures.Executor,
+    *,
+    direct: bool,
+) -> tuple[TensorRecord, ...]:
+    """Write every record of ``source`` into ``path`` and fsync it; returns the stored records."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    direct_fd = None
+    try:
+        if direct and codec.name == "none":
+            direct_fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | O_DIRECT)
+        raw_offsets = []
+        end = 0
+        for record in source.records:
+            raw_offsets.append(end)
+            end += align_up(record.nbytes, ALIGN)
+        # Raw records keep the slot's layout, [0, end); encoded chunks are packed after it, or from 0
+        # when no record is stored raw (a compressed file would otherwise start with a hole).
+        packed = _Packer(start=end if codec.name == "none" else 0)
+
+        def job(ri: int, c: int) -> Chunk:
+            record = source.records[ri]
+            start, length = record.chunk_span(c)
+            stored = source.read_stored(record, c, scratch(scratch_bytes(record.chunk_bytes)))
+            if record.codec == codec.name:
+                data, digest = stored, source.checksum_of(record, c)
+            else:
+                logical = scratch2(scratch_bytes(record.chunk_bytes))[:length]
+                decoder(record.codec).decode_into(stored, logical)
+                data, digest = memoryview(codec.encode(logical)), None
+            if digest is None:
+                digest = checksum(data)
+            if codec.name == "none" and record.chunk_bytes % ALIGN == 0:
+                offset = raw_offsets[ri] + start
+                pwrite_all(data, offset, fd, direct_fd)
+            else:
+                # Packed chunks go through the page cache: O_DIRECT would pad an unaligned tail to a
+                # full page of zeros, over the head of the next packed chunk (maybe already written).
+                offset = packed.reserve(data.nbytes)
+                pwrite_all(data, offset, fd, None)
+            return Chunk(offset, data.nbytes, digest)
+
+        futures = {
+            (ri, c): executor.submit(job, ri, c)
+            for ri, record in enumerate(source.records)
+            for c in range(len(record.chunks))
+        }
+        concurrent.futures.wait(futures.values(), return_when=concurrent.futures.FIRST_EXCEPTION)
+        for f in futures.values():
+            f.cancel()
+        # Waits for the jobs already running: none may write after the file is closed.
+        errors = [f.exception() for f in futures.values() if not f.cancelled()]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+        chunks = {key: f.result() for key, f in futures.items()}
+        os.fsync(fd)
+    finally:
+        if direct_fd is not None:
+            os.close(direct_fd)
+        os.close(fd)
+    return tuple(
+        TensorRecord(
+            index=r.index,
+            key=r.key,
+            kind=r.kind,
+            dtype=r.dtype,
+            shape=r.shape,
+            nbytes=r.nbytes,
+            file=path.name,
+            codec=codec.name,
+            chunk_bytes=r.chunk_bytes,
+            chunks=tuple(chunks[(ri, c)] for c in range(len(r.chunks))),
+        )
+        for ri, r in enumerate(source.records)
+    )
+
+
+class _Packer:
+    """Hands out back-to-back file offsets for chunks whose size is known only after encoding."""
+
+    def __init__(self, start: int) -> None:
+        self._end = start
+        self._lock = threading.Lock()
+
+    def reserve(self, nbytes: int) -> int:
+        with self._lock:
+            offset = self._end
+            self._end += nbytes
+            return offset

@@ -1,0 +1,194 @@
+"""The memory tier: captured snapshots held in host-pool slots (PCheck-style, several at once).
+
+Every save lands here first. A slot is reused only when its snapshot is no longer needed: not being
+read (leased), not the version the next tier's flusher is waiting to take, and not kept by this tier's
+retention; when a save needs a slot and none is free, the oldest such snapshot gives way to it. In a
+new process this tier is empty, and restore looks further down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from typing import Callable
+
+from tierckpt.capture.pool import HostPool, Slot
+from tierckpt.config import TierConfig
+from tierckpt.format import CHUNK_BYTES, Chunk, TensorRecord
+from tierckpt.format.manifest import chunk_count
+from tierckpt.policy import retain
+from tierckpt.snapshot import Snapshot, SnapshotState
+from tierckpt.tiers.base import Lease, Tier, VersionInfo, VersionSource
+
+# needed(snapshot, incoming): whether the tier below still wants ``snapshot``, given a save of
+# (step, seq) that is about to take a slot (or None).
+Needed = Callable[[Snapshot, "tuple[int, int] | None"], bool]
+
+
+class MemoryTier(Tier):
+    def __init__(self, config: TierConfig, pool: HostPool) -> None:
+        super().__init__(config)
+        self.pool = pool
+        self.executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"tierckpt-mem-{config.name}")
+        self.needed: Needed = lambda snapshot, incoming: False
+        self._free: list[Slot] = list(pool.slots)
+        self._snapshots: dict[int, Snapshot] = {}  # by seq, in save order
+        self._changed: asyncio.Condition | None = None
+
+    async def open(self) -> None:
+        self._changed = asyncio.Condition()
+
+    # -- slots -----------------------------------------------------------------------------------
+
+    def try_acquire(self, step: int, seq: int) -> Slot | None:
+        """A free slot for the save (step, seq), evicting the oldest snapshot that may go; or None."""
+        if self._free:
+            return self._free.pop(0)
+        for snapshot in self._snapshots.values():
+            if self._evictable(snapshot, (step, seq)):
+                self.drop(snapshot)
+                return self._free.pop(0)
+        return None
+
+    async def acquire(self, step: int, seq: int, *, wait: bool) -> Slot | None:
+        """A slot for the save; with ``wait``, block until one can be had, else None at once."""
+        assert self._changed is not None
+        async with self._changed:
+            while True:
+                slot = self.try_acquire(step, seq)
+                if slot is not None or not wait:
+                    return slot
+                await self._changed.wait()
+
+    def _evictable(self, snapshot: Snapshot, incoming: tuple[int, int] | None) -> bool:
+        if snapshot.state is SnapshotState.CAPTURING or snapshot.leases:
+            return False
+        return snapshot.state is not SnapshotState.CAPTURED or not self.needed(snapshot, incoming)
+
+    def notify(self) -> None:
+        """Something changed that may free a slot: wake blocked saves."""
+        if self._changed is None:
+            return
+
+        async def wake() -> None:
+            assert self._changed is not None
+            async with self._changed:
+                self._changed.notify_all()
+
+        asyncio.get_running_loop().create_task(wake())
+
+    # -- snapshots ---------------------------------------------------------------------------------
+
+    def add(self, snapshot: Snapshot) -> None:
+        self._snapshots[snapshot.seq] = snapshot
+
+    def snapshots(self) -> list[Snapshot]:
+        return list(self._snapshots.values())
+
+    def capturing(self) -> list[Snapshot]:
+        return [s for s in self._snapshots.values() if s.state is SnapshotState.CAPTURING]
+
+    def drop(self, snapshot: Snapshot) -> None:
+        """Forget a snapshot and free its slot (it must not be capturing or leased)."""
+        if self._snapshots.pop(snapshot.seq, None) is None:
+            return
+        if snapshot.state is not SnapshotState.FAILED:
+            snapshot.state = SnapshotState.DROPPED
+        self._free.append(snapshot.slot)
+        self.notify()
+
+    def prune(self) -> None:
+        """Retention: drop captured snapshots the keep policy lets go and nobody needs."""
+        newest: dict[int, Snapshot] = {}
+        for s in self._snapshots.values():
+            if s.state is SnapshotState.CAPTURED:
+                newest[s.step] = s  # a later save of the same step replaces the earlier one
+        keep = retain(list(newest), self.config.keep)
+        for s in list(self._snapshots.values()):
+            if s.state is SnapshotState.FAILED and not s.leases:
+                self.drop(s)
+            elif s.state is SnapshotState.CAPTURED and (s.step not in keep or newest[s.step] is not s):
+                if self._evictable(s, None):
+                    self.drop(s)
+
+    def _find(self, step: int) -> Snapshot | None:
+        found = None
+        for s in self._snapshots.values():
+            if s.step == step and s.state is SnapshotState.CAPTURED:
+                found = s
+        return found
+
+    # -- the Tier interface ------------------------------------------------------------------------
+
+    def versions(self) -> list[VersionInfo]:
+        found: dict[int, Snapshot] = {}
+        for s in self._snapshots.values():
+            if s.state is SnapshotState.CAPTURED:
+                found[s.step] = s
+        return [VersionInfo(self.name, step, found[step].nbytes, found[step].created) for step in sorted(found)]
+
+    def lease(self, step: int) -> Lease:
+        snapshot = self._find(step)
+        if snapshot is None:
+            raise KeyError(f"tier {self.name!r} holds no step {step}")
+        snapshot.leases += 1
+
+        def release() -> None:
+            snapshot.leases -= 1
+            if not snapshot.leases:
+                self.prune()
+                self.notify()
+
+        return Lease(release)
+
+    def leased(self, step: int) -> bool:
+        return any(s.leases for s in self._snapshots.values() if s.step == step)
+
+    async def read(self, step: int) -> VersionSource:
+        snapshot = self._find(step)
+        if snapshot is None:
+            raise KeyError(f"tier {self.name!r} holds no step {step}")
+        return MemorySource(self.name, snapshot, self.pool)
+
+    async def delete(self, step: int) -> None:
+        for s in list(self._snapshots.values()):
+            if s.step == step and not s.leases and s.state is not SnapshotState.CAPTURING:
+                self.drop(s)
+
+    async def close(self) -> None:
+        self.executor.shutdown(wait=True)
+
+
+class MemorySource(VersionSource):
+    """A captured snapshot's slot, read in place (no copy until a destination asks for one)."""
+
+    def __init__(self, tier: str, snapshot: Snapshot, pool: HostPool) -> None:
+        self.tier = tier
+        self.step = snapshot.step
+        self.created = snapshot.created
+        self.skeleton = snapshot.skeleton
+        self.metadata = snapshot.metadata
+        self._snapshot = snapshot
+        self._pool = pool
+        self.records = tuple(
+            TensorRecord(
+                index=e.index,
+                key=e.key,
+                kind=e.kind,
+                dtype=e.dtype,
+                shape=e.shape,
+                nbytes=e.nbytes,
+                file="",
+                codec="none",
+                chunk_bytes=CHUNK_BYTES,
+                chunks=tuple(
+                    Chunk(e.offset + c * CHUNK_BYTES, min(CHUNK_BYTES, e.nbytes - c * CHUNK_BYTES), -1)
+                    for c in range(chunk_count(e.nbytes))
+                ),
+            )
+            for e in snapshot.entries
+        )
+
+    def read_stored(self, record: TensorRecord, chunk: int, scratch: memoryview) -> memoryview:
+        c = record.chunks[chunk]
+        return self._pool.view(self._snapshot.slot, c.offset, c.stored)
