@@ -135,7 +135,8 @@ def bench_tierckpt(directory: Path, state: dict, nbytes: int, io_threads: int) -
         ckpt.close_sync()
     cold = drop_caches()
     out["restore_cold_cache"] = float(cold)
-    template = {k: {n: torch.empty_like(v) for n, v in state[k].items()} for k in ("model", "optim")}
+    # zeros_like: a live model's tensors are touched memory, as a template in real use is.
+    template = {k: {n: torch.zeros_like(v) for n, v in state[k].items()} for k in ("model", "optim")}
     with Checkpointer(config) as ckpt:
         t = time.perf_counter()
         restored = ckpt.restore_latest_sync()

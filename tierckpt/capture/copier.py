@@ -4,6 +4,10 @@
 read parameters, never write them); the step pre-hook calls :meth:`Copier.wait_captured` before the
 optimizer overwrites anything. Large contiguous tensors are split into pieces so every copy thread
 works on one big tensor at once.
+
+Each copy thread gets one batch per snapshot, balanced by bytes, and builds its own views of the slot:
+the engine thread only plans, and the threads take the GIL once per piece, not once per job
+hand-off (measured: 150 small jobs per save cost the caller 1-3 ms of GIL waits on 2 cores).
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
@@ -50,18 +55,38 @@ class _Countdown:
             self._future.set_result(None)
 
 
+@dataclass(frozen=True)
+class _Piece:
+    """Elements ``[first, stop)`` of one leaf, or the whole leaf when ``stop`` is None."""
+
+    leaf: Leaf
+    entry: Entry
+    first: int = 0
+    stop: int | None = None
+    itemsize: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.entry.nbytes if self.stop is None else (self.stop - self.first) * self.itemsize
+
+    @property
+    def last(self) -> bool:
+        return self.stop is None or self.stop * self.itemsize == self.entry.nbytes
+
+
 class Copier:
     """Runs the host copies of every snapshot on ``threads`` threads; owns them and shuts them down."""
 
     def __init__(self, pool: HostPool, threads: int) -> None:
         self._pool = pool
+        self._threads = threads
         self._executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tierckpt-copy")
         self._pending: set[concurrent.futures.Future[None]] = set()
         self._lock = threading.Lock()
 
     def start(self, snapshot: Snapshot, leaves: Sequence[Leaf], started: float) -> None:
         """Enqueue the copies of ``leaves`` into ``snapshot``'s slot; ``snapshot.capture`` completes after."""
-        jobs = [job for leaf, entry in zip(leaves, snapshot.entries) for job in self._jobs(snapshot, leaf, entry)]
+        batches = _balance([p for leaf, entry in zip(leaves, snapshot.entries) for p in _pieces(leaf, entry)], self._threads)
         future = snapshot.capture
         # The copies run whatever a waiter does: a cancelled await (wait() under a timeout) must not
         # cancel the capture, or its slot would stay "capturing" forever. A running future cannot be.
@@ -73,13 +98,13 @@ class Copier:
         def done() -> None:
             snapshot.capture_s = time.perf_counter() - started
 
-        if not jobs:
+        if not batches:
             done()
             future.set_result(None)
             return
-        countdown = _Countdown(len(jobs), future, done)
-        for job in jobs:
-            self._executor.submit(_run, job, countdown)
+        countdown = _Countdown(len(batches), future, done)
+        for batch in batches:
+            self._executor.submit(_run, self._pool, snapshot, batch, countdown)
 
     def wait_captured(self, timeout: float | None = None) -> bool:
         """Block until every capture started so far has finished; False if ``timeout`` ran out."""
@@ -97,48 +122,62 @@ class Copier:
         with self._lock:
             self._pending.discard(future)
 
-    def _jobs(self, snapshot: Snapshot, leaf: Leaf, entry: Entry) -> list[Callable[[], None]]:
-        pool, slot = self._pool, snapshot.slot
-        pad = -entry.nbytes % 4096
-        jobs: list[Callable[[], None]] = []
-        if leaf.kind == "torch":
-            dest = pool.tensor(slot, entry.offset, entry.nbytes, entry.dtype, entry.shape)
-            src = leaf.value.detach()
-            if src.element_size() == 1 and src.dtype is not torch.uint8:
-                # Sub-byte dtypes (uint1..7, int1..7) have no copy kernel; every 1-byte dtype copies
-                # bitwise as uint8, at any strides.
-                src, dest = src.view(torch.uint8), dest.view(torch.uint8)
-            jobs += _split(src, dest, entry.nbytes, lambda d, s: d.copy_(s), src.is_contiguous())
-        else:
-            import numpy as np
 
-            dest = pool.array(slot, entry.offset, entry.nbytes, entry.dtype, entry.shape)
-            src = leaf.value
-            jobs += _split(src, dest, entry.nbytes, lambda d, s: np.copyto(d, s), src.flags.c_contiguous)
-        if pad:
-            # Padding reaches the disk with O_DIRECT writes; zero it so no older snapshot leaks into files.
-            tail = pool.raw(slot, entry.offset + entry.nbytes, pad)
-            jobs.append(tail.zero_)
-        return jobs
+def _pieces(leaf: Leaf, entry: Entry) -> list[_Piece]:
+    value = leaf.value
+    contiguous = value.is_contiguous() if leaf.kind == "torch" else value.flags.c_contiguous
+    if not contiguous or entry.nbytes <= _PIECE_BYTES or value.ndim == 0:
+        return [_Piece(leaf, entry)]
+    numel = value.numel() if leaf.kind == "torch" else value.size
+    itemsize = entry.nbytes // numel
+    step = max(1, _PIECE_BYTES // itemsize)
+    return [_Piece(leaf, entry, a, min(a + step, numel), itemsize) for a in range(0, numel, step)]
 
 
-def _split(src: Any, dest: Any, nbytes: int, copy: Callable[[Any, Any], Any], contiguous: bool) -> list[Callable[[], None]]:
-    if not contiguous or nbytes <= _PIECE_BYTES or src.ndim == 0:
-        return [lambda: copy(dest, src)]
-    flat_src, flat_dest = src.reshape(-1), dest.reshape(-1)
-    step = max(1, _PIECE_BYTES // max(1, nbytes // flat_src.shape[0]))
-    return [
-        (lambda a=a: copy(flat_dest[a : a + step], flat_src[a : a + step]))
-        for a in range(0, flat_src.shape[0], step)
-    ]
+def _balance(pieces: list[_Piece], threads: int) -> list[list[_Piece]]:
+    """Greedy: biggest piece first, onto the thread with the fewest bytes so far."""
+    batches: list[list[_Piece]] = [[] for _ in range(min(threads, len(pieces)))]
+    loads = [0] * len(batches)
+    for piece in sorted(pieces, key=lambda p: -p.nbytes):
+        i = loads.index(min(loads))
+        batches[i].append(piece)
+        loads[i] += piece.nbytes
+    return batches
 
 
-def _run(job: Callable[[], None], countdown: _Countdown) -> None:
+def _copy(pool: HostPool, snapshot: Snapshot, piece: _Piece) -> None:
+    entry, slot = piece.entry, snapshot.slot
+    if piece.leaf.kind == "torch":
+        dest = pool.tensor(slot, entry.offset, entry.nbytes, entry.dtype, entry.shape)
+        src = piece.leaf.value.detach()
+        if src.element_size() == 1 and src.dtype is not torch.uint8:
+            # Sub-byte dtypes (uint1..7, int1..7) have no copy kernel; every 1-byte dtype copies
+            # bitwise as uint8, at any strides.
+            src, dest = src.view(torch.uint8), dest.view(torch.uint8)
+        if piece.stop is not None:
+            src, dest = src.reshape(-1)[piece.first : piece.stop], dest.reshape(-1)[piece.first : piece.stop]
+        dest.copy_(src)
+    else:
+        import numpy as np
+
+        dest = pool.array(slot, entry.offset, entry.nbytes, entry.dtype, entry.shape)
+        src = piece.leaf.value
+        if piece.stop is not None:
+            src, dest = src.reshape(-1)[piece.first : piece.stop], dest.reshape(-1)[piece.first : piece.stop]
+        np.copyto(dest, src)
+    pad = -entry.nbytes % 4096
+    if pad and piece.last:
+        # Padding reaches the disk with O_DIRECT writes; zero it so no older snapshot leaks into files.
+        pool.raw(slot, entry.offset + entry.nbytes, pad).zero_()
+
+
+def _run(pool: HostPool, snapshot: Snapshot, batch: list[_Piece], countdown: _Countdown) -> None:
+    error = None
     try:
         # Grad mode is per thread: without this, copying a tensor that requires grad records autograd history.
         with torch.no_grad():
-            job()
+            for piece in batch:
+                _copy(pool, snapshot, piece)
     except BaseException as exc:  # reported through the snapshot's future, re-raised at the next save()
-        countdown.finish(exc)
-    else:
-        countdown.finish()
+        error = exc
+    countdown.finish(error)
