@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 
 import tierckpt
+import tierckpt.errors
 from tierckpt import Checkpointer, SaveHandle
 
 
@@ -16,7 +17,7 @@ def test_all_is_pinned() -> None:
         "ConfigError",
         "CorruptCheckpointError",
         "FlushError",
-        "NoCheckpointError",
+        "RestoreError",
         "Restored",
         "SaveHandle",
         "TierckptError",
@@ -50,7 +51,8 @@ def test_signatures_match_the_architecture() -> None:
 def test_errors_inherit_the_matching_builtins() -> None:
     assert issubclass(tierckpt.ConfigError, ValueError)
     assert issubclass(tierckpt.UnsupportedStateError, TypeError)
-    assert issubclass(tierckpt.NoCheckpointError, FileNotFoundError)
+    assert issubclass(tierckpt.errors.NoCheckpointError, FileNotFoundError)
+    assert issubclass(tierckpt.RestoreError, ValueError)
     assert issubclass(tierckpt.FlushError, OSError)
     for name in tierckpt.__all__:
         obj = getattr(tierckpt, name)

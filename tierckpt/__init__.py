@@ -3,6 +3,9 @@
 ``save()`` copies the state to host memory on copy threads and returns; a pipeline on the library's
 own thread flushes it down configurable tiers (host RAM, local NVMe, a parallel file system) with a
 retention and a flush policy each; ``restore_latest()`` loads the newest version that verifies.
+
+The rest of the error tree (``ClosedError``, ``FormatVersionError``, ``NoCheckpointError``) is in
+:mod:`tierckpt.errors`.
 """
 
 from tierckpt.checkpointer import Checkpointer, SaveHandle
@@ -12,7 +15,7 @@ from tierckpt.errors import (
     ConfigError,
     CorruptCheckpointError,
     FlushError,
-    NoCheckpointError,
+    RestoreError,
     TierckptError,
     UnsupportedStateError,
 )
@@ -26,7 +29,7 @@ __all__ = [
     "ConfigError",
     "CorruptCheckpointError",
     "FlushError",
-    "NoCheckpointError",
+    "RestoreError",
     "Restored",
     "SaveHandle",
     "TierckptError",

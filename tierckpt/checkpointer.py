@@ -10,7 +10,7 @@ import logging
 import os
 import threading
 import time
-import weakref
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import msgpack
@@ -111,13 +111,14 @@ class Checkpointer:
     def __init__(self, config: Config | Mapping[str, Any] | str | os.PathLike[str], *, tier_factory: TierFactory | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = Config.coerce(config)
         host = self.config.host
-        self._pool = HostPool(host.capacity_bytes, host.snapshots)
-        self._copier = Copier(self._pool, host.copy_threads)
         tier_configs = list(self.config.tiers)
+        _check_disjoint_paths(tier_configs)
         if tier_configs[0].type != "memory":
             names = {t.name for t in tier_configs}
             implicit = next(n for n in ("host", "host-memory", "tierckpt-host") if n not in names)
             tier_configs.insert(0, TierConfig(name=implicit, type="memory"))
+        self._pool = HostPool(host.capacity_bytes, host.snapshots)
+        self._copier = Copier(self._pool, host.copy_threads)
         tiers: list[Tier] = []
         for cfg in tier_configs:
             tier = tier_factory(cfg) if tier_factory else None
@@ -126,16 +127,16 @@ class Checkpointer:
             tiers.append(tier)
         self._pipeline = Pipeline(self.config, self._pool, self._copier, tiers, clock=clock)
         self._engine = Engine()
-        self._closed = False
+        self._runtime = _Runtime(self._engine, self._pipeline, self._copier, self._pool)
         try:
             self._engine.run_sync(self._pipeline.start())
         except BaseException:
             try:
                 self._engine.run_sync(self._pipeline.shutdown())
             finally:
-                self._teardown()
+                self._runtime.teardown()
             raise
-        _register_exit(weakref.ref(self))
+        _register_exit(self._runtime)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], **kwargs: Any) -> Checkpointer:
@@ -155,18 +156,38 @@ class Checkpointer:
 
     # -- capture ---------------------------------------------------------------------------------
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> Any:
-        """Make ``optimizer.step()`` wait for pending host copies first (the lazy barrier).
+    def attach(self, target: torch.optim.Optimizer | torch.nn.Module) -> Any:
+        """Install the lazy barrier: wait for pending host copies before state is overwritten.
 
-        Returns the hook handle; ``handle.remove()`` detaches. State that no optimizer updates in place
-        (a GradScaler, EMA weights, buffers you modify yourself) needs :meth:`wait_captured` before
-        it is modified.
+        An optimizer gets a step pre-hook (``optimizer.step()`` waits). A module gets a forward
+        pre-hook on every submodule that owns buffers, since forward may update those in place
+        (BatchNorm running statistics); modules without buffers keep running during the copy.
+        Returns a handle; ``handle.remove()`` detaches. Other state modified in place outside these
+        (a GradScaler, EMA weights) needs :meth:`wait_captured` before it is modified; a copy that
+        sees its tensor change fails with :class:`FlushError` instead of storing a torn snapshot.
+
+        Raises:
+            TypeError: ``target`` is neither an optimizer nor a module.
         """
+        if isinstance(target, torch.optim.Optimizer):
 
-        def barrier(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
-            self.wait_captured()
+            def step_barrier(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+                self.wait_captured()
 
-        return optimizer.register_step_pre_hook(barrier)
+            return target.register_step_pre_hook(step_barrier)
+        if isinstance(target, torch.nn.Module):
+
+            def forward_barrier(_module: Any, _args: Any) -> None:
+                self.wait_captured()
+
+            return _Handles(
+                [
+                    module.register_forward_pre_hook(forward_barrier)
+                    for module in target.modules()
+                    if next(module.buffers(recurse=False), None) is not None
+                ]
+            )
+        raise TypeError(f"attach() takes a torch optimizer or module, not {type(target).__name__}")
 
     def wait_captured(self, timeout: float | None = None) -> bool:
         """Block until every host copy started so far has finished (False if ``timeout`` ran out)."""
@@ -215,7 +236,7 @@ class Checkpointer:
                 step=step,
                 key="host.capacity",
             )
-        return step, leaves, entries, nbytes, skeleton, meta, started
+        return step, leaves, entries, nbytes, skeleton, meta, started, _cuda_ready(leaves)
 
     # -- wait, restore, list -----------------------------------------------------------------------
 
@@ -258,30 +279,14 @@ class Checkpointer:
 
     async def close(self) -> None:
         """Drain every pending flush, stop the engine and release host memory."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            await self._engine.run(self._pipeline.close())
-        finally:
-            self._teardown()
+        await self._runtime.close()
 
     def close_sync(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._engine.run_sync(self._pipeline.close())
-        finally:
-            self._teardown()
+        self._runtime.close_sync()
 
-    def _teardown(self) -> None:
-        self._closed = True
-        engine = getattr(self, "_engine", None)
-        if engine is not None:
-            engine.stop()
-        self._copier.close()
-        self._pool.close()
+    @property
+    def _closed(self) -> bool:
+        return self._runtime.closed
 
     def _check_open(self) -> None:
         if self._closed:
@@ -300,7 +305,105 @@ class Checkpointer:
         self.close_sync()
 
 
-def _register_exit(ref: weakref.ref[Checkpointer]) -> None:
+class _Handles:
+    """Several hook handles removed as one."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self._handles = handles
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _cuda_ready(leaves: list[Any]) -> list[Any]:
+    """Events on the saving thread's current stream of each device holding a leaf.
+
+    Streams are per thread: the copy threads must wait for what this thread queued before save().
+    """
+    devices = {leaf.value.device for leaf in leaves if leaf.kind == "torch" and leaf.value.device.type == "cuda"}
+    events = []
+    for device in devices:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+    return events
+
+
+def _check_disjoint_paths(tiers: list[TierConfig]) -> None:
+    """Two tiers in one directory (or one inside the other) would prune each other's versions."""
+    seen: list[tuple[str, Path]] = []
+    for tier in tiers:
+        if tier.path is None:
+            continue
+        path = Path(tier.path).expanduser().absolute().resolve()
+        for name, other in seen:
+            if path == other or path in other.parents or other in path.parents:
+                raise ConfigError(
+                    f"tiers {name!r} and {tier.name!r} share a directory ({other} and {path}); "
+                    "each tier needs a directory of its own",
+                    tier=tier.name,
+                    key=f"tiers.{tier.name}.path",
+                )
+        seen.append((tier.name, path))
+
+
+class _Runtime:
+    """The parts of a Checkpointer that must be drained and stopped exactly once.
+
+    Held strongly by the exit hook: a Checkpointer dropped without ``close()`` keeps flushing in the
+    background and is drained at interpreter exit, instead of dying with the daemon engine thread.
+    """
+
+    def __init__(self, engine: Engine, pipeline: Pipeline, copier: Copier, pool: HostPool) -> None:
+        self.engine: Engine | None = engine
+        self.pipeline: Pipeline | None = pipeline
+        self.copier: Copier | None = copier
+        self.pool: HostPool | None = pool
+        self.closed = False
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            assert self.engine is not None and self.pipeline is not None
+            await self.engine.run(self.pipeline.close())
+        finally:
+            self.teardown()
+
+    def close_sync(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            assert self.engine is not None and self.pipeline is not None
+            self.engine.run_sync(self.pipeline.close())
+        finally:
+            self.teardown()
+
+    def teardown(self) -> None:
+        self.closed = True
+        engine, copier, pool = self.engine, self.copier, self.pool
+        self.engine = self.pipeline = self.copier = self.pool = None
+        if engine is not None:
+            engine.stop()
+        if copier is not None:
+            copier.close()
+        if pool is not None:
+            pool.close()
+
+    def close_at_exit(self) -> None:
+        if self.closed:
+            return
+        try:
+            self.close_sync()
+        except Exception as exc:  # at interpreter exit there is nobody left to raise to
+            log.error("tierckpt: closing at exit failed: %s", exc)
+
+
+def _register_exit(runtime: _Runtime) -> None:
     """Drain at interpreter exit if the user never closed.
 
     It must run before concurrent.futures refuses new work at shutdown, which happens in threading's
@@ -309,17 +412,8 @@ def _register_exit(ref: weakref.ref[Checkpointer]) -> None:
     register = getattr(threading, "_register_atexit", None)
     try:
         if register is not None:
-            register(_close_at_exit, ref)
+            register(runtime.close_at_exit)
             return
     except RuntimeError:  # already shutting down
         return
-    atexit.register(_close_at_exit, ref)
-
-
-def _close_at_exit(ref: weakref.ref[Checkpointer]) -> None:
-    ckpt = ref()
-    if ckpt is not None and not ckpt._closed:
-        try:
-            ckpt.close_sync()
-        except Exception as exc:  # at interpreter exit there is nobody left to raise to
-            log.error("tierckpt: closing at exit failed: %s", exc)
+    atexit.register(runtime.close_at_exit)

@@ -1,8 +1,11 @@
 """Copy threads that fill a slot from the live state while training goes on (lazy capture on CPU).
 
 ``save()`` only enqueues the copies. The training loop may run forward and backward meanwhile (they
-read parameters, never write them); the step pre-hook calls :meth:`Copier.wait_captured` before the
-optimizer overwrites anything. Large contiguous tensors are split into pieces so every copy thread
+read parameters and optimizer state, never write them); the step pre-hook calls
+:meth:`Copier.wait_captured` before the optimizer overwrites anything. Buffers that forward updates
+in place (BatchNorm running statistics) need a forward pre-hook barrier (``attach(module)``); a
+tensor whose in-place version counter moved before its copy finished fails the capture loudly
+instead of storing a snapshot that mixes two steps. Large contiguous tensors are split into pieces so every copy thread
 works on one big tensor at once.
 
 Each copy thread gets one batch per snapshot, balanced by bytes, and builds its own views of the slot:
@@ -16,7 +19,7 @@ import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -25,6 +28,10 @@ from tierckpt.snapshot import Entry, Snapshot
 from tierckpt.state import Leaf
 
 _PIECE_BYTES = 64 << 20
+
+
+class TornCaptureError(RuntimeError):
+    """A tensor changed while it was being copied into the host slot."""
 
 
 class _Countdown:
@@ -64,14 +71,11 @@ class _Piece:
     first: int = 0
     stop: int | None = None
     itemsize: int = 0
+    version: int = -1  # the tensor's in-place version counter when save() was called
 
     @property
     def nbytes(self) -> int:
         return self.entry.nbytes if self.stop is None else (self.stop - self.first) * self.itemsize
-
-    @property
-    def last(self) -> bool:
-        return self.stop is None or self.stop * self.itemsize == self.entry.nbytes
 
 
 class Copier:
@@ -84,8 +88,12 @@ class Copier:
         self._pending: set[concurrent.futures.Future[None]] = set()
         self._lock = threading.Lock()
 
-    def start(self, snapshot: Snapshot, leaves: Sequence[Leaf], started: float) -> None:
-        """Enqueue the copies of ``leaves`` into ``snapshot``'s slot; ``snapshot.capture`` completes after."""
+    def start(self, snapshot: Snapshot, leaves: Sequence[Leaf], started: float, ready: Sequence[Any] = ()) -> None:
+        """Enqueue the copies of ``leaves`` into ``snapshot``'s slot; ``snapshot.capture`` completes after.
+
+        ``ready``: CUDA events recorded on the saving thread's current streams; copies of device
+        tensors wait for them, so kernels queued before ``save()`` have finished writing.
+        """
         batches = _balance([p for leaf, entry in zip(leaves, snapshot.entries) for p in _pieces(leaf, entry)], self._threads)
         future = snapshot.capture
         # The copies run whatever a waiter does: a cancelled await (wait() under a timeout) must not
@@ -104,7 +112,7 @@ class Copier:
             return
         countdown = _Countdown(len(batches), future, done)
         for batch in batches:
-            self._executor.submit(_run, self._pool, snapshot, batch, countdown)
+            self._executor.submit(_run, self._pool, snapshot, batch, ready, countdown)
 
     def wait_captured(self, timeout: float | None = None) -> bool:
         """Block until every capture started so far has finished; False if ``timeout`` ran out."""
@@ -125,13 +133,15 @@ class Copier:
 
 def _pieces(leaf: Leaf, entry: Entry) -> list[_Piece]:
     value = leaf.value
-    contiguous = value.is_contiguous() if leaf.kind == "torch" else value.flags.c_contiguous
+    torch_leaf = leaf.kind == "torch"
+    version = value._version if torch_leaf else -1
+    contiguous = value.is_contiguous() if torch_leaf else value.flags.c_contiguous
     if not contiguous or entry.nbytes <= _PIECE_BYTES or value.ndim == 0:
-        return [_Piece(leaf, entry)]
-    numel = value.numel() if leaf.kind == "torch" else value.size
+        return [_Piece(leaf, entry, version=version)]
+    numel = value.numel() if torch_leaf else value.size
     itemsize = entry.nbytes // numel
     step = max(1, _PIECE_BYTES // itemsize)
-    return [_Piece(leaf, entry, a, min(a + step, numel), itemsize) for a in range(0, numel, step)]
+    return [_Piece(leaf, entry, a, min(a + step, numel), itemsize, version) for a in range(0, numel, step)]
 
 
 def _balance(pieces: list[_Piece], threads: int) -> list[list[_Piece]]:
@@ -157,6 +167,14 @@ def _copy(pool: HostPool, snapshot: Snapshot, piece: _Piece) -> None:
         if piece.stop is not None:
             src, dest = src.reshape(-1)[piece.first : piece.stop], dest.reshape(-1)[piece.first : piece.stop]
         dest.copy_(src)
+        if piece.leaf.value._version != piece.version:
+            # Modified in place after save() returned and before (or while) this copy ran: the
+            # snapshot may mix two steps. Fail loudly rather than store it.
+            raise TornCaptureError(
+                f"step {snapshot.step}: {entry.key} was modified in place while its host copy was running; "
+                "call ckpt.wait_captured() before changing state outside optimizer.step(), or "
+                "ckpt.attach(module) for modules whose forward updates buffers (e.g. BatchNorm statistics)"
+            )
     else:
         import numpy as np
 
@@ -165,15 +183,13 @@ def _copy(pool: HostPool, snapshot: Snapshot, piece: _Piece) -> None:
         if piece.stop is not None:
             src, dest = src.reshape(-1)[piece.first : piece.stop], dest.reshape(-1)[piece.first : piece.stop]
         np.copyto(dest, src)
-    pad = -entry.nbytes % 4096
-    if pad and piece.last:
-        # Padding reaches the disk with O_DIRECT writes; zero it so no older snapshot leaks into files.
-        pool.raw(slot, entry.offset + entry.nbytes, pad).zero_()
 
 
-def _run(pool: HostPool, snapshot: Snapshot, batch: list[_Piece], countdown: _Countdown) -> None:
+def _run(pool: HostPool, snapshot: Snapshot, batch: list[_Piece], ready: Sequence[Any], countdown: _Countdown) -> None:
     error = None
     try:
+        for event in ready:
+            event.synchronize()
         # Grad mode is per thread: without this, copying a tensor that requires grad records autograd history.
         with torch.no_grad():
             for piece in batch:

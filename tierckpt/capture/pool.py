@@ -51,10 +51,6 @@ class HostPool:
         flat = np.frombuffer(self._memory, dtype=np.uint8, count=nbytes, offset=start)
         return flat.view(numpy_dtype(dtype)).reshape(shape)
 
-    def raw(self, slot: Slot, offset: int, nbytes: int) -> torch.Tensor:
-        start = slot.offset + offset
-        return self._bytes[start : start + nbytes]
-
     def close(self) -> None:
         del self._bytes
         try:

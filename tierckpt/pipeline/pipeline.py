@@ -118,6 +118,7 @@ class Pipeline:
         skeleton: Any,
         metadata: dict[str, Any],
         started: float,
+        ready: Sequence[Any] = (),
     ) -> SaveTracker:
         self.raise_pending()
         wait = self.config.host.on_full == "block"
@@ -148,7 +149,7 @@ class Pipeline:
         loop = asyncio.get_running_loop()
         snapshot.capture.add_done_callback(lambda _: loop.call_soon_threadsafe(self._captured, snapshot))
         try:
-            self.copier.start(snapshot, leaves, started)
+            self.copier.start(snapshot, leaves, started, ready)
         except BaseException as exc:
             # Nothing was enqueued: fail the capture so the slot comes back and nobody waits on it.
             if not snapshot.capture.done():

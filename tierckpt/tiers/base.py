@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import collections
+import concurrent.futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,7 +103,13 @@ class Lease:
 
 
 class Tier(abc.ABC):
-    """One level of storage. See the module docstring for the call order."""
+    """One level of storage. See the module docstring for the call order.
+
+    ``executor`` runs the tier's blocking byte work (its sources' chunk reads during a restore); a
+    subclass creates it and shuts it down in :meth:`close`.
+    """
+
+    executor: concurrent.futures.Executor
 
     def __init__(self, config: TierConfig) -> None:
         self.config = config
@@ -117,7 +124,13 @@ class Tier(abc.ABC):
         """Committed versions, oldest step first (from an in-memory index: no I/O)."""
 
     def lease(self, step: int) -> Lease:
-        """Pin ``step`` so retention leaves it alone while it is read."""
+        """Pin ``step`` so retention leaves it alone while it is read.
+
+        Raises KeyError when the tier does not hold ``step`` (any more): a caller holding a list of
+        versions made earlier moves on instead of reading a version being deleted.
+        """
+        if all(info.step != step for info in self.versions()):
+            raise KeyError(f"tier {self.name!r} holds no step {step}")
         self._leases[step] += 1
 
         def release() -> None:
