@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import pickle
+import re
 import string
 import types
 from pathlib import Path
@@ -14,7 +15,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tierckpt.config import CompressionConfig, Config, FlushPolicy, HostConfig, KeepPolicy, TierConfig
+from tierckpt.config import (
+    _COMPRESSION_KEYS,
+    _FLUSH_KEYS,
+    _HOST_KEYS,
+    _KEEP_KEYS,
+    _TIER_KEYS,
+    CompressionConfig,
+    Config,
+    FlushPolicy,
+    HostConfig,
+    KeepPolicy,
+    TierConfig,
+)
 from tierckpt.errors import ConfigError
 from tierckpt.units import format_size, parse_duration, parse_size
 
@@ -82,14 +95,14 @@ def test_example_loads_as_written(tmp_path: Path) -> None:
     ram, nvme, pfs = config.tiers
     assert ram.type == "memory"
     assert ram.path is None
-    assert ram.keep == KeepPolicy(last=2, every_steps=None)
+    assert ram.keep == KeepPolicy(last=2, every_steps=None, within_s=None, max_bytes=None)
     assert ram.flush == FlushPolicy()
     assert ram.compression == CompressionConfig(codec="none", level=3)
 
     assert nvme.type == "filesystem"
     assert nvme.path == Path("./checkpoints/nvme")
     assert not nvme.path.is_absolute()
-    assert nvme.flush == FlushPolicy(every=1, every_steps=None, min_interval_s=0.0)
+    assert nvme.flush == FlushPolicy(every=1, every_steps=None, min_interval_s=0.0, max_staleness_s=None, newest_only=True)
     assert nvme.keep == KeepPolicy(last=3, every_steps=None)
     assert nvme.compression.codec == "none"
     assert nvme.io_threads == 2
@@ -108,13 +121,13 @@ def test_example_as_dict(tmp_path: Path) -> None:
     assert load(tmp_path, EXAMPLE).to_dict() == {
         "host": {"capacity": 4 * 2**30, "snapshots": 2, "on_full": "block", "copy_threads": 2},
         "tiers": [
-            {"name": "ram", "type": "memory", "keep": {"last": 2, "every_steps": None}},
+            {"name": "ram", "type": "memory", "keep": {"last": 2, "every_steps": None, "within": None, "max_bytes": None}},
             {
                 "name": "nvme",
                 "type": "filesystem",
                 "path": "checkpoints/nvme",
-                "flush": {"every": 1, "every_steps": None, "min_interval": 0.0},
-                "keep": {"last": 3, "every_steps": None},
+                "flush": {"every": 1, "every_steps": None, "min_interval": 0.0, "max_staleness": None, "newest_only": True},
+                "keep": {"last": 3, "every_steps": None, "within": None, "max_bytes": None},
                 "compression": {"codec": "none", "level": 3},
                 "io_threads": 2,
             },
@@ -122,8 +135,8 @@ def test_example_as_dict(tmp_path: Path) -> None:
                 "name": "pfs",
                 "type": "filesystem",
                 "path": "checkpoints/pfs",
-                "flush": {"every": 1, "every_steps": 100, "min_interval": 30.0},
-                "keep": {"last": 2, "every_steps": 1000},
+                "flush": {"every": 1, "every_steps": 100, "min_interval": 30.0, "max_staleness": None, "newest_only": True},
+                "keep": {"last": 2, "every_steps": 1000, "within": None, "max_bytes": None},
                 "compression": {"codec": "zstd", "level": 3},
                 "io_threads": 2,
             },
@@ -137,21 +150,56 @@ def test_defaults() -> None:
     assert config.tiers == (TierConfig(name="disk", type="filesystem", path=Path("ckpt")),)
 
 
+# --- README: its examples load, and it documents every key -------------------------------------------
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_configuration() -> str:
+    text = README.read_text(encoding="utf-8")
+    start = text.index("## Configuration")
+    return text[start : text.index("\n## ", start + 1)]
+
+
+def test_readme_examples_load_as_written(tmp_path: Path) -> None:
+    blocks = re.findall(r"```yaml\n(.*?)```", readme_configuration(), re.S)
+    assert len(blocks) == 2
+    assert load(tmp_path, blocks[0]) == load(tmp_path, EXAMPLE)
+    realistic = load(tmp_path, blocks[1])
+    ram, nvme, pfs = realistic.tiers
+    assert (realistic.host.snapshots, realistic.host.on_full) == (4, "evict")
+    assert ram.keep == KeepPolicy(last=1)
+    assert (nvme.flush, nvme.keep) == (FlushPolicy(every_steps=10), KeepPolicy(last=3))
+    assert pfs.flush == FlushPolicy(every_steps=500, max_staleness_s=1800.0)
+    assert pfs.keep == KeepPolicy(last=2, every_steps=5000)
+
+
+def test_readme_documents_every_key() -> None:
+    rows = set(re.findall(r"^\| `([a-z_.\[\]]+)` \|", readme_configuration(), re.M))
+    sections = {"flush": _FLUSH_KEYS, "keep": _KEEP_KEYS, "compression": _COMPRESSION_KEYS}
+    expected = {f"host.{key.name}" for key in _HOST_KEYS}
+    expected |= {f"tiers[].{key.name}" for key in _TIER_KEYS if key.name not in sections}
+    expected |= {f"tiers[].{name}.{key.name}" for name, keys in sections.items() for key in keys}
+    assert expected <= rows, f"keys without a row in README's table: {sorted(expected - rows)}"
+
+
 # --- errors through YAML: key path, line, value, what is allowed ---------------------------------------
 
 
 def test_unknown_key_message(tmp_path: Path) -> None:
     error = load_error(tmp_path, small(nvme="    flush: {evry: 1}\n"))
     assert str(error) == (
-        f"tiers[1].flush.evry: unknown key (in {tmp_path / 'tiers.yaml'}, line 9); "
-        "allowed: every, every_steps, min_interval"
+        f"tiers[1].flush.evry: unknown key (tier 'nvme', in {tmp_path / 'tiers.yaml'}, line 9); "
+        "allowed: every, every_steps, min_interval, max_staleness, newest_only"
     )
     assert error.key == "tiers[1].flush.evry"
+    assert error.tier == "nvme"
 
 
 def test_wrong_choice_message(tmp_path: Path) -> None:
     error = load_error(tmp_path, small(host="  capacity: 1GiB\n  on_full: wait\n"))
-    assert str(error) == f"host.on_full: 'wait' is not allowed (in {tmp_path / 'tiers.yaml'}, line 3); use one of: block, skip"
+    assert str(error) == f"host.on_full: 'wait' is not allowed (in {tmp_path / 'tiers.yaml'}, line 3); use one of: block, skip, evict"
+    assert error.tier is None
 
 
 @pytest.mark.parametrize(
@@ -160,16 +208,17 @@ def test_wrong_choice_message(tmp_path: Path) -> None:
         (small() + "distributed: {timeout: 60s}\n", "distributed", 9, "host, tiers"),
         (small(host="  capacity: 1GiB\n  snapshot: 2\n"), "host.snapshot", 3, "capacity, snapshots, on_full, copy_threads"),
         (small(nvme="    copies: 2\n"), "tiers[1].copies", 9, "name, type, path, flush, keep, compression, io_threads"),
-        (small(nvme="    flush:\n      every: 2\n      max_staleness: 1m\n"), "tiers[1].flush.max_staleness", 11, "every, every_steps, min_interval"),
-        (small(nvme="    keep: {last: 2, within: 1h}\n"), "tiers[1].keep.within", 9, "last, every_steps"),
-        (small(nvme="    keep: {max_bytes: 1GiB}\n"), "tiers[1].keep.max_bytes", 9, "last, every_steps"),
+        (small(nvme="    flush:\n      every: 2\n      max_stale: 1m\n"), "tiers[1].flush.max_stale", 11, "every, every_steps, min_interval, max_staleness, newest_only"),
+        (small(nvme="    keep: {last: 2, newer_than: 1h}\n"), "tiers[1].keep.newer_than", 9, "last, every_steps, within, max_bytes"),
         (small(nvme="    compression: {codec: zstd, shuffle: true}\n"), "tiers[1].compression.shuffle", 9, "codec, level"),
     ],
 )
 def test_unknown_keys(tmp_path: Path, text: str, key: str, line: int, allowed: str) -> None:
     error = load_error(tmp_path, text)
     assert error.key == key
-    assert str(error) == f"{key}: unknown key (in {tmp_path / 'tiers.yaml'}, line {line}); allowed: {allowed}"
+    tier = "tier 'nvme', " if key.startswith("tiers[1]") else ""
+    assert str(error) == f"{key}: unknown key ({tier}in {tmp_path / 'tiers.yaml'}, line {line}); allowed: {allowed}"
+    assert error.tier == ("nvme" if tier else None)
 
 
 @pytest.mark.parametrize(
@@ -183,7 +232,7 @@ def test_unknown_keys(tmp_path: Path, text: str, key: str, line: int, allowed: s
         ("  capacity: 4 GB and more\n", "", "host.capacity", 2, ["'4 GB and more' is not a size"]),
         ("  capacity: 4XB\n", "", "host.capacity", 2, ["unknown unit 'XB'"]),
         ("  capacity: -1GiB\n", "", "host.capacity", 2, ["'-1GiB' is negative"]),
-        ("  on_full: evict\n", "", "host.on_full", 2, ["'evict' is not allowed", "block, skip"]),
+        ("  on_full: drop\n", "", "host.on_full", 2, ["'drop' is not allowed", "block, skip, evict"]),
         ("  on_full: true\n", "", "host.on_full", 2, ["True is not allowed"]),
         ("  copy_threads: 65\n", "", "host.copy_threads", 2, ["65 is not allowed", "from 1 to 64"]),
         ("", "    flush: {every: 0}\n", "tiers[1].flush.every", 9, ["0 is not allowed", ">= 1"]),
@@ -193,10 +242,26 @@ def test_unknown_keys(tmp_path: Path, text: str, key: str, line: int, allowed: s
         ("", "    flush: {min_interval: -5}\n", "tiers[1].flush.min_interval", 9, ["-5 is negative"]),
         ("", "    flush: {min_interval: 5w}\n", "tiers[1].flush.min_interval", 9, ["unknown unit 'w'"]),
         ("", "    flush: {min_interval: .inf}\n", "tiers[1].flush.min_interval", 9, ["inf is not a finite duration"]),
-        ("", "    flush: 3\n", "tiers[1].flush", 9, ["3 is not a mapping", "every, every_steps, min_interval"]),
+        ("", "    flush: 3\n", "tiers[1].flush", 9, ["3 is not a mapping", "every, every_steps, min_interval, max_staleness"]),
+        ("", "    flush: {max_staleness: 0}\n", "tiers[1].flush.max_staleness", 9, ["0 is not allowed", "> 0", "leave max_staleness out"]),
+        ("", "    flush: {max_staleness: 0s}\n", "tiers[1].flush.max_staleness", 9, ["0 is not allowed"]),
+        ("", "    flush: {max_staleness: -10m}\n", "tiers[1].flush.max_staleness", 9, ["'-10m' is negative"]),
+        ("", "    flush: {max_staleness: never}\n", "tiers[1].flush.max_staleness", 9, ["'never' is not a duration"]),
+        ("", "    flush: {min_interval: 1m, max_staleness: 30s}\n", "tiers[1].flush.max_staleness", 9,
+         ["30s is shorter than min_interval, 60s", "raise max_staleness or lower min_interval"]),
+        ("", "    flush: {newest_only: 'no'}\n", "tiers[1].flush.newest_only", 9, ["'no' is not allowed", "true or false"]),
+        ("", "    flush: {newest_only: 0}\n", "tiers[1].flush.newest_only", 9, ["0 is not allowed"]),
         ("", "    keep: {last: 0}\n", "tiers[1].keep.last", 9, ["0 is not allowed"]),
         ("", "    keep: {every_steps: false}\n", "tiers[1].keep.every_steps", 9, ["False is not an integer"]),
         ("", "    keep:\n", "tiers[1].keep", 9, ["None is not a mapping"]),
+        ("", "    keep: {}\n", "tiers[1].keep", 9, ["sets no rule", "last, every_steps, within or max_bytes", "leave keep out"]),
+        ("", "    keep: {last: null}\n", "tiers[1].keep", 9, ["sets no rule"]),
+        ("", "    keep: {within: 0}\n", "tiers[1].keep.within", 9, ["0 is not allowed", "> 0"]),
+        ("", "    keep: {within: -2h}\n", "tiers[1].keep.within", 9, ["'-2h' is negative"]),
+        ("", "    keep: {within: .nan}\n", "tiers[1].keep.within", 9, ["nan"]),
+        ("", "    keep: {max_bytes: 0}\n", "tiers[1].keep.max_bytes", 9, ["0 is not allowed"]),
+        ("", "    keep: {max_bytes: -1GiB}\n", "tiers[1].keep.max_bytes", 9, ["'-1GiB' is negative"]),
+        ("", "    keep: {max_bytes: lots}\n", "tiers[1].keep.max_bytes", 9, ["'lots' is not a size"]),
         ("", "    compression: {codec: gzip}\n", "tiers[1].compression.codec", 9, ["'gzip' is not allowed", "none, zstd"]),
         ("", "    compression: {codec: zstd, level: 0}\n", "tiers[1].compression.level", 9, ["0 is not allowed", "1 to 22"]),
         ("", "    compression: {level: 23}\n", "tiers[1].compression.level", 9, ["23 is not allowed"]),
@@ -209,7 +274,9 @@ def test_bad_values(tmp_path: Path, host: str, nvme: str, key: str, line: int, s
     error = load_error(tmp_path, small(host=host or "  capacity: 1GiB\n", nvme=nvme))
     assert error.key == key
     assert str(error).startswith(f"{key}: ")
-    assert f"(in {tmp_path / 'tiers.yaml'}, line {line})" in str(error)
+    tier = "nvme" if nvme else None  # an error inside a tier names it
+    assert error.tier == tier
+    assert f"({f'tier {tier!r}, ' if tier else ''}in {tmp_path / 'tiers.yaml'}, line {line})" in str(error)
     for text in says:
         assert text in str(error)
 
@@ -238,6 +305,8 @@ def test_missing_and_malformed(tmp_path: Path, text: str, key: str, line: int | 
     error = load_error(tmp_path, text)
     assert error.key == key
     where = f"in {tmp_path / 'tiers.yaml'}" + (f", line {line}" if line else "")
+    if error.tier is not None:
+        where = f"tier {error.tier!r}, {where}"
     assert str(error).startswith(f"{key}: ")
     assert f"({where})" in str(error)
     assert says in str(error)
@@ -271,7 +340,10 @@ def test_missing_and_malformed(tmp_path: Path, text: str, key: str, line: int | 
 def test_tier_rules(tmp_path: Path, text: str, key: str, line: int, says: str) -> None:
     error = load_error(tmp_path, text)
     assert error.key == key
-    assert f"(in {tmp_path / 'tiers.yaml'}, line {line})" in str(error)
+    # An error inside a tier names it; a clash between two tiers names neither.
+    assert (error.tier is None) == (not key.startswith("tiers[") or "already the name" in says)
+    tier = f"tier {error.tier!r}, " if error.tier else ""
+    assert f"({tier}in {tmp_path / 'tiers.yaml'}, line {line})" in str(error)
     assert says in str(error)
 
 
@@ -345,8 +417,8 @@ def test_from_dict_errors_name_the_source() -> None:
     data = {"tiers": [{"name": "ram", "type": "memory", "bogus": 1}]}
     with pytest.raises(ConfigError) as caught:
         Config.from_dict(data)
-    assert str(caught.value) == "tiers[0].bogus: unknown key; allowed: name, type, path, flush, keep, compression, io_threads"
-    with pytest.raises(ConfigError, match=r"^tiers\[0\]\.bogus: unknown key \(in job\.json\); allowed: "):
+    assert str(caught.value) == "tiers[0].bogus: unknown key (tier 'ram'); allowed: name, type, path, flush, keep, compression, io_threads"
+    with pytest.raises(ConfigError, match=r"^tiers\[0\]\.bogus: unknown key \(tier 'ram', in job\.json\); allowed: "):
         Config.from_dict(data, source="job.json")
     with pytest.raises(ConfigError, match=r"^config: \[\] is not a mapping; use a mapping with keys: host, tiers$"):
         Config.from_dict([])  # type: ignore[arg-type]
@@ -358,9 +430,41 @@ def test_from_dict_takes_tuples_and_read_only_mappings() -> None:
 
 
 def test_explicit_nulls_mean_the_default() -> None:
-    tier = {"name": "d", "type": "filesystem", "path": "d", "keep": {"last": None, "every_steps": None}}
+    flush = {"every_steps": None, "max_staleness": None}
+    keep = {"last": 2, "every_steps": None, "within": None, "max_bytes": None}
+    tier = {"name": "d", "type": "filesystem", "path": "d", "flush": flush, "keep": keep}
     config = Config.from_dict({"tiers": [{"name": "ram", "type": "memory"}, tier]})
-    assert config.tiers[1].keep == KeepPolicy()
+    assert config.tiers[1].flush == FlushPolicy()
+    assert config.tiers[1].keep == KeepPolicy(last=2)
+
+
+def test_policy_keys_load_with_units(tmp_path: Path) -> None:
+    config = load(
+        tmp_path,
+        small(
+            host="  capacity: 1GiB\n  on_full: evict\n",
+            nvme="    flush: {every_steps: 500, min_interval: 30s, max_staleness: 10m, newest_only: false}\n"
+            "    keep: {last: 2, every_steps: 5000, within: 2h, max_bytes: 50GiB}\n",
+        ),
+    )
+    assert config.host.on_full == "evict"
+    nvme = config.tiers[1]
+    assert nvme.flush == FlushPolicy(every_steps=500, min_interval_s=30.0, max_staleness_s=600.0, newest_only=False)
+    assert isinstance(nvme.flush.max_staleness_s, float)
+    assert nvme.keep == KeepPolicy(last=2, every_steps=5000, within_s=7200.0, max_bytes=50 << 30)
+    assert isinstance(nvme.keep.within_s, float)
+    assert Config.from_dict(config.to_dict()) == config
+    # max_staleness may equal min_interval: every flush then starts as soon as it may.
+    assert FlushPolicy(min_interval_s=30, max_staleness_s=30).max_staleness_s == 30.0
+
+
+def test_keep_without_rules_keeps_all_and_is_left_out_when_written() -> None:
+    assert KeepPolicy().keeps_all
+    assert not KeepPolicy(within_s=1).keeps_all and not KeepPolicy(max_bytes=1).keeps_all
+    config = Config.from_dict({"tiers": [{"name": "ram", "type": "memory"}, {"name": "d", "type": "filesystem", "path": "d"}]})
+    written = config.to_dict()
+    assert all("keep" not in tier for tier in written["tiers"])
+    assert Config.from_dict(written) == config
 
 
 def test_coerce(tmp_path: Path) -> None:
@@ -392,18 +496,30 @@ def test_built_in_code_names_keys_by_section() -> None:
         FlushPolicy(min_interval_s="30s")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"^keep\.last: -1 is not allowed"):
         KeepPolicy(last=-1)
+    with pytest.raises(ConfigError, match=r"^keep\.within: -1 is not allowed; use a number of seconds > 0, or null$"):
+        KeepPolicy(within_s=-1)
+    with pytest.raises(ConfigError, match=r"^keep\.max_bytes: '1GiB' is not an integer"):
+        KeepPolicy(max_bytes="1GiB")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^flush\.max_staleness: inf is not allowed"):
+        FlushPolicy(max_staleness_s=math.inf)
+    with pytest.raises(ConfigError, match=r"^flush\.max_staleness: 5s is shorter than min_interval, 10s; ") as short:
+        FlushPolicy(min_interval_s=10, max_staleness_s=5)
+    assert (short.value.key, short.value.tier) == ("flush.max_staleness", None)
+    with pytest.raises(ConfigError, match=r"^flush\.newest_only: 1 is not allowed; use true or false$"):
+        FlushPolicy(newest_only=1)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"^tier\.path: missing"):
         TierConfig(name="disk", type="filesystem")
-    with pytest.raises(ConfigError, match=r"^tier\.flush: \{'every': 2\} is not allowed; use a FlushPolicy"):
+    with pytest.raises(ConfigError, match=r"^tier\.flush: \{'every': 2\} is not allowed \(tier 'disk'\); use a FlushPolicy"):
         TierConfig(name="disk", type="filesystem", path="d", flush={"every": 2})  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"^tiers: no tier is given"):
         Config(tiers=())
     ram = TierConfig(name="ram", type="memory")
     with pytest.raises(ConfigError, match=r"^tiers\[1\]\.name: 'ram' is already the name of tiers\[0\]"):
         Config(tiers=(ram, ram))
-    with pytest.raises(ConfigError, match=r"^tier\.flush: not allowed on a memory tier; a memory tier is the first"):
+    with pytest.raises(ConfigError, match=r"^tier\.flush: not allowed on a memory tier \(tier 'ram'\); a memory tier is the first") as named:
         TierConfig(name="ram", type="memory", flush=FlushPolicy(every=2))
-    with pytest.raises(ConfigError, match=r"^tier\.path: not allowed on a memory tier; .* not supported yet"):
+    assert (named.value.key, named.value.tier) == ("tier.flush", "ram")
+    with pytest.raises(ConfigError, match=r"^tier\.path: not allowed on a memory tier \(tier 'ram'\); .* not supported yet"):
         TierConfig(name="ram", type="memory", path="/dev/shm/ckpt")
 
 
@@ -606,9 +722,23 @@ flushes = st.builds(
     FlushPolicy,
     every=st.integers(1, 10**6),
     every_steps=st.none() | st.integers(1, 10**9),
-    min_interval_s=st.floats(0, 1e9, allow_nan=False, allow_infinity=False),
+    min_interval_s=st.just(0.0) | st.floats(0, 1e9, allow_nan=False, allow_infinity=False),
+    newest_only=st.booleans(),
+).flatmap(
+    # max_staleness, when set, is never shorter than min_interval
+    lambda f: st.builds(
+        dataclasses.replace,
+        st.just(f),
+        max_staleness_s=st.none() | st.floats(max(f.min_interval_s, 1e-3), 2e9, allow_nan=False, allow_infinity=False),
+    )
 )
-keeps = st.builds(KeepPolicy, last=st.none() | st.integers(1, 1000), every_steps=st.none() | st.integers(1, 10**9))
+keeps = st.builds(
+    KeepPolicy,
+    last=st.none() | st.integers(1, 1000),
+    every_steps=st.none() | st.integers(1, 10**9),
+    within_s=st.none() | st.floats(1e-3, 1e9, allow_nan=False, allow_infinity=False),
+    max_bytes=st.none() | st.integers(1, 2**60),
+)
 compressions = st.builds(
     CompressionConfig, codec=st.sampled_from(["none", "zstd"]), level=st.integers(-7, 22).filter(bool)
 )
@@ -620,7 +750,7 @@ def hosts(draw: st.DrawFn) -> HostConfig:
     return HostConfig(
         capacity_bytes=draw(st.integers(4096 * snapshots, 2**50)),
         snapshots=snapshots,
-        on_full=draw(st.sampled_from(["block", "skip"])),
+        on_full=draw(st.sampled_from(["block", "skip", "evict"])),
         copy_threads=draw(st.integers(1, 64)),
     )
 

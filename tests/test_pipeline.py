@@ -22,28 +22,9 @@ import torch
 
 from tierckpt import Checkpointer, FlushError
 from tierckpt.config import TierConfig
-from tierckpt.tiers.base import Staged, VersionSource
-from tierckpt.testing import SlowTier, faulty, slow
+from tierckpt.testing import GatedTier, ManualClock, SlowTier, faulty, slow
 
 DEADLINE_S = 30.0  # a deadlock guard only: every wait below ends on an event long before it
-
-
-class GatedTier(SlowTier):
-    """A SlowTier whose writes wait until the test opens ``gate``; ``started`` tells a write began."""
-
-    def __init__(self, config: TierConfig) -> None:
-        super().__init__(config, 0.0)
-        self.gate = threading.Event()
-        self.started = threading.Event()
-        self.steps: list[int] = []  # steps whose write started, in order
-
-    async def write(self, source: VersionSource) -> Staged:
-        self.steps.append(source.step)
-        self.started.set()
-        opened = await asyncio.get_running_loop().run_in_executor(None, self.gate.wait, DEADLINE_S)
-        if not opened:
-            raise TimeoutError("the test never opened the gate")
-        return await super().write(source)
 
 
 class Gates:
@@ -56,7 +37,7 @@ class Gates:
     def __call__(self, config: TierConfig) -> GatedTier | None:
         if config.name not in self.names:
             return None
-        tier = self.tiers[config.name] = GatedTier(config)
+        tier = self.tiers[config.name] = GatedTier(config, deadline_s=DEADLINE_S)
         return tier
 
     def __getitem__(self, name: str) -> GatedTier:
@@ -65,16 +46,6 @@ class Gates:
     def open_all(self) -> None:
         for tier in self.tiers.values():
             tier.gate.set()
-
-
-class FakeClock:
-    """A monotonic clock the test moves by hand (read from the engine thread)."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
@@ -320,7 +291,7 @@ def test_flush_every_steps_directly_below_memory(tmp_path: Path, checkpointers: 
 
 
 def test_min_interval_holds_versions_back_with_an_injected_clock(tmp_path: Path, checkpointers: list[Any]) -> None:
-    clock = FakeClock()
+    clock = ManualClock()
     ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme", flush={"min_interval": "100s"}), snapshots=3), clock=clock)
     checkpointers.append(ckpt)
     h1 = ckpt.save_sync(1, state_for(1))
@@ -578,3 +549,224 @@ def test_a_failed_capture_is_reported_and_frees_its_slot(tmp_path: Path, checkpo
     assert later.committed_sync("nvme", DEADLINE_S) is True
     ckpt.wait_sync()
     assert [(v.tier, v.step) for v in ckpt.versions()] == [("ram", 3), ("nvme", 3)]
+
+
+# -- on_full: evict, newest_only: false, max_staleness, keep.within, keep.max_bytes ------------------
+
+
+def test_on_full_evict_drops_the_waiting_snapshot_and_counts_it(tmp_path: Path, checkpointers: list[Any]) -> None:
+    """nvme is busy with step 2 and waits for step 4 (eligible); step 5 is not eligible, so it does
+    not replace 4. With both slots taken, block would wait and skip would drop step 5: evict drops 4."""
+    gates = Gates("nvme")
+    checkpointers.append(gates)
+    ckpt = Checkpointer(
+        config(tier("ram"), tier("nvme", tmp_path / "nvme", flush={"every_steps": 2}), snapshots=2, on_full="evict"),
+        tier_factory=gates,
+    )
+    checkpointers.append(ckpt)
+    h2 = ckpt.save_sync(2, state_for(2))
+    assert gates["nvme"].started.wait(DEADLINE_S)  # step 2's slot is leased until the gate opens
+    h4 = ckpt.save_sync(4, state_for(4))
+    assert h4.captured_sync(DEADLINE_S) is True
+    h5 = ckpt.save_sync(5, state_for(5))  # returns at once: the gate is still closed
+    assert not h5.skipped
+    assert h4.committed_sync("nvme", DEADLINE_S) is False  # evicted before nvme could take it
+    assert h5.captured_sync(DEADLINE_S) is True
+    assert h5.committed_sync("nvme", DEADLINE_S) is False  # not eligible
+    counters = ckpt.counters
+    assert (counters.saves, counters.skipped_saves, counters.evicted_saves) == (3, 0, 1)
+    assert not h2._tracker.committed["nvme"].done()
+
+    gates.open_all()
+    assert h2.committed_sync("nvme", DEADLINE_S) is True
+    ckpt.wait_sync()
+    assert step_dirs(tmp_path / "nvme") == names(2)
+    assert held(ckpt, "ram") == [2, 5]  # ram has no keep rule: it keeps both until a slot is needed
+    restored = ckpt.restore_latest_sync()
+    assert restored is not None and (restored.step, restored.tier) == (5, "ram")
+    assert_state(restored.state, 5)
+
+
+def test_on_full_evict_skips_when_only_reads_hold_the_slots(tmp_path: Path, checkpointers: list[Any]) -> None:
+    gates = Gates("nvme")
+    checkpointers.append(gates)
+    ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme"), snapshots=1, on_full="evict"), tier_factory=gates)
+    checkpointers.append(ckpt)
+    h1 = ckpt.save_sync(1, state_for(1))
+    assert gates["nvme"].started.wait(DEADLINE_S)
+    h2 = ckpt.save_sync(2, state_for(2))  # the only slot is being read: never wait for the disk
+    assert h2.skipped
+    assert (ckpt.counters.skipped_saves, ckpt.counters.evicted_saves) == (1, 0)
+    gates.open_all()
+    assert h1.committed_sync("nvme", DEADLINE_S) is True
+
+
+def test_newest_only_false_flushes_every_eligible_version_in_order(tmp_path: Path, checkpointers: list[Any]) -> None:
+    gates = Gates("nvme")
+    checkpointers.append(gates)
+    ckpt = Checkpointer(
+        config(tier("ram", keep={"last": 1}), tier("nvme", tmp_path / "nvme", flush={"newest_only": False}), snapshots=3),
+        tier_factory=gates,
+    )
+    checkpointers.append(ckpt)
+    handles = {1: ckpt.save_sync(1, state_for(1))}
+    assert gates["nvme"].started.wait(DEADLINE_S)
+    for step in (2, 3):
+        handles[step] = ckpt.save_sync(step, state_for(step))
+        assert handles[step].captured_sync(DEADLINE_S) is True
+    # Every slot is taken (1 read, 2 and 3 queued for nvme): under block the next save waits.
+    result: list[Any] = []
+    worker = threading.Thread(target=lambda: result.append(ckpt.save_sync(4, state_for(4))))
+    worker.start()
+    worker.join(0.2)
+    assert worker.is_alive(), "save() took a slot holding a version nvme still had to write"
+    assert not any(handles[s]._tracker.committed["nvme"].done() for s in (1, 2, 3))
+    gates.open_all()
+    worker.join(DEADLINE_S)
+    assert not worker.is_alive()
+    handles[4] = result[0]
+    ckpt.wait_sync()
+    assert all(handles[s].committed_sync("nvme", 0) is True for s in (1, 2, 3, 4))
+    assert gates["nvme"].steps == [1, 2, 3, 4]
+    assert ckpt.counters.passed_over.get("nvme", 0) == 0
+
+
+def test_newest_only_false_under_evict_loses_the_oldest_queued_version(tmp_path: Path, checkpointers: list[Any]) -> None:
+    gates = Gates("nvme")
+    checkpointers.append(gates)
+    ckpt = Checkpointer(
+        config(tier("ram"), tier("nvme", tmp_path / "nvme", flush={"newest_only": False}), snapshots=3, on_full="evict"),
+        tier_factory=gates,
+    )
+    checkpointers.append(ckpt)
+    handles = {1: ckpt.save_sync(1, state_for(1))}
+    assert gates["nvme"].started.wait(DEADLINE_S)
+    for step in range(2, 7):
+        handles[step] = ckpt.save_sync(step, state_for(step))
+        assert handles[step].captured_sync(DEADLINE_S) is True  # as attach() would between steps
+    assert ckpt.counters.evicted_saves == 3  # 2, 3 and 4 gave way to 4, 5 and 6
+    gates.open_all()
+    ckpt.wait_sync()
+    assert {s: handles[s].committed_sync("nvme", 0) for s in handles} == {1: True, 2: False, 3: False, 4: False, 5: True, 6: True}
+    assert gates["nvme"].steps == [1, 5, 6]
+
+
+def test_max_staleness_sends_the_newest_version_down_when_the_tier_is_overdue(tmp_path: Path, checkpointers: list[Any]) -> None:
+    clock = ManualClock()
+    ckpt = Checkpointer(
+        config(
+            tier("ram", keep={"last": 1}),
+            tier("nvme", tmp_path / "nvme", keep={"last": 1}),
+            tier("pfs", tmp_path / "pfs", flush={"every_steps": 1000, "max_staleness": "10m"}),
+        ),
+        clock=clock,
+    )
+    checkpointers.append(ckpt)
+    handles = {}
+    for step in (1, 2, 3):
+        handles[step] = ckpt.save_sync(step, state_for(step))
+        assert handles[step].committed_sync("nvme", DEADLINE_S) is True
+    assert handles[2].committed_sync("pfs", DEADLINE_S) is False  # replaced as pfs's fallback by 3
+    assert not handles[3]._tracker.committed["pfs"].done()  # held, in case pfs falls overdue
+    ckpt.wait_sync()  # not overdue yet: a drain does not force it
+    assert held(ckpt, "pfs") == []
+    assert held(ckpt, "nvme") == [3]  # keep last 1, and step 3 is pfs's fallback anyway
+
+    clock.advance(601)  # ten minutes since pfs's flusher started, and nothing went down
+    handles[4] = ckpt.save_sync(4, state_for(4))
+    assert handles[4].committed_sync("pfs", DEADLINE_S) is True
+    assert handles[3].committed_sync("pfs", 0) is False
+    assert ckpt.counters.forced == {"pfs": 1}
+
+    handles[5] = ckpt.save_sync(5, state_for(5))  # the clock restarted when step 4's flush started
+    assert handles[5].committed_sync("nvme", DEADLINE_S) is True
+    ckpt.wait_sync()
+    assert not handles[5]._tracker.committed["pfs"].done()
+    clock.advance(600)
+    ckpt.wait_sync()  # overdue now: wait() sends it down
+    assert handles[5].committed_sync("pfs", 0) is True
+    handles[6] = ckpt.save_sync(6, state_for(6))
+    assert handles[6].committed_sync("nvme", DEADLINE_S) is True
+    ckpt.close_sync()
+    assert handles[6].committed_sync("pfs", 0) is False  # closing passes the fallback over
+    assert step_dirs(tmp_path / "pfs") == names(4, 5)
+
+
+@pytest.mark.parametrize("staleness", [None, "1m"])
+def test_max_staleness_starts_a_flush_beside_a_running_host_copy(tmp_path: Path, checkpointers: list[Any], staleness: str | None) -> None:
+    """Step 2 waits for nvme while step 3 is being copied. A flush from host memory waits for the copy,
+    unless nvme is overdue."""
+    gates = Gates("nvme")
+    checkpointers.append(gates)
+    clock = ManualClock()
+    flush = {} if staleness is None else {"max_staleness": staleness}
+    ckpt = Checkpointer(
+        config(tier("ram"), tier("nvme", tmp_path / "nvme", flush=flush), snapshots=3, copy_threads=1),
+        tier_factory=gates,
+        clock=clock,
+    )
+    checkpointers.append(ckpt)
+    h1 = ckpt.save_sync(1, state_for(1))
+    assert gates["nvme"].started.wait(DEADLINE_S)  # the flush of step 1 started at 0 s
+    h2 = ckpt.save_sync(2, state_for(2))
+    assert h2.captured_sync(DEADLINE_S) is True
+    copy_gate = threading.Event()
+    occupied = ckpt._copier._executor.submit(copy_gate.wait, DEADLINE_S)  # step 3's copy cannot finish
+    try:
+        h3 = ckpt.save_sync(3, state_for(3))
+        clock.advance(61)
+        gates.open_all()
+        assert h1.committed_sync("nvme", DEADLINE_S) is True
+        if staleness is None:
+            ckpt._engine.run_sync(asyncio.sleep(0.05))  # let the flusher look: it must keep waiting
+            assert not h2._tracker.committed["nvme"].done()
+        else:
+            assert h2.committed_sync("nvme", DEADLINE_S) is True  # overdue: it did not wait for the copy
+            assert not h3._tracker.captured.done()
+            assert ckpt.counters.forced == {}  # step 2 was eligible: nothing was forced
+    finally:
+        copy_gate.set()
+    assert occupied.result(DEADLINE_S) is True
+    assert h3.committed_sync("nvme", DEADLINE_S) is True
+    assert h2.committed_sync("nvme", DEADLINE_S) is (staleness is not None)  # else replaced by step 3
+
+
+def test_keep_within_drops_versions_older_than_the_window_on_the_injected_clock(tmp_path: Path, checkpointers: list[Any]) -> None:
+    clock = ManualClock()
+    ckpt = Checkpointer(
+        config(tier("ram", keep={"within": "1h"}), tier("nvme", tmp_path / "nvme", keep={"within": "1h"}), snapshots=4),
+        clock=clock,
+    )
+    checkpointers.append(ckpt)
+    for step, at in ((1, 0.0), (2, 1000.0), (3, 4000.0), (4, 7201.0)):
+        clock.now = at
+        ckpt.save_sync(step, state_for(step))
+        ckpt.wait_sync()
+    # At 7201 s: step 2 (saved at 1000 s) is 6201 s old, step 3 (4000 s) is 3201 s old.
+    assert step_dirs(tmp_path / "nvme") == names(3, 4)
+    assert held(ckpt, "ram") == [3, 4]
+    created = {v.step: v.created for v in ckpt.versions() if v.tier == "nvme"}
+    assert created[4] - created[3] == pytest.approx(3201.0)  # creation times run on the injected clock
+
+
+def test_keep_max_bytes_keeps_the_newest_versions_that_fit(tmp_path: Path, checkpointers: list[Any]) -> None:
+    ckpt = Checkpointer(config(tier("ram", keep={"last": 1}), tier("nvme", tmp_path / "nvme", keep={"max_bytes": 5000, "every_steps": 10})))
+    checkpointers.append(ckpt)
+    for step in (10, 11, 12, 13):
+        ckpt.save_sync(step, state_for(step))
+        ckpt.wait_sync()
+    sizes = {v.step: v.nbytes for v in ckpt.versions() if v.tier == "nvme"}
+    assert all(2000 < n <= 2500 for n in sizes.values())  # two versions fit in 5000 bytes, three do not
+    assert step_dirs(tmp_path / "nvme") == names(10, 12, 13)  # 10 by every_steps, 12 and 13 by max_bytes
+
+
+def test_counters_are_a_copy(tmp_path: Path, checkpointers: list[Any]) -> None:
+    ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme")))
+    checkpointers.append(ckpt)
+    ckpt.save_sync(1, state_for(1))
+    ckpt.wait_sync()
+    counters = ckpt.counters
+    counters.flushed["nvme"] = 99
+    counters.forced["nvme"] = 99
+    assert ckpt.counters.flushed == {"nvme": 1}
+    assert ckpt.counters.forced == {}

@@ -1,13 +1,37 @@
-"""tierckpt.policy: the pure flush and retention rules, example-tested and property-tested."""
+"""tierckpt.policy: the pure flush, retention and host-slot rules, example-tested and property-tested.
+
+The last section simulates whole tier chains on a virtual clock with nothing but these functions
+(random saves, policies and tier speeds) and checks the invariants the pipeline relies on.
+"""
 
 from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field, replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierckpt.config import FlushPolicy, KeepPolicy
-from tierckpt.policy import Candidate, FlushChoice, choose_flush, flush_eligible, retain
+from tierckpt.policy import (
+    Candidate,
+    FlushChoice,
+    FlushState,
+    Held,
+    SlotChoice,
+    choose_flush,
+    choose_slot,
+    finished,
+    flush_eligible,
+    forget,
+    offer,
+    retain,
+    stale_at,
+    still_wanted,
+    take,
+)
 
 # Property tests run on a shared, loaded 2-core machine: no per-example deadline. A decorator, not a
 # profile: loading a profile would change every other module's Hypothesis settings too.
@@ -16,6 +40,24 @@ relaxed = settings(deadline=None, max_examples=200)
 steps_st = st.integers(min_value=0, max_value=10**12 - 1)
 positive = st.integers(min_value=1, max_value=50)
 optional_positive = st.none() | positive
+
+
+@dataclass(frozen=True)
+class V:
+    """A stored version as retention sees it."""
+
+    step: int
+    created: float = 0.0
+    nbytes: int = 1
+
+
+def versions(*steps: int, created: float = 0.0, nbytes: int = 1) -> list[V]:
+    return [V(s, created, nbytes) for s in steps]
+
+
+def c(step: int, token: int | None = None, arrival: int | None = None) -> Candidate:
+    token = step if token is None else token
+    return Candidate(step, token if arrival is None else arrival, token)
 
 
 # -- flush_eligible ------------------------------------------------------------------------------
@@ -63,125 +105,317 @@ def test_property_eligible_iff_every_rule_holds(every: int, every_steps: int | N
     assert flush_eligible(policy, step, arrival) is expected
 
 
+# -- offer, take, forget ---------------------------------------------------------------------------
+
+
+def test_newest_only_a_newer_eligible_version_replaces_the_waiting_one() -> None:
+    policy = FlushPolicy()
+    first = offer(FlushState(), policy, c(1))
+    assert first.state.queue == (c(1),) and first.passed_over == ()
+    second = offer(first.state, policy, c(2))
+    assert second.state.queue == (c(2),)
+    assert second.passed_over == (c(1),)
+
+
+def test_newest_only_an_older_version_than_one_taken_is_passed_over() -> None:
+    policy = FlushPolicy()
+    state = take(offer(FlushState(), policy, c(5)).state, policy, c(5), now=0.0).state
+    late = offer(state, policy, c(4))  # captured after 5 although saved before it
+    assert late.passed_over == (c(4),)
+    assert late.state == state
+
+
+def test_fifo_queues_every_eligible_version_oldest_save_first() -> None:
+    policy = FlushPolicy(newest_only=False)
+    state = FlushState()
+    for token in (2, 3, 1):
+        update = offer(state, policy, c(token))
+        assert update.passed_over == ()
+        state = update.state
+    assert [x.token for x in state.queue] == [1, 2, 3]
+    choice = choose_flush(state, policy, now=0.0)
+    assert choice.take == c(1)
+    after = take(state, policy, c(1), now=0.0)
+    assert after.passed_over == ()  # FIFO: taking the oldest passes nothing over
+    assert [x.token for x in after.state.queue] == [2, 3]
+
+
+def test_ineligible_versions_are_passed_over_without_max_staleness() -> None:
+    policy = FlushPolicy(every_steps=10)
+    update = offer(FlushState(), policy, c(3))
+    assert update.passed_over == (c(3),)
+    assert update.state == FlushState()
+
+
+def test_with_max_staleness_the_newest_ineligible_version_is_held_as_the_fallback() -> None:
+    policy = FlushPolicy(every_steps=10, max_staleness_s=60)
+    state = offer(FlushState(), policy, c(10)).state
+    held = offer(state, policy, c(11))
+    assert held.passed_over == ()
+    assert (held.state.queue, held.state.fallback) == ((c(10),), c(11))
+    newer = offer(held.state, policy, c(12))
+    assert newer.passed_over == (c(11),)  # a newer version replaces the fallback
+    assert newer.state.fallback == c(12)
+    eligible = offer(newer.state, policy, c(20))
+    assert eligible.passed_over == (c(10), c(12))  # newest only: 20 replaces 10, and 12 is older than 20
+    assert (eligible.state.queue, eligible.state.fallback) == ((c(20),), None)
+    assert offer(eligible.state, policy, c(19, token=19)).passed_over == (c(19),)  # older than 20
+
+
+def test_forget_removes_a_waiting_version_and_passes_it_over() -> None:
+    policy = FlushPolicy(newest_only=False, every_steps=2, max_staleness_s=5)
+    state = FlushState()
+    for token in (2, 4, 5):
+        state = offer(state, policy, c(token)).state
+    assert [x.token for x in state.queue] == [2, 4] and state.fallback == c(5)
+    lost = forget(state, 2)
+    assert lost.passed_over == (c(2),)
+    assert [x.token for x in lost.state.queue] == [4]
+    gone = forget(lost.state, 5)
+    assert gone.passed_over == (c(5),) and gone.state.fallback is None
+    assert forget(gone.state, 99).passed_over == ()
+
+
+def test_take_records_the_start_and_finished_resets_staleness_only_on_success() -> None:
+    policy = FlushPolicy(max_staleness_s=10)
+    state = offer(FlushState(last_ok_start=0.0), policy, c(1)).state
+    started = take(state, policy, c(1), now=3.0).state
+    assert (started.last_start, started.last_ok_start, started.queue) == (3.0, 0.0, ())
+    assert finished(started, started=3.0, ok=False) == started
+    assert finished(started, started=3.0, ok=True).last_ok_start == 3.0
+    assert stale_at(finished(started, started=3.0, ok=True), policy) == 13.0
+    assert stale_at(started, FlushPolicy()) is None
+
+
+def test_still_wanted() -> None:
+    newest_only = FlushPolicy(every_steps=2, max_staleness_s=5)
+    state = offer(offer(FlushState(), newest_only, c(2)).state, newest_only, c(3)).state
+    assert (state.queue, state.fallback) == ((c(2),), c(3))
+    assert still_wanted(state, newest_only, 2, [])
+    assert still_wanted(state, newest_only, 2, [c(5)])  # 5 is not eligible: 2 stays wanted
+    assert not still_wanted(state, newest_only, 2, [c(4)])  # 4 will replace it
+    assert still_wanted(state, newest_only, 3, [])
+    assert not still_wanted(state, newest_only, 3, [c(5)])  # any newer version replaces the fallback
+    assert not still_wanted(state, newest_only, 7, [])  # not waiting here at all
+    fifo = replace(newest_only, newest_only=False)
+    assert still_wanted(state, fifo, 2, [c(4), c(6)])  # queued versions all go down
+
+
 # -- choose_flush --------------------------------------------------------------------------------
 
 
-def test_nothing_pending_means_nothing_to_take_and_no_timer() -> None:
+def test_nothing_waiting_means_nothing_to_take_and_no_timer() -> None:
     for drain in (False, True):
-        choice = choose_flush(None, FlushPolicy(min_interval_s=30), last_start=0.0, now=1.0, drain=drain)
+        choice = choose_flush(FlushState(last_start=0.0), FlushPolicy(min_interval_s=30, max_staleness_s=60), now=1.0, drain=drain)
         assert choice == FlushChoice(None, None)
 
 
 def test_first_flush_is_not_held_back_by_min_interval() -> None:
-    pending = Candidate(step=5, arrival=1, token=1)
-    choice = choose_flush(pending, FlushPolicy(min_interval_s=30), last_start=None, now=0.0)
-    assert choice.take == pending
+    state = FlushState(queue=(c(5),))
+    assert choose_flush(state, FlushPolicy(min_interval_s=30), now=0.0).take == c(5)
 
 
 def test_min_interval_holds_back_until_it_has_passed_since_the_last_start() -> None:
-    pending = Candidate(step=7, arrival=2, token=2)
+    state = FlushState(queue=(c(7),), last_start=100.0)
     policy = FlushPolicy(min_interval_s=30)
-    held = choose_flush(pending, policy, last_start=100.0, now=110.0)
+    held = choose_flush(state, policy, now=110.0)
     assert held.take is None
     assert held.wait_s == pytest.approx(20.0)
-    assert choose_flush(pending, policy, last_start=100.0, now=129.5).take is None
-    assert choose_flush(pending, policy, last_start=100.0, now=130.0).take == pending
-    assert choose_flush(pending, policy, last_start=100.0, now=1000.0).take == pending
+    assert choose_flush(state, policy, now=129.5).take is None
+    assert choose_flush(state, policy, now=130.0).take == c(7)
+    assert choose_flush(state, policy, now=1000.0).take == c(7)
 
 
 def test_drain_waives_min_interval() -> None:
-    pending = Candidate(step=7, arrival=2, token=2)
-    choice = choose_flush(pending, FlushPolicy(min_interval_s=3600), last_start=100.0, now=100.0, drain=True)
-    assert choice.take == pending
+    state = FlushState(queue=(c(7),), last_start=100.0)
+    assert choose_flush(state, FlushPolicy(min_interval_s=3600), now=100.0, drain=True).take == c(7)
 
 
-def test_no_min_interval_takes_at_once() -> None:
-    pending = Candidate(step=1, arrival=1, token=1)
-    assert choose_flush(pending, FlushPolicy(), last_start=5.0, now=5.0).take == pending
+def test_a_running_host_copy_holds_a_flush_back_until_the_tier_is_overdue() -> None:
+    state = FlushState(queue=(c(3),), last_ok_start=0.0)
+    assert choose_flush(state, FlushPolicy(), now=5.0, copy_running=True) == FlushChoice(None, None)
+    policy = FlushPolicy(max_staleness_s=10)
+    held = choose_flush(state, policy, now=4.0, copy_running=True)
+    assert held.take is None and held.wait_s == pytest.approx(6.0)  # look again when it falls overdue
+    overdue = choose_flush(state, policy, now=10.0, copy_running=True)
+    assert overdue == FlushChoice(c(3), None, forced=False)  # eligible: not forced, only not held back
+
+
+def test_max_staleness_sends_the_fallback_down_when_overdue() -> None:
+    policy = FlushPolicy(every_steps=100, min_interval_s=30, max_staleness_s=600)
+    state = FlushState(fallback=c(137), last_start=500.0, last_ok_start=500.0)
+    waiting = choose_flush(state, policy, now=700.0)
+    assert waiting.take is None and waiting.wait_s == pytest.approx(400.0)
+    assert choose_flush(state, policy, now=700.0, drain=True).take is None  # a drain does not force it
+    assert choose_flush(state, policy, now=1100.0) == FlushChoice(c(137), None, forced=True)
+    # After a failed flush (started at 1090) min_interval still spaces the starts.
+    failed = replace(state, last_start=1090.0)
+    assert choose_flush(failed, policy, now=1100.0) == FlushChoice(None, pytest.approx(20.0))
+
+
+def test_a_queued_eligible_version_goes_before_the_fallback() -> None:
+    policy = FlushPolicy(every_steps=2, max_staleness_s=5)
+    state = FlushState(queue=(c(2),), fallback=c(3), last_ok_start=0.0)
+    assert choose_flush(state, policy, now=100.0) == FlushChoice(c(2), None)
+    after = take(state, policy, c(2), now=100.0)
+    assert after.state.fallback == c(3)  # newer than what was taken: still the fallback
+    # The staleness clock runs from the start of the last flush that succeeded.
+    done = finished(after.state, started=100.0, ok=True)
+    assert choose_flush(done, policy, now=104.0) == FlushChoice(None, pytest.approx(1.0))
+    assert choose_flush(done, policy, now=105.0) == FlushChoice(c(3), None, forced=True)
+    failed = finished(after.state, started=100.0, ok=False)
+    assert choose_flush(failed, policy, now=100.5) == FlushChoice(c(3), None, forced=True)  # still overdue
 
 
 @relaxed
 @given(
     interval=st.floats(min_value=0, max_value=1e6, allow_nan=False),
+    staleness=st.none() | st.floats(min_value=0, max_value=1e6, allow_nan=False),
     last_start=st.none() | st.floats(min_value=-1e6, max_value=1e6, allow_nan=False),
+    last_ok=st.floats(min_value=-1e6, max_value=1e6, allow_nan=False),
     now=st.floats(min_value=-1e6, max_value=2e6, allow_nan=False),
     drain=st.booleans(),
-    has_pending=st.booleans(),
+    copy_running=st.booleans(),
+    queued=st.booleans(),
+    fallback=st.booleans(),
 )
-def test_property_choose_flush(interval: float, last_start: float | None, now: float, drain: bool, has_pending: bool) -> None:
-    pending = Candidate(step=3, arrival=1, token=9) if has_pending else None
-    choice = choose_flush(pending, FlushPolicy(min_interval_s=interval), last_start=last_start, now=now, drain=drain)
-    if pending is None:
+def test_property_choose_flush(
+    interval: float,
+    staleness: float | None,
+    last_start: float | None,
+    last_ok: float,
+    now: float,
+    drain: bool,
+    copy_running: bool,
+    queued: bool,
+    fallback: bool,
+) -> None:
+    policy = FlushPolicy(min_interval_s=interval, max_staleness_s=None if staleness is None else interval + staleness + 1e-3)
+    state = FlushState(queue=(c(3),) if queued else (), fallback=c(4) if fallback and policy.max_staleness_s else None, last_start=last_start, last_ok_start=last_ok)
+    choice = choose_flush(state, policy, now=now, drain=drain, copy_running=copy_running)
+    if not state.waiting():
         assert choice == FlushChoice(None, None)
         return
-    due = drain or last_start is None or interval == 0 or now >= last_start + interval
-    if due:
-        assert choice.take == pending
-        assert choice.wait_s is None
+    spaced = drain or last_start is None or interval == 0 or now >= last_start + interval
+    overdue = policy.max_staleness_s is not None and now >= last_ok + policy.max_staleness_s
+    if not spaced:
+        assert choice.take is None and choice.wait_s == pytest.approx(last_start + interval - now)  # type: ignore[operator]
+    elif queued and (overdue or not copy_running):
+        assert choice == FlushChoice(c(3), None)
+    elif not queued and overdue:
+        assert choice == FlushChoice(c(4), None, forced=True)
     else:
         assert choice.take is None
-        assert choice.wait_s is not None and choice.wait_s > 0
-        assert choice.wait_s == pytest.approx(last_start + interval - now)
+        if policy.max_staleness_s is None:
+            assert choice.wait_s is None
+        else:  # never sleeps past the moment the tier falls overdue
+            assert choice.wait_s is not None and 0 < choice.wait_s
+            assert choice.wait_s == pytest.approx(last_ok + policy.max_staleness_s - now)
 
 
 # -- retain --------------------------------------------------------------------------------------
 
 
 def test_retain_nothing_from_nothing() -> None:
-    assert retain([], KeepPolicy(last=2)) == frozenset()
-    assert retain([], KeepPolicy()) == frozenset()
+    assert retain([], KeepPolicy(last=2), now=0.0) == frozenset()
+    assert retain([], KeepPolicy(), now=0.0) == frozenset()
 
 
 def test_retain_without_rules_keeps_everything() -> None:
-    assert retain([3, 1, 2], KeepPolicy()) == {1, 2, 3}
+    assert retain(versions(3, 1, 2), KeepPolicy(), now=0.0) == {1, 2, 3}
 
 
 def test_retain_last_keeps_the_newest_n_by_step_not_by_order() -> None:
-    assert retain([9, 1, 5, 7, 3], KeepPolicy(last=2)) == {7, 9}
-    assert retain([1, 2], KeepPolicy(last=5)) == {1, 2}
+    assert retain(versions(9, 1, 5, 7, 3), KeepPolicy(last=2), now=0.0) == {7, 9}
+    assert retain(versions(1, 2), KeepPolicy(last=5), now=0.0) == {1, 2}
 
 
 def test_retain_every_steps_alone_still_keeps_the_newest() -> None:
-    assert retain([100, 150, 200, 250], KeepPolicy(every_steps=100)) == {100, 200, 250}
+    assert retain(versions(100, 150, 200, 250), KeepPolicy(every_steps=100), now=0.0) == {100, 200, 250}
 
 
 def test_retain_is_the_union_of_last_and_every_steps() -> None:
     steps = list(range(0, 5001, 250))
-    assert retain(steps, KeepPolicy(last=2, every_steps=1000)) == {0, 1000, 2000, 3000, 4000, 4750, 5000}
+    assert retain(versions(*steps), KeepPolicy(last=2, every_steps=1000), now=0.0) == {0, 1000, 2000, 3000, 4000, 4750, 5000}
+
+
+def test_retain_within_compares_creation_times_with_now() -> None:
+    stored = [V(1, created=1000.0), V(2, created=5000.0), V(3, created=8000.0), V(4, created=8100.0)]
+    assert retain(stored, KeepPolicy(within_s=3600), now=8200.0) == {2, 3, 4}  # 5000 is exactly 3200 s old
+    assert retain(stored, KeepPolicy(within_s=3600), now=20000.0) == {4}  # only the newest
+    assert retain(stored, KeepPolicy(within_s=10), now=0.0) == {1, 2, 3, 4}  # from the future: kept
+
+
+def test_retain_max_bytes_keeps_the_newest_that_fit_and_always_the_newest() -> None:
+    stored = [V(1, nbytes=10), V(2, nbytes=30), V(3, nbytes=20), V(4, nbytes=25)]
+    assert retain(stored, KeepPolicy(max_bytes=45), now=0.0) == {3, 4}
+    assert retain(stored, KeepPolicy(max_bytes=44), now=0.0) == {4}
+    assert retain(stored, KeepPolicy(max_bytes=75), now=0.0) == {2, 3, 4}
+    assert retain(stored, KeepPolicy(max_bytes=5), now=0.0) == {4}  # larger than the budget alone
+    # The newest run that fits: a small old version beyond a large one does not slip in.
+    assert retain(stored, KeepPolicy(max_bytes=46), now=0.0) == {3, 4}
+    # A union: versions other rules keep do not count against the budget.
+    assert retain(stored, KeepPolicy(max_bytes=45, every_steps=2), now=0.0) == {2, 3, 4}
+
+
+def test_retain_a_step_given_twice_counts_the_last() -> None:
+    assert retain([V(5, nbytes=100), V(6, nbytes=1), V(5, nbytes=1)], KeepPolicy(max_bytes=2), now=0.0) == {5, 6}
+
+
+stored_st = st.lists(
+    st.builds(V, st.integers(0, 10**6), st.floats(0, 1e5, allow_nan=False), st.integers(0, 1000)),
+    max_size=60,
+)
+keeps_st = st.builds(
+    KeepPolicy,
+    last=optional_positive,
+    every_steps=optional_positive,
+    within_s=st.none() | st.floats(1e-3, 1e5, allow_nan=False),
+    max_bytes=st.none() | st.integers(1, 20000),
+)
+
+
+def expected_retain(stored: list[V], policy: KeepPolicy, now: float) -> set[int]:
+    """The rules as the README states them, written out naively."""
+    by_step = {v.step: v for v in stored}
+    ordered = sorted(by_step)
+    if policy.keeps_all:
+        return set(ordered)
+    keep = {ordered[-1]}
+    if policy.last is not None:
+        keep |= set(ordered[-policy.last :])
+    if policy.every_steps is not None:
+        keep |= {s for s in ordered if s % policy.every_steps == 0}
+    if policy.within_s is not None:
+        keep |= {s for s in ordered if by_step[s].created >= now - policy.within_s}
+    if policy.max_bytes is not None:
+        for n in range(len(ordered), 0, -1):  # the longest run of newest versions that fits
+            if n == 1 or sum(by_step[s].nbytes for s in ordered[-n:]) <= policy.max_bytes:
+                keep |= set(ordered[-n:])
+                break
+    return keep
 
 
 @relaxed
-@given(
-    steps=st.lists(st.integers(min_value=0, max_value=10**6), max_size=60),
-    last=optional_positive,
-    every_steps=optional_positive,
-)
-def test_property_retain(steps: list[int], last: int | None, every_steps: int | None) -> None:
-    kept = retain(steps, KeepPolicy(last=last, every_steps=every_steps))
+@given(stored=stored_st, policy=keeps_st, now=st.floats(0, 2e5, allow_nan=False))
+def test_property_retain(stored: list[V], policy: KeepPolicy, now: float) -> None:
+    kept = retain(stored, policy, now=now)
     assert isinstance(kept, frozenset)
-    assert kept <= set(steps)  # never invents a step
-    if not steps:
+    steps = {v.step for v in stored}
+    assert kept <= steps  # never invents a step
+    if not stored:
         assert kept == frozenset()
         return
     assert max(steps) in kept  # always the newest
-    if last is None and every_steps is None:
-        assert kept == set(steps)
-        return
-    ordered = sorted(set(steps))
-    expected = {ordered[-1]}
-    if last is not None:
-        expected |= set(ordered[-last:])
-    if every_steps is not None:
-        expected |= {s for s in ordered if s % every_steps == 0}
-    assert kept == expected
+    assert kept == expected_retain(stored, policy, now)  # nothing that no rule keeps
 
 
 @relaxed
 @given(steps=st.lists(st.integers(min_value=0, max_value=10**6), min_size=1, max_size=60), last=positive)
 def test_property_retain_last_is_stable_under_order_and_duplicates(steps: list[int], last: int) -> None:
     policy = KeepPolicy(last=last)
-    kept = retain(steps, policy)
-    assert kept == retain(list(reversed(steps)) + steps, policy)
+    kept = retain(versions(*steps), policy, now=0.0)
+    assert kept == retain(versions(*reversed(steps), *steps), policy, now=0.0)
     assert len(kept) == min(last, len(set(steps)))
     # Keeping is monotone: whatever is kept is newer than whatever is dropped.
     dropped = set(steps) - kept
@@ -189,11 +423,320 @@ def test_property_retain_last_is_stable_under_order_and_duplicates(steps: list[i
 
 
 @relaxed
-@given(steps=st.lists(st.integers(min_value=0, max_value=10**4), min_size=1, max_size=40), last=positive, new=st.integers(min_value=10**4 + 1, max_value=10**5))
-def test_property_retention_after_a_new_version_never_brings_back_a_dropped_one(steps: list[int], last: int, new: int) -> None:
+@given(
+    stored=stored_st.filter(bool),
+    policy=keeps_st,
+    new=st.builds(V, st.integers(10**6 + 1, 10**7), st.floats(1e5, 2e5, allow_nan=False), st.integers(0, 1000)),
+    now=st.floats(1e5, 2e5, allow_nan=False),
+    later=st.floats(0, 1e5, allow_nan=False),
+)
+def test_property_retention_after_a_new_version_never_brings_back_a_dropped_one(
+    stored: list[V], policy: KeepPolicy, new: V, now: float, later: float
+) -> None:
     # A tier prunes after each commit: what a prune dropped must stay dropped at the next one.
-    policy = KeepPolicy(last=last, every_steps=7)
-    before = retain(steps, policy)
-    after = retain(sorted(before) + [new], policy)
-    assert new in after
-    assert after <= before | {new}
+    by_step = {v.step: v for v in stored}
+    before = retain(stored, policy, now=now)
+    after = retain([by_step[s] for s in sorted(before)] + [new], policy, now=now + later)
+    assert new.step in after
+    assert after <= before | {new.step}
+
+
+# -- choose_slot -----------------------------------------------------------------------------------
+
+
+def test_choose_slot_examples() -> None:
+    busy = Held(1, copying=False, leased=True, wanted=False)
+    waiting = Held(2, copying=False, leased=False, wanted=True)
+    done = Held(3, copying=False, leased=False, wanted=False)
+    copying = Held(4, copying=True, leased=False, wanted=True)
+    for mode in ("block", "skip", "evict"):
+        assert choose_slot([busy, waiting], free=1, on_full=mode) == SlotChoice("free")
+        assert choose_slot([busy, waiting, done], free=0, on_full=mode) == SlotChoice("drop", 3)
+    assert choose_slot([busy, waiting], free=0, on_full="block") == SlotChoice("wait")
+    assert choose_slot([busy, waiting], free=0, on_full="skip") == SlotChoice("skip")
+    assert choose_slot([busy, waiting], free=0, on_full="evict") == SlotChoice("evict", 2)
+    assert choose_slot([busy, copying], free=0, on_full="evict") == SlotChoice("wait")  # only as long as the copy
+    assert choose_slot([busy], free=0, on_full="evict") == SlotChoice("skip")  # never waits for a read
+
+
+held_st = st.lists(st.builds(Held, st.integers(1, 10**6), st.booleans(), st.booleans(), st.booleans()), max_size=8, unique_by=lambda h: h.token)
+
+
+@relaxed
+@given(held=held_st, free=st.integers(0, 2), on_full=st.sampled_from(["block", "skip", "evict"]))
+def test_property_choose_slot(held: list[Held], free: int, on_full: str) -> None:
+    choice = choose_slot(held, free=free, on_full=on_full)
+    if free:
+        assert choice == SlotChoice("free")
+        return
+    by_token = {h.token: h for h in held}
+    droppable = [h for h in held if not (h.copying or h.leased or h.wanted)]
+    evictable = [h for h in held if not (h.copying or h.leased)]
+    if choice.action in ("drop", "evict"):
+        victim = by_token[choice.token]  # type: ignore[index]
+        assert not victim.copying and not victim.leased  # never a slot being copied into or read
+    if droppable:
+        assert choice == SlotChoice("drop", droppable[0].token)  # the oldest nobody needs
+    elif on_full == "evict" and evictable:
+        assert choice == SlotChoice("evict", evictable[0].token)
+    elif on_full == "block":
+        assert choice == SlotChoice("wait")
+    elif on_full == "evict":
+        # Waits only while a copy runs (bounded by that copy), never for a read (bounded by the disk).
+        assert choice == SlotChoice("wait" if any(h.copying for h in held) else "skip")
+    else:
+        assert choice == SlotChoice("skip")
+
+
+# -- whole chains on a virtual clock ---------------------------------------------------------------
+
+
+@dataclass
+class SimTier:
+    flush: FlushPolicy
+    keep: KeepPolicy
+    seconds_per_byte: float
+    state: FlushState = field(default_factory=FlushState)
+    stored: dict[int, V] = field(default_factory=dict)
+    in_flight: tuple[Candidate, float] | None = None
+    arrivals: int = 0
+    offered: list[int] = field(default_factory=list)  # tokens
+    flushed: list[int] = field(default_factory=list)  # tokens, in commit order
+    passed_over: list[int] = field(default_factory=list)
+    committed_at: dict[int, float] = field(default_factory=dict)  # token -> time
+    committed_steps: set[int] = field(default_factory=set)
+
+
+@dataclass
+class SimHost:
+    slots: int | None  # None: room for every save
+    on_full: str
+    keep: KeepPolicy
+    held: dict[int, V] = field(default_factory=dict)  # token -> version, oldest save first
+    blocked: list[V] = field(default_factory=list)  # saves waiting for a slot (on_full: block)
+    skipped: int = 0
+    evicted: int = 0
+
+
+class Sim:
+    """Saves into host memory (captured at once, into ``host.slots`` slots), flushed down ``tiers`` by
+    the policy functions alone, each write lasting its bytes times the tier's seconds per byte."""
+
+    def __init__(self, tiers: list[SimTier], host: SimHost) -> None:
+        self.tiers = tiers
+        self.host = host
+        self.events: list[tuple[float, int, str, object]] = []
+        self.order = 0
+        self.now = 0.0
+        self.seq = 0
+        self.saves: dict[int, V] = {}  # token (the save's seq) -> the saved version
+        self.host_at: dict[int, float] = {}  # token -> when it reached host memory
+
+    def push(self, at: float, kind: str, data: object) -> None:
+        self.order += 1
+        heapq.heappush(self.events, (at, self.order, kind, data))
+
+    def run(self, saves: list[tuple[float, int, int]]) -> None:
+        at, step = 0.0, -1
+        for gap, increment, nbytes in saves:
+            at, step = at + gap, step + increment
+            self.push(at, "save", V(step, at, nbytes))
+        handled = 0
+        while self.events:
+            handled += 1
+            assert handled < 100_000, "the simulation does not settle"
+            self.now, _, kind, data = heapq.heappop(self.events)
+            if kind == "save":
+                self.host.blocked.append(data)  # type: ignore[arg-type]
+            elif kind == "done":
+                self.done(data)  # type: ignore[arg-type]
+            while self.host.blocked and self.save(self.host.blocked[0]):
+                self.host.blocked.pop(0)
+            self.prune_host()
+            for i in range(len(self.tiers)):
+                self.decide(i)
+        assert not self.host.blocked
+
+    def save(self, version: V) -> bool:
+        """A save takes a host slot (True), or is skipped (True), or waits for one (False)."""
+        host, first = self.host, self.tiers[0]
+        if host.slots is not None and len(host.held) >= host.slots:
+            incoming = Candidate(version.step, self.seq + 1, self.seq + 1)
+            leased = first.in_flight[0].token if first.in_flight else None
+            held = [
+                Held(token, copying=False, leased=token == leased, wanted=still_wanted(first.state, first.flush, token, [incoming]))
+                for token in host.held
+            ]
+            choice = choose_slot(held, free=0, on_full=host.on_full)
+            if choice.action == "wait":
+                assert host.on_full == "block"  # skip and evict never wait when no copy is running
+                return False
+            if choice.action == "skip":
+                # evict skips only when every slot is being read (here: the first tier's one read)
+                assert host.on_full == "skip" or (host.on_full == "evict" and all(h.leased for h in held))
+                host.skipped += 1
+                return True
+            victim = choice.token
+            assert victim is not None and victim != leased
+            del host.held[victim]
+            if choice.action == "evict":
+                assert host.on_full == "evict"
+                host.evicted += 1
+                self.apply(first, forget(first.state, victim))
+            dropped = victim
+        else:
+            dropped = None
+        self.seq += 1
+        self.saves[self.seq] = version
+        self.host_at[self.seq] = self.now
+        self.host.held[self.seq] = version
+        assert host.slots is None or len(host.held) <= host.slots  # host memory: the slots, no more
+        self.offer(0, version.step, self.seq)
+        # A snapshot that gave way is nothing the first tier waits for once the new save is offered.
+        assert dropped is None or first.state.find(dropped) is None
+        return True
+
+    def prune_host(self) -> None:
+        """Host retention: what keep lets go and neither the first tier waits for nor reads."""
+        first = self.tiers[0]
+        kept = retain(list(self.host.held.values()), self.host.keep, now=self.now)
+        leased = first.in_flight[0].token if first.in_flight else None
+        for token, version in list(self.host.held.items()):
+            if version.step not in kept and token != leased and not still_wanted(first.state, first.flush, token, []):
+                del self.host.held[token]
+
+    def offer(self, i: int, step: int, token: int) -> None:
+        tier = self.tiers[i]
+        tier.arrivals += 1
+        tier.offered.append(token)
+        # Below host memory the arrival number is the save's seq, as in the pipeline.
+        arrival = token if i == 0 else tier.arrivals
+        self.apply(tier, offer(tier.state, tier.flush, Candidate(step, arrival, token)))
+
+    def apply(self, tier: SimTier, update) -> None:  # type: ignore[no-untyped-def]
+        tier.state = update.state
+        tier.passed_over.extend(x.token for x in update.passed_over)
+
+    def above(self, i: int, candidate: Candidate) -> bool:
+        return candidate.token in self.host.held if i == 0 else candidate.step in self.tiers[i - 1].stored
+
+    def decide(self, i: int) -> None:
+        tier = self.tiers[i]
+        if tier.in_flight is not None:
+            return
+        choice = choose_flush(tier.state, tier.flush, now=self.now)
+        if choice.take is None:
+            if choice.wait_s is not None:
+                assert choice.wait_s > 0
+                # Look again when told to (never earlier than the next representable instant).
+                self.push(max(self.now + choice.wait_s, math.nextafter(self.now, math.inf)), "timer", i)
+            return
+        # Retention above spared it: a flusher never finds the version it waits for gone.
+        assert self.above(i, choice.take), (i, choice.take)
+        self.apply(tier, take(tier.state, tier.flush, choice.take, now=self.now))
+        tier.in_flight = (choice.take, self.now)
+        nbytes = self.saves[choice.take.token].nbytes
+        self.push(self.now + nbytes * tier.seconds_per_byte, "done", i)
+
+    def done(self, i: int) -> None:
+        tier = self.tiers[i]
+        assert tier.in_flight is not None
+        candidate, started = tier.in_flight
+        tier.in_flight = None
+        if tier.flushed:
+            assert candidate.token > tier.flushed[-1], "a tier went backwards"
+        tier.flushed.append(candidate.token)
+        tier.committed_at[candidate.token] = self.now
+        tier.committed_steps.add(candidate.step)
+        tier.stored[candidate.step] = self.saves[candidate.token]
+        tier.state = finished(tier.state, started=started, ok=True)
+        if i + 1 < len(self.tiers):
+            self.offer(i + 1, candidate.step, candidate.token)
+        self.prune(i, committed=candidate.step)
+
+    def pinned(self, i: int) -> set[int]:
+        """Steps of tier ``i`` that the tier below waits for or reads."""
+        if i + 1 >= len(self.tiers):
+            return set()
+        below = self.tiers[i + 1]
+        steps = {x.step for x in below.state.waiting()}
+        if below.in_flight is not None:
+            steps.add(below.in_flight[0].step)
+        return steps
+
+    def prune(self, i: int, committed: int) -> None:
+        tier = self.tiers[i]
+        newest = max(tier.stored)
+        by_rule = retain(list(tier.stored.values()), tier.keep, now=self.now)
+        pinned = self.pinned(i)
+        tier.stored = {s: v for s, v in tier.stored.items() if s in by_rule or s == committed or s in pinned}
+        assert newest in tier.stored  # the newest committed version is always kept
+        # Nothing is kept that no rule keeps, beyond what the tier below still needs.
+        assert set(tier.stored) <= by_rule | {committed} | pinned
+        # An every_steps milestone, once committed, is never pruned.
+        if tier.keep.every_steps is not None:
+            milestones = {s for s in tier.committed_steps if s % tier.keep.every_steps == 0}
+            assert milestones <= set(tier.stored)
+
+
+def flush_policies(draw: st.DrawFn) -> FlushPolicy:
+    min_interval = draw(st.sampled_from([0.0, 0.0, 0.5, 3.0]))
+    staleness = draw(st.none() | st.floats(0.1, 20.0))
+    return FlushPolicy(
+        every=draw(st.integers(1, 4)),
+        every_steps=draw(st.none() | st.integers(1, 6)),
+        min_interval_s=min_interval,
+        max_staleness_s=None if staleness is None else min_interval + staleness,
+        newest_only=draw(st.booleans()),
+    )
+
+
+@st.composite
+def chains(draw: st.DrawFn) -> tuple[SimHost, list[SimTier], list[tuple[float, int, int]]]:
+    host = SimHost(
+        slots=draw(st.none() | st.integers(1, 3)),
+        on_full=draw(st.sampled_from(["block", "skip", "evict"])),
+        keep=draw(st.sampled_from([KeepPolicy(), KeepPolicy(last=1), KeepPolicy(last=2)])),
+    )
+    tiers = [
+        SimTier(
+            flush=flush_policies(draw),
+            keep=draw(keeps_st.map(lambda k: replace(k, within_s=None if k.within_s is None else k.within_s / 1e3))),
+            seconds_per_byte=draw(st.sampled_from([0.001, 0.01, 0.05, 0.2])),
+        )
+        for _ in range(draw(st.integers(1, 3)))
+    ]
+    saves = draw(st.lists(st.tuples(st.floats(0.0, 3.0), st.integers(1, 4), st.integers(1, 100)), min_size=1, max_size=40))
+    return host, tiers, saves
+
+
+@settings(deadline=None, max_examples=300)
+@given(chain=chains())
+def test_property_tier_chains(chain: tuple[SimHost, list[SimTier], list[tuple[float, int, int]]]) -> None:
+    host, tiers, saves = chain
+    sim = Sim(tiers, host)
+    sim.run(saves)  # slot and prune invariants are checked as it goes
+    assert sim.seq + host.skipped == len(saves)  # every save happened or was skipped, none lost
+    assert host.skipped == 0 or host.on_full in ("skip", "evict")
+    assert host.evicted == 0 or host.on_full == "evict"
+    for i, tier in enumerate(tiers):
+        # Every version offered to a tier was either flushed or passed over, once (a fallback still
+        # waiting at the end is what a close() would pass over).
+        leftover = [x.token for x in tier.state.waiting()]
+        assert sorted(tier.flushed + tier.passed_over + leftover) == sorted(tier.offered)
+        assert not tier.state.queue  # every eligible version went down or was replaced
+        if tier.flush.newest_only:
+            assert tier.flushed == sorted(tier.flushed)
+        # max_staleness: the newest version the tier above got reaches this tier too, within
+        # max_staleness plus a write (plus one more write under newest_only if an eligible
+        # version was ahead of it).
+        if tier.flush.max_staleness_s is not None:
+            source = tiers[i - 1].flushed if i else sorted(sim.saves)
+            if source:
+                newest = source[-1]
+                assert tier.flushed and tier.flushed[-1] == newest
+                if tier.flush.newest_only:
+                    reached_above = tiers[i - 1].committed_at[newest] if i else sim.host_at[newest]
+                    write = max(v.nbytes for v in sim.saves.values()) * tier.seconds_per_byte
+                    bound = max(tier.flush.max_staleness_s, write) + 2 * write
+                    assert tier.committed_at[newest] - reached_above <= bound + 1e-6

@@ -13,6 +13,7 @@ are built at, and :func:`site` is how they ask for it.
 from __future__ import annotations
 
 import contextvars
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields, replace
@@ -34,10 +35,15 @@ class Site:
     path: KeyPath = ()
     source: str | None = None
     lines: Mapping[KeyPath, int] = field(default_factory=dict)
+    tier: str | None = None  # the name of the tier this section belongs to, named in errors
 
     def at(self, *keys: Any) -> Site:
         """The site of a key or an item inside this section."""
         return replace(self, path=self.path + keys)
+
+    def of_tier(self, name: object) -> Site:
+        """This site, inside the tier called ``name`` (ignored unless it is a usable name)."""
+        return replace(self, tier=name) if isinstance(name, str) and name else self
 
     def key(self, *keys: Any) -> str:
         """The key path as written in messages: ``tiers[1].flush.every``."""
@@ -50,16 +56,19 @@ class Site:
         """``in tiers.yaml, line 12``: the line of the key, or of the nearest key that encloses it."""
         full = self.path + keys
         line = next((self.lines[full[:n]] for n in range(len(full), 0, -1) if full[:n] in self.lines), None)
-        return ", ".join(([f"in {self.source}"] if self.source else []) + ([f"line {line}"] if line else []))
+        parts = [f"tier {self.tier!r}"] if self.tier else []
+        parts += [f"in {self.source}"] if self.source else []
+        parts += [f"line {line}"] if line else []
+        return ", ".join(parts)
 
     def error(self, *keys: Any, problem: str, hint: str | None = None) -> ConfigError:
-        """``key: problem (in file, line n); hint``, with ``key`` set on the error."""
+        """``key: problem (tier 'name', in file, line n); hint``, with ``key`` and ``tier`` set on the error."""
         key = self.key(*keys)
         where = self.where(*keys) if key else ""
         message = f"{key or self.source or 'config'}: {problem}"
         message += f" ({where})" if where else ""
         message += f"; {hint}" if hint else ""
-        return ConfigError(message, key=key or None)
+        return ConfigError(message, key=key or None, tier=self.tier)
 
 
 # The loader sets the site of the section it builds, so that the section's own __post_init__ can name
@@ -94,6 +103,29 @@ def check_int(
         raise at.error(key, problem=f"{value!r} is not an integer", hint=f"use {allowed}")
     if value < low or (high is not None and value > high):
         raise at.error(key, problem=f"{value!r} is not allowed", hint=f"use {allowed}")
+
+
+def check_bool(at: Site, key: str, value: object) -> None:
+    """``True`` or ``False``."""
+    if not isinstance(value, bool):
+        raise at.error(key, problem=f"{value!r} is not allowed", hint="use true or false")
+
+
+def check_seconds(at: Site, key: str, value: object, *, positive: bool = False, optional: bool = False) -> float | None:
+    """A finite number of seconds, ``>= 0`` (``> 0`` when ``positive``), as a ``float``; ``None`` too when ``optional``.
+
+    Durations read from YAML were parsed already (``"30s"``); this checks what code passes in.
+    """
+    if optional and value is None:
+        return None
+    allowed = "a number of seconds > 0" if positive else "a number of seconds >= 0"
+    allowed += ", or null" if optional else ""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise at.error(key, problem=f"{value!r} is not allowed", hint=f"use {allowed}")
+    if positive and value == 0:
+        hint = "use a duration > 0, e.g. 10m" + (f", or leave {key} out" if optional else "")
+        raise at.error(key, problem="0 is not allowed", hint=hint)
+    return float(value)
 
 
 def check_choice(at: Site, key: str, value: object, choices: tuple[str, ...]) -> None:
@@ -161,12 +193,25 @@ def write(section: Any, keys: tuple[Key, ...], *, skip: frozenset[str] = frozens
 
 def read_size(value: Any, at: Site) -> int:
     """A size key's value in bytes (``4GiB``, see :mod:`tierckpt.units`)."""
-    return parse_size(value, key=at.key(), where=at.where())
+    try:
+        return parse_size(value, key=at.key(), where=at.where())
+    except ConfigError as exc:
+        exc.tier = at.tier
+        raise
 
 
 def read_duration(value: Any, at: Site) -> float:
     """A duration key's value in seconds (``30s``, see :mod:`tierckpt.units`)."""
-    return parse_duration(value, key=at.key(), where=at.where())
+    try:
+        return parse_duration(value, key=at.key(), where=at.where())
+    except ConfigError as exc:
+        exc.tier = at.tier
+        raise
+
+
+def optional(reader: Callable[[Any, Site], Any]) -> Callable[[Any, Site], Any]:
+    """``reader`` for a key whose default is null: an explicit null stays ``None``."""
+    return lambda value, at: None if value is None else reader(value, at)
 
 
 def section(

@@ -53,7 +53,8 @@ class SaveHandle:
 
     @property
     def skipped(self) -> bool:
-        """True when the save did not happen: every host slot was busy under ``on_full: skip``."""
+        """True when the save did not happen: every host slot was busy under ``on_full: skip`` (or, under
+        ``evict``, every slot was being read)."""
         return self._tracker.token == 0
 
     async def captured(self) -> bool:
@@ -198,7 +199,8 @@ class Checkpointer:
     async def save(self, step: int, state: Any, *, metadata: Mapping[str, Any] | None = None) -> SaveHandle:
         """Snapshot ``state`` as version ``step``; returns once the host copy is under way.
 
-        Waits only for a free host slot, and only under ``host.on_full: block``.
+        Never waits on disk. Under ``host.on_full: block`` it waits for a free host slot; under
+        ``evict`` only while another slot is still being copied into; under ``skip`` not at all.
 
         Raises:
             UnsupportedStateError: a value in ``state`` cannot be stored (names its key path).

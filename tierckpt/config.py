@@ -29,11 +29,14 @@ from tierckpt._config_schema import (
     Key,
     Site,
     build,
+    check_bool,
     check_choice,
     check_int,
     check_mapping,
     check_path,
+    check_seconds,
     is_default,
+    optional,
     read,
     read_duration,
     read_size,
@@ -47,7 +50,7 @@ from tierckpt.units import format_size
 
 __all__ = ["Config", "HostConfig", "TierConfig", "FlushPolicy", "KeepPolicy", "CompressionConfig"]
 
-_ON_FULL = ("block", "skip")
+_ON_FULL = ("block", "skip", "evict")
 _TIER_TYPES = ("memory", "filesystem")
 _CODECS = ("none", "zstd")
 _TIER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -74,7 +77,8 @@ class HostConfig:
             pinned when CUDA is present, split evenly into ``snapshots`` slots of at least 4 KiB each.
         snapshots: at most this many snapshots are held at once (>= 1).
         on_full: what ``save()`` does when every slot is busy: ``"block"`` waits for a free slot,
-            ``"skip"`` drops that save.
+            ``"skip"`` drops that save, ``"evict"`` drops the oldest snapshot that is neither being
+            copied nor read, even one a tier was still waiting to take (see the README).
         copy_threads: threads that copy tensors into host slots (1..64).
 
     Raises:
@@ -112,35 +116,50 @@ class HostConfig:
 class FlushPolicy:
     """Which versions arriving from the tier above a tier writes (YAML section ``flush``).
 
-    A version is flushed when it meets every condition that is set.
+    A version is eligible when it meets ``every`` and ``every_steps``; ``min_interval`` spaces the
+    starts of flushes; ``max_staleness`` sends the newest version down when the tier has gone that
+    long without a successful flush, eligible or not. :mod:`tierckpt.policy` applies these rules.
 
     Attributes:
         every: flush every N-th version that arrives from the tier above (>= 1).
         every_steps: flush only versions whose step is divisible by N (>= 1), or ``None``.
-        min_interval_s: at least this many seconds between two flushes to this tier (YAML
-            ``min_interval``: seconds or ``"500ms"``, ``"30s"``, ``"10m"``, ``"2h"``, ``"1d"``).
+        min_interval_s: at least this many seconds between the starts of two flushes to this tier
+            (YAML ``min_interval``: seconds or ``"500ms"``, ``"30s"``, ``"10m"``, ``"2h"``, ``"1d"``).
+        max_staleness_s: when this many seconds have passed since the start of the tier's last
+            successful flush, the newest version offered goes down even if ``every``/``every_steps``
+            pass it over, and even beside a running host copy (YAML ``max_staleness``); > 0 and not
+            shorter than ``min_interval_s``, or ``None`` for no limit.
+        newest_only: ``True`` (PCheck): a version waiting while the tier is busy is replaced by a newer
+            eligible one; ``False``: every eligible version is queued and goes down, oldest first, and
+            the tier above keeps each until it is taken.
 
     Raises:
-        ConfigError: a value is of the wrong type or out of range.
+        ConfigError: a value is of the wrong type or out of range, or ``max_staleness`` is shorter
+            than ``min_interval``.
 
     Example:
-        >>> FlushPolicy(every_steps=100, min_interval_s=30).min_interval_s
-        30.0
+        >>> FlushPolicy(every_steps=100, min_interval_s=30, max_staleness_s=600).max_staleness_s
+        600.0
     """
 
     every: int = 1
     every_steps: int | None = None
     min_interval_s: float = 0.0
+    max_staleness_s: float | None = None
+    newest_only: bool = True
 
     def __post_init__(self) -> None:
         at = site("flush")
         check_int(at, "every", self.every, low=1)
         check_int(at, "every_steps", self.every_steps, low=1, optional=True)
-        value = self.min_interval_s
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-            hint = "use a number of seconds >= 0"
-            raise at.error("min_interval", problem=f"{value!r} is not allowed", hint=hint)
-        object.__setattr__(self, "min_interval_s", float(value))
+        object.__setattr__(self, "min_interval_s", check_seconds(at, "min_interval", self.min_interval_s))
+        staleness = check_seconds(at, "max_staleness", self.max_staleness_s, positive=True, optional=True)
+        object.__setattr__(self, "max_staleness_s", staleness)
+        check_bool(at, "newest_only", self.newest_only)
+        if staleness is not None and staleness < self.min_interval_s:
+            problem = f"{staleness:g}s is shorter than min_interval, {self.min_interval_s:g}s"
+            hint = "flushes start at most once per min_interval; raise max_staleness or lower min_interval"
+            raise at.error("max_staleness", problem=problem, hint=hint)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -148,27 +167,41 @@ class KeepPolicy:
     """Which committed versions a tier keeps (YAML section ``keep``).
 
     A tier keeps the union of what the set rules keep, and always its newest version; with no rule set
-    it keeps everything (:func:`tierckpt.policy.retain` applies it).
+    it keeps everything (:func:`tierckpt.policy.retain` applies it). In YAML, a ``keep`` section must
+    set a rule: leave ``keep`` out to keep everything.
 
     Attributes:
         last: keep the newest N versions (>= 1), or ``None``.
         every_steps: keep versions whose step is divisible by N forever (>= 1), or ``None``.
+        within_s: keep versions saved less than this many seconds ago (> 0; YAML ``within``: ``"2h"``),
+            or ``None``.
+        max_bytes: keep the newest versions whose stored bytes add up to at most this (>= 1; YAML
+            ``max_bytes``: ``"50GiB"``), and always the newest even if it alone is larger, or ``None``.
 
     Raises:
         ConfigError: a value is of the wrong type or out of range.
 
     Example:
-        >>> KeepPolicy(last=2, every_steps=1000)
-        KeepPolicy(last=2, every_steps=1000)
+        >>> KeepPolicy(last=2, every_steps=1000).keeps_all
+        False
     """
 
     last: int | None = None
     every_steps: int | None = None
+    within_s: float | None = None
+    max_bytes: int | None = None
 
     def __post_init__(self) -> None:
         at = site("keep")
         check_int(at, "last", self.last, low=1, optional=True)
         check_int(at, "every_steps", self.every_steps, low=1, optional=True)
+        object.__setattr__(self, "within_s", check_seconds(at, "within", self.within_s, positive=True, optional=True))
+        check_int(at, "max_bytes", self.max_bytes, low=1, optional=True)
+
+    @property
+    def keeps_all(self) -> bool:
+        """True when no rule is set: the tier keeps every version."""
+        return self.last is None and self.every_steps is None and self.within_s is None and self.max_bytes is None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -234,7 +267,9 @@ class TierConfig:
 
     def __post_init__(self) -> None:
         at = site("tier")
-        if not isinstance(self.name, str) or not _TIER_NAME.fullmatch(self.name):
+        if isinstance(self.name, str) and _TIER_NAME.fullmatch(self.name):
+            at = at.of_tier(self.name)
+        else:
             hint = "use letters, digits, '_', '.' and '-', starting with a letter or a digit"
             raise at.error("name", problem=f"{self.name!r} is not allowed", hint=hint)
         check_choice(at, "type", self.type, _TIER_TYPES)
@@ -291,7 +326,7 @@ class Config:
             index_of[tier.name] = index
             if tier.type == "memory" and index > 0:
                 hint = "a memory tier can only be the first tier"
-                raise at.error("tiers", index, "type", problem="'memory' is not allowed here", hint=hint)
+                raise at.of_tier(tier.name).error("tiers", index, "type", problem="'memory' is not allowed here", hint=hint)
 
     def tier(self, name: str) -> TierConfig:
         """The tier called ``name``.
@@ -379,6 +414,8 @@ def _check_keys_for_type(at: Site, tier_type: str, keys: Collection[str]) -> Non
 
 
 def _read_tier(data: Any, at: Site) -> TierConfig:
+    if isinstance(data, Mapping):
+        at = at.of_tier(data.get("name"))
     check_mapping(TierConfig, _TIER_KEYS, data, at)
     check_choice(at, "type", data["type"], _TIER_TYPES)
     _check_keys_for_type(at, data["type"], data.keys())
@@ -392,8 +429,20 @@ def _read_tiers(data: Any, at: Site) -> tuple[TierConfig, ...]:
 
 
 def _write_tiers(tiers: tuple[TierConfig, ...]) -> list[dict[str, Any]]:
-    # Leave out the keys the loader would refuse for the tier's type.
-    return [write(tier, _TIER_KEYS, skip=frozenset(_NOT_FOR_TYPE[tier.type])) for tier in tiers]
+    # Leave out the keys the loader would refuse for the tier's type, and a keep section without a rule
+    # (the loader refuses an empty one; no keep section means keep everything).
+    return [
+        write(tier, _TIER_KEYS, skip=frozenset(_NOT_FOR_TYPE[tier.type]) | ({"keep"} if tier.keep.keeps_all else set()))
+        for tier in tiers
+    ]
+
+
+def _read_keep(data: Any, at: Site) -> KeepPolicy:
+    keep: KeepPolicy = _read_keep_section(data, at)
+    if keep.keeps_all:
+        hint = "set last, every_steps, within or max_bytes; leave keep out to keep every version"
+        raise at.error(problem="sets no rule", hint=hint)
+    return keep
 
 
 def _read_config(data: Any, at: Site) -> Config:
@@ -412,15 +461,23 @@ _FLUSH_KEYS = (
     Key("every", "every"),
     Key("every_steps", "every_steps"),
     Key("min_interval", "min_interval_s", read_duration),
+    Key("max_staleness", "max_staleness_s", optional(read_duration)),
+    Key("newest_only", "newest_only"),
 )
-_KEEP_KEYS = (Key("last", "last"), Key("every_steps", "every_steps"))
+_KEEP_KEYS = (
+    Key("last", "last"),
+    Key("every_steps", "every_steps"),
+    Key("within", "within_s", optional(read_duration)),
+    Key("max_bytes", "max_bytes", optional(read_size)),
+)
+_read_keep_section, _write_keep_section = section(KeepPolicy, _KEEP_KEYS)
 _COMPRESSION_KEYS = (Key("codec", "codec"), Key("level", "level"))
 _TIER_KEYS = (
     Key("name", "name"),
     Key("type", "type"),
     Key("path", "path", write=str),
     Key("flush", "flush", *section(FlushPolicy, _FLUSH_KEYS)),
-    Key("keep", "keep", *section(KeepPolicy, _KEEP_KEYS)),
+    Key("keep", "keep", _read_keep, _write_keep_section),
     Key("compression", "compression", *section(CompressionConfig, _COMPRESSION_KEYS)),
     Key("io_threads", "io_threads"),
 )

@@ -1,23 +1,38 @@
-"""A flusher moves versions from one tier to the next, one at a time, always the newest eligible.
+"""A flusher moves versions from one tier to the next, one at a time, applying the tier's flush policy.
 
-It is offered each version the tier above commits. Ineligible versions (``every``, ``every_steps``)
-are passed over at once; an eligible version waiting while the flusher is busy is replaced by a newer
-one (PCheck: a slow tier never falls further and further behind), and an older version offered after
-a newer one (captures may finish out of order) is passed over. ``min_interval`` holds the pending
-version back; the tier above keeps the pending version until it is taken or replaced. Reading from
-the memory tier waits while a host copy is running: training waits for the copy, never for the disk,
-and on few cores a write beside the copy slows it.
+It is offered each version the tier above commits, and keeps a :class:`~tierckpt.policy.FlushState`
+that the pure functions of :mod:`tierckpt.policy` update: which versions wait (the newest eligible one
+under ``newest_only``, a FIFO queue otherwise, and with ``max_staleness`` a fallback), and when the
+last flushes started. The flusher only applies those decisions: it leases the version above, writes,
+commits, tells the pipeline, and prunes its tier. The tier above keeps every version that waits here
+(``wanted_below`` for a filesystem tier, ``still_wanted`` for host memory). Reading from the memory
+tier waits while a host copy is running, unless the tier is overdue: training waits for the copy,
+never for the disk, and on few cores a write beside the copy slows it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable, Protocol
+import time
+from dataclasses import replace
+from typing import Callable, Protocol, Sequence
 
 from tierckpt.config import FlushPolicy
-from tierckpt.policy import Candidate, choose_flush, flush_eligible, retain
-from tierckpt.tiers.base import Tier, VersionInfo
+from tierckpt.policy import (
+    Candidate,
+    FlushState,
+    Update,
+    choose_flush,
+    finished,
+    flush_eligible,
+    forget,
+    offer,
+    retain,
+    still_wanted,
+    take,
+)
+from tierckpt.tiers.base import Lease, Tier, VersionInfo
 
 log = logging.getLogger("tierckpt")
 
@@ -26,6 +41,8 @@ class FlushEvents(Protocol):
     """What the pipeline hears from a flusher (all called on the engine thread)."""
 
     def skipped(self, tier: str, token: int) -> None: ...
+
+    def forced(self, tier: str, candidate: Candidate) -> None: ...
 
     def committed(self, tier: str, candidate: Candidate, info: VersionInfo) -> None: ...
 
@@ -41,6 +58,7 @@ class Flusher:
         events: FlushEvents,
         *,
         clock: Callable[[], float],
+        wall_clock: Callable[[], float] = time.time,
         copy_running: Callable[[], bool] = lambda: False,
     ) -> None:
         self.upstream = upstream
@@ -48,14 +66,13 @@ class Flusher:
         self.policy = policy
         self._events = events
         self._clock = clock
+        self._wall_clock = wall_clock  # unix seconds, for keep.within
         self._copy_running = copy_running
-        self.pending: Candidate | None = None
+        self.state = FlushState()
         self.in_flight: Candidate | None = None
         # Whether the next tier's flusher is waiting to take a step of this tier (retention spares it).
         self.wanted_below: Callable[[int], bool] = lambda step: False
-        self._newest_token = 0  # the newest save ever accepted here (pending, in flight or flushed)
         self._arrivals = 0
-        self._last_start: float | None = None
         self._drains = 0
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -63,32 +80,53 @@ class Flusher:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
+        self.state = replace(self.state, last_ok_start=self._clock())  # max_staleness runs from here
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"tierckpt-flush-{self.tier.name}")
 
     def eligible(self, step: int, arrival: int) -> bool:
         return flush_eligible(self.policy, step, arrival)
 
+    def wants(self, step: int) -> bool:
+        """Whether a version of ``step`` waits here to be taken (the tier above must keep it)."""
+        return any(c.step == step for c in self.state.waiting())
+
+    def still_wanted(self, token: int, newer: Sequence[Candidate]) -> bool:
+        """Whether version ``token`` must stay above, given ``newer`` versions that will be offered."""
+        return still_wanted(self.state, self.policy, token, newer)
+
     def offer(self, step: int, token: int, arrival: int | None = None) -> None:
         """A version was committed above; ``arrival`` defaults to this flusher's own count."""
         self._arrivals += 1
         arrival = self._arrivals if arrival is None else arrival
-        if not self.eligible(step, arrival) or token < self._newest_token:
-            # Ineligible, or older than a version this tier already has or will take: newest only.
-            self._events.skipped(self.tier.name, token)
-            return
-        self._newest_token = token
-        if self.pending is not None:
-            self._events.skipped(self.tier.name, self.pending.token)
-        self.pending = Candidate(step, arrival, token)
+        self._apply(offer(self.state, self.policy, Candidate(step, arrival, token)))
         self._idle.clear()
         self._wake.set()
+
+    def forget(self, token: int) -> None:
+        """The tier above lost version ``token`` (evicted): it will not go down."""
+        self._apply(forget(self.state, token))
+        self._wake.set()
+
+    def give_up(self) -> None:
+        """Closing: nothing waiting here will go down any more (only a fallback is left after a drain)."""
+        self._apply(Update(replace(self.state, queue=(), fallback=None), self.state.waiting()))
+
+    def _apply(self, update: Update) -> None:
+        self.state = update.state  # first: the events below look at what waits here
+        for candidate in update.passed_over:
+            self._events.skipped(self.tier.name, candidate.token)
 
     def wake(self) -> None:
         self._wake.set()
 
     async def drain(self) -> None:
-        """Wait until nothing is pending or in flight, with ``min_interval`` waived meanwhile."""
+        """Wait until nothing is queued or in flight, with ``min_interval`` waived meanwhile.
+
+        A fallback (``max_staleness``) goes down only if the tier is overdue by now; it is not waited for.
+        """
         self._drains += 1
+        if self.state.waiting():
+            self._idle.clear()  # look again first: a fallback may have fallen overdue meanwhile
         self._wake.set()
         try:
             await self._idle.wait()
@@ -119,32 +157,33 @@ class Flusher:
                 await asyncio.sleep(0.1)
 
     async def _step(self) -> None:
-        """One decision: sleep until something changes, or flush the pending version."""
-        draining = self._drains > 0
-        choice = choose_flush(self.pending, self.policy, last_start=self._last_start, now=self._clock(), drain=draining)
-        if choice.take is None:
-            if self.pending is None:
+        """One decision: sleep until something changes, or flush the version the policy picks."""
+        now = self._clock()
+        choice = choose_flush(
+            self.state, self.policy, now=now, drain=self._drains > 0, copy_running=self._copy_running()
+        )
+        candidate = choice.take
+        if candidate is None:
+            if not self.state.queue:
                 self._idle.set()
             await self._sleep(choice.wait_s)
             return
-        if self._copy_running():
-            await self._sleep(None)  # woken when the copy finishes
-            return
-        candidate, self.pending = choice.take, None
-        self.in_flight = candidate
-        self._last_start = self._clock()
-        try:
-            await self._flush(candidate)
-        finally:
-            self.in_flight = None
-
-    async def _flush(self, candidate: Candidate) -> None:
         try:
             lease = self.upstream.lease(candidate.step)
         except KeyError:
-            # Evicted above before it could be read: a newer version replaced it.
-            self._events.skipped(self.tier.name, candidate.token)
+            # Gone from the tier above before it could be read: this tier will not get it.
+            self._apply(forget(self.state, candidate.token))
             return
+        self._apply(take(self.state, self.policy, candidate, now=now))
+        if choice.forced:
+            self._events.forced(self.tier.name, candidate)
+        self.in_flight = candidate
+        try:
+            await self._flush(candidate, lease, started=now)
+        finally:
+            self.in_flight = None
+
+    async def _flush(self, candidate: Candidate, lease: Lease, *, started: float) -> None:
         try:
             source = await self.upstream.read(candidate.step)
             try:
@@ -164,6 +203,7 @@ class Flusher:
             return
         finally:
             lease.release()
+        self.state = finished(self.state, started=started, ok=True)
         self._events.committed(self.tier.name, candidate, info)
         await self.prune(committed=candidate.step)
 
@@ -174,7 +214,7 @@ class Flusher:
         push it out), and versions whose manifest did not verify are neither counted nor deleted.
         """
         infos = [i for i in self.tier.versions() if i.valid]
-        keep = retain([i.step for i in infos], self.tier.config.keep) | {committed}
+        keep = retain(infos, self.tier.config.keep, now=self._wall_clock()) | {committed}
         for info in infos:
             if info.step in keep or self.tier.leased(info.step) or self.wanted_below(info.step):
                 continue

@@ -57,12 +57,20 @@ class SaveTracker:
 
 @dataclass
 class Counters:
+    """What the pipeline did so far (``Checkpointer.counters`` returns a copy)."""
+
     saves: int = 0
-    skipped_saves: int = 0  # on_full: skip with every slot busy
+    skipped_saves: int = 0  # saves that did not happen: every slot busy (on_full: skip, or evict with every slot being read)
     captures_failed: int = 0
-    flushed: dict[str, int] = field(default_factory=dict)
-    passed_over: dict[str, int] = field(default_factory=dict)  # versions a tier did not take
+    flushed: dict[str, int] = field(default_factory=dict)  # versions committed, per tier
+    passed_over: dict[str, int] = field(default_factory=dict)  # versions a tier did not take, per tier
     flush_errors: int = 0
+    evicted_saves: int = 0  # captured snapshots dropped from host memory before the next tier took them (on_full: evict)
+    forced: dict[str, int] = field(default_factory=dict)  # versions a tier took only because max_staleness had passed
+
+    def __post_init__(self) -> None:
+        # dataclasses.replace() goes through here: a copy never shares the per-tier dicts.
+        self.flushed, self.passed_over, self.forced = dict(self.flushed), dict(self.passed_over), dict(self.forced)
 
 
 class Pipeline:
@@ -75,6 +83,10 @@ class Pipeline:
         self.memory = memory
         self.counters = Counters()
         self._clock = clock
+        # Unix time on the injected clock: version creation times and keep.within use it, so a test's
+        # clock moves them too, and a wall-clock step during a run does not.
+        epoch = time.time() - clock()
+        self._wall: Callable[[], float] = lambda: clock() + epoch
         self._seq = 0
         self._trackers: dict[int, SaveTracker] = {}
         self._errors: list[FlushError] = []
@@ -85,13 +97,16 @@ class Pipeline:
                 tier.config.flush,
                 self,
                 clock=clock,
+                wall_clock=self._wall,
                 copy_running=(lambda: bool(self.memory.capturing())) if upstream is memory else (lambda: False),
             )
             for upstream, tier in zip(self.tiers, self.tiers[1:])
         ]
         memory.needed = self._needed_below_memory
+        memory.evicted = self._evicted
+        memory.wall_clock = self._wall
         for above, below in zip(self.flushers, self.flushers[1:]):
-            above.wanted_below = lambda step, below=below: below.pending is not None and below.pending.step == step
+            above.wanted_below = below.wants
 
     async def start(self) -> None:
         for tier in self.tiers:
@@ -121,12 +136,13 @@ class Pipeline:
         ready: Sequence[Any] = (),
     ) -> SaveTracker:
         self.raise_pending()
-        wait = self.config.host.on_full == "block"
-        slot = await self.memory.acquire(step, self._seq + 1, wait=wait)
+        on_full = self.config.host.on_full
+        slot = await self.memory.acquire(step, self._seq + 1, on_full=on_full)
         self.counters.saves += 1
         if slot is None:
             self.counters.skipped_saves += 1
-            log.info("save of step %d skipped: every host slot is busy (host.on_full: skip)", step)
+            why = "being read" if on_full == "evict" else "busy"
+            log.info("save of step %d skipped: every host slot is %s (host.on_full: %s)", step, why, on_full)
             tracker = SaveTracker(step, 0, committed={t.name: concurrent.futures.Future() for t in self.tiers})
             tracker.captured.set_result(False)
             for tier in self.tiers:
@@ -140,7 +156,7 @@ class Pipeline:
             nbytes=nbytes,
             skeleton=skeleton,
             metadata=metadata,
-            created=time.time(),
+            created=self._wall(),
             slot=slot,
         )
         tracker = SaveTracker(step, snapshot.seq, committed={t.name: concurrent.futures.Future() for t in self.tiers})
@@ -191,17 +207,21 @@ class Pipeline:
         self.memory.notify()
 
     def _needed_below_memory(self, snapshot: Snapshot, incoming: tuple[int, int] | None) -> bool:
-        """Whether the first flusher still wants ``snapshot`` (see MemoryTier)."""
+        """Whether the first flusher still wants ``snapshot``, given newer saves (see MemoryTier)."""
         if not self.flushers:
             return False
-        flusher = self.flushers[0]
-        if flusher.pending is None or flusher.pending.token != snapshot.seq:
-            return False
-        newer = [(s.step, s.seq) for s in self.memory.capturing() if s.seq > snapshot.seq]
+        newer = [Candidate(s.step, s.seq, s.seq) for s in self.memory.capturing() if s.seq > snapshot.seq]
         if incoming is not None:
-            newer.append(incoming)
-        # A newer eligible version will replace it as the pending one: it is not needed any more.
-        return not any(flusher.eligible(step, seq) for step, seq in newer)
+            newer.append(Candidate(incoming[0], incoming[1], incoming[1]))
+        return self.flushers[0].still_wanted(snapshot.seq, newer)
+
+    def _evicted(self, snapshot: Snapshot) -> None:
+        """A save took the slot of a snapshot the first flusher still wanted (on_full: evict)."""
+        self.counters.evicted_saves += 1
+        if self.flushers:  # always: only a flusher makes a snapshot wanted
+            flusher = self.flushers[0]
+            log.info("step %d evicted from host memory before tier %r took it (host.on_full: evict)", snapshot.step, flusher.tier.name)
+            flusher.forget(snapshot.seq)
 
     # -- flusher events (FlushEvents) --------------------------------------------------------------
 
@@ -219,6 +239,10 @@ class Pipeline:
         self._forget(tracker)
         self.memory.prune()
         self.memory.notify()
+
+    def forced(self, tier: str, candidate: Candidate) -> None:
+        self.counters.forced[tier] = self.counters.forced.get(tier, 0) + 1
+        log.info("tier %r: taking step %d because max_staleness has passed", tier, candidate.step)
 
     def committed(self, tier: str, candidate: Candidate, info: VersionInfo) -> None:
         self.counters.flushed[tier] = self.counters.flushed.get(tier, 0) + 1
@@ -286,6 +310,8 @@ class Pipeline:
         """Stop flushers and close every tier without draining (after close, or a failed start)."""
         for flusher in self.flushers:
             await flusher.stop()
+        for flusher in self.flushers:
+            flusher.give_up()  # what still waits (a fallback) will not go down: its handles resolve False
         for tier in self.tiers:
             try:
                 await tier.close()

@@ -1,22 +1,26 @@
 """The memory tier: captured snapshots held in host-pool slots (PCheck-style, several at once).
 
 Every save lands here first. A slot is reused only when its snapshot is no longer needed: not being
-read (leased), not the version the next tier's flusher is waiting to take, and not kept by this tier's
-retention; when a save needs a slot and none is free, the oldest such snapshot gives way to it. In a
-new process this tier is empty, and restore looks further down.
+read (leased), not a version the next tier's flusher is waiting to take, and not kept by this tier's
+retention; when a save needs a slot and none is free, the oldest snapshot nobody needs gives way to
+it, even one retention keeps. Under ``host.on_full: evict`` a save may also take the slot of the
+oldest snapshot the next tier was still waiting for (the pipeline counts it and tells that flusher);
+a snapshot being copied into or read is never dropped. :func:`tierckpt.policy.choose_slot` decides.
+In a new process this tier is empty, and restore looks further down.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from typing import Callable
 
 from tierckpt.capture.pool import HostPool, Slot
 from tierckpt.config import TierConfig
 from tierckpt.format import CHUNK_BYTES, Chunk, TensorRecord
 from tierckpt.format.manifest import chunk_count
-from tierckpt.policy import retain
+from tierckpt.policy import Held, choose_slot, retain
 from tierckpt.snapshot import Snapshot, SnapshotState
 from tierckpt.tiers.base import Lease, Tier, VersionInfo, VersionSource
 
@@ -31,6 +35,9 @@ class MemoryTier(Tier):
         self.pool = pool
         self.executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"tierckpt-mem-{config.name}")
         self.needed: Needed = lambda snapshot, incoming: False
+        # Called with a snapshot dropped under on_full: evict although the next tier wanted it.
+        self.evicted: Callable[[Snapshot], None] = lambda snapshot: None
+        self.wall_clock: Callable[[], float] = time.time  # unix seconds, for keep.within
         self._free: list[Slot] = list(pool.slots)
         self._snapshots: dict[int, Snapshot] = {}  # by seq, in save order
         self._changed: asyncio.Condition | None = None
@@ -40,25 +47,42 @@ class MemoryTier(Tier):
 
     # -- slots -----------------------------------------------------------------------------------
 
-    def try_acquire(self, step: int, seq: int) -> Slot | None:
-        """A free slot for the save (step, seq), evicting the oldest snapshot that may go; or None."""
-        if self._free:
-            return self._free.pop(0)
-        for snapshot in self._snapshots.values():
-            if self._evictable(snapshot, (step, seq)):
-                self.drop(snapshot)
-                return self._free.pop(0)
-        return None
+    async def acquire(self, step: int, seq: int, *, on_full: str) -> Slot | None:
+        """A slot for the save (step, seq), or None when it is to be skipped (see :func:`choose_slot`).
 
-    async def acquire(self, step: int, seq: int, *, wait: bool) -> Slot | None:
-        """A slot for the save; with ``wait``, block until one can be had, else None at once."""
+        ``block`` waits until a slot can be had; ``evict`` waits only while a host copy runs; ``skip``
+        never waits.
+        """
         assert self._changed is not None
         async with self._changed:
             while True:
-                slot = self.try_acquire(step, seq)
+                slot, wait = self._choose(step, seq, on_full)
                 if slot is not None or not wait:
                     return slot
                 await self._changed.wait()
+
+    def _choose(self, step: int, seq: int, on_full: str) -> tuple[Slot | None, bool]:
+        held = [
+            Held(
+                s.seq,
+                copying=s.state is SnapshotState.CAPTURING,
+                leased=s.leases > 0,
+                wanted=s.state is SnapshotState.CAPTURED and self.needed(s, (step, seq)),
+            )
+            for s in self._snapshots.values()
+        ]
+        choice = choose_slot(held, free=len(self._free), on_full=on_full)
+        if choice.action in ("drop", "evict"):
+            assert choice.token is not None
+            victim = self._snapshots[choice.token]
+            self.drop(victim)
+            slot = self._free.pop(0)
+            if choice.action == "evict":
+                self.evicted(victim)
+            return slot, False
+        if choice.action == "free":
+            return self._free.pop(0), False
+        return None, choice.action == "wait"
 
     def _evictable(self, snapshot: Snapshot, incoming: tuple[int, int] | None) -> bool:
         if snapshot.state is SnapshotState.CAPTURING or snapshot.leases:
@@ -103,7 +127,7 @@ class MemoryTier(Tier):
         for s in self._snapshots.values():
             if s.state is SnapshotState.CAPTURED:
                 newest[s.step] = s  # a later save of the same step replaces the earlier one
-        keep = retain(list(newest), self.config.keep)
+        keep = retain(list(newest.values()), self.config.keep, now=self.wall_clock())
         for s in list(self._snapshots.values()):
             if s.state is SnapshotState.FAILED and not s.leases:
                 self.drop(s)
