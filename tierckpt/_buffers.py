@@ -2,12 +2,16 @@
 
 Bulk bytes move between tensors, host slots and files without passing through Python objects:
 ``os.preadv``/``os.pwritev`` take these views directly, and O_DIRECT needs page-aligned addresses.
+Restored tensors get page-aligned memory of their own (:func:`owned_tensor`) so the disk can DMA
+straight into them: ``torch.empty`` memory sits 64 bytes past a page boundary, which O_DIRECT refuses.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
+import os
 
 import torch
 
@@ -23,6 +27,9 @@ def aligned_buffer(nbytes: int, *, populate: bool = False) -> mmap.mmap:
 
     ``populate`` faults every page in now: copying into touched memory runs several times faster
     than into a fresh allocation, so buffers that are reused pay that cost once, here.
+
+    No transparent-huge-page hint: on this VM it made O_DIRECT 7-25% faster in one hour and 15-25%
+    slower in the next, and a restore into ~200 tensor-sized mappings with it ran at half speed.
     """
     size = align_up(max(nbytes, 1))
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
@@ -42,8 +49,61 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B")
 
 
+def copy_bytes(dst: memoryview, src: memoryview) -> None:
+    """``dst[:] = src`` without holding the GIL (a 16 MiB copy takes ~1.5 ms: long enough to stall
+    every other reader and writer thread at its next bytecode)."""
+    if dst.nbytes != src.nbytes:
+        raise ValueError(f"copy_bytes: {src.nbytes} bytes into {dst.nbytes}")
+    if not dst.nbytes:
+        return
+    if src.readonly:
+        dst[:] = src
+        return
+    ctypes.memmove(address(dst), address(src), dst.nbytes)
+
+
 def address(view: memoryview) -> int:
     """The address of a writable buffer's first byte."""
     if view.nbytes == 0:
         return 0
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+# Linux 5.14+: fault a range in now, zero-filled. Called through ctypes, which lets go of the GIL
+# (``mmap.madvise`` holds it for the whole call, stalling the reader threads for milliseconds).
+_MADV_POPULATE_WRITE = 23
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_populate_works = True
+
+
+def prefault(view: memoryview) -> bool:
+    """Fault the pages of ``view`` (a page-aligned part of an anonymous mapping) in now.
+
+    Later reads into it then pay no page faults. Faulting and zeroing costs 0.25-0.3 s per GiB
+    here, and 0.7-2.3 s per GiB for memory the process never touched before (the hypervisor backing
+    it); paid in another thread ahead of the reads, it hides behind the disk as far as it is faster
+    than the disk. Returns False, having done nothing, on kernels without MADV_POPULATE_WRITE.
+    """
+    global _populate_works
+    if not _populate_works:
+        return False
+    if view.nbytes and _libc.madvise(address(view), view.nbytes, _MADV_POPULATE_WRITE) != 0:
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(err, f"madvise(MADV_POPULATE_WRITE): {os.strerror(err)}")
+        _populate_works = False
+        return False
+    return True
+
+
+def owned_tensor(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
+    """A new contiguous tensor on page-aligned memory of its own, and the mapping behind it.
+
+    The tensor's storage is exactly ``nbytes`` long and keeps the mapping alive; the memory goes back
+    to the OS when the last tensor using it goes (as glibc does for large ``malloc`` blocks). Unlike
+    ``torch.empty`` memory, the storage cannot grow (``resize_`` to a larger size raises).
+    """
+    buf = aligned_buffer(nbytes)
+    storage = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).untyped_storage()
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape), buf

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import logging
 import os
 import shutil
@@ -39,7 +40,7 @@ from tierckpt.format import (
     version_dirname,
 )
 from tierckpt.tiers.base import Staged, Tier, VersionInfo, VersionSource
-from tierckpt.tiers.fsio import fsync_dir, pread_exact, probe_direct_io
+from tierckpt.tiers.fsio import O_DIRECT, fsync_dir, probe_direct_io, read_into, read_span
 from tierckpt.tiers.fswrite import write_data_file
 
 log = logging.getLogger("tierckpt")
@@ -151,6 +152,7 @@ class FilesystemTier(Tier):
                 self.codec,
                 self.executor,
                 direct=self.direct,
+                threads=self.config.io_threads,
             )
             manifest = Manifest(
                 step=source.step,
@@ -194,7 +196,7 @@ class FilesystemTier(Tier):
     async def read(self, step: int) -> VersionSource:
         path = self.root / version_dirname(step)
         manifest = await self._manifest(step, path)
-        return await asyncio.to_thread(FilesystemSource, self.name, path, manifest)
+        return await asyncio.to_thread(FilesystemSource, self.name, path, manifest, direct=self.direct)
 
     async def delete(self, step: int) -> None:
         if self.leased(step):
@@ -218,9 +220,15 @@ class FilesystemTier(Tier):
 
 
 class FilesystemSource(VersionSource):
-    """A committed version's files, opened for reading; verifies every chunk it returns."""
+    """A committed version's files, opened for reading; verifies every chunk it returns.
 
-    def __init__(self, tier: str, path: Path, manifest: Manifest) -> None:
+    With ``direct``, every file is also opened with O_DIRECT and bulk reads bypass the page cache:
+    chunks land straight in page-aligned destinations, and a promotion to a slower tier reads into
+    the writer thread's aligned scratch, which the next tier then writes with O_DIRECT as it is.
+    Each chunk is hashed right after its read, in the reading thread, while it is still in cache.
+    """
+
+    def __init__(self, tier: str, path: Path, manifest: Manifest, *, direct: bool = False) -> None:
         self.tier = tier
         self.step = manifest.step
         self.created = manifest.created
@@ -228,6 +236,7 @@ class FilesystemSource(VersionSource):
         self.metadata = manifest.metadata
         self.records = manifest.records
         self._fds: dict[str, int] = {}
+        self._direct_fds: dict[str, int] = {}
         try:
             for name in sorted({r.file for r in manifest.records}):
                 try:
@@ -236,6 +245,12 @@ class FilesystemSource(VersionSource):
                     raise CorruptCheckpointError(
                         f"step {self.step} on tier {tier!r}: data file {name} is missing", tier=tier, step=self.step
                     ) from exc
+                if direct:
+                    try:
+                        self._direct_fds[name] = os.open(path / name, os.O_RDONLY | os.O_CLOEXEC | O_DIRECT)
+                    except OSError as exc:
+                        if exc.errno != errno.EINVAL:  # refused after all: read through the page cache
+                            raise
         except BaseException:
             self.close()
             raise
@@ -249,17 +264,22 @@ class FilesystemSource(VersionSource):
                 key=record.key,
             )
 
-    def _pread(self, record: TensorRecord, chunk: int, out: memoryview) -> None:
-        what = f"step {self.step} on tier {self.tier!r}, {record.key}"
-        try:
-            pread_exact(self._fds[record.file], out, record.chunks[chunk].offset, what=what)
-        except CorruptCheckpointError as exc:
-            raise CorruptCheckpointError(str(exc), tier=self.tier, step=self.step, key=record.key) from None
+    @property
+    def direct(self) -> bool:
+        """Whether bulk reads bypass the page cache (O_DIRECT)."""
+        return bool(self._direct_fds)
+
+    def _corrupt(self, record: TensorRecord, exc: CorruptCheckpointError) -> CorruptCheckpointError:
+        return CorruptCheckpointError(str(exc), tier=self.tier, step=self.step, key=record.key)
 
     def read_stored(self, record: TensorRecord, chunk: int, scratch: memoryview) -> memoryview:
-        stored = record.chunks[chunk].stored
-        out = scratch[:stored] if scratch.nbytes >= stored else memoryview(bytearray(stored))
-        self._pread(record, chunk, out)
+        c = record.chunks[chunk]
+        what = f"step {self.step} on tier {self.tier!r}, {record.key}"
+        fd, direct_fd = self._fds[record.file], self._direct_fds.get(record.file)
+        try:
+            out = read_span(c.offset, c.stored, scratch, fd, direct_fd, what=what)
+        except CorruptCheckpointError as exc:
+            raise self._corrupt(record, exc) from None
         self._verify(record, chunk, out)
         return out
 
@@ -274,11 +294,18 @@ class FilesystemSource(VersionSource):
                 step=self.step,
                 key=record.key,
             )
-        # Uncompressed chunks land straight in the destination: no bounce, one pass to hash.
-        self._pread(record, chunk, out)
+        # Uncompressed chunks land straight in the destination (DMA when it is page-aligned), and
+        # are hashed right away while they are in cache: no bounce buffer, no second pass later.
+        what = f"step {self.step} on tier {self.tier!r}, {record.key}"
+        fd, direct_fd = self._fds[record.file], self._direct_fds.get(record.file)
+        try:
+            read_into(out, record.chunks[chunk].offset, fd, direct_fd, scratch, what=what)
+        except CorruptCheckpointError as exc:
+            raise self._corrupt(record, exc) from None
         self._verify(record, chunk, out)
 
     def close(self) -> None:
-        fds, self._fds = self._fds, {}
-        for fd in fds.values():
+        fds = [*self._fds.values(), *self._direct_fds.values()]
+        self._fds, self._direct_fds = {}, {}
+        for fd in fds:
             os.close(fd)

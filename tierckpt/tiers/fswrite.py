@@ -1,15 +1,18 @@
 """Writing one version's data file from a :class:`VersionSource` (blocking; runs in tier threads).
 
 Chunks are the unit of work: each writer thread reads a chunk from the source (a zero-copy view of a
-host slot, or a verified read from the tier above), re-encodes it only when the codecs differ, hashes
-the stored bytes while they are hot in cache, and writes them with ``pwrite``. Uncompressed records
-keep the slot's 4 KiB-aligned layout, so host slot bytes go to disk with O_DIRECT as they are;
-compressed chunks are packed back to back.
+host slot, or, promoting from a faster filesystem tier, an O_DIRECT read into the thread's aligned
+scratch, verified there), re-encodes it only when the codecs differ, hashes the stored bytes while
+they are hot in cache (or reuses the checksum just verified, when the codecs match), and writes them
+with ``pwritev``. Uncompressed records keep the slot's 4 KiB-aligned layout, so host slot bytes and
+scratch bytes go to disk with O_DIRECT as they are; compressed chunks are packed back to back. The
+file is allocated in one piece first and fsynced once at the end.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import os
 import threading
 from pathlib import Path
@@ -18,7 +21,7 @@ from tierckpt._buffers import align_up
 from tierckpt.codecs import Codec, decoder
 from tierckpt.format import ALIGN, Chunk, TensorRecord, checksum
 from tierckpt.tiers.base import VersionSource
-from tierckpt.tiers.fsio import O_DIRECT, pwrite_all, scratch, scratch2
+from tierckpt.tiers.fsio import O_DIRECT, ChunkJobs, preallocate, pwrite_all, scratch, scratch2
 
 def scratch_bytes(chunk_bytes: int) -> int:
     """Room for one stored chunk: zstd's worst case grows a chunk by well under 1%."""
@@ -32,8 +35,12 @@ def write_data_file(
     executor: concurrent.futures.Executor,
     *,
     direct: bool,
+    threads: int = 2,
 ) -> tuple[TensorRecord, ...]:
-    """Write every record of ``source`` into ``path`` and fsync it; returns the stored records."""
+    """Write every record of ``source`` into ``path`` and fsync it; returns the stored records.
+
+    ``threads`` of ``executor`` and the calling thread write the chunks (see :class:`ChunkJobs`).
+    """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     direct_fd = None
     try:
@@ -47,6 +54,8 @@ def write_data_file(
         # Raw records keep the slot's layout, [0, end); encoded chunks are packed after it, or from 0
         # when no record is stored raw (a compressed file would otherwise start with a hole).
         packed = _Packer(start=end if codec.name == "none" else 0)
+        if codec.name == "none":
+            preallocate(fd, end)
 
         def job(ri: int, c: int) -> Chunk:
             record = source.records[ri]
@@ -70,20 +79,11 @@ def write_data_file(
                 pwrite_all(data, offset, fd, None)
             return Chunk(offset, data.nbytes, digest)
 
-        futures = {
-            (ri, c): executor.submit(job, ri, c)
-            for ri, record in enumerate(source.records)
-            for c in range(len(record.chunks))
-        }
-        concurrent.futures.wait(futures.values(), return_when=concurrent.futures.FIRST_EXCEPTION)
-        for f in futures.values():
-            f.cancel()
-        # Waits for the jobs already running: none may write after the file is closed.
-        errors = [f.exception() for f in futures.values() if not f.cancelled()]
-        first = next((e for e in errors if e is not None), None)
-        if first is not None:
-            raise first
-        chunks = {key: f.result() for key, f in futures.items()}
+        keys = [(ri, c) for ri, record in enumerate(source.records) for c in range(len(record.chunks))]
+        # Writes only while this thread waits: once join() returns (or raises), no job runs, and
+        # the file may be closed.
+        results = ChunkJobs([functools.partial(job, ri, c) for ri, c in keys], executor, threads).join()
+        chunks = dict(zip(keys, results))
         os.fsync(fd)
     finally:
         if direct_fd is not None:
