@@ -64,8 +64,11 @@ def write_data_file(
             if record.codec == codec.name:
                 data, digest = stored, source.checksum_of(record, c)
             else:
-                logical = scratch2(scratch_bytes(record.chunk_bytes))[:length]
-                decoder(record.codec).decode_into(stored, logical)
+                if record.codec == "none":
+                    logical = stored  # already the logical bytes: no copy before encoding
+                else:
+                    logical = scratch2(scratch_bytes(record.chunk_bytes))[:length]
+                    decoder(record.codec).decode_into(stored, logical)
                 data, digest = memoryview(codec.encode(logical)), None
             if digest is None:
                 digest = checksum(data)
