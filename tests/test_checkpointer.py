@@ -133,3 +133,13 @@ def test_cuda_tensors_written_on_a_side_stream_are_captured_after_their_kernels(
         assert handle.committed_sync("nvme", timeout=60)
         restored = ckpt.restore_latest_sync()
         assert restored is not None and bool((restored.state["x"] == 3.0).all())
+
+
+def test_a_capture_that_cannot_start_is_raised_once_by_save(tmp_path: Path) -> None:
+    with Checkpointer(_config(tmp_path)) as ckpt:
+        ckpt._copier._executor.shutdown(wait=True)  # the copy threads are gone: nothing can be enqueued
+        with pytest.raises(RuntimeError, match="cannot schedule"):
+            ckpt.save_sync(1, {"x": torch.zeros(4)})
+        ckpt._copier._executor = __import__("concurrent.futures").futures.ThreadPoolExecutor(1)
+        ckpt.wait_sync()  # the failure was raised by save() already: not reported a second time
+        assert ckpt.save_sync(2, {"x": torch.ones(4)}).committed_sync("nvme", timeout=30)

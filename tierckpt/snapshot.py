@@ -76,3 +76,4 @@ class Snapshot:
     state: SnapshotState = SnapshotState.CAPTURING
     leases: int = 0
     capture_s: float | None = None  # time from save() to the end of the host copy
+    report_failure: bool = True  # False when save() itself already raised the capture's failure

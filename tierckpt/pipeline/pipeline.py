@@ -169,6 +169,7 @@ class Pipeline:
         except BaseException as exc:
             # Nothing was enqueued: fail the capture so the slot comes back and nobody waits on it.
             if not snapshot.capture.done():
+                snapshot.report_failure = False  # raised right here: not again at the next call
                 snapshot.capture.set_exception(exc)
             raise
         return tracker
@@ -185,7 +186,8 @@ class Pipeline:
                 step=snapshot.step,
             )
             failure.__cause__ = error
-            self._report(failure)
+            if snapshot.report_failure:
+                self._report(failure)
             if tracker is not None:
                 tracker.captured.set_exception(failure)
                 for tier in self.tiers:
