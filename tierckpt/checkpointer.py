@@ -217,7 +217,6 @@ class Checkpointer:
 
     def _prepare(self, step: int, state: Any, metadata: Mapping[str, Any] | None) -> tuple[Any, ...]:
         self._check_open()
-        started = time.perf_counter()
         if type(step) is not int or not 0 <= step <= _MAX_STEP:
             raise ValueError(f"step must be an int from 0 to {_MAX_STEP}, got {step!r}")
         meta = dict(metadata or {})
@@ -238,7 +237,7 @@ class Checkpointer:
                 step=step,
                 key="host.capacity",
             )
-        return step, leaves, entries, nbytes, skeleton, meta, started, _cuda_ready(leaves)
+        return step, leaves, entries, nbytes, skeleton, meta, _cuda_ready(leaves)
 
     # -- wait, restore, list -----------------------------------------------------------------------
 

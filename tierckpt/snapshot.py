@@ -75,5 +75,4 @@ class Snapshot:
     capture: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
     state: SnapshotState = SnapshotState.CAPTURING
     leases: int = 0
-    capture_s: float | None = None  # time from save() to the end of the host copy
     report_failure: bool = True  # False when save() itself already raised the capture's failure

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -41,12 +40,11 @@ class _Countdown:
     new snapshot while a copy into it is still running.
     """
 
-    def __init__(self, n: int, future: concurrent.futures.Future[None], on_done: Callable[[], None]) -> None:
+    def __init__(self, n: int, future: concurrent.futures.Future[None]) -> None:
         self._left = n
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._future = future
-        self._on_done = on_done
 
     def finish(self, error: BaseException | None = None) -> None:
         with self._lock:
@@ -58,7 +56,6 @@ class _Countdown:
         if self._error is not None:
             self._future.set_exception(self._error)
         else:
-            self._on_done()
             self._future.set_result(None)
 
 
@@ -88,7 +85,7 @@ class Copier:
         self._pending: set[concurrent.futures.Future[None]] = set()
         self._lock = threading.Lock()
 
-    def start(self, snapshot: Snapshot, leaves: Sequence[Leaf], started: float, ready: Sequence[Any] = ()) -> None:
+    def start(self, snapshot: Snapshot, leaves: Sequence[Leaf], ready: Sequence[Any] = ()) -> None:
         """Enqueue the copies of ``leaves`` into ``snapshot``'s slot; ``snapshot.capture`` completes after.
 
         ``ready``: CUDA events recorded on the saving thread's current streams; copies of device
@@ -103,14 +100,10 @@ class Copier:
             self._pending.add(future)
         future.add_done_callback(self._forget)
 
-        def done() -> None:
-            snapshot.capture_s = time.perf_counter() - started
-
         if not batches:
-            done()
             future.set_result(None)
             return
-        countdown = _Countdown(len(batches), future, done)
+        countdown = _Countdown(len(batches), future)
         for batch in batches:
             self._executor.submit(_run, self._pool, snapshot, batch, ready, countdown)
 

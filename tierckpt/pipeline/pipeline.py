@@ -132,7 +132,6 @@ class Pipeline:
         nbytes: int,
         skeleton: Any,
         metadata: dict[str, Any],
-        started: float,
         ready: Sequence[Any] = (),
     ) -> SaveTracker:
         self.raise_pending()
@@ -165,7 +164,7 @@ class Pipeline:
         loop = asyncio.get_running_loop()
         snapshot.capture.add_done_callback(lambda _: loop.call_soon_threadsafe(self._captured, snapshot))
         try:
-            self.copier.start(snapshot, leaves, started, ready)
+            self.copier.start(snapshot, leaves, ready)
         except BaseException as exc:
             # Nothing was enqueued: fail the capture so the slot comes back and nobody waits on it.
             if not snapshot.capture.done():
