@@ -128,7 +128,7 @@ def test_example_as_dict(tmp_path: Path) -> None:
                 "path": "checkpoints/nvme",
                 "flush": {"every": 1, "every_steps": None, "min_interval": 0.0, "max_staleness": None, "newest_only": True},
                 "keep": {"last": 3, "every_steps": None, "within": None, "max_bytes": None},
-                "compression": {"codec": "none", "level": 3},
+                "compression": {"codec": "none", "level": 3, "shuffle": False, "min_ratio": 1.05, "when": "always"},
                 "io_threads": 2,
             },
             {
@@ -137,7 +137,7 @@ def test_example_as_dict(tmp_path: Path) -> None:
                 "path": "checkpoints/pfs",
                 "flush": {"every": 1, "every_steps": 100, "min_interval": 30.0, "max_staleness": None, "newest_only": True},
                 "keep": {"last": 2, "every_steps": 1000, "within": None, "max_bytes": None},
-                "compression": {"codec": "zstd", "level": 3},
+                "compression": {"codec": "zstd", "level": 3, "shuffle": False, "min_ratio": 1.05, "when": "always"},
                 "io_threads": 2,
             },
         ],
@@ -210,7 +210,7 @@ def test_wrong_choice_message(tmp_path: Path) -> None:
         (small(nvme="    copies: 2\n"), "tiers[1].copies", 9, "name, type, path, flush, keep, compression, io_threads"),
         (small(nvme="    flush:\n      every: 2\n      max_stale: 1m\n"), "tiers[1].flush.max_stale", 11, "every, every_steps, min_interval, max_staleness, newest_only"),
         (small(nvme="    keep: {last: 2, newer_than: 1h}\n"), "tiers[1].keep.newer_than", 9, "last, every_steps, within, max_bytes"),
-        (small(nvme="    compression: {codec: zstd, shuffle: true}\n"), "tiers[1].compression.shuffle", 9, "codec, level"),
+        (small(nvme="    compression: {codec: zstd, planes: 4}\n"), "tiers[1].compression.planes", 9, "codec, level, shuffle, min_ratio, when"),
     ],
 )
 def test_unknown_keys(tmp_path: Path, text: str, key: str, line: int, allowed: str) -> None:
@@ -266,6 +266,11 @@ def test_unknown_keys(tmp_path: Path, text: str, key: str, line: int, allowed: s
         ("", "    compression: {codec: zstd, level: 0}\n", "tiers[1].compression.level", 9, ["0 is not allowed", "1 to 22"]),
         ("", "    compression: {level: 23}\n", "tiers[1].compression.level", 9, ["23 is not allowed"]),
         ("", "    compression: {level: -8}\n", "tiers[1].compression.level", 9, ["-8 is not allowed", "-7 to -1"]),
+        ("", "    compression: {shuffle: true}\n", "tiers[1].compression.shuffle", 9, ["needs a compressor", "codec: zstd"]),
+        ("", "    compression: {codec: zstd, shuffle: yes please}\n", "tiers[1].compression.shuffle", 9, ["'yes please' is not allowed", "true or false"]),
+        ("", "    compression: {codec: zstd, min_ratio: 0.9}\n", "tiers[1].compression.min_ratio", 9, ["0.9 is not allowed", "1.0 to 100"]),
+        ("", "    compression: {codec: zstd, min_ratio: '5%'}\n", "tiers[1].compression.min_ratio", 9, ["'5%' is not allowed"]),
+        ("", "    compression: {codec: zstd, when: sometimes}\n", "tiers[1].compression.when", 9, ["'sometimes' is not allowed", "always, faster"]),
         ("", "    io_threads: 0\n", "tiers[1].io_threads", 9, ["0 is not allowed", "from 1 to 64"]),
         ("", "    io_threads: '4'\n", "tiers[1].io_threads", 9, ["'4' is not an integer"]),
     ],
@@ -740,8 +745,13 @@ keeps = st.builds(
     max_bytes=st.none() | st.integers(1, 2**60),
 )
 compressions = st.builds(
-    CompressionConfig, codec=st.sampled_from(["none", "zstd"]), level=st.integers(-7, 22).filter(bool)
-)
+    CompressionConfig,
+    codec=st.just("zstd"),
+    level=st.integers(-7, 22).filter(bool),
+    shuffle=st.booleans(),
+    min_ratio=st.floats(1.0, 100.0),
+    when=st.sampled_from(["always", "faster"]),
+) | st.builds(CompressionConfig, codec=st.just("none"), level=st.integers(-7, 22).filter(bool))
 
 
 @st.composite

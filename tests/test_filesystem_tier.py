@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from tierckpt import Checkpointer
-from tierckpt.codecs import NoneCodec
+from tierckpt.config import CompressionConfig
+from tierckpt.tiers.encoding import TierEncoding
 from tierckpt.errors import ConfigError, FlushError
 from tierckpt.format import MANIFEST_FILE, Chunk, Manifest, TensorRecord, checksum, version_dirname
 from tierckpt.tiers import fswrite
@@ -286,7 +287,7 @@ def test_packed_raw_chunks_are_not_clobbered_by_direct_io_padding(tmp_path: Path
     monkeypatch.setattr(fswrite, "pwrite_all", ordered)
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as executor:
-            records = fswrite.write_data_file(source, tmp_path / "out.bin", NoneCodec(), executor, direct=True)
+            records = fswrite.write_data_file(source, tmp_path / "out.bin", _raw(), executor, direct=True)
     finally:
         source.close()
     data = (tmp_path / "out.bin").read_bytes()
@@ -432,3 +433,8 @@ def test_a_tier_path_below_a_regular_file_is_a_config_error(tmp_path: Path) -> N
     with pytest.raises(ConfigError, match="'nvme'") as info:
         Checkpointer(_config(path / "sub"))
     assert str(path / "sub") in str(info.value)
+
+
+def _raw() -> Any:
+    """How an uncompressed tier writes one version."""
+    return TierEncoding(CompressionConfig(), "out", 2).begin()

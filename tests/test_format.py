@@ -55,7 +55,10 @@ def _records(draw: st.DrawFn, index: int) -> TensorRecord:
     if n > 8:
         chunk_bytes = -(-nbytes // 8)
         n = -(-nbytes // chunk_bytes)
-    chunks = tuple(Chunk(draw(_SMALL), draw(_SMALL), draw(_U64)) for _ in range(n))
+    codec = draw(st.sampled_from(["none", "zstd", "zstd+shuffle"]))
+    # A chunk names its codec only where it differs from its record's (a raw fallback).
+    others = st.sampled_from([None, *({"none", "zstd"} - {codec})])
+    chunks = tuple(Chunk(draw(_SMALL), draw(_SMALL), draw(_U64), draw(others)) for _ in range(n))
     return TensorRecord(
         index=index,
         key=draw(st.text(max_size=30)),
@@ -64,7 +67,7 @@ def _records(draw: st.DrawFn, index: int) -> TensorRecord:
         shape=tuple(draw(st.lists(st.integers(min_value=0, max_value=1 << 20), max_size=4))),
         nbytes=nbytes,
         file=draw(st.sampled_from(["data-r00000.bin", "data-r00001.bin", "x"])),
-        codec=draw(st.sampled_from(["none", "zstd"])),
+        codec=codec,
         chunk_bytes=chunk_bytes,
         chunks=chunks,
     )
@@ -193,7 +196,7 @@ def test_decode_rejects_a_wrong_format_name() -> None:
     assert (info.value.tier, info.value.step) == ("nvme", 7)
 
 
-@pytest.mark.parametrize("version", [0, 2, 99, "1", None])
+@pytest.mark.parametrize("version", [0, 3, 99, "1", None])
 def test_decode_rejects_an_unknown_version(version: Any) -> None:
     body = _body(_manifest().encode())
     body["version"] = version
@@ -201,8 +204,36 @@ def test_decode_rejects_an_unknown_version(version: Any) -> None:
         Manifest.decode(_rewrap(body), tier="nvme", step=7)
     message = str(info.value)
     assert f"format version {version!r}" in message
-    assert f"reads version {FORMAT_VERSION}" in message
+    assert f"reads versions 1 and {FORMAT_VERSION}" in message
     assert isinstance(info.value, CorruptCheckpointError)  # so restore moves on to the next candidate
+
+
+def test_version_1_manifests_are_still_read() -> None:
+    body = _body(_manifest().encode())
+    assert body["version"] == FORMAT_VERSION == 2
+    body["version"] = 1
+    decoded = Manifest.decode(_rewrap(body), tier="nvme", step=7)
+    assert decoded == _manifest()
+
+
+def test_a_chunk_stored_in_another_codec_than_its_record_says_so() -> None:
+    record = TensorRecord(
+        index=0,
+        key="['w']",
+        kind="torch",
+        dtype="float32",
+        shape=(2, 1024),
+        nbytes=8192,
+        file="data-r00000.bin",
+        codec="zstd+shuffle",
+        chunk_bytes=4096,
+        chunks=(Chunk(0, 900, 11), Chunk(900, 4096, 12, "none")),
+    )
+    manifest = Manifest(step=7, created=1.0, skeleton={"t": 0}, records=(record,))
+    raw = _body(manifest.encode())["records"][0]["chunks"]
+    assert raw == [[0, 900, 11], [900, 4096, 12, "none"]]  # the record's own codec is not repeated
+    decoded = Manifest.decode(manifest.encode(), step=7).records[0]
+    assert [decoded.chunk_codec(i) for i in range(2)] == ["zstd+shuffle", "none"]
 
 
 def test_decode_rejects_an_unknown_checksum_algorithm() -> None:

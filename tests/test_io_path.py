@@ -20,7 +20,8 @@ import torch
 
 from tierckpt import Checkpointer
 from tierckpt._buffers import PAGE, address, aligned_buffer, copy_bytes, owned_tensor, prefault
-from tierckpt.codecs import NoneCodec
+from tierckpt.config import CompressionConfig
+from tierckpt.tiers.encoding import TierEncoding
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import CHUNK_BYTES, MANIFEST_FILE, Manifest, checksum, version_dirname
 from tierckpt.tiers import fsio, fswrite
@@ -252,7 +253,7 @@ def test_promotion_verifies_what_it_reads(tmp_path: Path) -> None:
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as executor:
             with pytest.raises(CorruptCheckpointError, match=r"checksum mismatch in \['bf16'\]"):
-                fswrite.write_data_file(source, tmp_path / "out.bin", NoneCodec(), executor, direct=True)
+                fswrite.write_data_file(source, tmp_path / "out.bin", _raw(), executor, direct=True)
     finally:
         source.close()
 
@@ -458,3 +459,8 @@ def test_hashes_are_computed_on_the_bytes_stored(tmp_path: Path, opened: list[Ch
     for record in Manifest.decode((version / MANIFEST_FILE).read_bytes()).records:
         for c in record.chunks:
             assert checksum(data[c.offset : c.offset + c.stored]) == c.checksum, record.key
+
+
+def _raw() -> Any:
+    """How an uncompressed tier writes one version."""
+    return TierEncoding(CompressionConfig(), "out", 2).begin()

@@ -357,8 +357,8 @@ def _rewrite_version(root: Path, step: int, version: int) -> None:
 
 def test_an_unknown_format_version_is_skipped_with_a_warning(opened: _Opened, two_tiers: Any) -> None:
     nvme, pfs, config = two_tiers
-    _rewrite_version(nvme, 2, 2)
-    with pytest.warns(RuntimeWarning, match=r"step 2 on tier 'nvme'.*format version 2 is not supported"):
+    _rewrite_version(nvme, 2, 1000)  # far past any version this code reads
+    with pytest.warns(RuntimeWarning, match=r"step 2 on tier 'nvme'.*format version 1000 is not supported"):
         restored = opened(config).restore_latest_sync()
     assert (restored.step, restored.tier) == (2, "pfs")
     opened.close()

@@ -151,9 +151,9 @@ class Checkpointer:
 
     @property
     def counters(self) -> Counters:
-        """Save, skip, flush and error counts so far (a copy)."""
-        c = self._pipeline.counters
-        return dataclasses.replace(c, flushed=dict(c.flushed), passed_over=dict(c.passed_over))
+        """Save, skip, flush and error counts, and each filesystem tier's compression, so far (a copy)."""
+        compression = {t.name: t.encoding.stats for t in self._pipeline.tiers if isinstance(t, FilesystemTier)}
+        return dataclasses.replace(self._pipeline.counters, compression=compression)
 
     # -- capture ---------------------------------------------------------------------------------
 

@@ -53,6 +53,7 @@ __all__ = ["Config", "HostConfig", "TierConfig", "FlushPolicy", "KeepPolicy", "C
 _ON_FULL = ("block", "skip", "evict")
 _TIER_TYPES = ("memory", "filesystem")
 _CODECS = ("none", "zstd")
+_WHEN = ("always", "faster")
 _TIER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 # A slot must hold at least one 4 KiB block: tensor data is laid out in 4 KiB-aligned extents.
 _MIN_SLOT_BYTES = 4096
@@ -211,6 +212,12 @@ class CompressionConfig:
     Attributes:
         codec: ``"none"`` or ``"zstd"``.
         level: the zstd level: 1..22, or -7..-1 for zstd's fast levels (ignored by ``"none"``).
+        shuffle: split floating-point tensors into byte planes and compress each plane only where it
+            pays (the sign/exponent plane, typically); integer and bool tensors get plain zstd.
+        min_ratio: a chunk (or plane) is stored raw unless compressing makes it at least this many
+            times smaller: 1.05 keeps compression only where it saves about 5% or more.
+        when: ``"always"`` compresses every version; ``"faster"`` only while the tier's measured
+            compressor throughput is at least its measured write throughput, and writes raw otherwise.
 
     Raises:
         ConfigError: a value is of the wrong type or out of range.
@@ -222,6 +229,9 @@ class CompressionConfig:
 
     codec: str = "none"
     level: int = 3
+    shuffle: bool = False
+    min_ratio: float = 1.05
+    when: str = "always"
 
     def __post_init__(self) -> None:
         at = site("compression")
@@ -230,6 +240,19 @@ class CompressionConfig:
         if isinstance(level, bool) or not isinstance(level, int) or not -7 <= level <= 22 or level == 0:
             hint = "use an integer from 1 to 22, or from -7 to -1 for zstd's fast levels"
             raise at.error("level", problem=f"{level!r} is not allowed", hint=hint)
+        check_bool(at, "shuffle", self.shuffle)
+        if self.shuffle and self.codec == "none":
+            raise at.error("shuffle", problem="byte-shuffle needs a compressor", hint="set codec: zstd, or shuffle: false")
+        ratio = self.min_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 1.0 <= ratio <= 100.0:
+            raise at.error("min_ratio", problem=f"{ratio!r} is not allowed", hint="use a number from 1.0 to 100, e.g. 1.05")
+        object.__setattr__(self, "min_ratio", float(ratio))
+        check_choice(at, "when", self.when, _WHEN)
+
+    @property
+    def codec_name(self) -> str:
+        """The codec floating-point tensors are stored with: ``none``, ``zstd`` or ``zstd+shuffle``."""
+        return "zstd+shuffle" if self.shuffle else self.codec
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -471,7 +494,13 @@ _KEEP_KEYS = (
     Key("max_bytes", "max_bytes", optional(read_size)),
 )
 _read_keep_section, _write_keep_section = section(KeepPolicy, _KEEP_KEYS)
-_COMPRESSION_KEYS = (Key("codec", "codec"), Key("level", "level"))
+_COMPRESSION_KEYS = (
+    Key("codec", "codec"),
+    Key("level", "level"),
+    Key("shuffle", "shuffle"),
+    Key("min_ratio", "min_ratio"),
+    Key("when", "when"),
+)
 _TIER_KEYS = (
     Key("name", "name"),
     Key("type", "type"),

@@ -1,4 +1,4 @@
-"""The on-disk format, version 1: manifests, checksums, layout constants."""
+"""The on-disk format, version 2: manifests, checksums, layout constants."""
 
 from tierckpt.format.checksum import CHECKSUM_ALGORITHM, checksum
 from tierckpt.format.manifest import (

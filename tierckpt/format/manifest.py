@@ -1,9 +1,12 @@
-"""The manifest of one stored version (format version 1) and its msgpack encoding.
+"""The manifest of one stored version (format version 2) and its msgpack encoding.
 
 A version is a directory ``step-<12 digits>/`` holding ``manifest.msgpack`` and the data files. The
 manifest file is ``msgpack({"body": <msgpack bytes>, "xxh3_64": <checksum of body>})``, so a torn or
 bit-flipped manifest is detected before any field is trusted. Decoding validates every field: the
 bytes come from disk and are treated as untrusted (no pickle, no eval, bounded sizes).
+
+Version 2 added a per-chunk codec: a chunk of a compressed tensor that did not compress is stored
+raw, and its entry says so. Version 1 manifests (every chunk in its tensor's codec) are still read.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from tierckpt.errors import CorruptCheckpointError, FormatVersionError
 from tierckpt.format.checksum import CHECKSUM_ALGORITHM, checksum
 
 FORMAT_NAME = "tierckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST_FILE = "manifest.msgpack"
 DATA_FILE = "data-r{rank:05d}.bin"
 ALIGN = 4096
@@ -46,6 +50,7 @@ class Chunk:
     offset: int  # in the record's file
     stored: int  # bytes on disk (after the codec)
     checksum: int  # of the stored bytes
+    codec: str | None = None  # how this chunk is stored, when not in its record's codec (e.g. raw)
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,10 @@ class TensorRecord:
     @property
     def stored(self) -> int:
         return sum(c.stored for c in self.chunks)
+
+    def chunk_codec(self, i: int) -> str:
+        """The codec chunk ``i`` is stored with."""
+        return self.chunks[i].codec or self.codec
 
     def chunk_span(self, i: int) -> tuple[int, int]:
         """Logical (start, length) of chunk ``i`` in the decoded tensor bytes."""
@@ -133,10 +142,10 @@ class Manifest:
             raise bad("body is not a map")
         if body.get("format") != FORMAT_NAME:
             raise FormatVersionError(f"step {step} on tier {tier!r}: not a {FORMAT_NAME} manifest", tier=tier, step=step)
-        if body.get("version") != FORMAT_VERSION:
+        if body.get("version") not in READABLE_VERSIONS:
             raise FormatVersionError(
                 f"step {step} on tier {tier!r}: format version {body.get('version')!r} is not supported "
-                f"(this release reads version {FORMAT_VERSION})",
+                f"(this release reads versions {' and '.join(map(str, READABLE_VERSIONS))})",
                 tier=tier,
                 step=step,
             )
@@ -172,8 +181,21 @@ def _encode_record(r: TensorRecord) -> dict[str, Any]:
         "file": r.file,
         "codec": r.codec,
         "chunk_bytes": r.chunk_bytes,
-        "chunks": [[c.offset, c.stored, c.checksum] for c in r.chunks],
+        "chunks": [_encode_chunk(c, r.codec) for c in r.chunks],
     }
+
+
+def _encode_chunk(c: Chunk, record_codec: str) -> list[Any]:
+    if c.codec is None or c.codec == record_codec:
+        return [c.offset, c.stored, c.checksum]
+    return [c.offset, c.stored, c.checksum, c.codec]
+
+
+def _decode_chunk(value: Any) -> Chunk:
+    if type(value) is not list or len(value) not in (3, 4):
+        raise ValueError(f"a chunk is [offset, stored, checksum(, codec)], got {value!r}")
+    offset, stored, digest = (_int(v) for v in value[:3])
+    return Chunk(offset, stored, digest, _str(value[3]) if len(value) == 4 else None)
 
 
 def _int(value: Any) -> int:
@@ -188,17 +210,11 @@ def _str(value: Any) -> str:
     return value
 
 
-def _triple(value: Any) -> list[Any]:
-    if type(value) is not list or len(value) != 3:
-        raise ValueError(f"a chunk is [offset, stored, checksum], got {value!r}")
-    return value
-
-
 def _decode_record(raw: Any) -> TensorRecord:
     if not isinstance(raw, dict):
         raise ValueError("record is not a map")
     shape = tuple(_int(d) for d in raw["shape"])
-    chunks = tuple(Chunk(*(_int(v) for v in _triple(c))) for c in raw["chunks"])
+    chunks = tuple(_decode_chunk(c) for c in raw["chunks"])
     record = TensorRecord(
         index=_int(raw["index"]),
         key=_str(raw["key"]),

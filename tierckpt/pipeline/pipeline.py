@@ -21,6 +21,7 @@ from tierckpt.policy import Candidate
 from tierckpt.snapshot import Entry, Snapshot, SnapshotState
 from tierckpt.state import Leaf
 from tierckpt.tiers.base import Tier, VersionInfo
+from tierckpt.tiers.encoding import CompressionStats
 from tierckpt.tiers.memory import MemoryTier
 
 log = logging.getLogger("tierckpt")
@@ -67,10 +68,13 @@ class Counters:
     flush_errors: int = 0
     evicted_saves: int = 0  # captured snapshots dropped from host memory before the next tier took them (on_full: evict)
     forced: dict[str, int] = field(default_factory=dict)  # versions a tier took only because max_staleness had passed
+    # Per filesystem tier: bytes before/after compression, chunks kept raw, measured throughputs.
+    compression: dict[str, CompressionStats] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # dataclasses.replace() goes through here: a copy never shares the per-tier dicts.
         self.flushed, self.passed_over, self.forced = dict(self.flushed), dict(self.passed_over), dict(self.forced)
+        self.compression = dict(self.compression)
 
 
 class Pipeline:

@@ -68,7 +68,7 @@ class VersionSource(abc.ABC):
 
     def read_logical(self, record: TensorRecord, chunk: int, out: memoryview, scratch: memoryview) -> None:
         """Decode chunk ``chunk`` of ``record`` into ``out`` (exactly its logical length), verified."""
-        decoder(record.codec).decode_into(self.read_stored(record, chunk, scratch), out)
+        decoder(record.chunk_codec(chunk)).decode_into(self.read_stored(record, chunk, scratch), out)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release files or leases the source holds."""

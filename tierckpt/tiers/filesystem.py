@@ -1,6 +1,6 @@
 """A filesystem tier: local NVMe or a parallel file system, one directory per committed version.
 
-Layout (format v1): ``<path>/step-<12 digits>/{manifest.msgpack, data-r00000.bin}``. A version is
+Layout (format v2): ``<path>/step-<12 digits>/{manifest.msgpack, data-r00000.bin}``. A version is
 written under ``.tmp-step-...`` in the same parent, its files fsynced, renamed into place, and the
 parent fsynced: a reader sees a whole version or none. Deletion renames to ``.trash-...`` first, so a
 crash mid-delete never leaves a half-removed version that looks committed. ``.tmp-``/``.trash-``
@@ -21,13 +21,13 @@ import errno
 import logging
 import os
 import shutil
+import time
 import uuid
 from pathlib import Path
 
 import aiofiles
 import aiofiles.os
 
-from tierckpt.codecs import get_codec
 from tierckpt.config import TierConfig
 from tierckpt.errors import ConfigError, CorruptCheckpointError
 from tierckpt.format import (
@@ -40,6 +40,7 @@ from tierckpt.format import (
     version_dirname,
 )
 from tierckpt.tiers.base import Staged, Tier, VersionInfo, VersionSource
+from tierckpt.tiers.encoding import TierEncoding
 from tierckpt.tiers.fsio import O_DIRECT, fsync_dir, probe_direct_io, read_into, read_span
 from tierckpt.tiers.fswrite import write_data_file
 
@@ -58,7 +59,7 @@ class FilesystemTier(Tier):
         super().__init__(config)
         assert config.path is not None  # guaranteed by TierConfig validation
         self.root = Path(config.path).expanduser().absolute()
-        self.codec = get_codec(config.compression.codec, config.compression.level)
+        self.encoding = TierEncoding(config.compression, config.name, config.io_threads)
         self.executor = concurrent.futures.ThreadPoolExecutor(
             config.io_threads, thread_name_prefix=f"tierckpt-io-{config.name}"
         )
@@ -145,15 +146,18 @@ class FilesystemTier(Tier):
         tmp = self.root / f".tmp-{version_dirname(source.step)}-{uuid.uuid4().hex[:12]}"
         await aiofiles.os.mkdir(tmp)
         try:
+            encoding = self.encoding.begin()
+            started = time.perf_counter()
             records = await asyncio.to_thread(
                 write_data_file,
                 source,
                 tmp / DATA_FILE.format(rank=0),
-                self.codec,
+                encoding,
                 self.executor,
                 direct=self.direct,
                 threads=self.config.io_threads,
             )
+            self.encoding.finish(encoding, time.perf_counter() - started)
             manifest = Manifest(
                 step=source.step,
                 created=source.created,
@@ -284,22 +288,34 @@ class FilesystemSource(VersionSource):
         return out
 
     def read_logical(self, record: TensorRecord, chunk: int, out: memoryview, scratch: memoryview) -> None:
-        if record.codec != "none":
-            super().read_logical(record, chunk, out, scratch)
+        c = record.chunks[chunk]
+        codec = record.chunk_codec(chunk)
+        if codec != "none":
+            try:
+                super().read_logical(record, chunk, out, scratch)
+            except CorruptCheckpointError as exc:
+                if exc.key is not None:
+                    raise
+                raise CorruptCheckpointError(
+                    f"step {self.step} on tier {self.tier!r}: {record.key} chunk {chunk} does not decode ({exc})",
+                    tier=self.tier,
+                    step=self.step,
+                    key=record.key,
+                ) from exc
             return
-        if record.chunks[chunk].stored != out.nbytes:
+        if c.stored != out.nbytes:
             raise CorruptCheckpointError(
                 f"step {self.step} on tier {self.tier!r}: {record.key} chunk {chunk} has the wrong length",
                 tier=self.tier,
                 step=self.step,
                 key=record.key,
             )
-        # Uncompressed chunks land straight in the destination (DMA when it is page-aligned), and
-        # are hashed right away while they are in cache: no bounce buffer, no second pass later.
+        # Raw chunks land straight in the destination (DMA when both are page-aligned), and are
+        # hashed right away while they are in cache: no bounce buffer, no second pass later.
         what = f"step {self.step} on tier {self.tier!r}, {record.key}"
         fd, direct_fd = self._fds[record.file], self._direct_fds.get(record.file)
         try:
-            read_into(out, record.chunks[chunk].offset, fd, direct_fd, scratch, what=what)
+            read_into(out, c.offset, fd, direct_fd, scratch, what=what)
         except CorruptCheckpointError as exc:
             raise self._corrupt(record, exc) from None
         self._verify(record, chunk, out)

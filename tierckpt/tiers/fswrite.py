@@ -2,11 +2,13 @@
 
 Chunks are the unit of work: each writer thread reads a chunk from the source (a zero-copy view of a
 host slot, or, promoting from a faster filesystem tier, an O_DIRECT read into the thread's aligned
-scratch, verified there), re-encodes it only when the codecs differ, hashes the stored bytes while
-they are hot in cache (or reuses the checksum just verified, when the codecs match), and writes them
-with ``pwritev``. Uncompressed records keep the slot's 4 KiB-aligned layout, so host slot bytes and
-scratch bytes go to disk with O_DIRECT as they are; compressed chunks are packed back to back. The
-file is allocated in one piece first and fsynced once at the end.
+scratch, verified there), re-encodes it only when the record's codec differs from the one this tier
+gives it (a chunk that does not compress by ``min_ratio`` is stored raw, and says so), hashes the
+stored bytes while they are hot in cache (or reuses the checksum just verified, when the codecs
+match), and writes them with ``pwritev``. An uncompressed version keeps the slot's 4 KiB-aligned
+layout, so host slot bytes and scratch bytes go to disk with O_DIRECT as they are; the chunks of a
+compressed version are packed back to back. The file is allocated in one piece first and fsynced once
+at the end.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import threading
 from pathlib import Path
 
 from tierckpt._buffers import align_up
-from tierckpt.codecs import Codec, decoder
+from tierckpt.codecs import decoder
 from tierckpt.format import ALIGN, Chunk, TensorRecord, checksum
 from tierckpt.tiers.base import VersionSource
+from tierckpt.tiers.encoding import VersionEncoding, element
 from tierckpt.tiers.fsio import O_DIRECT, ChunkJobs, preallocate, pwrite_all, scratch, scratch2
 
 def scratch_bytes(chunk_bytes: int) -> int:
@@ -31,7 +34,7 @@ def scratch_bytes(chunk_bytes: int) -> int:
 def write_data_file(
     source: VersionSource,
     path: Path,
-    codec: Codec,
+    encoding: VersionEncoding,
     executor: concurrent.futures.Executor,
     *,
     direct: bool,
@@ -41,38 +44,45 @@ def write_data_file(
 
     ``threads`` of ``executor`` and the calling thread write the chunks (see :class:`ChunkJobs`).
     """
+    codecs = [encoding.codec_for(r) for r in source.records]
+    itemsizes = [element(r)[0] for r in source.records]
+    raw_layout = encoding.raw_layout
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     direct_fd = None
     try:
-        if direct and codec.name == "none":
+        if direct and raw_layout:
             direct_fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | O_DIRECT)
         raw_offsets = []
         end = 0
         for record in source.records:
             raw_offsets.append(end)
             end += align_up(record.nbytes, ALIGN)
-        # Raw records keep the slot's layout, [0, end); encoded chunks are packed after it, or from 0
-        # when no record is stored raw (a compressed file would otherwise start with a hole).
-        packed = _Packer(start=end if codec.name == "none" else 0)
-        if codec.name == "none":
+        # A raw version keeps the slot's layout, [0, end), and packs only chunks of unaligned size
+        # after it; a compressed version packs every chunk from 0 (else the file would start with a hole).
+        packed = _Packer(start=end if raw_layout else 0)
+        if raw_layout:
             preallocate(fd, end)
 
         def job(ri: int, c: int) -> Chunk:
-            record = source.records[ri]
+            record, codec = source.records[ri], codecs[ri]
             start, length = record.chunk_span(c)
             stored = source.read_stored(record, c, scratch(scratch_bytes(record.chunk_bytes)))
-            if record.codec == codec.name:
+            stored_codec = record.chunk_codec(c)
+            if record.codec == codec:
+                # Same codec on both tiers: the chunk moves as stored, raw fallbacks included.
                 data, digest = stored, source.checksum_of(record, c)
+                encoding.account(length, data.nbytes, compressed=stored_codec != "none")
             else:
-                if record.codec == "none":
+                if stored_codec == "none":
                     logical = stored  # already the logical bytes: no copy before encoding
                 else:
                     logical = scratch2(scratch_bytes(record.chunk_bytes))[:length]
-                    decoder(record.codec).decode_into(stored, logical)
-                data, digest = memoryview(codec.encode(logical)), None
+                    decoder(stored_codec).decode_into(stored, logical)
+                stored_codec, data = encoding.encode(codec, logical, itemsizes[ri])
+                digest = None
             if digest is None:
                 digest = checksum(data)
-            if codec.name == "none" and record.chunk_bytes % ALIGN == 0:
+            if raw_layout and record.chunk_bytes % ALIGN == 0:
                 offset = raw_offsets[ri] + start
                 pwrite_all(data, offset, fd, direct_fd)
             else:
@@ -80,7 +90,7 @@ def write_data_file(
                 # full page of zeros, over the head of the next packed chunk (maybe already written).
                 offset = packed.reserve(data.nbytes)
                 pwrite_all(data, offset, fd, None)
-            return Chunk(offset, data.nbytes, digest)
+            return Chunk(offset, data.nbytes, digest, stored_codec if stored_codec != codec else None)
 
         keys = [(ri, c) for ri, record in enumerate(source.records) for c in range(len(record.chunks))]
         # Writes only while this thread waits: once join() returns (or raises), no job runs, and
@@ -101,7 +111,7 @@ def write_data_file(
             shape=r.shape,
             nbytes=r.nbytes,
             file=path.name,
-            codec=codec.name,
+            codec=codecs[ri],
             chunk_bytes=r.chunk_bytes,
             chunks=tuple(chunks[(ri, c)] for c in range(len(r.chunks))),
         )
