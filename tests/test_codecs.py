@@ -328,7 +328,9 @@ def _assert_bitwise(a: Any, b: Any) -> None:
 
 
 def _restore_from(opened: _Opened, name: str, path: Path, codec: str = "none") -> Any:
-    """Restore through a new Checkpointer that sees only this one filesystem tier."""
+    """Restore through a new Checkpointer that sees only this one filesystem tier (the others closed: one per directory)."""
+    for c in opened.all:
+        c.close_sync()
     restored = opened(_config(_tier(name, path, codec))).restore_latest_sync()
     assert restored is not None
     assert restored.tier == name

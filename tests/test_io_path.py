@@ -185,6 +185,7 @@ def test_the_buffered_path_stores_and_restores_the_same(opened: list[Checkpointe
     ckpt = _open(opened, _config(root))
     assert _tier(ckpt).direct is False
     _assert_same(ckpt.restore_latest_sync().state, state)
+    ckpt.close_sync()
     _flip(root, 1, "['bf16']", 0)
     with pytest.warns(RuntimeWarning, match=r"checksum mismatch in \['bf16'\]"):
         assert _open(opened, _config(root)).restore_latest_sync() is None

@@ -437,6 +437,7 @@ def test_a_new_process_restores_the_newest_durable_version(opened: _Opened, tmp_
     # This process still holds step 3 in memory; only step 2 reached the disk.
     assert (ckpt.restore_latest_sync().step, ckpt.restore_latest_sync().tier) == (3, "ram")
     assert sorted(os.listdir(root)) == [version_dirname(2)]
+    ckpt.close_sync()  # one Checkpointer per directory: the new process takes it over
 
     result = subprocess.run(
         [sys.executable, "-c", _CHILD, str(root), str(expected)],

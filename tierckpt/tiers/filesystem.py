@@ -43,6 +43,7 @@ from tierckpt.tiers.base import Staged, Tier, VersionInfo, VersionSource
 from tierckpt.tiers.encoding import TierEncoding
 from tierckpt.tiers.fsio import O_DIRECT, fsync_dir, probe_direct_io, read_into, read_span
 from tierckpt.tiers.fswrite import write_data_file
+from tierckpt.tiers.lock import DirectoryLock
 
 log = logging.getLogger("tierckpt")
 
@@ -65,10 +66,13 @@ class FilesystemTier(Tier):
         )
         self.direct = False
         self._index: dict[int, VersionInfo] = {}
+        self._lock = DirectoryLock(self.root, config.name)
 
     async def open(self) -> None:
         try:
             await aiofiles.os.makedirs(self.root, exist_ok=True)
+            # Before anything is swept: the .tmp- directories of a job still writing here are not leftovers.
+            await asyncio.get_running_loop().run_in_executor(self.executor, self._lock.acquire)
             self.direct = await asyncio.get_running_loop().run_in_executor(self.executor, probe_direct_io, self.root)
         except OSError as exc:
             raise ConfigError(
@@ -221,6 +225,7 @@ class FilesystemTier(Tier):
 
     async def close(self) -> None:
         self.executor.shutdown(wait=True)
+        self._lock.release()
 
 
 class FilesystemSource(VersionSource):
