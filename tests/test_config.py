@@ -334,8 +334,6 @@ def test_missing_and_malformed(tmp_path: Path, text: str, key: str, line: int | 
          "not allowed on a memory tier"),
         ("tiers:\n  - name: ram\n    type: memory\n    compression: {}\n", "tiers[0].compression", 4,
          "not allowed on a memory tier"),
-        ("tiers:\n  - name: ram\n    type: memory\n    path: /dev/shm/ckpt\n", "tiers[0].path", 4,
-         "a path on a memory tier is not supported yet"),
         ("tiers:\n  - name: ram\n    type: memory\n    io_threads: 4\n", "tiers[0].io_threads", 4,
          "io_threads applies to filesystem tiers"),
         ("host:\n  capacity: 4096\n  snapshots: 2\ntiers: [{name: ram, type: memory}]\n", "host.capacity", 2,
@@ -524,8 +522,7 @@ def test_built_in_code_names_keys_by_section() -> None:
     with pytest.raises(ConfigError, match=r"^tier\.flush: not allowed on a memory tier \(tier 'ram'\); a memory tier is the first") as named:
         TierConfig(name="ram", type="memory", flush=FlushPolicy(every=2))
     assert (named.value.key, named.value.tier) == ("tier.flush", "ram")
-    with pytest.raises(ConfigError, match=r"^tier\.path: not allowed on a memory tier \(tier 'ram'\); .* not supported yet"):
-        TierConfig(name="ram", type="memory", path="/dev/shm/ckpt")
+    assert TierConfig(name="ram", type="memory", path="/dev/shm/ckpt").path == Path("/dev/shm/ckpt")
 
 
 def test_built_in_code_normalises_types(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -200,11 +200,11 @@ def test_a_tier_on_dev_shm_writes_and_restores(opened: _Opened, shm_dir: Path) -
     _assert_state(_restore_fresh(opened, shm_dir).state, 2, 77_777)
 
 
-def _mount(fstype: str, target: Path, options: str | None = None) -> None:
+def _mount(fstype: str, target: Path, options: str | None = None, source: Path | None = None) -> None:
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip(f"mounting a {fstype} needs root and mount(8)")
     target.mkdir(parents=True, exist_ok=True)
-    command = ["mount", "-t", fstype] + (["-o", options] if options else []) + [fstype, str(target)]
+    command = ["mount", "-t", fstype] + (["-o", options] if options else []) + [str(source or fstype), str(target)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=30)
     if result.returncode != 0:
         pytest.skip(f"cannot mount a {fstype}: {result.stderr.strip()}")
@@ -369,6 +369,31 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
         _unmount(target)
 
 
+@pytest.fixture
+def small_ext4(tmp_path: Path) -> Iterator[Path]:
+    """A 16 MiB ext4 file system in a loop-mounted image (with a journal, no blocks reserved for root)."""
+    if shutil.which("mkfs.ext4") is None:
+        pytest.skip("no mkfs.ext4")
+    image = tmp_path / "ext4.img"
+    with open(image, "wb") as f:
+        f.truncate(16 << 20)
+    made = subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], capture_output=True, text=True, timeout=60)
+    if made.returncode != 0:
+        pytest.skip(f"mkfs.ext4 failed: {made.stderr.strip()}")
+    target = tmp_path / "small"
+    _mount("ext4", target, "loop", source=image)
+    try:
+        yield target
+    finally:
+        _unmount(target)
+
+
+@pytest.fixture(params=["tmpfs", "ext4"])
+def small_fs(request: pytest.FixtureRequest) -> Path:
+    """A small real file system that can be filled up: a size-limited tmpfs, or a loop-mounted ext4."""
+    return request.getfixturevalue("small_tmpfs" if request.param == "tmpfs" else "small_ext4")
+
+
 def _errnos(exc: BaseException | None) -> list[int | None]:
     seen = []
     while exc is not None:
@@ -377,40 +402,93 @@ def _errnos(exc: BaseException | None) -> list[int | None]:
     return seen
 
 
-def test_a_full_disk_fails_the_flush_and_keeps_the_previous_version(opened: _Opened, small_tmpfs: Path) -> None:
-    root = small_tmpfs / "nvme"
-    ckpt = opened(_config(root, capacity="32MiB"))
-    small = {"w": torch.arange(500_000, dtype=torch.int32), "step": 1}  # 2 MB: fits
-    _save_committed(ckpt, 1, small)
+def _leftovers(root: Path) -> list[str]:
+    return sorted(n for n in os.listdir(root) if n.startswith((".tmp-", ".trash-", ".replaced-")))
 
-    big = {"w": torch.ones(3_000_000, dtype=torch.float32), "step": 2}  # 12 MB: does not fit in 8 MiB
-    handle = ckpt.save_sync(2, big)
-    with pytest.raises(FlushError) as info:
-        handle.committed_sync("nvme", timeout=60)
-    failure = info.value
-    assert (failure.tier, failure.step) == ("nvme", 2)
-    assert errno.ENOSPC in _errnos(failure), _errnos(failure)
-    assert handle.committed_sync("ram", timeout=1) is True  # the host copy itself was fine
 
-    # Reported again, once, at the next call that can report it; that save does not happen.
-    with pytest.raises(FlushError) as again:
-        ckpt.save_sync(3, small)
-    assert again.value is failure
-    assert ckpt.counters.flush_errors == 1
+def _free_bytes(path: Path) -> int:
+    os.sync()  # ext4 counts freed blocks once their transaction commits
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
 
-    assert sorted(os.listdir(root)) == [version_dirname(1)]  # no .tmp-* left, step 1 untouched
-    assert [v.step for v in ckpt.versions() if v.tier == "nvme"] == [1]
 
-    # The tier still works once there is room again.
-    _save_committed(ckpt, 4, {"w": torch.arange(1000, dtype=torch.int32), "step": 4})
-    ckpt.wait_sync()
+def _fill(path: Path, leave: int) -> Path:
+    """Fill the file system of ``path`` with one file until the kernel says ENOSPC, then give back ``leave`` bytes."""
+    filler = path / "filler"
+    block = b"\xa5" * (1 << 20)
+    with open(filler, "wb", buffering=0) as f:
+        for size in (1 << 20, 1 << 16, 1 << 12):
+            try:
+                while True:
+                    f.write(block[:size])
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC, exc
+        os.fsync(f.fileno())
+        f.truncate(max(0, os.fstat(f.fileno()).st_size - leave))
+        os.fsync(f.fileno())
+    return filler
+
+
+def _random_state(step: int) -> dict[str, Any]:
+    # Random bytes: no codec shrinks them, so a version takes its full 2 MB whatever the compression.
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randint(-(2**31), 2**31 - 1, (500_000,), dtype=torch.int32, generator=g), "step": step}
+
+
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+def test_a_disk_that_fills_up_fails_flushes_until_space_is_freed(
+    opened: _Opened, small_fs: Path, tmp_path: Path, codec: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A real ENOSPC from the kernel: raw versions hit it in fallocate, compressed ones (packed chunks,
+    nothing reserved) in pwritev. The saves go on, retention keeps the last good version, the failed
+    attempts give their space back, and once space is freed the next save commits."""
+    root = small_fs / "nvme"
+    ckpt = opened(_config(root, capacity="16MiB", keep={"last": 1}, compression={"codec": codec}))
+    _save_committed(ckpt, 1, _random_state(1))
+    filler = _fill(small_fs, leave=256 << 10)  # room for a directory and a manifest, not for 2 MB of data
+
+    free = _free_bytes(small_fs)
+    failures = []
+    for step in (2, 3):  # still full at the second attempt: it fails the same way, and save() never raises
+        handle = ckpt.save_sync(step, _random_state(step))
+        assert not handle.skipped
+        with pytest.raises(FlushError) as info:
+            handle.committed_sync("nvme", timeout=60)
+        failure = info.value
+        failures.append(failure)
+        assert (failure.tier, failure.step, failure.errno) == ("nvme", step, errno.ENOSPC)
+        assert failure.filename is not None and failure.filename.startswith(str(root / ".tmp-step-")), failure.filename
+        assert failure.filename in str(failure) and "ENOSPC" in str(failure) and f"step {step}" in str(failure)
+        assert errno.ENOSPC in _errnos(failure.__cause__)
+        assert handle.committed_sync("ram", timeout=1) is True
+        # The failed attempt gave its space back, and left nothing behind.
+        assert _leftovers(root) == []
+        assert _free_bytes(small_fs) >= free - (64 << 10)
+        # Retention never ran: the last good version is still there, and still the tier's only one.
+        assert [v.step for v in ckpt.versions() if v.tier == "nvme"] == [1]
+
+    counters = ckpt.counters
+    assert (counters.flush_errors, counters.failed, counters.flushed["nvme"]) == (2, {"nvme": 2}, 1)
+    assert counters.last_error["nvme"] is failures[-1]
+    logged = [r.getMessage() for r in caplog.records if r.name == "tierckpt" and r.levelname == "ERROR"]
+    for step in (2, 3):
+        assert any(f"flushing step {step} failed with ENOSPC" in m and "holds steps [1]" in m for m in logged), logged
+
+    # Step 1 as it was before the disk filled up, bit for bit (copied out: the tier is still open).
+    shutil.copytree(root / version_dirname(1), tmp_path / "copy" / version_dirname(1))
+
+    filler.unlink()
+    handle = ckpt.save_sync(4, _random_state(4))
+    assert handle.committed_sync("nvme", timeout=60) is True
+    ckpt.wait_sync()  # the tier has committed since its failures: wait() has nothing to raise
+    assert [v.step for v in ckpt.versions() if v.tier == "nvme"] == [4]  # step 1 goes only now
+    assert _leftovers(root) == []
     opened.close()
-    assert sorted(os.listdir(root)) == [version_dirname(1), version_dirname(4)]
 
-    shutil.rmtree(root / version_dirname(4))
-    restored = _restore_fresh(opened, root, capacity="32MiB")
-    assert restored.step == 1
-    assert torch.equal(restored.state["w"], small["w"]) and restored.state["step"] == 1
+    restored = _restore_fresh(opened, root, capacity="16MiB")
+    assert restored.step == 4 and torch.equal(restored.state["w"], _random_state(4)["w"])
+    first = _restore_fresh(opened, tmp_path / "copy", capacity="16MiB")
+    assert first.step == 1 and torch.equal(first.state["w"], _random_state(1)["w"]) and first.state["step"] == 1
 
 
 # -- bad paths ------------------------------------------------------------------------------------------

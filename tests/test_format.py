@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -443,3 +444,98 @@ def test_steps_are_separate_directories_and_nothing_temporary_is_left(ckpt: Chec
     for name in os.listdir(root):
         manifest = Manifest.decode((root / name / MANIFEST_FILE).read_bytes())
         assert version_dirname(manifest.step) == name
+
+
+# -- damage, and messages that name the manifest file (issue 11) ----------------------------------------
+
+
+def test_every_bit_flip_and_truncation_of_a_real_manifest_is_refused_naming_the_file(
+    ckpt: Checkpointer, tmp_path: Path
+) -> None:
+    assert ckpt.save_sync(12, _state(), metadata={"lr": 0.5}).committed_sync("nvme", timeout=60)
+    data = (tmp_path / "nvme" / version_dirname(12) / MANIFEST_FILE).read_bytes()
+    prefix = f"step 12 on tier 'nvme': {MANIFEST_FILE}: "
+    refused = 0
+    for i in range(len(data)):
+        for bit in range(8):
+            flipped = bytearray(data)
+            flipped[i] ^= 1 << bit
+            try:
+                Manifest.decode(bytes(flipped), tier="nvme", step=12)
+            except CorruptCheckpointError as exc:
+                assert str(exc).startswith(prefix), str(exc)
+                refused += 1
+    for n in range(len(data)):
+        with pytest.raises(CorruptCheckpointError, match=f"^{prefix}"):
+            Manifest.decode(data[:n], tier="nvme", step=12)
+    assert refused == 8 * len(data)  # every single-bit flip: none slips past the checksum
+
+
+def test_messages_leave_out_what_is_not_known() -> None:
+    with pytest.raises(CorruptCheckpointError, match=f"^a version: {MANIFEST_FILE}: not msgpack"):
+        Manifest.decode(b"\xc1")
+    with pytest.raises(CorruptCheckpointError, match=f"^step 3: {MANIFEST_FILE}: checksum mismatch"):
+        Manifest.decode(msgpack.packb({"body": b"x", CHECKSUM_ALGORITHM: 1}), step=3)
+
+
+def test_a_manifest_past_the_size_limit_is_refused_by_its_length() -> None:
+    from tierckpt.format.manifest import MAX_MANIFEST_BYTES
+
+    with pytest.raises(CorruptCheckpointError, match=f"{MAX_MANIFEST_BYTES + 1} bytes, more than the {MAX_MANIFEST_BYTES}"):
+        Manifest.decode(bytes(MAX_MANIFEST_BYTES + 1))
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("created", True),
+        ("created", "1700000000"),
+        ("created", float("inf")),
+        ("created", float("nan")),
+        ("created", -1.0),
+        ("metadata", [["lr", 0.1]]),
+        ("records", "abc"),
+        ("records", {"0": 1}),
+    ],
+)
+def test_decode_checks_field_types_strictly(field: str, value: Any) -> None:
+    body = _body(_manifest().encode())
+    body[field] = value
+    with pytest.raises(CorruptCheckpointError, match="malformed field"):
+        Manifest.decode(_rewrap(body))
+
+
+@pytest.mark.parametrize("version", [2.0, True, [2]])
+def test_a_version_that_only_compares_equal_is_not_read(version: Any) -> None:
+    body = _body(_manifest().encode())
+    body["version"] = version
+    with pytest.raises(FormatVersionError):
+        Manifest.decode(_rewrap(body))
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("file", "", "escapes the version directory"),
+        ("file", "a\x00b", "escapes the version directory"),
+        ("file", "x" * 256, "escapes the version directory"),
+        ("codec", "lz4", "unknown codec 'lz4'"),
+        ("codec", None, "unknown codec None"),
+        ("chunks", [[0, 4000, 1, "gzip"]], "unknown codec 'gzip'"),
+        ("shape", {"0": 1000}, "expected a list"),
+    ],
+)
+def test_decode_refuses_file_names_and_codecs_it_cannot_read(field: str, value: Any, message: str) -> None:
+    body = _body(_manifest().encode())
+    body["records"][0][field] = value
+    with pytest.raises(CorruptCheckpointError, match=re.escape(message)):
+        Manifest.decode(_rewrap(body))
+
+
+def test_a_manifest_no_reader_would_take_is_not_written() -> None:
+    from tierckpt.errors import UnsupportedStateError
+    from tierckpt.format.manifest import MAX_MANIFEST_BYTES
+
+    manifest = Manifest(step=3, created=1.0, skeleton=None, records=(), metadata={"blob": bytes(MAX_MANIFEST_BYTES)})
+    with pytest.raises(UnsupportedStateError, match=f"step 3 would take .* more than the {MAX_MANIFEST_BYTES}"):
+        manifest.encode()

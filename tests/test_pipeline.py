@@ -475,7 +475,7 @@ def test_versions_reports_what_each_tier_holds(tmp_path: Path, checkpointers: li
 # -- failures ------------------------------------------------------------------------------------------
 
 
-def test_a_failing_tier_reports_once_and_keeps_earlier_versions(tmp_path: Path, checkpointers: list[Any]) -> None:
+def test_a_failing_tier_fails_that_handle_and_training_goes_on(tmp_path: Path, checkpointers: list[Any]) -> None:
     nvme = tmp_path / "nvme"
     ckpt = Checkpointer(config(tier("ram", keep={"last": 1}), tier("nvme", nvme)), tier_factory=faulty({"nvme": {2}}))
     checkpointers.append(ckpt)
@@ -485,40 +485,59 @@ def test_a_failing_tier_reports_once_and_keeps_earlier_versions(tmp_path: Path, 
     with pytest.raises(FlushError) as info:
         h2.committed_sync("nvme", DEADLINE_S)
     error = info.value
-    assert (error.tier, error.step) == ("nvme", 2)
+    assert (error.tier, error.step, error.errno) == ("nvme", 2, errno.ENOSPC)
     assert isinstance(error, OSError)
+    assert "'nvme'" in str(error) and "step 2" in str(error) and "ENOSPC" in str(error)
     assert isinstance(error.__cause__, OSError) and error.__cause__.errno == errno.ENOSPC
     assert h2.committed_sync("ram", 0) is True  # the host copy itself was fine
+    assert ckpt.counters.last_error["nvme"] is error
 
-    with pytest.raises(FlushError) as again:  # the next save reports it, once
-        ckpt.save_sync(3, state_for(3))
-    assert again.value is error
-    h4 = ckpt.save_sync(4, state_for(4))  # later saves work
-    assert h4.committed_sync("nvme", DEADLINE_S) is True
-    ckpt.wait_sync()  # nothing left to report
-    assert ckpt.counters.flush_errors == 1
-    assert held(ckpt, "nvme") == [1, 4]
-    assert step_dirs(nvme) == names(1, 4)  # no temporary directory left behind
+    h3 = ckpt.save_sync(3, state_for(3))  # an earlier failed flush never fails a later save
+    assert h3.skipped is False
+    assert h3.committed_sync("nvme", DEADLINE_S) is True  # and the tier tries again
+    ckpt.wait_sync()  # the tier has committed since: nothing to raise
+    counters = ckpt.counters
+    assert (counters.flush_errors, counters.failed, counters.flushed["nvme"]) == (1, {"nvme": 1}, 2)
+    assert held(ckpt, "nvme") == [1, 3]
+    assert step_dirs(nvme) == names(1, 3)  # no temporary directory left behind
     ckpt.close_sync()
 
     with Checkpointer(config(tier("nvme", nvme), capacity="1MiB", snapshots=1)) as fresh:
         restored = fresh.restore_latest_sync()
-    assert restored is not None and (restored.step, restored.tier) == (4, "nvme")
-    assert_state(restored.state, 4)
+    assert restored is not None and (restored.step, restored.tier) == (3, "nvme")
+    assert_state(restored.state, 3)
     first = restore_version_dir(nvme / names(1)[0], tmp_path)
     assert first.step == 1
     assert_state(first.state, 1)
 
 
-def test_a_flush_failure_is_raised_by_wait_when_no_save_came_after(tmp_path: Path, checkpointers: list[Any]) -> None:
-    ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme")), tier_factory=faulty({"nvme": {1}}))
+def test_a_flush_failure_is_raised_by_wait_while_the_tier_has_committed_nothing_since(tmp_path: Path, checkpointers: list[Any]) -> None:
+    ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme")), tier_factory=faulty({"nvme": {1, 2}}))
     checkpointers.append(ckpt)
-    ckpt.save_sync(1, state_for(1))
+    with pytest.raises(FlushError):
+        ckpt.save_sync(1, state_for(1)).committed_sync("nvme", DEADLINE_S)
+    ckpt.save_sync(2, state_for(2))  # does not raise
     with pytest.raises(FlushError) as info:
         ckpt.wait_sync()
-    assert (info.value.tier, info.value.step) == ("nvme", 1)
+    assert (info.value.tier, info.value.step) == ("nvme", 2)  # the tier's latest failure
     ckpt.wait_sync()  # reported once
+    ckpt.save_sync(3, state_for(3))
+    ckpt.wait_sync()  # step 3 went down: the tier works again
+    assert held(ckpt, "nvme") == [3]
+    assert ckpt.counters.failed == {"nvme": 2}
     ckpt.close_sync()
+
+
+def test_close_raises_when_the_last_flush_failed(tmp_path: Path, checkpointers: list[Any]) -> None:
+    ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme")), tier_factory=faulty({"nvme": {2}}))
+    checkpointers.append(ckpt)
+    assert ckpt.save_sync(1, state_for(1)).committed_sync("nvme", DEADLINE_S) is True
+    ckpt.save_sync(2, state_for(2))
+    with pytest.raises(FlushError) as info:
+        ckpt.close_sync()
+    assert (info.value.tier, info.value.step, info.value.errno) == ("nvme", 2, errno.ENOSPC)
+    assert ckpt._closed
+    assert step_dirs(tmp_path / "nvme") == names(1)
 
 
 def test_a_failed_capture_is_reported_and_frees_its_slot(tmp_path: Path, checkpointers: list[Any]) -> None:

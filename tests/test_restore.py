@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import msgpack
 import numpy as np
@@ -15,8 +18,13 @@ import pytest
 import torch
 
 from tierckpt import Checkpointer
+from tierckpt.capture import HostPool
+from tierckpt.config import TierConfig
 from tierckpt.errors import RestoreError
 from tierckpt.format import CHECKSUM_ALGORITHM, MANIFEST_FILE, Manifest, checksum, version_dirname
+from tierckpt.tiers.base import VersionSource
+from tierckpt.tiers.filesystem import FilesystemTier
+from tierckpt.tiers.memory import MemoryTier
 
 
 def _tier(name: str, path: Path, **extra: Any) -> dict[str, Any]:
@@ -30,13 +38,16 @@ def _config(*tiers: dict[str, Any]) -> dict[str, Any]:
 class _Opened:
     def __init__(self) -> None:
         self.all: list[Checkpointer] = []
+        self.gates: list[threading.Event] = []  # opened before closing, should a test fail with one shut
 
-    def __call__(self, config: dict[str, Any]) -> Checkpointer:
-        c = Checkpointer(config)
+    def __call__(self, config: dict[str, Any], **kwargs: Any) -> Checkpointer:
+        c = Checkpointer(config, **kwargs)
         self.all.append(c)
         return c
 
     def close(self) -> None:
+        for gate in self.gates:
+            gate.set()
         for c in self.all:
             c.close_sync()
 
@@ -382,6 +393,298 @@ def test_a_failed_candidate_leaves_the_template_untouched_until_one_verifies(ope
         assert opened(config).restore_latest_sync(template) is None
     for path, value in _tensors(template):
         assert not value.any(), path  # a failed attempt never leaves a half-restored model behind
+
+
+# -- staging in the host pool --------------------------------------------------------------------------------
+# From a disk, a template restore stages the bytes in free host slots (memory faulted in long ago)
+# when they fit, lent by MemoryTier.borrow for the load; else in a fresh mapping.
+
+MiB = 1 << 20
+
+
+class _GatedReads(FilesystemTier):
+    """A filesystem tier whose restores wait at their first chunk until the test opens ``gate``."""
+
+    def __init__(self, config: TierConfig) -> None:
+        super().__init__(config)
+        self.gate = threading.Event()
+        self.reading = threading.Event()
+
+    async def read(self, step: int) -> VersionSource:
+        source = await super().read(step)
+        read_logical = source.read_logical
+
+        def gated(*args: Any) -> None:
+            self.reading.set()
+            if not self.gate.wait(60):
+                raise TimeoutError("the test never opened the gate")
+            read_logical(*args)
+
+        source.read_logical = gated  # type: ignore[method-assign]
+        return source
+
+
+def _host(capacity: str, snapshots: int, on_full: str = "block") -> dict[str, Any]:
+    return {"capacity": capacity, "snapshots": snapshots, "on_full": on_full}
+
+
+def _gated(opened: _Opened, config: dict[str, Any]) -> tuple[Checkpointer, _GatedReads]:
+    tiers: list[_GatedReads] = []
+
+    def factory(cfg: TierConfig) -> _GatedReads | None:
+        if cfg.name != "nvme":
+            return None
+        tiers.append(_GatedReads(cfg))
+        return tiers[-1]
+
+    ckpt = opened(config, tier_factory=factory)
+    opened.gates.append(tiers[0].gate)
+    return ckpt, tiers[0]
+
+
+def _slots(ckpt: Checkpointer) -> tuple[list[int], list[int], int]:
+    """(lent slot indices, free slot indices, loans so far), read on the engine thread."""
+
+    async def read() -> tuple[list[int], list[int], int]:
+        memory = ckpt._pipeline.memory
+        return [s.index for s in memory.lent], sorted(s.index for s in memory._free), memory.loans
+
+    return ckpt._engine.run_sync(read())
+
+
+class _Background:
+    """A call on a worker thread, for what blocks until the test opens a gate."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+        def run() -> None:
+            try:
+                self.result = fn()
+            except BaseException as exc:  # noqa: BLE001 - re-raised by get()
+                self.error = exc
+            finally:
+                self.done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+
+    def get(self, timeout: float = 60) -> Any:
+        assert self.done.wait(timeout)
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def _written(tmp_path: Path, steps: Any = (9,), host: dict[str, Any] | None = None, state: Callable[[int], Any] = _state) -> Path:
+    """``steps`` committed on nvme by a Checkpointer that is closed again."""
+    nvme = tmp_path / "nvme"
+    with Checkpointer({"host": host or _host("8MiB", 2), "tiers": [{"name": "ram", "type": "memory"}, _tier("nvme", nvme)]}) as ckpt:
+        for step in steps:
+            assert ckpt.save_sync(step, state(step)).committed_sync("nvme", timeout=60)
+    return nvme
+
+
+def _restore_config(nvme: Path, host: dict[str, Any]) -> dict[str, Any]:
+    return {"host": host, "tiers": [{"name": "ram", "type": "memory"}, _tier("nvme", nvme)]}
+
+
+def test_a_template_restore_stages_in_a_free_host_slot_and_gives_it_back(opened: _Opened, tmp_path: Path) -> None:
+    nvme = _written(tmp_path)
+    ckpt, tier = _gated(opened, _restore_config(nvme, _host("8MiB", 2)))
+    assert _slots(ckpt) == ([], [0, 1], 0)
+    template = _template()
+    restoring = _Background(lambda: ckpt.restore_latest_sync(template))
+    assert tier.reading.wait(30)
+    lent, free, loans = _slots(ckpt)
+    assert (len(lent), len(free), loans) == (1, 1, 1)  # one 4 MiB slot holds the whole staged state
+
+    # A save meanwhile gets the other slot, and its bytes are its own.
+    handle = ckpt.save_sync(10, _state(10))
+    assert handle.captured_sync(timeout=30) and not handle.skipped
+    assert _slots(ckpt)[:2] == (lent, [])
+    assert not template["model"]["w"].any()  # nothing reaches the template before the version verified
+    tier.gate.set()
+    restored = restoring.get()
+    assert (restored.step, restored.tier) == (9, "nvme")
+    _assert_equal_state(restored.state, _state(9))
+    assert restored.state["model"]["w"] is template["model"]["w"]
+    assert _slots(ckpt) == ([], lent, 1)  # the lent slot is free again; step 10 holds the other
+
+    # The staged bytes went through that very slot (the first staged record sits at its start).
+    memory = ckpt._pipeline.memory
+    w = _state(9)["model"]["w"]
+    slot = memory.pool.slots[lent[0]]
+    assert bytes(memory.pool.view(slot, 0, w.numel() * 4)) == w.numpy().tobytes()
+
+    # And the save made meanwhile restores from host memory, intact.
+    again = ckpt.restore_latest_sync(_template())
+    assert (again.step, again.tier) == (10, "ram")
+    _assert_equal_state(again.state, _state(10))
+
+
+@pytest.mark.parametrize("on_full", ["block", "skip", "evict"])
+def test_a_save_while_a_restore_borrows_the_only_slot_follows_on_full(opened: _Opened, tmp_path: Path, on_full: str) -> None:
+    nvme = _written(tmp_path)
+    ckpt, tier = _gated(opened, _restore_config(nvme, _host("4MiB", 1, on_full)))
+    template = _template()
+    restoring = _Background(lambda: ckpt.restore_latest_sync(template))
+    assert tier.reading.wait(30)
+    assert _slots(ckpt) == ([0], [], 1)
+    if on_full == "block":
+        saving = _Background(lambda: ckpt.save_sync(10, _state(10)))
+        assert not saving.done.wait(0.3)  # waits for the slot, as for a snapshot being read
+        tier.gate.set()
+        handle = saving.get()
+        assert handle.captured_sync(timeout=30) and not handle.skipped
+    else:
+        # skip, and evict, which never drops what is being read: the save is skipped.
+        handle = ckpt.save_sync(10, _state(10))
+        assert handle.skipped and not handle.captured_sync(timeout=30)
+        assert ckpt.counters.skipped_saves == 1
+        tier.gate.set()
+    _assert_equal_state(restoring.get().state, _state(9))
+    assert template["model"]["w"] is restoring.get().state["model"]["w"]
+    # The slot came back: the next save takes it.
+    handle = ckpt.save_sync(11, _state(11))
+    assert handle.captured_sync(timeout=30) and not handle.skipped
+    restored = ckpt.restore_latest_sync()
+    assert (restored.step, restored.tier) == (11, "ram")
+
+
+def test_verification_failing_while_staged_in_the_pool_leaves_the_template_untouched(opened: _Opened, two_tiers: Any) -> None:
+    nvme, pfs, config = two_tiers
+    for root in (nvme, pfs):
+        _corrupt_record(root, 2, "['np']")
+    ckpt = opened(config)
+    template = _template()
+    # Step 2 on nvme, then on pfs: both staged in the pool and failing; step 1 on nvme verifies.
+    with pytest.warns(RuntimeWarning):
+        restored = ckpt.restore_latest_sync(template)
+    assert (restored.step, restored.tier) == (1, "nvme")
+    _assert_equal_state(restored.state, _state(1))
+    assert _slots(ckpt) == ([], [0, 1], 3)
+
+    for root in (nvme, pfs):
+        _corrupt_record(root, 1, "['np']")
+    template = _template()
+    with pytest.warns(RuntimeWarning):
+        assert ckpt.restore_latest_sync(template) is None
+    assert _slots(ckpt) == ([], [0, 1], 3 + 4)  # every candidate was staged in the pool, and failed
+    for path, value in _tensors(template):
+        assert not value.any(), path
+
+
+def _big(step: int) -> dict[str, Any]:
+    """2.5 MiB: more than a 1 MiB slot, less than three."""
+    g = torch.Generator().manual_seed(step)
+    return {"a": torch.randn(3 * MiB // 8, generator=g), "b": torch.randn(MiB // 2, generator=g).to(torch.float16), "step": step}
+
+
+def _big_template() -> dict[str, Any]:
+    return {"a": torch.zeros(3 * MiB // 8), "b": torch.zeros(MiB // 2, dtype=torch.float16), "step": -1}
+
+
+def _assert_big(state: dict[str, Any], step: int) -> None:
+    want = _big(step)
+    assert state["step"] == step
+    assert torch.equal(state["a"], want["a"]) and torch.equal(state["b"], want["b"])
+
+
+def test_a_staged_state_larger_than_a_slot_spans_adjacent_free_slots(opened: _Opened, tmp_path: Path) -> None:
+    nvme = _written(tmp_path, host=_host("8MiB", 2), state=_big)
+    ckpt, tier = _gated(opened, _restore_config(nvme, _host("4MiB", 4)))
+    template = _big_template()
+    restoring = _Background(lambda: ckpt.restore_latest_sync(template))
+    assert tier.reading.wait(30)
+    lent, free, loans = _slots(ckpt)
+    assert (lent, loans) == ([0, 1, 2], 1) and free == [3]
+    tier.gate.set()
+    restored = restoring.get()
+    _assert_big(restored.state, 9)
+    assert restored.state["a"] is template["a"]
+    assert _slots(ckpt) == ([], [0, 1, 2, 3], 1)
+
+
+def test_a_staged_state_that_fits_no_free_slots_falls_back_to_new_memory(opened: _Opened, tmp_path: Path) -> None:
+    nvme = _written(tmp_path, host=_host("8MiB", 2), state=_big)
+    # Two 1 MiB slots: 2 MiB in all, too small for 2.5 MiB.
+    ckpt, tier = _gated(opened, _restore_config(nvme, _host("2MiB", 2)))
+    template = _big_template()
+    restoring = _Background(lambda: ckpt.restore_latest_sync(template))
+    assert tier.reading.wait(30)
+    assert _slots(ckpt) == ([], [0, 1], 0)  # nothing lent: staged in new memory
+    tier.gate.set()
+    restored = restoring.get()
+    _assert_big(restored.state, 9)
+    assert restored.state["a"] is template["a"]
+    assert _slots(ckpt) == ([], [0, 1], 0)
+
+
+def test_borrow_lends_the_fewest_adjacent_free_slots_and_takes_them_back() -> None:
+    tier = MemoryTier(TierConfig(name="ram", type="memory"), HostPool(4 * MiB, 4))
+
+    def lent() -> list[int]:
+        return [s.index for s in tier.lent]
+
+    try:
+        with tier.borrow(MiB) as a:
+            assert a is not None and a.nbytes == MiB and lent() == [0]
+            with tier.borrow(MiB + 1) as b:  # two adjacent slots, as one view
+                assert b is not None and b.nbytes == 2 * MiB and lent() == [0, 1, 2]
+                b[-1] = 7  # writable, and really the pool's bytes
+                assert tier.pool.view(tier.pool.slots[2], MiB - 1, 1)[0] == 7
+                with tier.borrow(MiB) as c:
+                    assert c is not None and lent() == [0, 1, 2, 3] and not tier._free
+                    with tier.borrow(1) as d:
+                        assert d is None  # nothing free: no loan
+            assert lent() == [0]
+        assert lent() == [] and len(tier._free) == 4
+
+        # Slots 0 and 2 free, 1 and 3 lent: two free slots, but not adjacent.
+        loans = [tier.borrow(MiB) for _ in range(4)]
+        for loan in loans:
+            loan.__enter__()
+        loans[0].__exit__(None, None, None)
+        loans[2].__exit__(None, None, None)
+        assert lent() == [1, 3]
+        with tier.borrow(MiB + 1) as e:
+            assert e is None
+        with tier.borrow(MiB) as f:
+            assert f is not None and sorted(lent()) == [0, 1, 3]
+        loans[1].__exit__(None, None, None)
+        with tier.borrow(3 * MiB) as g:  # 0, 1, 2 now adjacent and free
+            assert g is not None and sorted(lent()) == [0, 1, 2, 3]
+        loans[3].__exit__(None, None, None)
+
+        # Given back on an error too.
+        with pytest.raises(ZeroDivisionError):
+            with tier.borrow(4 * MiB) as h:
+                assert h is not None and len(tier.lent) == 4
+                1 / 0
+        assert tier.lent == [] and len(tier._free) == 4
+        assert tier.loans == 10  # a, b, c, the four, f, g, h: those that got slots
+    finally:
+        tier.pool.close()
+
+
+async def test_a_cancelled_restore_keeps_the_slot_lent_until_its_reads_are_over(opened: _Opened, tmp_path: Path) -> None:
+    nvme = _written(tmp_path)
+    ckpt, tier = _gated(opened, _restore_config(nvme, _host("8MiB", 2)))
+    task = asyncio.ensure_future(ckpt.restore_latest(_template()))
+    assert await asyncio.to_thread(tier.reading.wait, 30)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.2)
+    assert len((await asyncio.to_thread(_slots, ckpt))[0]) == 1  # the reader threads still write into it
+    tier.gate.set()
+    deadline = time.monotonic() + 30
+    while (await asyncio.to_thread(_slots, ckpt))[0]:
+        assert time.monotonic() < deadline, "the lent slot never came back"
+        await asyncio.sleep(0.02)
+    assert (await asyncio.to_thread(_slots, ckpt))[1:] == ([0, 1], 1)
 
 
 # -- a new process ------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from tierckpt.state import flatten
 from tierckpt.tiers.base import Tier, VersionInfo
 from tierckpt.tiers.filesystem import FilesystemTier
 from tierckpt.tiers.memory import MemoryTier
+from tierckpt.tiers.shm import ShmStore
 from tierckpt.units import format_size
 
 log = logging.getLogger("tierckpt")
@@ -64,8 +65,15 @@ class SaveHandle:
     async def committed(self, tier: str) -> bool:
         """Wait until the version is committed on ``tier`` (True) or will never be (False).
 
-        False means the tier's flush policy passed it over or a newer version replaced it; a failed
-        write raises :class:`FlushError`.
+        False means the tier's flush policy passed it over, a newer version replaced it, or a tier
+        above it failed to take it.
+
+        Raises:
+            FlushError: writing it to ``tier`` failed (a full disk, a quota, EIO, EACCES, ...): names
+                the tier, the step, and the ``errno`` and path (``filename``) of the failed call. The
+                tier keeps its earlier versions, gives back the space of this attempt, and its next
+                flush tries again; a later ``save()`` does not raise it. Also raised when the capture
+                itself failed.
         """
         return await asyncio.wrap_future(self._future(tier))
 
@@ -118,13 +126,22 @@ class Checkpointer:
             names = {t.name for t in tier_configs}
             implicit = next(n for n in ("host", "host-memory", "tierckpt-host") if n not in names)
             tier_configs.insert(0, TierConfig(name=implicit, type="memory"))
-        self._pool = HostPool(host.capacity_bytes, host.snapshots)
+        store = None
+        if tier_configs[0].path is not None:
+            # A RAM tier that outlives the process: the pool is its shared file, mapped (and locked) first.
+            store = ShmStore(
+                Path(tier_configs[0].path).expanduser().absolute(),
+                tier_configs[0].name,
+                HostPool.slot_bytes(host.capacity_bytes, host.snapshots),
+                host.snapshots,
+            )
+        self._pool = HostPool(host.capacity_bytes, host.snapshots, memory=store and (lambda size, slots: store.open()))
         self._copier = Copier(self._pool, host.copy_threads)
         tiers: list[Tier] = []
         for cfg in tier_configs:
             tier = tier_factory(cfg) if tier_factory else None
             if tier is None:
-                tier = MemoryTier(cfg, self._pool) if cfg.type == "memory" else FilesystemTier(cfg)
+                tier = MemoryTier(cfg, self._pool, store if cfg is tier_configs[0] else None) if cfg.type == "memory" else FilesystemTier(cfg)
             tiers.append(tier)
         self._pipeline = Pipeline(self.config, self._pool, self._copier, tiers, clock=clock)
         self._engine = Engine()
@@ -151,7 +168,11 @@ class Checkpointer:
 
     @property
     def counters(self) -> Counters:
-        """Save, skip, flush and error counts, and each filesystem tier's compression, so far (a copy)."""
+        """Save, skip, flush and error counts, and each filesystem tier's compression, so far (a copy).
+
+        ``flush_errors`` counts failed flushes and deletions; ``failed[tier]`` per tier, and
+        ``last_error[tier]`` is the latest such :class:`FlushError` (tier, step, errno, path).
+        """
         compression = {t.name: t.encoding.stats for t in self._pipeline.tiers if isinstance(t, FilesystemTier)}
         return dataclasses.replace(self._pipeline.counters, compression=compression)
 
@@ -201,11 +222,15 @@ class Checkpointer:
 
         Never waits on disk. Under ``host.on_full: block`` it waits for a free host slot; under
         ``evict`` only while another slot is still being copied into; under ``skip`` not at all.
+        Never fails because an earlier flush failed: that raises from the earlier save's
+        ``handle.committed(tier)``, and shows in ``counters.flush_errors``/``failed``/``last_error``
+        and the log; this save is flushed as usual, so a tier that works again catches up.
 
         Raises:
             UnsupportedStateError: a value in ``state`` cannot be stored (names its key path).
             CapacityError: the state is larger than one host slot.
-            FlushError: an earlier background capture or flush failed (reported once).
+            FlushError: an earlier capture failed (a torn snapshot: state changed during its copy;
+                reported once). This save did not happen.
         """
         args = self._prepare(step, state, metadata)
         return SaveHandle(await self._engine.run(self._pipeline.save(*args)))
@@ -242,7 +267,13 @@ class Checkpointer:
     # -- wait, restore, list -----------------------------------------------------------------------
 
     async def wait(self) -> None:
-        """Wait until every capture and every due flush is done (``min_interval`` is waived)."""
+        """Wait until every capture and every due flush is done (``min_interval`` is waived).
+
+        Raises:
+            FlushError: a capture failed, or a tier's latest flush failed and nothing was committed to
+                that tier since (each reported once; earlier failures of a tier that has recovered
+                are only in ``counters`` and the log).
+        """
         self._check_open()
         await self._engine.run(self._pipeline.wait())
 
@@ -254,18 +285,20 @@ class Checkpointer:
         """Load the newest committed version that verifies, from whichever tier holds it.
 
         With ``template`` (a state of the same structure), tensors are copied into the template's
-        tensors in place, keeping their device; otherwise new CPU tensors are returned.
+        tensors in place, keeping their device; otherwise new CPU tensors are returned. The template
+        is written only once the whole version has verified; until then the bytes are staged in free
+        host slots when they fit (a save meanwhile finds those slots busy), else in new memory.
         Returns None when no tier holds a version.
 
         Raises:
             RestoreError: the template's tensors do not match the stored ones.
         """
         self._check_open()
-        return await self._engine.run(restore_latest(self._pipeline.tiers, template))
+        return await self._engine.run(restore_latest(self._pipeline.tiers, template, self._pipeline.memory))
 
     def restore_latest_sync(self, template: Any = None) -> Restored | None:
         self._check_open()
-        return self._engine.run_sync(restore_latest(self._pipeline.tiers, template))
+        return self._engine.run_sync(restore_latest(self._pipeline.tiers, template, self._pipeline.memory))
 
     def versions(self) -> list[VersionInfo]:
         """What each tier holds now: one :class:`VersionInfo` per committed version, per tier."""
@@ -279,7 +312,11 @@ class Checkpointer:
     # -- close -------------------------------------------------------------------------------------
 
     async def close(self) -> None:
-        """Drain every pending flush, stop the engine and release host memory."""
+        """Drain every pending flush, stop the engine and release host memory.
+
+        Raises:
+            FlushError: as :meth:`wait`; the Checkpointer is closed all the same.
+        """
         await self._runtime.close()
 
     def close_sync(self) -> None:

@@ -15,7 +15,6 @@ against the working directory.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections.abc import Collection, Mapping
@@ -61,7 +60,6 @@ _MIN_SLOT_BYTES = 4096
 _NOT_FOR_TYPE: dict[str, dict[str, str]] = {
     "memory": {
         "flush": "a memory tier is the first tier and receives every save",
-        "path": "a path on a memory tier is not supported yet",
         "compression": "a memory tier holds snapshots uncompressed; compress on a filesystem tier",
         "io_threads": "a memory tier does no file I/O; io_threads applies to filesystem tiers",
     },
@@ -263,7 +261,9 @@ class TierConfig:
         name: unique name: letters, digits, ``_ . -``, starting with a letter or a digit.
         type: ``"memory"`` (host slots; only as the first tier) or ``"filesystem"``.
         path: the directory of a filesystem tier, required there; a ``str`` or ``os.PathLike`` is stored
-            as a ``Path`` with ``~`` expanded, a relative path stays relative. Not on a memory tier yet.
+            as a ``Path`` with ``~`` expanded, a relative path stays relative. On a memory tier (optional):
+            a directory on a RAM-backed file system (``/dev/shm/...``) holding the host pool, so that
+            its snapshots outlive the process.
         flush: which versions from the tier above this tier writes. Not on a memory tier: it is first
             and receives every save. (A filesystem tier listed first is fed by the host tier that the
             Checkpointer puts in front of it, so it may have one.)
@@ -455,7 +455,13 @@ def _write_tiers(tiers: tuple[TierConfig, ...]) -> list[dict[str, Any]]:
     # Leave out the keys the loader would refuse for the tier's type, and a keep section without a rule
     # (the loader refuses an empty one; no keep section means keep everything).
     return [
-        write(tier, _TIER_KEYS, skip=frozenset(_NOT_FOR_TYPE[tier.type]) | ({"keep"} if tier.keep.keeps_all else set()))
+        write(
+            tier,
+            _TIER_KEYS,
+            skip=frozenset(_NOT_FOR_TYPE[tier.type])
+            | ({"keep"} if tier.keep.keeps_all else set())
+            | ({"path"} if tier.path is None else set()),
+        )
         for tier in tiers
     ]
 

@@ -6,19 +6,25 @@
     ├── ConfigError(ValueError)             a bad setting: names the key, the value, what is allowed
     ├── CapacityError(ValueError)           a state that does not fit a host slot: names the setting to raise
     ├── UnsupportedStateError(TypeError)    a value in the state that cannot be stored safely: names its key path
-    ├── FlushError(OSError)                 a background flush or capture failed: names the tier and the step
+    ├── FlushError(OSError)                 a background flush or capture failed: names the tier, the step,
+    │                                       and for an I/O error its errno and path
     ├── CorruptCheckpointError(ValueError)  a manifest or a checksum does not verify: names tier, step and key
     │   └── FormatVersionError              a checkpoint written in a format this version cannot read
     ├── RestoreError(ValueError)            a checkpoint does not fit the template it is restored into
     ├── NoCheckpointError(FileNotFoundError) nothing to restore where something was required
     └── ClosedError(RuntimeError)           the Checkpointer was used after close()
 
-Errors carry ``tier``, ``step`` and ``key`` attributes where they apply (``None`` otherwise). A background
-failure is re-raised at the next call that can report it (``save``, ``wait``, ``close``), with its own
-type, chained to the original exception.
+Errors carry ``tier``, ``step`` and ``key`` attributes where they apply (``None`` otherwise). A failed
+flush is raised by its save's ``handle.committed(tier)``, counted, kept as the tier's
+``counters.last_error`` and logged; ``wait()``/``close()`` raise it once if that tier has committed
+nothing since, and no later ``save()`` ever raises it: training goes on, the next save tries again. A
+failed capture (a torn snapshot: a bug in the training loop) is also raised once by the next ``save``,
+``wait`` or ``close``. Background failures keep their own type, chained to the original exception.
 """
 
 from __future__ import annotations
+
+import os
 
 __all__ = [
     "TierckptError",
@@ -64,7 +70,38 @@ class UnsupportedStateError(TierckptError, TypeError):
 
 
 class FlushError(TierckptError, OSError):
-    """Capturing a snapshot or writing a version to a tier failed in the background."""
+    """Capturing a snapshot or writing a version to a tier failed in the background.
+
+    When an I/O call failed (a full disk, a quota, an I/O error, a permission), ``errno`` and
+    ``filename`` (also ``path``) are those of the call, and the message names them with the tier and
+    the step: ``tier 'nvme': flushing step 2 failed with ENOSPC: [Errno 28] No space left on device
+    (fallocate): '/ckpt/nvme/.tmp-step-000000000002-…/data-r00000.bin'``. The cause is chained.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        tier: str | None = None,
+        step: int | None = None,
+        key: str | None = None,
+        errno: int | None = None,
+        path: str | None = None,
+    ) -> None:
+        super().__init__(message, tier=tier, step=step, key=key)
+        # OSError's own attributes, so ``except OSError as e: e.errno`` works on it too.
+        self.errno = errno
+        self.strerror = os.strerror(errno) if errno else None
+        self.filename = path
+
+    @property
+    def path(self) -> str | None:
+        """The file or directory the failed call was about, when there was one."""
+        return self.filename
+
+    def __str__(self) -> str:
+        # OSError would print "[Errno n] strerror: filename" once errno is set, dropping tier and step.
+        return str(self.args[0]) if self.args else ""
 
 
 class CorruptCheckpointError(TierckptError, ValueError):

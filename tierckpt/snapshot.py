@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import enum
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from tierckpt._buffers import align_up
@@ -76,3 +77,8 @@ class Snapshot:
     state: SnapshotState = SnapshotState.CAPTURING
     leases: int = 0
     report_failure: bool = True  # False when save() itself already raised the capture's failure
+    # A memory tier with a path (its pool in a RAM-backed file): per entry, the xxh3 of each chunk,
+    # and the version directory that makes the snapshot outlive the process (None: not written).
+    checksums: tuple[tuple[int, ...], ...] | None = None
+    persisted: Path | None = None
+    restored: bool = False  # found by a new process: read with verification, it was not captured here

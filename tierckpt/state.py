@@ -35,14 +35,19 @@ import torch
 from tierckpt.errors import CorruptCheckpointError, UnsupportedStateError
 
 __all__ = [
-    "MAX_SKELETON_DEPTH", "Leaf", "flatten", "unflatten", "skeleton_leaf_count", "format_path", "torch_dtype",
-    "numpy_dtype",
+    "MAX_SKELETON_DEPTH", "MAX_SKELETON_NODES", "Leaf", "flatten", "unflatten", "skeleton_leaf_count", "format_path",
+    "torch_dtype", "numpy_dtype",
 ]
 
 # msgpack 1.x packs and unpacks at most 1024 nested arrays/maps, and the manifest wraps the skeleton in a
 # few levels of its own. A dict level costs 3 skeleton lists (tag, items, pair) and a list or tuple level 2,
 # so this allows about 330 nested dicts or 500 nested lists: far beyond any real training state.
 MAX_SKELETON_DEPTH = 1000
+# Nodes (values, containers, dict keys, leaves) in one skeleton. Decoding an untrusted skeleton holds a
+# task per node not yet visited, ~150 bytes each: this bounds that to ~600 MB, whatever the manifest
+# says. A real state has ~10 nodes per tensor (an optimizer's per-parameter dict, its params list), so
+# this allows ~400,000 tensors; a save past it is refused (store a long list of numbers as an array).
+MAX_SKELETON_NODES = 1 << 22
 
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
 _PLAIN = (type(None), bool, float, bytes)  # stored as themselves, nothing to check
@@ -147,7 +152,8 @@ def flatten(state: Any) -> tuple[Any, list[Leaf]]:
     Raises:
         UnsupportedStateError: a value cannot be stored without pickle (an unsupported type, a sparse,
             quantized, meta or nested tensor, a tensor subclass, a numpy object array, a cycle, a state
-            nested past MAX_SKELETON_DEPTH). The message and ``key`` name its key path.
+            nested past MAX_SKELETON_DEPTH or with more than MAX_SKELETON_NODES values). The message and
+            ``key`` name its key path.
     """
     leaves: list[Leaf] = []
     root: list[Any] = []
@@ -156,6 +162,7 @@ def flatten(state: Any) -> tuple[Any, list[Leaf]]:
     # skeleton lists around that node. A bare int task marks leaving the container with that id. An
     # explicit stack, not recursion, so a deep state never meets Python's recursion limit.
     stack: list[Any] = [(state, (), root, 0, False)]
+    nodes = 1  # pushed so far, as _decode counts them
     while stack:
         task = stack.pop()
         if type(task) is int:
@@ -190,6 +197,12 @@ def flatten(state: Any) -> tuple[Any, list[Leaf]]:
         elif kind in _CONTAINER_TAGS:
             if id(obj) in ancestors:
                 raise _unsupported(obj, path, in_key, "it is one of its own containers (a cycle)")
+            nodes += len(obj) if kind is list or kind is tuple else 2 * len(obj)
+            if nodes > MAX_SKELETON_NODES:
+                raise _unsupported(
+                    obj, path, in_key, f"the state has more than {MAX_SKELETON_NODES} values outside arrays; "
+                    "store long lists of numbers as a tensor or numpy array"
+                )
             ancestors.add(id(obj))
             stack.append(id(obj))
             children: list[Any] = []
@@ -224,7 +237,7 @@ def unflatten(skeleton: Any, arrays: Sequence[Any]) -> Any:
     Raises:
         CorruptCheckpointError: the skeleton is malformed (not the grammar above, an unknown tag, a leaf
             index out of range or used twice, an unhashable or duplicate dict key, nesting past
-            MAX_SKELETON_DEPTH), or it does not match ``arrays``.
+            MAX_SKELETON_DEPTH, more than MAX_SKELETON_NODES nodes), or it does not match ``arrays``.
     """
     state, used = _decode(skeleton, arrays)
     if len(used) != len(arrays):
@@ -322,6 +335,7 @@ def _decode(skeleton: Any, arrays: Sequence[Any] | None) -> tuple[Any, set[int]]
     values: list[Any] = []  # decoded children, waiting for their container to be built
     # ("visit", node, path, depth, in_key) decodes a node; ("build", tag, count, path) pops `count` values.
     work: list[tuple[Any, ...]] = [("visit", skeleton, None, 0, False)]
+    nodes = 1  # visits pushed so far: checked before a container's children are pushed
     while work:
         task = work.pop()
         if task[0] == "build":
@@ -349,6 +363,9 @@ def _decode(skeleton: Any, arrays: Sequence[Any] | None) -> tuple[Any, set[int]]
         if tag in ("l", "t", "d", "od"):
             if type(payload) is not list:
                 raise _corrupt(path, in_key, f"the payload of tag {tag!r} is not a list")
+            nodes += len(payload) if tag in ("l", "t") else 2 * len(payload)
+            if nodes > MAX_SKELETON_NODES:
+                raise _corrupt(path, in_key, f"the skeleton has more than {MAX_SKELETON_NODES} nodes")
             if tag in ("l", "t"):
                 work.append(("build", tag, len(payload), path))
                 for i in range(len(payload) - 1, -1, -1):

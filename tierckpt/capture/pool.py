@@ -2,12 +2,16 @@
 
 Copying into memory that is already touched runs at ~16 GB/s here, into a fresh allocation at
 0.6-3.5 GB/s, so the pool is faulted in once at construction and never reallocated. Which slot is
-free is decided by the memory tier on the engine thread; the pool only owns the bytes.
+free is decided by the memory tier on the engine thread; the pool only owns the bytes. For the same
+reason a restore stages its bytes in free slots when they are large enough (lent by the memory tier,
+:meth:`MemoryTier.borrow <tierckpt.tiers.memory.MemoryTier.borrow>`, as one :meth:`HostPool.span`).
 """
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
@@ -26,17 +30,28 @@ class Slot:
 class HostPool:
     """``snapshots`` equal slots in ``capacity_bytes`` of host memory."""
 
-    def __init__(self, capacity_bytes: int, snapshots: int) -> None:
-        slot_size = capacity_bytes // snapshots // ALIGN * ALIGN
+    def __init__(self, capacity_bytes: int, snapshots: int, *, memory: Callable[[int, int], mmap.mmap] | None = None) -> None:
+        """``memory(slot_size, slots)`` maps the pool instead of anonymous memory (a RAM tier's shared file)."""
+        slot_size = self.slot_bytes(capacity_bytes, snapshots)
         self.slot_size = slot_size
         self.capacity_bytes = slot_size * snapshots
-        self._memory = aligned_buffer(self.capacity_bytes, populate=True)
+        self._memory = memory(slot_size, snapshots) if memory else aligned_buffer(self.capacity_bytes, populate=True)
         self._bytes = torch.frombuffer(self._memory, dtype=torch.uint8)
         self.slots = tuple(Slot(i, i * slot_size, slot_size) for i in range(snapshots))
+
+    @staticmethod
+    def slot_bytes(capacity_bytes: int, snapshots: int) -> int:
+        return capacity_bytes // snapshots // ALIGN * ALIGN
 
     def view(self, slot: Slot, offset: int, nbytes: int) -> memoryview:
         start = slot.offset + offset
         return memoryview(self._memory)[start : start + nbytes]
+
+    def span(self, slots: Sequence[Slot]) -> memoryview:
+        """The bytes of adjacent ``slots`` (in index order) as one writable, page-aligned view."""
+        if not slots or any(b.index != a.index + 1 for a, b in zip(slots, slots[1:])):
+            raise ValueError(f"not a run of adjacent slots: {[s.index for s in slots]}")
+        return memoryview(self._memory)[slots[0].offset : slots[-1].offset + slots[-1].size]
 
     def tensor(self, slot: Slot, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A torch tensor of ``dtype``/``shape`` over slot bytes (no copy)."""

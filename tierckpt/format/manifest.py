@@ -7,17 +7,23 @@ bytes come from disk and are treated as untrusted (no pickle, no eval, bounded s
 
 Version 2 added a per-chunk codec: a chunk of a compressed tensor that did not compress is stored
 raw, and its entry says so. Version 1 manifests (every chunk in its tensor's codec) are still read.
+
+Decoding checks types and structure only (every message names the manifest file): whether the records
+fit the data files on disk, their dtypes and their shapes is checked by the reader that has the files
+(:func:`tierckpt.tiers.fsread.check_records`), before anything is allocated or read.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
-from tierckpt.errors import CorruptCheckpointError, FormatVersionError
+from tierckpt.codecs import CODECS
+from tierckpt.errors import CorruptCheckpointError, FormatVersionError, UnsupportedStateError
 from tierckpt.format.checksum import CHECKSUM_ALGORITHM, checksum
 
 FORMAT_NAME = "tierckpt"
@@ -31,7 +37,18 @@ ALIGN = 4096
 CHUNK_BYTES = 16 << 20
 
 _DIR_RE = re.compile(r"^step-(\d{12})$")
-_MAX_MANIFEST_BYTES = 1 << 30
+# A manifest is read whole and unpacked into Python objects, which can take 8-70 times its size (70 for
+# a file of nothing but empty lists: 64 MiB became 4.5 GB here). A real record takes ~250 bytes, so
+# this holds ~250,000 tensors per rank (a 100,000-tensor MoE shard: 24 MiB); a larger file is refused
+# by its size, before it is read.
+MAX_MANIFEST_BYTES = 64 << 20
+_MAX_NAME_BYTES = 255  # NAME_MAX: a longer file name cannot exist
+
+
+def where(tier: str | None, step: int | None) -> str:
+    """``"step 7 on tier 'nvme'"``, leaving out what is not known, for messages."""
+    text = f"step {step}" if step is not None else "a version"
+    return f"{text} on tier {tier!r}" if tier is not None else text
 
 
 def version_dirname(step: int) -> str:
@@ -100,6 +117,12 @@ class Manifest:
         return sum(r.stored for r in self.records)
 
     def encode(self) -> bytes:
+        """The manifest file's bytes.
+
+        Raises:
+            UnsupportedStateError: they would be more than MAX_MANIFEST_BYTES, which no reader takes
+                (too many tensors, or too much metadata): refused here rather than written unreadable.
+        """
         body = msgpack.packb(
             {
                 "format": FORMAT_NAME,
@@ -114,17 +137,23 @@ class Manifest:
             },
             use_bin_type=True,
         )
-        return msgpack.packb({"body": body, CHECKSUM_ALGORITHM: checksum(body)}, use_bin_type=True)
+        data = msgpack.packb({"body": body, CHECKSUM_ALGORITHM: checksum(body)}, use_bin_type=True)
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise UnsupportedStateError(
+                f"the manifest of step {self.step} would take {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} "
+                f"a restore reads ({len(self.records)} tensors; metadata and non-tensor values count too)"
+            )
+        return data
 
     @classmethod
     def decode(cls, data: bytes, *, tier: str | None = None, step: int | None = None) -> Manifest:
         """Parse and validate manifest bytes; raises CorruptCheckpointError / FormatVersionError."""
 
         def bad(why: str) -> CorruptCheckpointError:
-            return CorruptCheckpointError(f"manifest of step {step} on tier {tier!r}: {why}", tier=tier, step=step)
+            return CorruptCheckpointError(f"{where(tier, step)}: {MANIFEST_FILE}: {why}", tier=tier, step=step)
 
-        if len(data) > _MAX_MANIFEST_BYTES:
-            raise bad("file is implausibly large")
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise bad(f"{len(data)} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may have")
         try:
             outer = msgpack.unpackb(data, raw=False)
         except Exception as exc:
@@ -141,10 +170,13 @@ class Manifest:
         if not isinstance(body, dict):
             raise bad("body is not a map")
         if body.get("format") != FORMAT_NAME:
-            raise FormatVersionError(f"step {step} on tier {tier!r}: not a {FORMAT_NAME} manifest", tier=tier, step=step)
-        if body.get("version") not in READABLE_VERSIONS:
             raise FormatVersionError(
-                f"step {step} on tier {tier!r}: format version {body.get('version')!r} is not supported "
+                f"{where(tier, step)}: {MANIFEST_FILE}: not a {FORMAT_NAME} manifest", tier=tier, step=step
+            )
+        version = body.get("version")
+        if type(version) is not int or version not in READABLE_VERSIONS:
+            raise FormatVersionError(
+                f"{where(tier, step)}: {MANIFEST_FILE}: format version {_short(version)} is not supported "
                 f"(this release reads versions {' and '.join(map(str, READABLE_VERSIONS))})",
                 tier=tier,
                 step=step,
@@ -152,17 +184,19 @@ class Manifest:
         if body.get("checksum") != CHECKSUM_ALGORITHM:
             raise bad(f"unknown checksum algorithm {body.get('checksum')!r}")
         try:
-            records = tuple(_decode_record(r) for r in body["records"])
+            records = tuple(_decode_record(r) for r in _list(body["records"]))
             manifest = cls(
                 step=_int(body["step"]),
-                created=float(body["created"]),
+                created=_time(body["created"]),
                 skeleton=body["skeleton"],
                 records=records,
-                metadata=dict(body["metadata"]),
+                metadata=_map(body["metadata"]),
                 world_size=_int(body["world_size"]),
             )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise bad(f"malformed field ({exc!r})") from exc
+        except KeyError as exc:
+            raise bad(f"malformed field (missing {_short(exc.args[0] if exc.args else None)})") from exc
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise bad(f"malformed field ({_short(str(exc), 200)})") from exc
         if step is not None and manifest.step != step:
             raise bad(f"records step {manifest.step}")
         if [r.index for r in records] != list(range(len(records))):
@@ -193,28 +227,69 @@ def _encode_chunk(c: Chunk, record_codec: str) -> list[Any]:
 
 def _decode_chunk(value: Any) -> Chunk:
     if type(value) is not list or len(value) not in (3, 4):
-        raise ValueError(f"a chunk is [offset, stored, checksum(, codec)], got {value!r}")
+        raise ValueError(f"a chunk is [offset, stored, checksum(, codec)], got {_short(value)}")
     offset, stored, digest = (_int(v) for v in value[:3])
-    return Chunk(offset, stored, digest, _str(value[3]) if len(value) == 4 else None)
+    return Chunk(offset, stored, digest, _codec(value[3]) if len(value) == 4 else None)
 
 
 def _int(value: Any) -> int:
     if type(value) is not int or value < 0:
-        raise ValueError(f"expected a non-negative int, got {value!r}")
+        raise ValueError(f"expected a non-negative int, got {_short(value)}")
     return value
 
 
 def _str(value: Any) -> str:
     if type(value) is not str:
-        raise ValueError(f"expected a string, got {value!r}")
+        raise ValueError(f"expected a string, got {_short(value)}")
     return value
 
 
+def _list(value: Any) -> list[Any]:
+    if type(value) is not list:
+        raise ValueError(f"expected a list, got {_short(value)}")
+    return value
+
+
+def _map(value: Any) -> dict[Any, Any]:
+    if type(value) is not dict:
+        raise ValueError(f"expected a map, got {_short(value)}")
+    return value
+
+
+def _time(value: Any) -> float:
+    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"expected a unix time, got {_short(value)}")
+    return float(value)
+
+
+def _codec(value: Any) -> str:
+    if type(value) is not str or value not in CODECS:
+        raise ValueError(f"unknown codec {_short(value)} (this release reads {', '.join(CODECS)})")
+    return value
+
+
+def _file_name(value: Any) -> str:
+    """A data file's name: a plain name inside the version directory, nothing that leads out of it."""
+    name = _str(value)
+    if not name or "/" in name or "\0" in name or name.startswith(".") or len(name.encode()) > _MAX_NAME_BYTES:
+        raise ValueError(f"file name {_short(name)} escapes the version directory or is not a file name")
+    return name
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """A bounded repr of an untrusted value, for messages."""
+    try:
+        text = repr(value) if type(value) in (type(None), bool, int, float, str, bytes) else f"<{type(value).__name__}>"
+    except ValueError:  # an int past sys.get_int_max_str_digits()
+        text = "<huge int>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _decode_record(raw: Any) -> TensorRecord:
-    if not isinstance(raw, dict):
+    if type(raw) is not dict:
         raise ValueError("record is not a map")
-    shape = tuple(_int(d) for d in raw["shape"])
-    chunks = tuple(_decode_chunk(c) for c in raw["chunks"])
+    shape = tuple(_int(d) for d in _list(raw["shape"]))
+    chunks = tuple(_decode_chunk(c) for c in _list(raw["chunks"]))
     record = TensorRecord(
         index=_int(raw["index"]),
         key=_str(raw["key"]),
@@ -222,15 +297,13 @@ def _decode_record(raw: Any) -> TensorRecord:
         dtype=_str(raw["dtype"]),
         shape=shape,
         nbytes=_int(raw["nbytes"]),
-        file=_str(raw["file"]),
-        codec=_str(raw["codec"]),
+        file=_file_name(raw["file"]),
+        codec=_codec(raw["codec"]),
         chunk_bytes=_int(raw["chunk_bytes"]),
         chunks=chunks,
     )
     if record.kind not in ("torch", "numpy"):
-        raise ValueError(f"unknown kind {record.kind!r}")
-    if "/" in record.file or record.file.startswith("."):
-        raise ValueError(f"file name {record.file!r} escapes the version directory")
+        raise ValueError(f"unknown kind {_short(record.kind)}")
     if record.chunk_bytes <= 0 or len(chunks) != chunk_count(record.nbytes, record.chunk_bytes):
-        raise ValueError(f"{record.key}: {len(chunks)} chunks do not cover {record.nbytes} bytes")
+        raise ValueError(f"{_short(record.key)}: {len(chunks)} chunks do not cover {record.nbytes} bytes")
     return record

@@ -48,6 +48,8 @@ class FlushEvents(Protocol):
 
     def failed(self, tier: str, candidate: Candidate | None, error: BaseException) -> None: ...
 
+    def delete_failed(self, tier: str, step: int, error: BaseException) -> None: ...
+
 
 class Flusher:
     def __init__(
@@ -197,8 +199,7 @@ class Flusher:
                 raise
         except asyncio.CancelledError:
             raise
-        except Exception as exc:
-            log.error("tier %r: flushing step %d failed: %s", self.tier.name, candidate.step, exc)
+        except Exception as exc:  # the pipeline logs it, and the handle raises it; the next flush tries again
             self._events.failed(self.tier.name, candidate, exc)
             return
         finally:
@@ -212,6 +213,9 @@ class Flusher:
 
         The version just committed always stays (a leftover newer step from an earlier run must not
         push it out), and versions whose manifest did not verify are neither counted nor deleted.
+        Retention runs only after a commit: a failed flush never deletes anything, so the last good
+        version stays. A failed delete leaves the version whole (tried again at the next prune) or under
+        ``.trash-`` (swept by the tier).
         """
         infos = [i for i in self.tier.versions() if i.valid]
         keep = retain(infos, self.tier.config.keep, now=self._wall_clock()) | {committed}
@@ -220,6 +224,5 @@ class Flusher:
                 continue
             try:
                 await self.tier.delete(info.step)
-            except Exception as exc:
-                log.error("tier %r: deleting step %d failed: %s", self.tier.name, info.step, exc)
-                self._events.failed(self.tier.name, None, exc)
+            except Exception as exc:  # logged by the pipeline; the version is whole, or under .trash-
+                self._events.delete_failed(self.tier.name, info.step, exc)

@@ -2,14 +2,26 @@
 
 Everything here runs on the engine thread; the only other threads it talks to are the copy threads
 (through each snapshot's capture future) and the tiers' I/O threads.
+
+Failures. A failed flush (a full disk, a quota, EIO, EACCES on any write, fsync, rename or delete)
+raises from that save's ``handle.committed(tier)`` (tiers below resolve False), is counted
+(``flush_errors``, ``failed[tier]``), kept as ``last_error[tier]`` and logged, with what the tier
+still holds. It never makes a later ``save()`` raise: training goes on, and the tier's next flush
+tries again. ``wait()``/``close()`` raise it once if that tier has committed nothing since: they are
+the calls that promise durability. A failed deletion is counted, kept and logged the same way, and
+raised by nobody: the version is still whole, or under ``.trash-``, and retention tries again. A
+failed capture (a torn snapshot: a bug in the training loop, which would tear every save) is raised
+by its handle and once more by the next ``save``/``wait``/``close``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import logging
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -65,16 +77,21 @@ class Counters:
     captures_failed: int = 0
     flushed: dict[str, int] = field(default_factory=dict)  # versions committed, per tier
     passed_over: dict[str, int] = field(default_factory=dict)  # versions a tier did not take, per tier
-    flush_errors: int = 0
+    flush_errors: int = 0  # failed flushes and deletions, all tiers
     evicted_saves: int = 0  # captured snapshots dropped from host memory before the next tier took them (on_full: evict)
     forced: dict[str, int] = field(default_factory=dict)  # versions a tier took only because max_staleness had passed
     # Per filesystem tier: bytes before/after compression, chunks kept raw, measured throughputs.
     compression: dict[str, CompressionStats] = field(default_factory=dict)
+    failed: dict[str, int] = field(default_factory=dict)  # flushes and deletions that failed, per tier
+    # The latest of those per tier, with its step, errno and path; kept after the tier works again
+    # (compare its step with the versions the tier holds).
+    last_error: dict[str, FlushError] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # dataclasses.replace() goes through here: a copy never shares the per-tier dicts.
         self.flushed, self.passed_over, self.forced = dict(self.flushed), dict(self.passed_over), dict(self.forced)
         self.compression = dict(self.compression)
+        self.failed, self.last_error = dict(self.failed), dict(self.last_error)
 
 
 class Pipeline:
@@ -93,7 +110,10 @@ class Pipeline:
         self._wall: Callable[[], float] = lambda: clock() + epoch
         self._seq = 0
         self._trackers: dict[int, SaveTracker] = {}
-        self._errors: list[FlushError] = []
+        self._tasks: set[asyncio.Task[None]] = set()  # snapshots being written to a RAM file system
+        self._capture_errors: list[FlushError] = []  # raised once by the next save, wait or close
+        self._unresolved: dict[str, FlushError] = {}  # per tier, its newest failed flush with no commit since
+        self._failing: dict[str, int] = {}  # per tier, failed flushes since its last commit (for the log)
         self.flushers = [
             Flusher(
                 upstream,
@@ -120,11 +140,15 @@ class Pipeline:
 
     # -- errors ----------------------------------------------------------------------------------
 
-    def raise_pending(self) -> None:
-        """Re-raise the first background failure not yet reported (the others are logged already)."""
-        if self._errors:
-            first, self._errors = self._errors[0], []
-            raise first
+    def raise_pending(self, *, flushes: bool) -> None:
+        """Re-raise the first failed capture not yet reported and, with ``flushes``, else the first tier's
+        failed flush that nothing committed since (once each; all of them were logged already)."""
+        pending = self._capture_errors + (list(self._unresolved.values()) if flushes else [])
+        self._capture_errors = []
+        if flushes:
+            self._unresolved = {}
+        if pending:
+            raise pending[0]
 
     # -- saving ----------------------------------------------------------------------------------
 
@@ -138,7 +162,7 @@ class Pipeline:
         metadata: dict[str, Any],
         ready: Sequence[Any] = (),
     ) -> SaveTracker:
-        self.raise_pending()
+        self.raise_pending(flushes=False)  # a failed flush never fails a later save: see the module docstring
         on_full = self.config.host.on_full
         slot = await self.memory.acquire(step, self._seq + 1, on_full=on_full)
         self.counters.saves += 1
@@ -190,7 +214,7 @@ class Pipeline:
             )
             failure.__cause__ = error
             if snapshot.report_failure:
-                self._report(failure)
+                self._capture_errors.append(failure)
             if tracker is not None:
                 tracker.captured.set_exception(failure)
                 for tier in self.tiers:
@@ -201,7 +225,10 @@ class Pipeline:
             snapshot.state = SnapshotState.CAPTURED
             if tracker is not None:
                 tracker.captured.set_result(True)
-                tracker.resolve(self.memory.name, True)
+                if not self.memory.persistent:
+                    tracker.resolve(self.memory.name, True)
+            if self.memory.persistent:
+                self._persist(snapshot, tracker)
             if self.flushers:
                 self.flushers[0].offer(snapshot.step, snapshot.seq, arrival=snapshot.seq)
             elif tracker is not None:
@@ -210,6 +237,29 @@ class Pipeline:
         for flusher in self.flushers[:1]:
             flusher.wake()
         self.memory.notify()
+
+    def _persist(self, snapshot: Snapshot, tracker: SaveTracker | None) -> None:
+        """Write a captured snapshot into the memory tier's directory; committed there once written."""
+        lease = self.memory.hold(snapshot)
+
+        async def persist() -> None:
+            try:
+                await self.memory.persist(snapshot)
+            except Exception as exc:
+                failure = _failure(self.memory.name, snapshot.step, f"writing step {snapshot.step} to its RAM file system", exc)
+                self._record(self.memory.name, failure)
+                log.error("%s; the snapshot stays in this process's memory only", failure)
+                result: bool | BaseException = failure
+            else:
+                result = True
+            finally:
+                lease.release()
+            if tracker is not None:
+                tracker.resolve(self.memory.name, result)
+                self._forget(tracker)
+
+        self._tasks.add(task := asyncio.get_running_loop().create_task(persist()))
+        task.add_done_callback(self._tasks.discard)
 
     def _needed_below_memory(self, snapshot: Snapshot, incoming: tuple[int, int] | None) -> bool:
         """Whether the first flusher still wants ``snapshot``, given newer saves (see MemoryTier)."""
@@ -251,6 +301,10 @@ class Pipeline:
 
     def committed(self, tier: str, candidate: Candidate, info: VersionInfo) -> None:
         self.counters.flushed[tier] = self.counters.flushed.get(tier, 0) + 1
+        self._unresolved.pop(tier, None)
+        failures = self._failing.pop(tier, 0)
+        if failures:
+            log.warning("tier %r: step %d committed; the tier works again after %d failed flush(es)", tier, candidate.step, failures)
         i = self._index(tier)
         tracker = self._trackers.get(candidate.token)
         if tracker is not None:
@@ -263,16 +317,12 @@ class Pipeline:
         self.memory.notify()
 
     def failed(self, tier: str, candidate: Candidate | None, error: BaseException) -> None:
-        self.counters.flush_errors += 1
         step = candidate.step if candidate else None
-        failure = error if isinstance(error, FlushError) else FlushError(
-            f"tier {tier!r}: {'flushing step ' + str(step) if step is not None else 'retention'} failed: {error}",
-            tier=tier,
-            step=step,
-        )
-        if failure is not error:
-            failure.__cause__ = error
-        self._report(failure)
+        failure = _failure(tier, step, f"flushing step {step}" if step is not None else "its flusher", error)
+        self._record(tier, failure)
+        self._unresolved[tier] = failure
+        self._failing[tier] = self._failing.get(tier, 0) + 1
+        log.error("%s; tier %r holds steps %s; its next flush tries again", failure, tier, self._held(tier))
         if candidate is not None:
             tracker = self._trackers.get(candidate.token)
             if tracker is not None:
@@ -283,8 +333,31 @@ class Pipeline:
         self.memory.prune()
         self.memory.notify()
 
-    def _report(self, failure: FlushError) -> None:
-        self._errors.append(failure)
+    def delete_failed(self, tier: str, step: int, error: BaseException) -> None:
+        failure = _failure(tier, step, f"deleting step {step}", error)
+        self._record(tier, failure)
+        if step in self._held(tier):
+            where = "stays whole and in place; retention tries again after the next commit"
+        else:
+            where = "is no longer part of the tier; what is left of it under .trash- is swept later"
+        log.error("%s; step %d %s", failure, step, where)
+
+    def _record(self, tier: str, failure: FlushError) -> None:
+        # Kept for as long as the Checkpointer lives: drop the locals of the frames its traceback holds
+        # (a writer thread's frame holds views of a host slot, which would keep the pool mapped).
+        seen: set[int] = set()
+        error: BaseException | None = failure
+        while error is not None and id(error) not in seen:
+            seen.add(id(error))
+            if error.__traceback__ is not None:
+                traceback.clear_frames(error.__traceback__)
+            error = error.__cause__ or error.__context__
+        self.counters.flush_errors += 1
+        self.counters.failed[tier] = self.counters.failed.get(tier, 0) + 1
+        self.counters.last_error[tier] = failure
+
+    def _held(self, tier: str) -> list[int]:
+        return [info.step for info in self.tiers[self._index(tier)].versions()]
 
     def _forget(self, tracker: SaveTracker) -> None:
         if tracker.done():
@@ -298,9 +371,10 @@ class Pipeline:
         await asyncio.gather(*capturing, return_exceptions=True)
         # Let the capture callbacks (scheduled with call_soon_threadsafe) run before draining.
         await asyncio.sleep(0)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         for flusher in self.flushers:
             await flusher.drain()
-        self.raise_pending()
+        self.raise_pending(flushes=True)
 
     def versions(self) -> list[VersionInfo]:
         return [info for tier in self.tiers for info in tier.versions()]
@@ -317,8 +391,30 @@ class Pipeline:
             await flusher.stop()
         for flusher in self.flushers:
             flusher.give_up()  # what still waits (a fallback) will not go down: its handles resolve False
+        await asyncio.gather(*self._tasks, return_exceptions=True)  # the memory tier's executor is next to go
         for tier in self.tiers:
             try:
                 await tier.close()
             except Exception as exc:
                 log.error("tier %r: close failed: %s", tier.name, exc)
+
+
+def _failure(tier: str, step: int | None, doing: str, error: BaseException) -> FlushError:
+    """``error`` as a FlushError naming the tier, the step, and the errno and path of the I/O call that failed."""
+    if isinstance(error, FlushError):
+        return error
+    cause: BaseException | None = error
+    while cause is not None and not (isinstance(cause, OSError) and cause.errno):
+        cause = cause.__cause__
+    code = cause.errno if isinstance(cause, OSError) else None
+    path = cause.filename if isinstance(cause, OSError) and cause.filename is not None else None
+    name = f" with {errno.errorcode.get(code, code)}" if code else ""
+    failure = FlushError(
+        f"tier {tier!r}: {doing} failed{name}: {error}",
+        tier=tier,
+        step=step,
+        errno=code,
+        path=None if path is None else str(path),
+    )
+    failure.__cause__ = error
+    return failure

@@ -11,13 +11,18 @@ Replacing a committed version of the same step takes two renames (a non-empty di
 renamed over): the old one goes to ``.replaced-step-...``, then the new one into place. A crash between
 the two leaves no ``step-...`` directory, so open renames the ``.replaced-`` copy back instead of
 sweeping it: the step keeps its old, committed content rather than vanishing.
+
+Reading (:mod:`tierckpt.tiers.fsread`) trusts nothing a manifest says: files are opened without following
+symlinks, and records are checked against the files before anything is allocated or read.
+
+Any write, fsync, rename or removal may fail (a full disk, a quota, EIO, EACCES): see the comment above
+:meth:`FilesystemTier.write` for what a failure leaves behind.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import errno
 import logging
 import os
 import shutil
@@ -34,22 +39,24 @@ from tierckpt.format import (
     DATA_FILE,
     MANIFEST_FILE,
     Manifest,
-    TensorRecord,
-    checksum,
     parse_version_dirname,
     version_dirname,
 )
 from tierckpt.tiers.base import Staged, Tier, VersionInfo, VersionSource
 from tierckpt.tiers.encoding import TierEncoding
-from tierckpt.tiers.fsio import O_DIRECT, fsync_dir, probe_direct_io, read_into, read_span
+from tierckpt.tiers.fsio import fsync_dir, probe_direct_io, remove_tree, write_file
+from tierckpt.tiers.fsread import FilesystemSource, open_source, read_manifest  # noqa: F401 - FilesystemSource lived here
 from tierckpt.tiers.fswrite import write_data_file
 from tierckpt.tiers.lock import DirectoryLock
 
 log = logging.getLogger("tierckpt")
 
-_fsync = aiofiles.os.wrap(os.fsync)
 _fsync_dir = aiofiles.os.wrap(fsync_dir)
 _rmtree = aiofiles.os.wrap(shutil.rmtree)
+_remove_tree = aiofiles.os.wrap(remove_tree)
+_write_file = aiofiles.os.wrap(write_file)
+_read_manifest = aiofiles.os.wrap(read_manifest)
+_lstat = aiofiles.os.wrap(os.lstat)
 _REPLACED = ".replaced-"  # + the step directory's name + "-<random>": a committed version being replaced
 
 
@@ -66,6 +73,7 @@ class FilesystemTier(Tier):
         )
         self.direct = False
         self._index: dict[int, VersionInfo] = {}
+        self._leftovers: set[Path] = set()  # directories a failed removal left: retried before each write
         self._lock = DirectoryLock(self.root, config.name)
 
     async def open(self) -> None:
@@ -130,23 +138,25 @@ class FilesystemTier(Tier):
             return VersionInfo(self.name, step, manifest.stored_bytes, manifest.created, str(path))
         except CorruptCheckpointError as exc:
             log.warning("tier %r: %s", self.name, exc)
-            stat = await aiofiles.os.stat(path)
+            stat = await _lstat(path)  # it may be a symlink, refused: not followed here either
             return VersionInfo(self.name, step, 0, stat.st_mtime, str(path), valid=False)
 
     async def _manifest(self, step: int, path: Path) -> Manifest:
-        try:
-            async with aiofiles.open(path / MANIFEST_FILE, "rb") as f:
-                data = await f.read()
-        except FileNotFoundError as exc:
-            raise CorruptCheckpointError(
-                f"step {step} on tier {self.name!r}: {MANIFEST_FILE} is missing", tier=self.name, step=step
-            ) from exc
-        return Manifest.decode(data, tier=self.name, step=step)
+        # Not aiofiles.open: the file is opened without following a symlink and sized before it is read.
+        return await _read_manifest(path, tier=self.name, step=step)
 
     def versions(self) -> list[VersionInfo]:
         return [self._index[s] for s in sorted(self._index)]
 
+    # -- writing, committing, deleting ------------------------------------------------------------------
+    #
+    # Any call below can fail: a full disk (ENOSPC), a quota (EDQUOT), EIO, EACCES. Whatever fails, every
+    # committed version stays whole (in place; for a delete, in place or under .trash-), the index keeps
+    # saying what the directory holds, the space of a failed write is given back (what cannot be removed
+    # is retried before the next write, and swept at the next open), and the OSError names its path.
+
     async def write(self, source: VersionSource) -> Staged:
+        await self._sweep()
         tmp = self.root / f".tmp-{version_dirname(source.step)}-{uuid.uuid4().hex[:12]}"
         await aiofiles.os.mkdir(tmp)
         try:
@@ -169,13 +179,10 @@ class FilesystemTier(Tier):
                 records=records,
                 metadata=source.metadata,
             )
-            async with aiofiles.open(tmp / MANIFEST_FILE, "wb") as f:
-                await f.write(manifest.encode())
-                await f.flush()
-                await _fsync(f.fileno())
+            await _write_file(tmp / MANIFEST_FILE, manifest.encode())
             await _fsync_dir(tmp)
         except BaseException:
-            await _rmtree(tmp, ignore_errors=True)
+            await self._discard(tmp)
             raise
         return Staged(source.step, tmp, manifest.stored_bytes, source.created)
 
@@ -184,27 +191,96 @@ class FilesystemTier(Tier):
         old = None
         if await aiofiles.os.path.exists(final):
             old = self.root / f"{_REPLACED}{final.name}-{uuid.uuid4().hex[:12]}"
-            await aiofiles.os.rename(final, old)
+            await aiofiles.os.rename(final, old)  # if this fails, nothing moved
+        moved = False
         try:
             await aiofiles.os.rename(staged.location, final)
+            moved = True
+            await _fsync_dir(self.root)
         except BaseException:
-            if old is not None:
-                await aiofiles.os.rename(old, final)
+            await self._undo_commit(staged, final, old, moved=moved)
             raise
-        await _fsync_dir(self.root)
         if old is not None:
-            await _rmtree(old, ignore_errors=True)
+            await self._discard(old)
         info = VersionInfo(self.name, staged.step, staged.nbytes, staged.created, str(final))
         self._index[staged.step] = info
         return info
 
+    async def _undo_commit(self, staged: Staged, final: Path, old: Path | None, *, moved: bool) -> None:
+        """Put the directory back as it was before a commit that failed part way, as far as the disk allows.
+
+        A failed commit leaves the step as it was. If the disk refuses even that, nothing committed is
+        removed: the new version stays in place (whole and fsynced; only its rename is unconfirmed) and
+        is indexed, or the old one waits under ``.replaced-`` for the next open to put back.
+        """
+        try:
+            if moved:
+                await aiofiles.os.rename(final, staged.location)
+                moved = False
+            if old is not None:
+                await aiofiles.os.rename(old, final)
+                old = None
+            await _fsync_dir(self.root)
+        except OSError as exc:
+            if moved:
+                self._index[staged.step] = VersionInfo(self.name, staged.step, staged.nbytes, staged.created, str(final))
+                if old is not None:
+                    self._leftovers.add(old)  # the step is in place: the old copy goes once the directory syncs
+                log.error(
+                    "tier %r: step %d could not be taken back after its commit failed (%s); it stays in place",
+                    self.name, staged.step, exc,
+                )
+            elif old is not None:
+                self._index.pop(staged.step, None)
+                log.error(
+                    "tier %r: step %d's committed version could not be put back from %s (%s); "
+                    "the tier puts it back when it next opens",
+                    self.name, staged.step, old.name, exc,
+                )
+            else:
+                log.warning("tier %r: fsync of %s failed after a commit was taken back: %s", self.name, self.root, exc)
+
     async def abort(self, staged: Staged) -> None:
-        await _rmtree(staged.location, ignore_errors=True)
+        await self._discard(staged.location)
+
+    async def _discard(self, path: Path) -> OSError | None:
+        """Remove a temporary, trashed or moved-aside directory; what will not go is retried later.
+
+        Never raises: returns the first error when part of ``path`` is left.
+        """
+        error = await _remove_tree(path)
+        if error is None:
+            self._leftovers.discard(path)
+            return None
+        self._leftovers.add(path)
+        log.warning(
+            "tier %r: could not remove all of %s (%s); retried before the next write, and swept when the tier next opens",
+            self.name, path.name, error,
+        )
+        return error
+
+    async def _sweep(self) -> None:
+        """Retry removing what earlier failures left: a full disk is often freed between two writes.
+
+        The parent directory is fsynced first: a ``.trash-`` rename that never became durable must not
+        have its files removed under a name a crash could bring back.
+        """
+        if not self._leftovers:
+            return
+        try:
+            await _fsync_dir(self.root)
+        except OSError as exc:
+            log.warning("tier %r: leftovers not swept: %s", self.name, exc)
+            return
+        for path in sorted(self._leftovers):
+            if await _remove_tree(path) is None:
+                self._leftovers.discard(path)
+                log.info("tier %r: swept %s, left by an earlier failure", self.name, path.name)
 
     async def read(self, step: int) -> VersionSource:
         path = self.root / version_dirname(step)
         manifest = await self._manifest(step, path)
-        return await asyncio.to_thread(FilesystemSource, self.name, path, manifest, direct=self.direct)
+        return await asyncio.to_thread(open_source, self.name, path, manifest, direct=self.direct)
 
     async def delete(self, step: int) -> None:
         if self.leased(step):
@@ -218,115 +294,19 @@ class FilesystemTier(Tier):
             return
         except BaseException:
             if info is not None:
-                self._index[step] = info
+                self._index[step] = info  # still whole, still in place: retention tries again next time
             raise
-        await _fsync_dir(self.root)
-        await _rmtree(trash, ignore_errors=True)
+        # The version is gone from the tier now; a failure below only leaves its bytes under .trash-.
+        try:
+            await _fsync_dir(self.root)
+        except OSError:
+            self._leftovers.add(trash)  # removed once the rename is durable, or at the next open
+            raise
+        error = await self._discard(trash)
+        if error is not None:
+            raise error
 
     async def close(self) -> None:
         self.executor.shutdown(wait=True)
         self._lock.release()
 
-
-class FilesystemSource(VersionSource):
-    """A committed version's files, opened for reading; verifies every chunk it returns.
-
-    With ``direct``, every file is also opened with O_DIRECT and bulk reads bypass the page cache:
-    chunks land straight in page-aligned destinations, and a promotion to a slower tier reads into
-    the writer thread's aligned scratch, which the next tier then writes with O_DIRECT as it is.
-    Each chunk is hashed right after its read, in the reading thread, while it is still in cache.
-    """
-
-    def __init__(self, tier: str, path: Path, manifest: Manifest, *, direct: bool = False) -> None:
-        self.tier = tier
-        self.step = manifest.step
-        self.created = manifest.created
-        self.skeleton = manifest.skeleton
-        self.metadata = manifest.metadata
-        self.records = manifest.records
-        self._fds: dict[str, int] = {}
-        self._direct_fds: dict[str, int] = {}
-        try:
-            for name in sorted({r.file for r in manifest.records}):
-                try:
-                    self._fds[name] = os.open(path / name, os.O_RDONLY | os.O_CLOEXEC)
-                except FileNotFoundError as exc:
-                    raise CorruptCheckpointError(
-                        f"step {self.step} on tier {tier!r}: data file {name} is missing", tier=tier, step=self.step
-                    ) from exc
-                if direct:
-                    try:
-                        self._direct_fds[name] = os.open(path / name, os.O_RDONLY | os.O_CLOEXEC | O_DIRECT)
-                    except OSError as exc:
-                        if exc.errno != errno.EINVAL:  # refused after all: read through the page cache
-                            raise
-        except BaseException:
-            self.close()
-            raise
-
-    def _verify(self, record: TensorRecord, chunk: int, data: memoryview) -> None:
-        if checksum(data) != record.chunks[chunk].checksum:
-            raise CorruptCheckpointError(
-                f"step {self.step} on tier {self.tier!r}: checksum mismatch in {record.key} (chunk {chunk})",
-                tier=self.tier,
-                step=self.step,
-                key=record.key,
-            )
-
-    @property
-    def direct(self) -> bool:
-        """Whether bulk reads bypass the page cache (O_DIRECT)."""
-        return bool(self._direct_fds)
-
-    def _corrupt(self, record: TensorRecord, exc: CorruptCheckpointError) -> CorruptCheckpointError:
-        return CorruptCheckpointError(str(exc), tier=self.tier, step=self.step, key=record.key)
-
-    def read_stored(self, record: TensorRecord, chunk: int, scratch: memoryview) -> memoryview:
-        c = record.chunks[chunk]
-        what = f"step {self.step} on tier {self.tier!r}, {record.key}"
-        fd, direct_fd = self._fds[record.file], self._direct_fds.get(record.file)
-        try:
-            out = read_span(c.offset, c.stored, scratch, fd, direct_fd, what=what)
-        except CorruptCheckpointError as exc:
-            raise self._corrupt(record, exc) from None
-        self._verify(record, chunk, out)
-        return out
-
-    def read_logical(self, record: TensorRecord, chunk: int, out: memoryview, scratch: memoryview) -> None:
-        c = record.chunks[chunk]
-        codec = record.chunk_codec(chunk)
-        if codec != "none":
-            try:
-                super().read_logical(record, chunk, out, scratch)
-            except CorruptCheckpointError as exc:
-                if exc.key is not None:
-                    raise
-                raise CorruptCheckpointError(
-                    f"step {self.step} on tier {self.tier!r}: {record.key} chunk {chunk} does not decode ({exc})",
-                    tier=self.tier,
-                    step=self.step,
-                    key=record.key,
-                ) from exc
-            return
-        if c.stored != out.nbytes:
-            raise CorruptCheckpointError(
-                f"step {self.step} on tier {self.tier!r}: {record.key} chunk {chunk} has the wrong length",
-                tier=self.tier,
-                step=self.step,
-                key=record.key,
-            )
-        # Raw chunks land straight in the destination (DMA when both are page-aligned), and are
-        # hashed right away while they are in cache: no bounce buffer, no second pass later.
-        what = f"step {self.step} on tier {self.tier!r}, {record.key}"
-        fd, direct_fd = self._fds[record.file], self._direct_fds.get(record.file)
-        try:
-            read_into(out, c.offset, fd, direct_fd, scratch, what=what)
-        except CorruptCheckpointError as exc:
-            raise self._corrupt(record, exc) from None
-        self._verify(record, chunk, out)
-
-    def close(self) -> None:
-        fds = [*self._fds.values(), *self._direct_fds.values()]
-        self._fds, self._direct_fds = {}, {}
-        for fd in fds:
-            os.close(fd)

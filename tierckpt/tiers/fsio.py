@@ -17,10 +17,11 @@ import ctypes
 import errno
 import logging
 import os
+import shutil
 import threading
 import uuid
 from pathlib import Path
-from typing import Callable, Generic, TypeVar
+from typing import Callable, Generic, NoReturn, TypeVar
 
 from tierckpt._buffers import PAGE, address, align_up, aligned_buffer, copy_bytes
 from tierckpt.errors import CorruptCheckpointError
@@ -262,6 +263,13 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
 
 
+def _fallocate(fd: int, nbytes: int) -> int:
+    """fallocate(2): 0, or the errno (a module-level hook: :class:`tierckpt.testing.IOFaults` replaces it)."""
+    if _libc.fallocate(fd, 0, 0, nbytes) != 0:
+        return ctypes.get_errno()
+    return 0
+
+
 def preallocate(fd: int, nbytes: int) -> None:
     """Reserve ``nbytes`` for the file now, in one piece where the file system can.
 
@@ -270,15 +278,78 @@ def preallocate(fd: int, nbytes: int) -> None:
     took 0.32 s instead of 0.30 s. fallocate(2) is called directly: glibc's posix_fallocate would
     write zeros on file systems without it, doubling the write.
     """
-    if nbytes > 0 and _libc.fallocate(fd, 0, 0, nbytes) != 0:
-        err = ctypes.get_errno()
-        if err not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            raise OSError(err, f"fallocate: {os.strerror(err)}")
+    err = _fallocate(fd, nbytes) if nbytes > 0 else 0
+    if err and err not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+        raise OSError(err, os.strerror(err))
+
+
+# -- errors that name their file, and metadata I/O --------------------------------------------------
+#
+# Calls on a file descriptor (pwritev, fsync, fallocate) raise an OSError without a file name; a flush
+# failure must say which file, so the callers below re-raise such errors with the path. Every os
+# function is looked up at call time (``os.fsync``, not a reference bound at import), so
+# :class:`tierckpt.testing.IOFaults` can make any of them fail.
+
+
+def raise_named(exc: OSError, path: Path | str, doing: str) -> NoReturn:
+    """Raise ``exc`` again, as an OSError naming ``path`` (and ``doing``) when it names no file itself.
+
+    Called in an ``except OSError as exc`` block; the new error is of the matching subclass
+    (``PermissionError`` for EACCES, ...) and chained to ``exc``.
+    """
+    if exc.filename is not None or exc.errno is None:
+        raise exc
+    raise OSError(exc.errno, f"{exc.strerror or os.strerror(exc.errno)} ({doing})", str(path)) from exc
 
 
 def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    """Make the entries of directory ``path`` durable (new, renamed and removed names)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
+    except OSError as exc:
+        raise_named(exc, path, "fsync of the directory")
     finally:
         os.close(fd)
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """Create ``path`` (which must not exist) holding ``data``, and fsync it: a manifest."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        try:
+            while view.nbytes:
+                view = view[os.write(fd, view) :]
+        except OSError as exc:
+            raise_named(exc, path, "write")
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            raise_named(exc, path, "fsync")
+    finally:
+        os.close(fd)
+
+
+def remove_tree(path: Path) -> OSError | None:
+    """Remove ``path`` and everything below it, going on past entries that fail.
+
+    Returns None once ``path`` is gone (or was never there), else the first error met: what could not
+    be removed is left for a later sweep, and everything else was removed anyway.
+    """
+    errors: list[OSError] = []
+
+    def failed(_function: object, name: str, info: tuple[type, BaseException, object]) -> None:
+        exc = info[1]
+        if isinstance(exc, FileNotFoundError):
+            return
+        # rmtree's own error names the entry relative to its directory; ``name`` is the whole path.
+        code = exc.errno if isinstance(exc, OSError) and exc.errno else errno.EIO
+        error = OSError(code, f"{os.strerror(code)} (removal)", name)
+        error.__cause__ = exc
+        errors.append(error)
+
+    shutil.rmtree(path, onerror=failed)  # onerror: Python 3.11 has no onexc
+    if not os.path.lexists(path):
+        return None
+    return errors[0] if errors else OSError(errno.ENOTEMPTY, f"{os.strerror(errno.ENOTEMPTY)} (removal)", str(path))

@@ -8,7 +8,8 @@ stored bytes while they are hot in cache (or reuses the checksum just verified, 
 match), and writes them with ``pwritev``. An uncompressed version keeps the slot's 4 KiB-aligned
 layout, so host slot bytes and scratch bytes go to disk with O_DIRECT as they are; the chunks of a
 compressed version are packed back to back. The file is allocated in one piece first and fsynced once
-at the end.
+at the end. An I/O error (a full disk, a quota, EIO) is raised naming the data file, and what it was
+doing: the first one stops the chunks not yet started; the caller removes the file.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from tierckpt.codecs import decoder
 from tierckpt.format import ALIGN, Chunk, TensorRecord, checksum
 from tierckpt.tiers.base import VersionSource
 from tierckpt.tiers.encoding import VersionEncoding, element
-from tierckpt.tiers.fsio import O_DIRECT, ChunkJobs, preallocate, pwrite_all, scratch, scratch2
+from tierckpt.tiers.fsio import O_DIRECT, ChunkJobs, preallocate, pwrite_all, raise_named, scratch, scratch2
 
 def scratch_bytes(chunk_bytes: int) -> int:
     """Room for one stored chunk: zstd's worst case grows a chunk by well under 1%."""
@@ -61,7 +62,10 @@ def write_data_file(
         # after it; a compressed version packs every chunk from 0 (else the file would start with a hole).
         packed = _Packer(start=end if raw_layout else 0)
         if raw_layout:
-            preallocate(fd, end)
+            try:
+                preallocate(fd, end)
+            except OSError as exc:
+                raise_named(exc, path, f"fallocate of {end} bytes")
 
         def job(ri: int, c: int) -> Chunk:
             record, codec = source.records[ri], codecs[ri]
@@ -82,14 +86,17 @@ def write_data_file(
                 digest = None
             if digest is None:
                 digest = checksum(data)
-            if raw_layout and record.chunk_bytes % ALIGN == 0:
-                offset = raw_offsets[ri] + start
-                pwrite_all(data, offset, fd, direct_fd)
-            else:
-                # Packed chunks go through the page cache: O_DIRECT would pad an unaligned tail to a
-                # full page of zeros, over the head of the next packed chunk (maybe already written).
-                offset = packed.reserve(data.nbytes)
-                pwrite_all(data, offset, fd, None)
+            try:
+                if raw_layout and record.chunk_bytes % ALIGN == 0:
+                    offset = raw_offsets[ri] + start
+                    pwrite_all(data, offset, fd, direct_fd)
+                else:
+                    # Packed chunks go through the page cache: O_DIRECT would pad an unaligned tail to a
+                    # full page of zeros, over the head of the next packed chunk (maybe already written).
+                    offset = packed.reserve(data.nbytes)
+                    pwrite_all(data, offset, fd, None)
+            except OSError as exc:
+                raise_named(exc, path, f"write of {data.nbytes} bytes at offset {offset}")
             return Chunk(offset, data.nbytes, digest, stored_codec if stored_codec != codec else None)
 
         keys = [(ri, c) for ri, record in enumerate(source.records) for c in range(len(record.chunks))]
@@ -97,7 +104,10 @@ def write_data_file(
         # the file may be closed.
         results = ChunkJobs([functools.partial(job, ri, c) for ri, c in keys], executor, threads).join()
         chunks = dict(zip(keys, results))
-        os.fsync(fd)
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            raise_named(exc, path, "fsync")
     finally:
         if direct_fd is not None:
             os.close(direct_fd)

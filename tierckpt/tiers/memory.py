@@ -6,23 +6,35 @@ retention; when a save needs a slot and none is free, the oldest snapshot nobody
 it, even one retention keeps. Under ``host.on_full: evict`` a save may also take the slot of the
 oldest snapshot the next tier was still waiting for (the pipeline counts it and tells that flusher);
 a snapshot being copied into or read is never dropped. :func:`tierckpt.policy.choose_slot` decides.
-In a new process this tier is empty, and restore looks further down.
+In a new process this tier is empty, and restore looks further down; unless the tier has a ``path``
+on a RAM-backed file system: then the pool is a shared file there, each captured snapshot is also
+written as a version directory (manifest and checksums, its data a hard link to the pool, see
+:mod:`tierckpt.tiers.shm`), and a new process finds those snapshots, verifies them as it reads them,
+and keeps them under the same retention.
+
+Free slots can also be lent for a while (:meth:`MemoryTier.borrow`): a restore stages the bytes it
+reads from a disk there, in memory faulted in long ago, instead of in a fresh mapping. A lent slot
+is not free: a save meanwhile takes another slot, or waits, skips or evicts per ``on_full`` as it
+would while that slot were being read; it comes back when the borrower is done, failure included.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 from tierckpt.capture.pool import HostPool, Slot
 from tierckpt.config import TierConfig
-from tierckpt.format import CHUNK_BYTES, Chunk, TensorRecord
-from tierckpt.format.manifest import chunk_count
+from tierckpt._buffers import align_up
+from tierckpt.errors import CorruptCheckpointError
+from tierckpt.format import Manifest, TensorRecord, checksum, version_dirname
 from tierckpt.policy import Held, choose_slot, retain
-from tierckpt.snapshot import Snapshot, SnapshotState
+from tierckpt.snapshot import Entry, Snapshot, SnapshotState
 from tierckpt.tiers.base import Lease, Tier, VersionInfo, VersionSource
+from tierckpt.tiers.shm import ShmStore, chunk_checksums, slot_manifest, slot_records
 
 # needed(snapshot, incoming): whether the tier below still wants ``snapshot``, given a save of
 # (step, seq) that is about to take a slot (or None).
@@ -30,20 +42,99 @@ Needed = Callable[[Snapshot, "tuple[int, int] | None"], bool]
 
 
 class MemoryTier(Tier):
-    def __init__(self, config: TierConfig, pool: HostPool) -> None:
+    def __init__(self, config: TierConfig, pool: HostPool, store: ShmStore | None = None) -> None:
         super().__init__(config)
         self.pool = pool
+        self.store = store  # the directory that makes snapshots outlive the process, if any
         self.executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"tierckpt-mem-{config.name}")
         self.needed: Needed = lambda snapshot, incoming: False
         # Called with a snapshot dropped under on_full: evict although the next tier wanted it.
         self.evicted: Callable[[Snapshot], None] = lambda snapshot: None
         self.wall_clock: Callable[[], float] = time.time  # unix seconds, for keep.within
         self._free: list[Slot] = list(pool.slots)
+        self.lent: list[Slot] = []  # slots lent by borrow(), not free until they come back
+        self.loans = 0  # borrow() calls that got slots, so far
         self._snapshots: dict[int, Snapshot] = {}  # by seq, in save order
         self._changed: asyncio.Condition | None = None
 
     async def open(self) -> None:
         self._changed = asyncio.Condition()
+        if self.store is not None:
+            found = await asyncio.get_running_loop().run_in_executor(self.executor, self.store.scan)
+            self._adopt(found)
+
+    def _adopt(self, found: list[tuple[Manifest, int | None]]) -> None:
+        """Snapshots a previous process left in the pool: held again, older than any new save."""
+        found = sorted(found, key=lambda f: f[0].step)
+        by_index = {slot.index: slot for slot in self._free}
+        placed = [(m, by_index.pop(i)) for m, i in found if i is not None]
+        placed += [(m, by_index.pop(min(by_index))) for m, i in found if i is None and by_index]
+        for seq, (manifest, slot) in enumerate(sorted(placed, key=lambda p: p[0].step), start=1 - len(placed)):
+            self._free.remove(slot)
+            entries = tuple(
+                Entry(
+                    index=r.index,
+                    key=r.key,
+                    kind=r.kind,
+                    dtype=r.dtype,
+                    shape=r.shape,
+                    nbytes=r.nbytes,
+                    offset=r.chunks[0].offset - slot.offset if r.chunks else 0,
+                )
+                for r in manifest.records
+            )
+            snapshot = Snapshot(
+                seq=seq,
+                step=manifest.step,
+                entries=entries,
+                nbytes=max((align_up(e.offset + e.nbytes) for e in entries), default=0),
+                skeleton=manifest.skeleton,
+                metadata=manifest.metadata,
+                created=manifest.created,
+                slot=slot,
+                state=SnapshotState.CAPTURED,
+                checksums=tuple(tuple(c.checksum for c in r.chunks) for r in manifest.records),
+                persisted=self.store.root / version_dirname(manifest.step) if self.store else None,
+                restored=True,
+            )
+            snapshot.capture.set_result(None)
+            self._snapshots[seq] = snapshot
+
+    @property
+    def persistent(self) -> bool:
+        return self.store is not None
+
+    async def persist(self, snapshot: Snapshot) -> None:
+        """Write a captured snapshot's version directory (checksums first), so it outlives the process.
+
+        Holds a lease meanwhile (the slot cannot be reused under it); take it with :meth:`hold` on the
+        engine loop before scheduling this.
+        """
+        assert self.store is not None
+        store = self.store
+        loop = asyncio.get_running_loop()
+
+        def sums(entry: Entry) -> tuple[int, ...]:
+            return chunk_checksums(self.pool.view(snapshot.slot, entry.offset, entry.nbytes), entry.nbytes)
+
+        checksums = await asyncio.gather(*(loop.run_in_executor(self.executor, sums, e) for e in snapshot.entries))
+        snapshot.checksums = tuple(checksums)
+        manifest = slot_manifest(
+            snapshot.step, snapshot.created, snapshot.skeleton, snapshot.metadata, snapshot.entries, snapshot.slot.offset, snapshot.checksums
+        )
+        snapshot.persisted = await loop.run_in_executor(self.executor, store.persist, manifest)
+
+    def hold(self, snapshot: Snapshot) -> Lease:
+        """A lease on this very snapshot (not just its step)."""
+        snapshot.leases += 1
+
+        def release() -> None:
+            snapshot.leases -= 1
+            if not snapshot.leases:
+                self.prune()
+                self.notify()
+
+        return Lease(release)
 
     # -- slots -----------------------------------------------------------------------------------
 
@@ -101,6 +192,56 @@ class MemoryTier(Tier):
 
         asyncio.get_running_loop().create_task(wake())
 
+    @contextlib.contextmanager
+    def borrow(self, nbytes: int) -> Iterator[memoryview | None]:
+        """Free slot memory of at least ``nbytes``, lent for the ``with`` block; None when none fits.
+
+        One free slot when it is large enough, else the fewest adjacent free slots that together are,
+        as one page-aligned view (:meth:`HostPool.span`). Only free slots are lent, never a snapshot's.
+        While lent they are not free: a save takes another slot, or waits, skips or evicts per
+        ``on_full`` as if they were being read. They come back when the block exits, by an error or a
+        cancellation too, and blocked saves are woken; the borrower must be done with the memory by
+        then (no thread may still write into it). Call on the engine loop, like every slot decision.
+
+        Example::
+
+            with memory.borrow(staged_bytes) as scratch:
+                arena = scratch if scratch is not None else memoryview(aligned_buffer(staged_bytes))
+        """
+        slots = self._lend(nbytes)
+        if slots is None:
+            yield None
+            return
+        try:
+            yield self.pool.span(slots)
+        finally:
+            for slot in slots:
+                self.lent.remove(slot)
+            self._free.extend(slots)
+            self.notify()
+
+    def _lend(self, nbytes: int) -> list[Slot] | None:
+        if nbytes <= 0:
+            return None
+        free = sorted(self._free, key=lambda s: s.index)
+        best: list[Slot] | None = None
+        for i in range(len(free)):
+            run, size = [free[i]], free[i].size
+            for slot in free[i + 1 :]:
+                if size >= nbytes or slot.index != run[-1].index + 1:
+                    break
+                run.append(slot)
+                size += slot.size
+            if size >= nbytes and (best is None or len(run) < len(best)):
+                best = run
+        if best is None:
+            return None
+        for slot in best:
+            self._free.remove(slot)
+        self.lent.extend(best)
+        self.loans += 1
+        return best
+
     # -- snapshots ---------------------------------------------------------------------------------
 
     def add(self, snapshot: Snapshot) -> None:
@@ -118,6 +259,11 @@ class MemoryTier(Tier):
             return
         if snapshot.state is not SnapshotState.FAILED:
             snapshot.state = SnapshotState.DROPPED
+        if snapshot.persisted is not None and self.store is not None:
+            # Out of sight before the slot takes another capture: a version directory always
+            # describes the bytes its slot holds.
+            path, snapshot.persisted = snapshot.persisted, None
+            self.store.remove_dir(path)
         self._free.append(snapshot.slot)
         self.notify()
 
@@ -149,21 +295,16 @@ class MemoryTier(Tier):
         for s in self._snapshots.values():
             if s.state is SnapshotState.CAPTURED:
                 found[s.step] = s
-        return [VersionInfo(self.name, step, found[step].nbytes, found[step].created) for step in sorted(found)]
+        return [
+            VersionInfo(self.name, step, found[step].nbytes, found[step].created, str(found[step].persisted) if found[step].persisted else None)
+            for step in sorted(found)
+        ]
 
     def lease(self, step: int) -> Lease:
         snapshot = self._find(step)
         if snapshot is None:
             raise KeyError(f"tier {self.name!r} holds no step {step}")
-        snapshot.leases += 1
-
-        def release() -> None:
-            snapshot.leases -= 1
-            if not snapshot.leases:
-                self.prune()
-                self.notify()
-
-        return Lease(release)
+        return self.hold(snapshot)
 
     def leased(self, step: int) -> bool:
         return any(s.leases for s in self._snapshots.values() if s.step == step)
@@ -181,6 +322,8 @@ class MemoryTier(Tier):
 
     async def close(self) -> None:
         self.executor.shutdown(wait=True)
+        if self.store is not None:
+            self.store.close()
 
 
 class MemorySource(VersionSource):
@@ -194,25 +337,26 @@ class MemorySource(VersionSource):
         self.metadata = snapshot.metadata
         self._snapshot = snapshot
         self._pool = pool
-        self.records = tuple(
-            TensorRecord(
-                index=e.index,
-                key=e.key,
-                kind=e.kind,
-                dtype=e.dtype,
-                shape=e.shape,
-                nbytes=e.nbytes,
-                file="",
-                codec="none",
-                chunk_bytes=CHUNK_BYTES,
-                chunks=tuple(
-                    Chunk(e.offset + c * CHUNK_BYTES, min(CHUNK_BYTES, e.nbytes - c * CHUNK_BYTES), -1)
-                    for c in range(chunk_count(e.nbytes))
-                ),
-            )
-            for e in snapshot.entries
-        )
+        self._position = {e.index: i for i, e in enumerate(snapshot.entries)}
+        # Only a snapshot a previous process left is checked as it is read: one captured here is
+        # immutable in this process's memory.
+        sums = snapshot.checksums if snapshot.restored else None
+        self.records = slot_records(snapshot.entries, offset=0, checksums=sums, file="")
 
     def read_stored(self, record: TensorRecord, chunk: int, scratch: memoryview) -> memoryview:
         c = record.chunks[chunk]
-        return self._pool.view(self._snapshot.slot, c.offset, c.stored)
+        view = self._pool.view(self._snapshot.slot, c.offset, c.stored)
+        if c.checksum >= 0 and checksum(view) != c.checksum:
+            where = self._snapshot.persisted or self.tier
+            raise CorruptCheckpointError(
+                f"step {self.step} on tier {self.tier!r}: checksum mismatch in {record.key} (chunk {chunk}) of {where}",
+                tier=self.tier,
+                step=self.step,
+                key=record.key,
+            )
+        return view
+
+    def checksum_of(self, record: TensorRecord, chunk: int) -> int | None:
+        # A snapshot persisted here was hashed already: a filesystem tier below need not hash it again.
+        sums = self._snapshot.checksums
+        return sums[self._position[record.index]][chunk] if sums is not None else None

@@ -1,0 +1,209 @@
+"""``python -m tierckpt ls|verify DIR``: listing and checking versions, exit statuses, damage reports."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from tierckpt import Checkpointer
+from tierckpt.cli import main
+from tierckpt.format import CHECKSUM_ALGORITHM, DATA_FILE, MANIFEST_FILE, Manifest, checksum, version_dirname
+
+DATA = DATA_FILE.format(rank=0)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _state(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "w": torch.randn(300, 301, generator=g),
+        "h": torch.ones(20_000, dtype=torch.bfloat16),  # compresses: a zstd+shuffle chunk on pfs
+        "i": torch.arange(5000),
+        "np": np.arange(100, dtype=np.int16),
+        "step": step,
+    }
+
+
+@pytest.fixture
+def tiers(tmp_path: Path) -> Path:
+    """Steps 1 and 2 on nvme (raw) and pfs (zstd + shuffle)."""
+    config = {
+        "host": {"capacity": "8MiB", "snapshots": 2},
+        "tiers": [
+            {"name": "ram", "type": "memory"},
+            {"name": "nvme", "type": "filesystem", "path": str(tmp_path / "nvme")},
+            {
+                "name": "pfs",
+                "type": "filesystem",
+                "path": str(tmp_path / "pfs"),
+                "compression": {"codec": "zstd", "level": 1, "shuffle": True},
+            },
+        ],
+    }
+    with Checkpointer(config) as ckpt:
+        for step in (1, 2):
+            assert ckpt.save_sync(step, _state(step)).committed_sync("pfs", timeout=60)
+    return tmp_path
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def _manifest(version: Path) -> Manifest:
+    return Manifest.decode((version / MANIFEST_FILE).read_bytes())
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x10]))
+
+
+def test_verify_passes_a_healthy_tier_and_says_what_it_checked(tiers: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for tier in ("nvme", "pfs"):
+        status, out, err = _run(capsys, "verify", str(tiers / tier))
+        assert status == 0, out + err
+        lines = out.splitlines()
+        assert lines[0].startswith("step-000000000001  OK ") and "4 tensors" in lines[0]
+        assert lines[1].startswith("step-000000000002  OK ")
+        assert lines[2] == "2 versions: 2 OK, 0 damaged"
+        assert not err
+
+
+def test_verify_of_one_version_directory(tiers: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = _run(capsys, "verify", str(tiers / "pfs" / version_dirname(2)))
+    assert status == 0
+    assert out.splitlines() == [out.splitlines()[0], "1 version: 1 OK, 0 damaged"]
+    assert out.startswith("step-000000000002  OK")
+
+
+def test_verify_names_the_file_key_and_chunk_of_a_flipped_byte(tiers: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    version = tiers / "nvme" / version_dirname(2)
+    record = next(r for r in _manifest(version).records if r.key == "['i']")
+    _flip(version / DATA, record.chunks[0].offset + 17)
+    status, out, _ = _run(capsys, "verify", str(tiers / "nvme"))
+    assert status == 1
+    lines = out.splitlines()
+    assert lines[0].startswith("step-000000000001  OK")
+    assert lines[1].startswith("step-000000000002  DAMAGED  ")
+    assert f"{DATA}: checksum mismatch in ['i'] (chunk 0)" in lines[1]
+    assert lines[2] == "2 versions: 1 OK, 1 damaged"
+
+
+def test_verify_counts_every_damaged_chunk(tiers: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    version = tiers / "nvme" / version_dirname(1)
+    for record in _manifest(version).records[:3]:
+        _flip(version / DATA, record.chunks[0].offset)
+    status, out, _ = _run(capsys, "verify", str(version))
+    assert status == 1
+    assert out.splitlines()[0].endswith("(and 2 more damaged chunks)")
+
+
+def test_verify_decodes_compressed_chunks(tiers: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A compressed chunk whose checksum matches but whose frame does not decode (a writer's bug, or a
+    manifest rewritten to match damaged bytes) is damage too: verify decodes every chunk."""
+    version = tiers / "pfs" / version_dirname(2)
+    path = version / MANIFEST_FILE
+    body = msgpack.unpackb(msgpack.unpackb(path.read_bytes())["body"], strict_map_key=False)
+    record = next(r for r in body["records"] if r["key"] == "['h']")
+    assert record["codec"] == "zstd+shuffle"
+    offset, stored = record["chunks"][0][:2]
+    _flip(version / DATA, offset + 4)  # the frame's plane count
+    with open(version / DATA, "rb") as f:
+        f.seek(offset)
+        record["chunks"][0][2] = checksum(f.read(stored))
+    raw = msgpack.packb(body, use_bin_type=True)
+    path.write_bytes(msgpack.packb({"body": raw, CHECKSUM_ALGORITHM: checksum(raw)}, use_bin_type=True))
+    status, out, _ = _run(capsys, "verify", str(version))
+    assert status == 1
+    assert f"DAMAGED  {DATA}: ['h'] chunk 0 does not decode (byte-shuffle frame declares" in out
+
+
+def test_ls_lists_steps_sizes_and_validity_and_verify_names_a_damaged_manifest(
+    tiers: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, _ = _run(capsys, "ls", str(tiers / "pfs"))
+    assert status == 0
+    header, *rows = out.splitlines()
+    assert header.split() == ["NAME", "STEP", "STORED", "LOGICAL", "CREATED", "VALID"]
+    assert [row.split()[:2] for row in rows] == [["step-000000000001", "1"], ["step-000000000002", "2"]]
+    assert all(row.endswith("  yes") for row in rows)
+    manifest = _manifest(tiers / "pfs" / version_dirname(2))
+    assert manifest.stored_bytes < sum(r.nbytes for r in manifest.records)  # stored and logical differ
+
+    path = tiers / "pfs" / version_dirname(2) / MANIFEST_FILE
+    path.write_bytes(path.read_bytes()[:-5])
+    status, out, _ = _run(capsys, "ls", str(tiers / "pfs"))
+    assert status == 1
+    assert out.splitlines()[2].endswith(f"no: {MANIFEST_FILE}: not msgpack (Unpack failed: incomplete input)")
+    status, out, _ = _run(capsys, "verify", str(tiers / "pfs"))
+    assert status == 1
+    assert f"step-000000000002  DAMAGED  {MANIFEST_FILE}: not msgpack" in out
+
+
+def test_truncated_and_missing_data_files_are_damage(tiers: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    os.truncate(tiers / "nvme" / version_dirname(1) / DATA, 10_000)
+    os.unlink(tiers / "nvme" / version_dirname(2) / DATA)
+    status, out, _ = _run(capsys, "verify", str(tiers / "nvme"))
+    assert status == 1
+    lines = out.splitlines()
+    assert f"DAMAGED  {DATA}: " in lines[0] and "lies past the end of the file (10000 bytes): truncated?" in lines[0]
+    assert f"DAMAGED  data file {DATA} is missing" in lines[1]
+
+
+def test_leftovers_and_other_entries_are_not_versions(tiers: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    nvme = tiers / "nvme"
+    (nvme / ".tmp-step-000000000003-abc").mkdir()
+    (nvme / ".trash-step-000000000001-abc").mkdir()
+    (nvme / "notes.txt").write_text("x")
+    status, out, _ = _run(capsys, "verify", str(nvme))
+    assert status == 0
+    assert out.splitlines()[-1] == "2 versions: 2 OK, 0 damaged"
+
+
+def test_usage_errors_exit_2(tiers: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = _run(capsys, "verify", str(tmp_path / "missing"))
+    assert (status, out) == (2, "")
+    assert "missing: no such directory" in err
+    (tmp_path / "file").write_text("x")
+    assert _run(capsys, "ls", str(tmp_path / "file"))[0] == 2
+    assert _run(capsys, "verify", "--threads", "0", str(tiers / "nvme"))[0] == 2
+    with pytest.raises(SystemExit) as info:
+        main([])
+    assert info.value.code == 2
+    with pytest.raises(SystemExit) as info:
+        main(["frobnicate", str(tiers)])
+    assert info.value.code == 2
+    capsys.readouterr()
+
+
+def test_an_empty_directory_has_no_versions(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = _run(capsys, "verify", str(tmp_path))
+    assert (status, out) == (0, f"no versions in {tmp_path}\n")
+
+
+def test_python_dash_m_tierckpt(tiers: Path) -> None:
+    """The real entry point, in a subprocess: exit statuses and output as a shell sees them."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ok = subprocess.run([sys.executable, "-m", "tierckpt", "verify", str(tiers / "nvme")], capture_output=True, text=True, env=env, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.splitlines()[-1] == "2 versions: 2 OK, 0 damaged"
+    _flip(tiers / "nvme" / version_dirname(2) / MANIFEST_FILE, 40)
+    bad = subprocess.run([sys.executable, "-m", "tierckpt", "ls", str(tiers / "nvme")], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 1
+    assert f"no: {MANIFEST_FILE}:" in bad.stdout
+    usage = subprocess.run([sys.executable, "-m", "tierckpt"], capture_output=True, text=True, env=env, timeout=120)
+    assert usage.returncode == 2 and "usage: python -m tierckpt" in usage.stderr

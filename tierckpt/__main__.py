@@ -1,0 +1,5 @@
+"""``python -m tierckpt ls|verify DIR``: see :mod:`tierckpt.cli`."""
+
+from tierckpt.cli import main
+
+raise SystemExit(main())

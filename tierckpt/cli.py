@@ -1,0 +1,207 @@
+"""``python -m tierckpt ls|verify DIR``: look at and check stored versions without a Checkpointer.
+
+``DIR`` is a filesystem tier's directory (every ``step-<12 digits>`` directory in it is a version) or
+one version directory. Nothing is written, and no lock is taken: both work beside a running job.
+
+- ``ls`` prints one line per version: step, stored and logical bytes, creation time, and whether it
+  looks valid: its manifest verifies and its records fit its data files (no tensor byte is read; use
+  ``verify`` for that).
+- ``verify`` checks what a restore checks: the manifest's checksum and fields, the skeleton, every
+  record against the data files, and every chunk's checksum, decoding each compressed chunk. It
+  prints one line per version, ``OK`` or ``DAMAGED`` with the first damage found (file, key, chunk)
+  and how many chunks are damaged.
+
+Exit status: 0 when every version is fine (or there is none), 1 when one is damaged, 2 on a usage
+error (a missing directory, a bad argument).
+
+Example::
+
+    $ python -m tierckpt verify ./checkpoints/nvme
+    step-000000000100  OK       5 tensors, 1.2 GiB stored, 1.2 GiB logical
+    step-000000000200  DAMAGED  data-r00000.bin: checksum mismatch in ['model']['w'] (chunk 3) at bytes ...
+    2 versions: 1 OK, 1 damaged
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tierckpt.errors import CorruptCheckpointError
+from tierckpt.format import MANIFEST_FILE, Manifest, TensorRecord, parse_version_dirname
+from tierckpt.format.manifest import where
+from tierckpt.tiers.fsio import scratch, scratch2
+from tierckpt.tiers.fsread import FilesystemSource, open_source, read_manifest
+from tierckpt.tiers.fswrite import scratch_bytes
+
+__all__ = ["main"]
+
+OK, DAMAGED, USAGE = 0, 1, 2
+
+
+class _UsageError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class _Version:
+    path: Path
+    step: int | None  # None: a version directory under another name (a copy)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (see the module docstring)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m tierckpt", description="Look at and check tierckpt versions on a filesystem tier."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{ls,verify}")
+    ls = commands.add_parser("ls", help="list versions: step, sizes, creation time, valid (reads manifests only)")
+    ls.add_argument("dir", type=Path, help="a tier directory, or one version directory")
+    verify = commands.add_parser("verify", help="check every version: manifest, every chunk's checksum, decoding")
+    verify.add_argument("dir", type=Path, help="a tier directory, or one version directory")
+    verify.add_argument("--threads", type=int, default=2, help="threads reading and checking chunks (default 2)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "verify" and args.threads < 1:
+            raise _UsageError(f"--threads must be at least 1, not {args.threads}")
+        versions = _versions(args.dir)
+    except _UsageError as exc:
+        print(f"{parser.prog} {args.command}: {exc}", file=sys.stderr)
+        return USAGE
+    if not versions:
+        print(f"no versions in {args.dir}")
+        return OK
+    if args.command == "ls":
+        return _ls(versions)
+    return _verify(versions, args.threads)
+
+
+def _versions(directory: Path) -> list[_Version]:
+    """The versions in ``directory``: itself when it is one, else its ``step-...`` entries by step."""
+    if not directory.exists():
+        raise _UsageError(f"{directory}: no such directory")
+    if not directory.is_dir():
+        raise _UsageError(f"{directory}: not a directory")
+    # The directory named on the command line may be reached through a symlink (``latest -> step-...``):
+    # the user chose it. Symlinks inside it are refused, as restore refuses them.
+    directory = directory.resolve()
+    own = parse_version_dirname(directory.name)
+    if own is not None or os.path.lexists(directory / MANIFEST_FILE):
+        return [_Version(directory, own)]
+    found = []
+    try:
+        entries = os.listdir(directory)
+    except OSError as exc:
+        raise _UsageError(f"{directory}: {exc.strerror or exc}") from exc
+    for name in entries:
+        step = parse_version_dirname(name)
+        if step is not None:  # a symlink or a file by that name is listed, and refused when read
+            found.append(_Version(directory / name, step))
+    return sorted(found, key=lambda v: v.step or 0)
+
+
+def _message(exc: CorruptCheckpointError, version: _Version) -> str:
+    """The error without its "step N: " prefix: the line already names the version."""
+    text = str(exc)
+    prefix = f"{where(None, version.step)}: "
+    return text[len(prefix) :] if text.startswith(prefix) else text
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    raise AssertionError
+
+
+def _open(version: _Version) -> tuple[Manifest, FilesystemSource]:
+    manifest = read_manifest(version.path, tier=None, step=version.step)
+    return manifest, open_source(None, version.path, manifest)
+
+
+def _ls(versions: list[_Version]) -> int:
+    rows = [("NAME", "STEP", "STORED", "LOGICAL", "CREATED", "VALID")]
+    status = OK
+    for version in versions:
+        try:
+            manifest, source = _open(version)
+            source.close()
+        except CorruptCheckpointError as exc:
+            status = DAMAGED
+            try:
+                created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(os.lstat(version.path).st_mtime))
+            except OSError:
+                created = "-"
+            step = "-" if version.step is None else str(version.step)
+            rows.append((version.name, step, "-", "-", created, f"no: {_message(exc, version)}"))
+            continue
+        logical = sum(r.nbytes for r in manifest.records)
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(manifest.created))
+        rows.append((version.name, str(manifest.step), _size(manifest.stored_bytes), _size(logical), created, "yes"))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[5])
+    return status
+
+
+def _check_chunk(source: FilesystemSource, record: TensorRecord, chunk: int) -> str | None:
+    """None if the chunk verifies (and decodes), else the damage."""
+    _, length = record.chunk_span(chunk)
+    out = scratch2(record.chunk_bytes)[:length]
+    try:
+        source.read_logical(record, chunk, out, scratch(scratch_bytes(record.chunk_bytes)))
+    except CorruptCheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def _verify_one(version: _Version, executor: concurrent.futures.Executor) -> tuple[Manifest | None, str | None]:
+    """The manifest and None if ``version`` verifies, else its damage (the first found, and how many
+    chunks are damaged)."""
+    try:
+        manifest, source = _open(version)
+    except CorruptCheckpointError as exc:
+        return None, _message(exc, version)
+    try:
+        jobs = [(record, c) for record in manifest.records for c in range(len(record.chunks))]
+        damage = [d for d in executor.map(lambda job: _check_chunk(source, *job), jobs) if d is not None]
+    finally:
+        source.close()
+    if not damage:
+        return manifest, None
+    text = _message(CorruptCheckpointError(damage[0]), version)
+    extra = len(damage) - 1
+    more = f" (and {extra} more damaged chunk{'s' if extra > 1 else ''})" if extra else ""
+    return manifest, text + more
+
+
+def _verify(versions: list[_Version], threads: int) -> int:
+    width = max(len(v.name) for v in versions)
+    damaged = 0
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tierckpt-verify") as executor:
+        for version in versions:
+            manifest, damage = _verify_one(version, executor)
+            if damage is None:
+                assert manifest is not None
+                logical = sum(r.nbytes for r in manifest.records)
+                print(
+                    f"{version.name.ljust(width)}  OK       {len(manifest.records)} tensors, "
+                    f"{_size(manifest.stored_bytes)} stored, {_size(logical)} logical",
+                    flush=True,
+                )
+            else:
+                damaged += 1
+                print(f"{version.name.ljust(width)}  DAMAGED  {damage}", flush=True)
+    print(f"{len(versions)} version{'s' if len(versions) != 1 else ''}: {len(versions) - damaged} OK, {damaged} damaged")
+    return DAMAGED if damaged else OK
