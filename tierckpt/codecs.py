@@ -36,6 +36,7 @@ _RAW, _ZSTD = 0, 1
 _MAX_PLANES = 16  # complex128
 # A plane larger than twice this is judged by compressing this much of its middle first.
 _SAMPLE = 64 << 10
+_MAX_WINDOW = 64 << 20  # the largest chunk a manifest may declare (tierckpt.tiers.fsread)
 
 
 class Codec(Protocol):
@@ -78,7 +79,8 @@ class _Zstd:
     def decompress_into(self, data: memoryview, out: memoryview) -> None:
         d = getattr(self._local, "d", None)
         if d is None:
-            d = self._local.d = zstandard.ZstdDecompressor()
+            # A frame may ask for a window of its own choosing: no chunk needs more than 64 MiB.
+            d = self._local.d = zstandard.ZstdDecompressor(max_window_size=_MAX_WINDOW)
         try:
             with d.stream_reader(data) as reader:
                 filled = 0

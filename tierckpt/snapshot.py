@@ -81,4 +81,5 @@ class Snapshot:
     # and the version directory that makes the snapshot outlive the process (None: not written).
     checksums: tuple[tuple[int, ...], ...] | None = None
     persisted: Path | None = None
-    restored: bool = False  # found by a new process: read with verification, it was not captured here
+    restored: bool = False  # found by a new process: it was not captured here
+    verified: bool = False  # a restored snapshot whose every chunk matched its checksum

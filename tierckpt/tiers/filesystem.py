@@ -44,7 +44,7 @@ from tierckpt.format import (
 )
 from tierckpt.tiers.base import Staged, Tier, VersionInfo, VersionSource
 from tierckpt.tiers.encoding import TierEncoding
-from tierckpt.tiers.fsio import fsync_dir, probe_direct_io, remove_tree, write_file
+from tierckpt.tiers.fsio import fsync_dir, makedirs_durable, probe_direct_io, remove_tree, write_file
 from tierckpt.tiers.fsread import FilesystemSource, open_source, read_manifest  # noqa: F401 - FilesystemSource lived here
 from tierckpt.tiers.fswrite import write_data_file
 from tierckpt.tiers.lock import DirectoryLock
@@ -78,7 +78,7 @@ class FilesystemTier(Tier):
 
     async def open(self) -> None:
         try:
-            await aiofiles.os.makedirs(self.root, exist_ok=True)
+            await asyncio.get_running_loop().run_in_executor(self.executor, makedirs_durable, self.root)
             # Before anything is swept: the .tmp- directories of a job still writing here are not leftovers.
             await asyncio.get_running_loop().run_in_executor(self.executor, self._lock.acquire)
             self.direct = await asyncio.get_running_loop().run_in_executor(self.executor, probe_direct_io, self.root)

@@ -313,6 +313,25 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def makedirs_durable(path: Path) -> None:
+    """``mkdir -p path``, each level it creates made durable in its parent (the parent fsynced).
+
+    Without that, a power loss after the first commit may drop a new tier directory's own name, and
+    every version in it with it: fsyncing a directory makes its entries durable, not its name.
+    """
+    missing = []
+    level = path
+    while not level.exists():
+        missing.append(level)
+        level = level.parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory)
+        except FileExistsError:
+            pass
+        fsync_dir(directory.parent)
+
+
 def write_file(path: Path, data: bytes) -> None:
     """Create ``path`` (which must not exist) holding ``data``, and fsync it: a manifest."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)

@@ -9,8 +9,8 @@ a snapshot being copied into or read is never dropped. :func:`tierckpt.policy.ch
 In a new process this tier is empty, and restore looks further down; unless the tier has a ``path``
 on a RAM-backed file system: then the pool is a shared file there, each captured snapshot is also
 written as a version directory (manifest and checksums, its data a hard link to the pool, see
-:mod:`tierckpt.tiers.shm`), and a new process finds those snapshots, verifies them as it reads them,
-and keeps them under the same retention.
+:mod:`tierckpt.tiers.shm`), and a new process finds those snapshots, verifies each whole the first
+time it is read, and keeps them under the same retention.
 
 Free slots can also be lent for a while (:meth:`MemoryTier.borrow`): a restore stages the bytes it
 reads from a disk there, in memory faulted in long ago, instead of in a fresh mapping. A lent slot
@@ -30,7 +30,7 @@ from tierckpt.capture.pool import HostPool, Slot
 from tierckpt.config import TierConfig
 from tierckpt._buffers import align_up
 from tierckpt.errors import CorruptCheckpointError
-from tierckpt.format import Manifest, TensorRecord, checksum, version_dirname
+from tierckpt.format import DATA_FILE, Manifest, TensorRecord, version_dirname
 from tierckpt.policy import Held, choose_slot, retain
 from tierckpt.snapshot import Entry, Snapshot, SnapshotState
 from tierckpt.tiers.base import Lease, Tier, VersionInfo, VersionSource
@@ -313,7 +313,26 @@ class MemoryTier(Tier):
         snapshot = self._find(step)
         if snapshot is None:
             raise KeyError(f"tier {self.name!r} holds no step {step}")
+        if snapshot.restored and not snapshot.verified:
+            # Left by a previous process: every chunk is checked once, before anything is copied out,
+            # so a restore may then copy straight into a template as from a snapshot captured here.
+            loop = asyncio.get_running_loop()
+            await asyncio.gather(*(loop.run_in_executor(self.executor, self._verify, snapshot, i) for i in range(len(snapshot.entries))))
+            snapshot.verified = True
         return MemorySource(self.name, snapshot, self.pool)
+
+    def _verify(self, snapshot: Snapshot, i: int) -> None:
+        entry, sums = snapshot.entries[i], snapshot.checksums[i] if snapshot.checksums else ()
+        got = chunk_checksums(self.pool.view(snapshot.slot, entry.offset, entry.nbytes), entry.nbytes)
+        for chunk, (have, want) in enumerate(zip(got, sums)):
+            if have != want:
+                raise CorruptCheckpointError(
+                    f"step {snapshot.step} on tier {self.name!r}: checksum mismatch in {entry.key} (chunk {chunk}) "
+                    f"of {snapshot.persisted}/{DATA_FILE.format(rank=0)}",
+                    tier=self.name,
+                    step=snapshot.step,
+                    key=entry.key,
+                )
 
     async def delete(self, step: int) -> None:
         for s in list(self._snapshots.values()):
@@ -338,23 +357,13 @@ class MemorySource(VersionSource):
         self._snapshot = snapshot
         self._pool = pool
         self._position = {e.index: i for i, e in enumerate(snapshot.entries)}
-        # Only a snapshot a previous process left is checked as it is read: one captured here is
-        # immutable in this process's memory.
-        sums = snapshot.checksums if snapshot.restored else None
-        self.records = slot_records(snapshot.entries, offset=0, checksums=sums, file="")
+        # No checksums to check: a snapshot captured here is immutable in this process's memory, and
+        # one a previous process left was verified whole when it was opened (MemoryTier.read).
+        self.records = slot_records(snapshot.entries, offset=0, checksums=None, file="")
 
     def read_stored(self, record: TensorRecord, chunk: int, scratch: memoryview) -> memoryview:
         c = record.chunks[chunk]
-        view = self._pool.view(self._snapshot.slot, c.offset, c.stored)
-        if c.checksum >= 0 and checksum(view) != c.checksum:
-            where = self._snapshot.persisted or self.tier
-            raise CorruptCheckpointError(
-                f"step {self.step} on tier {self.tier!r}: checksum mismatch in {record.key} (chunk {chunk}) of {where}",
-                tier=self.tier,
-                step=self.step,
-                key=record.key,
-            )
-        return view
+        return self._pool.view(self._snapshot.slot, c.offset, c.stored)
 
     def checksum_of(self, record: TensorRecord, chunk: int) -> int | None:
         # A snapshot persisted here was hashed already: a filesystem tier below need not hash it again.
