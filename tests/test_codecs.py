@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from tierckpt import Checkpointer
 from tierckpt.codecs import NoneCodec, ShuffleCodec, ZstdCodec, decoder, get_codec
+from tierckpt.config import CompressionConfig
 from tierckpt.errors import ConfigError, CorruptCheckpointError
 from tierckpt.format import ALIGN, MANIFEST_FILE, Manifest, checksum, version_dirname
 
@@ -595,3 +596,27 @@ def test_a_frame_that_matches_its_checksum_but_does_not_decode_names_the_chunk(o
     (version / MANIFEST_FILE).write_bytes(dataclasses.replace(manifest, records=records).encode())
     with pytest.warns(RuntimeWarning, match=r"\['w'\] chunk 0 does not decode"):
         assert opened(_config(_tier("pfs", pfs, "zstd"))).restore_latest_sync() is None
+
+
+def test_compressor_throughput_counts_the_threads_that_compressed(opened: _Opened, tmp_path: Path) -> None:
+    # One chunk per version: one thread compresses, whatever io_threads says. The reported throughput
+    # is that thread's, not eight times it.
+    from tierckpt.tiers.encoding import TierEncoding
+
+    rates = {}
+    for threads in (1, 8):
+        pfs = tmp_path / f"pfs{threads}"
+        tier = _tier("pfs", pfs, "zstd", level=1, shuffle=True)
+        tier["io_threads"] = threads
+        ckpt = opened(_config(tier, capacity="24MiB"))
+        state = {"w": _weights(1 << 20, torch.float32)}  # 4 MiB: one chunk
+        for step in (1, 2):
+            assert ckpt.save_sync(step, state).committed_sync("pfs", timeout=60)
+        rates[threads] = ckpt.counters.compression["pfs"].compress_bytes_per_s
+        ckpt.close_sync()
+    assert rates[1] > 0 and rates[8] < 3 * rates[1]  # not inflated by the idle threads
+    encoding = TierEncoding(CompressionConfig(codec="zstd", shuffle=True), "t").begin()
+    data = memoryview(bytes(_raw(_weights(1 << 20, torch.float32))))
+    encoding.encode("zstd+shuffle", data[: 2 << 20], 4)
+    encoding.encode("zstd+shuffle", data[2 << 20 :], 4)
+    assert len(encoding.encoders) == 1  # the same thread twice

@@ -97,7 +97,7 @@ def test_example_loads_as_written(tmp_path: Path) -> None:
     assert ram.path is None
     assert ram.keep == KeepPolicy(last=2, every_steps=None, within_s=None, max_bytes=None)
     assert ram.flush == FlushPolicy()
-    assert ram.compression == CompressionConfig(codec="none", level=3)
+    assert ram.compression == CompressionConfig(codec="none", level=1)
 
     assert nvme.type == "filesystem"
     assert nvme.path == Path("./checkpoints/nvme")
@@ -128,7 +128,7 @@ def test_example_as_dict(tmp_path: Path) -> None:
                 "path": "checkpoints/nvme",
                 "flush": {"every": 1, "every_steps": None, "min_interval": 0.0, "max_staleness": None, "newest_only": True},
                 "keep": {"last": 3, "every_steps": None, "within": None, "max_bytes": None},
-                "compression": {"codec": "none", "level": 3, "shuffle": False, "min_ratio": 1.05, "when": "always"},
+                "compression": {"codec": "none", "level": 1, "shuffle": False, "min_ratio": 1.05, "when": "always"},
                 "io_threads": 2,
             },
             {

@@ -515,4 +515,4 @@ def test_a_tier_path_below_a_regular_file_is_a_config_error(tmp_path: Path) -> N
 
 def _raw() -> Any:
     """How an uncompressed tier writes one version."""
-    return TierEncoding(CompressionConfig(), "out", 2).begin()
+    return TierEncoding(CompressionConfig(), "out").begin()

@@ -464,4 +464,4 @@ def test_hashes_are_computed_on_the_bytes_stored(tmp_path: Path, opened: list[Ch
 
 def _raw() -> Any:
     """How an uncompressed tier writes one version."""
-    return TierEncoding(CompressionConfig(), "out", 2).begin()
+    return TierEncoding(CompressionConfig(), "out").begin()

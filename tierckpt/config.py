@@ -209,7 +209,9 @@ class CompressionConfig:
 
     Attributes:
         codec: ``"none"`` or ``"zstd"``.
-        level: the zstd level: 1..22, or -7..-1 for zstd's fast levels (ignored by ``"none"``).
+        level: the zstd level: 1..22, or -7..-1 for zstd's fast levels (ignored by ``"none"``). 1 by
+            default: on checkpoints, higher levels cost much speed for little or no size (with
+            ``shuffle``, level 3 even stores the exponent plane larger than level 1 does).
         shuffle: split floating-point tensors into byte planes and compress each plane only where it
             pays (the sign/exponent plane, typically); integer and bool tensors get plain zstd.
         min_ratio: a chunk (or plane) is stored raw unless compressing makes it at least this many
@@ -226,7 +228,7 @@ class CompressionConfig:
     """
 
     codec: str = "none"
-    level: int = 3
+    level: int = 1
     shuffle: bool = False
     min_ratio: float = 1.05
     when: str = "always"

@@ -3,8 +3,9 @@ and (``when: faster``) whether a version is compressed at all, from what the tie
 
 Compression must not make a tier slower than its disk. Two measurements decide it:
 
-- compressor throughput: logical bytes encoded per second of encoding, times the tier's I/O threads
-  (the chunks are encoded in parallel, in those threads);
+- compressor throughput: logical bytes encoded per second of encoding, times the number of threads
+  that encoded side by side (the tier's I/O threads and the thread running the write, at most one per
+  chunk);
 - write throughput: logical bytes per second of a whole version written raw (writes and fsync).
 
 Under ``when: faster`` the tier writes a version raw while it has no write measurement yet, then one
@@ -74,6 +75,7 @@ class VersionEncoding:
         self.stored = 0
         self.encoded = 0  # logical bytes that went through an encoder
         self.encode_s = 0.0  # thread-seconds spent encoding them
+        self.encoders: set[int] = set()  # the threads that did
         self.chunks_compressed = 0
         self.chunks_raw = 0
 
@@ -104,6 +106,7 @@ class VersionEncoding:
         with self._lock:
             self.encoded += data.nbytes
             self.encode_s += seconds
+            self.encoders.add(threading.get_ident())
         out = memoryview(result)
         if result is data or out.nbytes * self._tier.config.min_ratio > data.nbytes:
             self.account(data.nbytes, data.nbytes, compressed=False)
@@ -125,10 +128,9 @@ class VersionEncoding:
 class TierEncoding:
     """One filesystem tier's compression settings, measurements and ``when: faster`` decisions."""
 
-    def __init__(self, config: CompressionConfig, tier: str, threads: int) -> None:
+    def __init__(self, config: CompressionConfig, tier: str) -> None:
         self.config = config
         self.tier = tier
-        self.threads = threads
         self._codecs: dict[str, Codec] = {}
         self._lock = threading.Lock()
         self._stats = CompressionStats()
@@ -169,7 +171,9 @@ class TierEncoding:
         """Account a version that was written in ``seconds`` (wall clock, fsync included)."""
         compress_bps = write_bps = None
         if version.encoded and version.encode_s > 0:
-            compress_bps = version.encoded / version.encode_s * self.threads
+            # Per-thread rate times the threads that ran side by side: with more threads than cores,
+            # each thread's rate already shows the sharing; with one chunk, one thread compressed.
+            compress_bps = version.encoded / version.encode_s * len(version.encoders)
         if not version.compress and version.logical and seconds > 0:
             write_bps = version.logical / seconds
         with self._lock:

@@ -67,7 +67,7 @@ class FilesystemTier(Tier):
         super().__init__(config)
         assert config.path is not None  # guaranteed by TierConfig validation
         self.root = Path(config.path).expanduser().absolute()
-        self.encoding = TierEncoding(config.compression, config.name, config.io_threads)
+        self.encoding = TierEncoding(config.compression, config.name)
         self.executor = concurrent.futures.ThreadPoolExecutor(
             config.io_threads, thread_name_prefix=f"tierckpt-io-{config.name}"
         )
