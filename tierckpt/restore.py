@@ -19,9 +19,11 @@ The staging area is borrowed from the host pool when its free slots are large en
 adjacent ones: :meth:`MemoryTier.borrow <tierckpt.tiers.memory.MemoryTier.borrow>`), which is the
 usual case at start-up: that memory was faulted in when the Checkpointer was made, and the disk
 writes into it at full speed. Otherwise it is one fresh page-aligned mapping, faulted in ahead of
-the reads; fresh memory costs 0.25-2.3 s per GiB to fault here, which at 4 GiB kept the restore at
-72% of the O_DIRECT read limit. The slots are lent until the load is over, so a save meanwhile takes
-another slot or waits, skips or evicts per ``host.on_full``.
+the reads; fresh memory costs 0.25-2.3 s per GiB to fault here. Measured at 4 GiB, in the same runs:
+~78-81% of the O_DIRECT read limit staged in the pool, 55-57% in a fresh mapping. Most of the rest is
+the copy into the template, which cannot start before the last chunk verified (benchmarks/RESULTS.md).
+The slots are lent until the load is over, so a save meanwhile takes another slot or waits, skips or
+evicts per ``host.on_full``.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from tierckpt._buffers import align_up, aligned_buffer, copy_bytes, owned_tensor, prefault, tensor_bytes
+from tierckpt._buffers import align_up, aligned_buffer, owned_tensor, prefault, tensor_bytes
 from tierckpt.errors import CorruptCheckpointError, RestoreError
 from tierckpt.state import Leaf, flatten, numpy_dtype, skeleton_leaf_count, torch_dtype, unflatten
 from tierckpt.format import TensorRecord
@@ -52,8 +54,6 @@ log = logging.getLogger("tierckpt")
 # New tensors at least this large get a page-aligned mapping of their own (glibc's malloc gives
 # blocks this size one too); smaller ones come from torch.empty and are copied from scratch.
 _OWN_MAPPING = 1 << 20
-# Staged bytes are copied into templates in pieces this large, by several threads at once.
-_COPY_PIECE = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -204,11 +204,6 @@ def _in_place(source: VersionSource, record: TensorRecord, value: Any) -> memory
         return None
     if any(c.checksum >= 0 for c in record.chunks):
         return None
-    return _plain_bytes(value)
-
-
-def _plain_bytes(value: Any) -> memoryview | None:
-    """A writable view of a tensor's/array's own bytes when they are one plain run in CPU memory."""
     if isinstance(value, torch.Tensor):
         if value.device.type == "cpu" and value.is_contiguous() and not value.is_conj() and not value.is_neg():
             return tensor_bytes(value)
@@ -322,39 +317,15 @@ def load(
         if isinstance(exc, CorruptCheckpointError) and exc.key is None:
             raise CorruptCheckpointError(str(exc), tier=source.tier, step=source.step) from exc
         raise
-    _fill([t for t in targets if t.staged is not None], executor, threads)
-    return unflatten(source.skeleton, [t.value for t in targets])
-
-
-def _fill(staged: list[_Target], executor: concurrent.futures.Executor, threads: int) -> None:
-    """Copy verified staged bytes into the templates.
-
-    Templates whose bytes are one plain run in CPU memory (the usual freshly built model) get glibc's
-    memcpy in pieces, on ``threads`` of ``executor`` and this thread; measured here at 1.5-2x the
-    speed of torch's ``copy_`` for the same bytes (memcpy's non-temporal stores skip reading the
-    destination into cache first), which at 4 GiB is worth 0.3 s. The rest (views, other devices)
-    get ``copy_``, on this thread, meanwhile.
-    """
-    pieces = []
-    others = []
-    for t in staged:
-        dest = _plain_bytes(t.value)
-        if dest is None:
-            others.append(t)
+    for t in targets:
+        if t.staged is None:
             continue
-        for start in range(0, t.record.nbytes, _COPY_PIECE):
-            stop = min(start + _COPY_PIECE, t.record.nbytes)
-            pieces.append(functools.partial(copy_bytes, dest[start:stop], t.out[start:stop]))
-    jobs = ChunkJobs(pieces, executor, threads)
-    try:
-        for t in others:
-            if isinstance(t.value, torch.Tensor):
-                with torch.no_grad():
-                    t.value.copy_(t.staged)
-            else:
-                t.value[...] = t.staged
-    finally:
-        jobs.join()
+        if isinstance(t.value, torch.Tensor):
+            with torch.no_grad():
+                t.value.copy_(t.staged)
+        else:
+            t.value[...] = t.staged
+    return unflatten(source.skeleton, [t.value for t in targets])
 
 
 def _read_chunk(source: VersionSource, record: TensorRecord, chunk: int, out: memoryview) -> None:
