@@ -151,9 +151,9 @@ def test_a_kill_at_any_moment_leaves_only_whole_snapshots(shm: Path, tmp_path: P
         assert not [n for n in os.listdir(shm) if n.startswith((".tmp-", ".trash-"))]
         ram = [i.step for i in ckpt.versions() if i.tier == "ram"]
         assert len(ram) <= 2  # the child may have run ahead of the lines read: no upper bound on steps
+        # Nothing says a snapshot was written by the kill (save() returns before): only that what is
+        # there is whole. test_a_killed_process_restores_from_ram_in_a_new_one waits for commits.
         restored = ckpt.restore_latest_sync()
-        if saves > 2:
-            assert restored is not None  # at least the first saves were written by then
         if restored is not None:
             assert_state(restored.state, restored.step)
             assert restored.tier == "ram" or not ram
