@@ -49,8 +49,8 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from gpt import GPT, ModelSize
 from machine_limits import limits, machine
 from tierckpt import Checkpointer
 from tierckpt.tiers.fsio import fsync_dir
@@ -60,52 +60,11 @@ VARIANTS = ("tierckpt", "dcp.async_save", "torch.save", "dcp.save")
 KEEP = 2  # checkpoints kept on disk by every checkpointer
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelSize:
-    vocab: int
-    d_model: int
-    layers: int
-    heads: int
-    block: int  # tokens of context
-    batch: int  # sequences per step
-
-
 FULL = ModelSize(vocab=8192, d_model=640, layers=8, heads=10, block=128, batch=8)  # 50 M parameters, ~1.1 s a step here
 QUICK = ModelSize(vocab=4096, d_model=256, layers=4, heads=4, block=64, batch=8)  # 5 M parameters
 
 
 # -- the training job ---------------------------------------------------------------------------------
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    """Decoder-only transformer: token and position embeddings, pre-norm causal blocks, an untied head."""
-
-    def __init__(self, size: ModelSize) -> None:
-        super().__init__()
-        self.tokens, self.positions = nn.Embedding(size.vocab, size.d_model), nn.Embedding(size.block, size.d_model)
-        self.blocks = nn.ModuleList(Block(size.d_model, size.heads) for _ in range(size.layers))
-        self.norm, self.head = nn.LayerNorm(size.d_model), nn.Linear(size.d_model, size.vocab, bias=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
 
 
 def batches(size: ModelSize, device: str, seed: int = 0) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:

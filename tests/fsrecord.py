@@ -59,6 +59,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+from tierckpt.testing import fd_path, path_of
+
 META = frozenset({"mkdir", "create", "rename", "unlink", "rmdir"})
 DATA = frozenset({"write", "size", "alloc"})
 SECTOR = 512
@@ -68,32 +70,6 @@ _FD_CALLS = ("write", "pwrite", "pwritev", "fsync", "fdatasync", "ftruncate", "f
 
 
 # -- resolving what a call is about --------------------------------------------------------------------
-
-
-def fd_path(fd: Any) -> str | None:
-    if not isinstance(fd, int) or fd < 0:
-        return None
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return None
-
-
-def abs_path(arg: Any, dir_fd: Any = None) -> str | None:
-    """The absolute path a call's argument names (parent resolved, the last name kept as given)."""
-    if isinstance(arg, int):
-        return fd_path(arg)
-    try:
-        raw = os.fsdecode(arg)
-    except TypeError:
-        return None
-    if not os.path.isabs(raw):
-        base = fd_path(dir_fd) if dir_fd is not None else os.getcwd()
-        if base is None:
-            return None
-        raw = os.path.join(base, raw)
-    raw = os.path.normpath(raw)
-    return os.path.join(os.path.realpath(os.path.dirname(raw)), os.path.basename(raw))
 
 
 def _call_paths(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
@@ -107,7 +83,7 @@ def _call_paths(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> lis
         ]
     else:
         pairs = [(args[0] if args else kwargs.get("path"), kwargs.get("dir_fd"))]
-    return [p for p in (abs_path(a, d) for a, d in pairs) if p is not None]
+    return [p for p in (path_of(a, d) for a, d in pairs) if p is not None]
 
 
 Hook = Callable[[str, list[str], tuple[Any, ...], dict[str, Any]], Any]

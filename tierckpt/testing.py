@@ -202,13 +202,13 @@ class IOFaults:
     def _resolve(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
         if name in _FD_CALLS:
             fd = args[0] if args else kwargs.get("fd")
-            return [p for p in (_fd_path(fd),) if p is not None]
+            return [p for p in (fd_path(fd),) if p is not None]
         if name in ("rename", "replace"):
             pairs = [(args[0] if args else kwargs.get("src"), kwargs.get("src_dir_fd")),
                      (args[1] if len(args) > 1 else kwargs.get("dst"), kwargs.get("dst_dir_fd"))]
         else:
             pairs = [(args[0] if args else kwargs.get("path"), kwargs.get("dir_fd"))]
-        return [p for p in (_path_of(arg, dir_fd) for arg, dir_fd in pairs) if p is not None]
+        return [p for p in (path_of(arg, dir_fd) for arg, dir_fd in pairs) if p is not None]
 
     def _fails(self, name: str, paths: list[str]) -> str | None:
         hit = next(
@@ -260,7 +260,8 @@ class IOFaults:
         self._saved = []
 
 
-def _fd_path(fd: Any) -> str | None:
+def fd_path(fd: Any) -> str | None:
+    """The path an open descriptor names (from /proc/self/fd), or None."""
     if not isinstance(fd, int) or fd < 0:
         return None
     try:
@@ -269,15 +270,16 @@ def _fd_path(fd: Any) -> str | None:
         return None
 
 
-def _path_of(arg: Any, dir_fd: Any) -> str | None:
+def path_of(arg: Any, dir_fd: Any = None) -> str | None:
+    """The absolute path an os call's argument names: parent resolved, the last name kept as given."""
     if isinstance(arg, int):  # a descriptor given where a path may be
-        return _fd_path(arg)
+        return fd_path(arg)
     try:
         raw = os.fsdecode(arg)
     except TypeError:
         return None
     if not os.path.isabs(raw):
-        base = _fd_path(dir_fd) if dir_fd is not None else os.getcwd()
+        base = fd_path(dir_fd) if dir_fd is not None else os.getcwd()
         if base is None:
             return None
         raw = os.path.join(base, raw)
