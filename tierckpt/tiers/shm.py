@@ -31,6 +31,7 @@ import msgpack
 from tierckpt.errors import ConfigError, CorruptCheckpointError
 from tierckpt.format import CHUNK_BYTES, DATA_FILE, MANIFEST_FILE, Chunk, Manifest, TensorRecord, checksum, parse_version_dirname, version_dirname
 from tierckpt.format.manifest import chunk_count
+from tierckpt.tiers.fsio import write_file
 from tierckpt.tiers.lock import DirectoryLock
 
 log = logging.getLogger("tierckpt")
@@ -119,7 +120,9 @@ class ShmStore:
             raise
         os.close(fd)
         os.rename(tmp, pool_path)
-        _write_atomic(info_path, msgpack.packb(wanted))
+        tmp_info = self.root / f".tmp-{POOL_INFO}-{uuid.uuid4().hex[:12]}"
+        write_file(tmp_info, msgpack.packb(wanted))
+        os.rename(tmp_info, info_path)
         return memory
 
     def _read_info(self, path: Path) -> dict:
@@ -186,7 +189,7 @@ class ShmStore:
         tmp.mkdir()
         try:
             os.link(self.root / POOL_FILE, tmp / DATA_FILE.format(rank=0))
-            _write_atomic(tmp / MANIFEST_FILE, manifest.encode(), rename=False)
+            write_file(tmp / MANIFEST_FILE, manifest.encode())
             if final.exists():
                 # An earlier snapshot of the same step: it goes first (its slot is still whole).
                 self.remove_dir(final)
@@ -255,16 +258,6 @@ def slot_manifest(
 def chunk_checksums(view: memoryview, nbytes: int) -> tuple[int, ...]:
     """xxh3 of each CHUNK_BYTES piece of an entry's bytes ``view[:nbytes]``."""
     return tuple(checksum(view[c * CHUNK_BYTES : min(nbytes, (c + 1) * CHUNK_BYTES)]) for c in range(chunk_count(nbytes)))
-
-
-def _write_atomic(path: Path, data: bytes, *, rename: bool = True) -> None:
-    target = path.with_name(f".tmp-{path.name}-{uuid.uuid4().hex[:12]}") if rename else path
-    with open(target, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    if rename:
-        os.rename(target, path)
 
 
 def _ram_backed(path: Path) -> bool:
