@@ -17,6 +17,8 @@ def test_all_is_pinned() -> None:
         "ConfigError",
         "CorruptCheckpointError",
         "FlushError",
+        "LayoutError",
+        "RankFailureError",
         "RestoreError",
         "Restored",
         "SaveHandle",

@@ -141,6 +141,7 @@ def test_example_as_dict(tmp_path: Path) -> None:
                 "io_threads": 2,
             },
         ],
+        "distributed": {"timeout": 60.0},
     }
 
 
@@ -205,7 +206,8 @@ def test_wrong_choice_message(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "key", "line", "allowed"),
     [
-        (small() + "distributed: {timeout: 60s}\n", "distributed", 9, "host, tiers"),
+        (small() + "logging: {level: info}\n", "logging", 9, "host, tiers, distributed"),
+        (small() + "distributed: {timout: 60s}\n", "distributed.timout", 9, "timeout"),
         (small(host="  capacity: 1GiB\n  snapshot: 2\n"), "host.snapshot", 3, "capacity, snapshots, on_full, copy_threads"),
         (small(nvme="    copies: 2\n"), "tiers[1].copies", 9, "name, type, path, flush, keep, compression, io_threads"),
         (small(nvme="    flush:\n      every: 2\n      max_stale: 1m\n"), "tiers[1].flush.max_stale", 11, "every, every_steps, min_interval, max_staleness, newest_only"),
@@ -423,7 +425,7 @@ def test_from_dict_errors_name_the_source() -> None:
     assert str(caught.value) == "tiers[0].bogus: unknown key (tier 'ram'); allowed: name, type, path, flush, keep, compression, io_threads"
     with pytest.raises(ConfigError, match=r"^tiers\[0\]\.bogus: unknown key \(tier 'ram', in job\.json\); allowed: "):
         Config.from_dict(data, source="job.json")
-    with pytest.raises(ConfigError, match=r"^config: \[\] is not a mapping; use a mapping with keys: host, tiers$"):
+    with pytest.raises(ConfigError, match=r"^config: \[\] is not a mapping; use a mapping with keys: host, tiers, distributed$"):
         Config.from_dict([])  # type: ignore[arg-type]
 
 

@@ -197,7 +197,7 @@ def test_decode_rejects_a_wrong_format_name() -> None:
     assert (info.value.tier, info.value.step) == ("nvme", 7)
 
 
-@pytest.mark.parametrize("version", [0, 3, 99, "1", None])
+@pytest.mark.parametrize("version", [0, 4, 99, "1", None])
 def test_decode_rejects_an_unknown_version(version: Any) -> None:
     body = _body(_manifest().encode())
     body["version"] = version
@@ -205,13 +205,13 @@ def test_decode_rejects_an_unknown_version(version: Any) -> None:
         Manifest.decode(_rewrap(body), tier="nvme", step=7)
     message = str(info.value)
     assert f"format version {version!r}" in message
-    assert f"reads versions 1 and {FORMAT_VERSION}" in message
+    assert f"reads versions 1, 2 and {FORMAT_VERSION}" in message
     assert isinstance(info.value, CorruptCheckpointError)  # so restore moves on to the next candidate
 
 
 def test_version_1_manifests_are_still_read() -> None:
     body = _body(_manifest().encode())
-    assert body["version"] == FORMAT_VERSION == 2
+    assert body["version"] == 2 and FORMAT_VERSION == 3  # one process writes what the previous release reads
     body["version"] = 1
     decoded = Manifest.decode(_rewrap(body), tier="nvme", step=7)
     assert decoded == _manifest()

@@ -10,19 +10,22 @@ import logging
 import os
 import threading
 import time
+import zlib
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import msgpack
 import torch
 
 from tierckpt.capture import Copier, HostPool
 from tierckpt.config import Config, TierConfig
+from tierckpt.dist import RankGroup
+from tierckpt.dist.restore import restore_agreed
 from tierckpt.errors import CapacityError, ClosedError, ConfigError
 from tierckpt.pipeline import Counters, Engine, Pipeline, SaveTracker
 from tierckpt.restore import Restored, restore_latest
 from tierckpt.snapshot import plan_entries
-from tierckpt.state import flatten
+from tierckpt.state import flatten, format_path
 from tierckpt.tiers.base import Tier, VersionInfo
 from tierckpt.tiers.filesystem import FilesystemTier
 from tierckpt.tiers.memory import MemoryTier
@@ -102,11 +105,16 @@ class Checkpointer:
 
     Args:
         config: a :class:`Config`, a mapping in the YAML's shape, or the path of a YAML file.
+        group: under ``torch.distributed``, the process group whose ranks save together (default:
+            the world). Construction is then collective: every rank of the group constructs its
+            Checkpointer at the same point, and so are ``restore_latest`` and ``close`` (README,
+            "Distributed training"). Without ``torch.distributed`` initialized, this is one process.
         tier_factory: builds a tier from its config (return None for the default); for tests and
             custom storage (see :mod:`tierckpt.testing`).
 
     Raises:
-        ConfigError: a bad setting, or a tier directory that cannot be created.
+        ConfigError: a bad setting, or a tier directory that cannot be created (on any rank: every
+            rank raises it).
 
     Example::
 
@@ -117,8 +125,38 @@ class Checkpointer:
                 ckpt.save_sync(step, {"model": model.state_dict(), "optim": optimizer.state_dict()})
     """
 
-    def __init__(self, config: Config | Mapping[str, Any] | str | os.PathLike[str], *, tier_factory: TierFactory | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: Config | Mapping[str, Any] | str | os.PathLike[str],
+        *,
+        group: Any = None,
+        tier_factory: TierFactory | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = Config.coerce(config)
+        self._group = RankGroup.discover(group, self.config.distributed.timeout_s)
+        try:
+            self._build(tier_factory, clock)
+        except BaseException as exc:
+            if self._group is None:
+                raise
+            failure: BaseException | None = exc
+        else:
+            if self._group is None:
+                return
+            failure = None
+        # Every rank says how its construction went: one rank's failure fails all of them.
+        said = self._group.all_gather(None if failure is None else f"{type(failure).__name__}: {failure}")
+        failed = [(r, why) for r, why in enumerate(said) if why]
+        if failure is not None:
+            self._group.close()
+            raise failure
+        if failed:
+            self._runtime.abandon()
+            rank, why = failed[0]
+            raise ConfigError(f"rank {rank} could not construct its Checkpointer: {why}")
+
+    def _build(self, tier_factory: TierFactory | None, clock: Callable[[], float]) -> None:
         host = self.config.host
         tier_configs = list(self.config.tiers)
         _check_disjoint_paths(tier_configs)
@@ -129,8 +167,12 @@ class Checkpointer:
         store = None
         if tier_configs[0].path is not None:
             # A RAM tier that outlives the process: the pool is its shared file, mapped (and locked) first.
+            # Each rank has its own pool, in a directory of its own under the configured one.
+            ram = Path(tier_configs[0].path).expanduser().absolute()
+            if self._group is not None:
+                ram = ram / f"rank-{self._group.rank:05d}"
             store = ShmStore(
-                Path(tier_configs[0].path).expanduser().absolute(),
+                ram,
                 tier_configs[0].name,
                 HostPool.slot_bytes(host.capacity_bytes, host.snapshots),
                 host.snapshots,
@@ -141,11 +183,11 @@ class Checkpointer:
         for cfg in tier_configs:
             tier = tier_factory(cfg) if tier_factory else None
             if tier is None:
-                tier = MemoryTier(cfg, self._pool, store if cfg is tier_configs[0] else None) if cfg.type == "memory" else FilesystemTier(cfg)
+                tier = MemoryTier(cfg, self._pool, store if cfg is tier_configs[0] else None) if cfg.type == "memory" else FilesystemTier(cfg, self._group)
             tiers.append(tier)
-        self._pipeline = Pipeline(self.config, self._pool, self._copier, tiers, clock=clock)
+        self._pipeline = Pipeline(self.config, self._pool, self._copier, tiers, clock=clock, group=self._group)
         self._engine = Engine()
-        self._runtime = _Runtime(self._engine, self._pipeline, self._copier, self._pool)
+        self._runtime = _Runtime(self._engine, self._pipeline, self._copier, self._pool, self._group)
         try:
             self._engine.run_sync(self._pipeline.start())
         except BaseException:
@@ -160,6 +202,16 @@ class Checkpointer:
     def from_yaml(cls, path: str | os.PathLike[str], **kwargs: Any) -> Checkpointer:
         """Build a Checkpointer from a YAML file (see README for every key)."""
         return cls(Config.from_yaml(path), **kwargs)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank among the ranks saving together (0 for a single process)."""
+        return self._group.rank if self._group else 0
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks save together (1 for a single process)."""
+        return self._group.world if self._group else 1
 
     @property
     def tiers(self) -> tuple[str, ...]:
@@ -217,8 +269,16 @@ class Checkpointer:
 
     # -- save ------------------------------------------------------------------------------------
 
-    async def save(self, step: int, state: Any, *, metadata: Mapping[str, Any] | None = None) -> SaveHandle:
+    async def save(
+        self, step: int, state: Any, *, metadata: Mapping[str, Any] | None = None, replicated: Sequence[Any] = ()
+    ) -> SaveHandle:
         """Snapshot ``state`` as version ``step``; returns once the host copy is under way.
+
+        Of several ranks, every rank saves the same steps (its own part of the state), and
+        ``replicated`` names the values that are the same on every rank (the model and optimizer of
+        plain data parallelism): a top-level key (``"model"``), a dotted path (``"optim.state"``) or
+        a tuple of keys. Their bytes are stored once per tier, each rank writing about
+        ``1/world_size`` of each, and every rank gets them back whole from ``restore_latest``.
 
         Never waits on disk. Under ``host.on_full: block`` it waits for a free host slot; under
         ``evict`` only while another slot is still being copied into; under ``skip`` not at all.
@@ -229,18 +289,21 @@ class Checkpointer:
         Raises:
             UnsupportedStateError: a value in ``state`` cannot be stored (names its key path).
             CapacityError: the state is larger than one host slot.
+            ValueError: an entry of ``replicated`` names no value of ``state``.
             FlushError: an earlier capture failed (a torn snapshot: state changed during its copy;
                 reported once). This save did not happen.
         """
-        args = self._prepare(step, state, metadata)
+        args = self._prepare(step, state, metadata, replicated)
         return SaveHandle(await self._engine.run(self._pipeline.save(*args)))
 
-    def save_sync(self, step: int, state: Any, *, metadata: Mapping[str, Any] | None = None) -> SaveHandle:
+    def save_sync(
+        self, step: int, state: Any, *, metadata: Mapping[str, Any] | None = None, replicated: Sequence[Any] = ()
+    ) -> SaveHandle:
         """Synchronous twin of :meth:`save`."""
-        args = self._prepare(step, state, metadata)
+        args = self._prepare(step, state, metadata, replicated)
         return SaveHandle(self._engine.run_sync(self._pipeline.save(*args)))
 
-    def _prepare(self, step: int, state: Any, metadata: Mapping[str, Any] | None) -> tuple[Any, ...]:
+    def _prepare(self, step: int, state: Any, metadata: Mapping[str, Any] | None, replicated: Sequence[Any] = ()) -> tuple[Any, ...]:
         self._check_open()
         if type(step) is not int or not 0 <= step <= _MAX_STEP:
             raise ValueError(f"step must be an int from 0 to {_MAX_STEP}, got {step!r}")
@@ -250,7 +313,7 @@ class Checkpointer:
         except (TypeError, ValueError, OverflowError) as exc:
             raise TypeError(f"metadata must hold only msgpack types (str, int, float, bool, None, bytes, lists, dicts): {exc}") from exc
         skeleton, leaves = flatten(state)
-        entries, nbytes = plan_entries(leaves)
+        entries, nbytes = plan_entries(leaves, _sharing(replicated, leaves, self.world_size))
         slot = self._pool.slot_size
         if nbytes > slot:
             host = self.config.host
@@ -294,11 +357,16 @@ class Checkpointer:
             RestoreError: the template's tensors do not match the stored ones.
         """
         self._check_open()
-        return await self._engine.run(restore_latest(self._pipeline.tiers, template, self._pipeline.memory))
+        return await self._engine.run(self._restore(template))
 
     def restore_latest_sync(self, template: Any = None) -> Restored | None:
         self._check_open()
-        return self._engine.run_sync(restore_latest(self._pipeline.tiers, template, self._pipeline.memory))
+        return self._engine.run_sync(self._restore(template))
+
+    def _restore(self, template: Any) -> Any:
+        if self._group is not None:
+            return restore_agreed(self._group, self._pipeline.tiers, template, self._pipeline.memory)
+        return restore_latest(self._pipeline.tiers, template, self._pipeline.memory)
 
     def versions(self) -> list[VersionInfo]:
         """What each tier holds now: one :class:`VersionInfo` per committed version, per tier."""
@@ -355,6 +423,48 @@ class _Handles:
         self._handles = []
 
 
+def _sharing(replicated: Sequence[Any], leaves: list[Any], world: int) -> Callable[[str], tuple[int, ...] | None]:
+    """Which leaves ``replicated`` names, as :func:`plan_entries` asks: by key, the ranks sharing it.
+
+    Raises:
+        ValueError: an entry names no leaf (a typo would otherwise store every rank's copy).
+        TypeError: an entry is not a str or a tuple.
+    """
+    if isinstance(replicated, (str, tuple)) and replicated and not isinstance(replicated, list):
+        replicated = [replicated]
+    prefixes = []
+    for entry in replicated:
+        if isinstance(entry, str):
+            prefixes.append(tuple(entry.split(".")))
+        elif isinstance(entry, tuple):
+            prefixes.append(tuple(str(k) for k in entry))
+        else:
+            raise TypeError(f"replicated entries are key paths (a str like 'model' or 'optim.state', or a tuple), not {entry!r}")
+    if not prefixes:
+        return lambda key: None
+    matched: set[str] = set()
+    for leaf in leaves:
+        path = tuple(str(k) for k in leaf.path)
+        for prefix in prefixes:
+            if path[: len(prefix)] == prefix:
+                matched.add(format_path(leaf.path))
+    unused = [".".join(p) for p in prefixes if not any(tuple(str(k) for k in leaf.path)[: len(p)] == p for leaf in leaves)]
+    if unused:
+        raise ValueError(f"replicated={unused!r}: no tensor of the state is under {'these keys' if len(unused) > 1 else 'this key'}")
+    if world <= 1:
+        return lambda key: None
+
+    def sharing(key: str) -> tuple[int, ...] | None:
+        if key not in matched:
+            return None
+        # Each value's chunks start at a rank of their own (the same on every rank: from the key), so
+        # that the odd chunks of many values do not all land on rank 0.
+        first = zlib.crc32(key.encode()) % world
+        return tuple((first + r) % world for r in range(world))
+
+    return sharing
+
+
 def _cuda_ready(leaves: list[Any]) -> list[Any]:
     """Events on the saving thread's current stream of each device holding a leaf.
 
@@ -394,20 +504,29 @@ class _Runtime:
     background and is drained at interpreter exit, instead of dying with the daemon engine thread.
     """
 
-    def __init__(self, engine: Engine, pipeline: Pipeline, copier: Copier, pool: HostPool) -> None:
+    def __init__(self, engine: Engine, pipeline: Pipeline, copier: Copier, pool: HostPool, group: RankGroup | None = None) -> None:
         self.engine: Engine | None = engine
         self.pipeline: Pipeline | None = pipeline
         self.copier: Copier | None = copier
         self.pool: HostPool | None = pool
+        self.group = group
         self.closed = False
+
+    async def _close(self) -> None:
+        assert self.pipeline is not None
+        try:
+            await self.pipeline.close()
+        finally:
+            if self.group is not None:
+                await self.group.leave()
 
     async def close(self) -> None:
         if self.closed:
             return
         self.closed = True
         try:
-            assert self.engine is not None and self.pipeline is not None
-            await self.engine.run(self.pipeline.close())
+            assert self.engine is not None
+            await self.engine.run(self._close())
         finally:
             self.teardown()
 
@@ -416,15 +535,28 @@ class _Runtime:
             return
         self.closed = True
         try:
+            assert self.engine is not None
+            self.engine.run_sync(self._close())
+        finally:
+            self.teardown()
+
+    def abandon(self) -> None:
+        """Stop without draining or waiting for other ranks (another rank failed to construct)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
             assert self.engine is not None and self.pipeline is not None
-            self.engine.run_sync(self.pipeline.close())
+            self.engine.run_sync(self.pipeline.shutdown())
         finally:
             self.teardown()
 
     def teardown(self) -> None:
         self.closed = True
-        engine, copier, pool = self.engine, self.copier, self.pool
-        self.engine = self.pipeline = self.copier = self.pool = None
+        engine, copier, pool, group = self.engine, self.copier, self.pool, self.group
+        self.engine = self.pipeline = self.copier = self.pool = self.group = None
+        if group is not None:
+            group.close()
         if engine is not None:
             engine.stop()
         if copier is not None:

@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierckpt.errors import CorruptCheckpointError
-from tierckpt.format import MANIFEST_FILE, Manifest, TensorRecord, parse_version_dirname
+from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, TensorRecord, parse_version_dirname
 from tierckpt.format.manifest import where
 from tierckpt.tiers.fsio import scratch, scratch2
-from tierckpt.tiers.fsread import FilesystemSource, open_source, read_manifest
+from tierckpt.tiers.fsread import FilesystemSource, open_source, read_head, read_rank_manifest
 from tierckpt.tiers.fswrite import scratch_bytes
 
 __all__ = ["main"]
@@ -125,9 +125,41 @@ def _size(n: int) -> str:
     raise AssertionError
 
 
-def _open(version: _Version) -> tuple[Manifest, FilesystemSource]:
-    manifest = read_manifest(version.path, tier=None, step=version.step)
-    return manifest, open_source(None, version.path, manifest)
+@dataclass
+class _Opened:
+    """A version's manifests and open files: one per rank that saved it."""
+
+    head: Manifest | CommitMarker
+    parts: list[tuple[Manifest, FilesystemSource]]
+
+    @property
+    def tensors(self) -> int:
+        return len(self.logical_records())
+
+    def logical_records(self) -> list[TensorRecord]:
+        """Every value once: a value several ranks share counts once, a rank's own value per rank."""
+        seen: dict[tuple[int | str, str], TensorRecord] = {}
+        for manifest, _ in self.parts:
+            for r in manifest.records:
+                seen.setdefault(("shared" if r.shared else manifest.rank, r.key), r)
+        return list(seen.values())
+
+    def close(self) -> None:
+        for _, source in self.parts:
+            source.close()
+
+
+def _open(version: _Version) -> _Opened:
+    head = read_head(version.path, tier=None, step=version.step)
+    manifests = [head] if isinstance(head, Manifest) else [read_rank_manifest(version.path, head, r, tier=None) for r in range(head.world_size)]
+    opened = _Opened(head, [])
+    try:
+        for manifest in manifests:
+            opened.parts.append((manifest, open_source(None, version.path, manifest)))
+    except BaseException:
+        opened.close()
+        raise
+    return opened
 
 
 def _ls(versions: list[_Version]) -> int:
@@ -135,8 +167,8 @@ def _ls(versions: list[_Version]) -> int:
     status = OK
     for version in versions:
         try:
-            manifest, source = _open(version)
-            source.close()
+            opened = _open(version)
+            opened.close()
         except CorruptCheckpointError as exc:
             status = DAMAGED
             try:
@@ -146,9 +178,10 @@ def _ls(versions: list[_Version]) -> int:
             step = "-" if version.step is None else str(version.step)
             rows.append((version.name, step, "-", "-", created, f"no: {_message(exc, version)}"))
             continue
-        logical = sum(r.nbytes for r in manifest.records)
-        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(manifest.created))
-        rows.append((version.name, str(manifest.step), _size(manifest.stored_bytes), _size(logical), created, "yes"))
+        head = opened.head
+        logical = sum(r.nbytes for r in opened.logical_records())
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(head.created))
+        rows.append((version.name, str(head.step), _size(head.stored_bytes), _size(logical), created, "yes"))
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[5])
@@ -166,24 +199,30 @@ def _check_chunk(source: FilesystemSource, record: TensorRecord, chunk: int) -> 
     return None
 
 
-def _verify_one(version: _Version, executor: concurrent.futures.Executor) -> tuple[Manifest | None, str | None]:
-    """The manifest and None if ``version`` verifies, else its damage (the first found, and how many
-    chunks are damaged)."""
+def _verify_one(version: _Version, executor: concurrent.futures.Executor) -> tuple[_Opened | None, str | None]:
+    """The version and None if it verifies (every rank's part), else its damage (the first found, and
+    how many chunks are damaged)."""
     try:
-        manifest, source = _open(version)
+        opened = _open(version)
     except CorruptCheckpointError as exc:
         return None, _message(exc, version)
     try:
-        jobs = [(record, c) for record in manifest.records for c in range(len(record.chunks))]
-        damage = [d for d in executor.map(lambda job: _check_chunk(source, *job), jobs) if d is not None]
+        jobs = [
+            (source, record, c)
+            for manifest, source in opened.parts
+            for record in manifest.records
+            for c, chunk in enumerate(record.chunks)
+            if chunk is not None  # a shared chunk is checked in the part of the rank that stored it
+        ]
+        damage = [d for d in executor.map(lambda job: _check_chunk(*job), jobs) if d is not None]
     finally:
-        source.close()
+        opened.close()
     if not damage:
-        return manifest, None
+        return opened, None
     text = _message(CorruptCheckpointError(damage[0]), version)
     extra = len(damage) - 1
     more = f" (and {extra} more damaged chunk{'s' if extra > 1 else ''})" if extra else ""
-    return manifest, text + more
+    return opened, text + more
 
 
 def _verify(versions: list[_Version], threads: int) -> int:
@@ -191,13 +230,14 @@ def _verify(versions: list[_Version], threads: int) -> int:
     damaged = 0
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tierckpt-verify") as executor:
         for version in versions:
-            manifest, damage = _verify_one(version, executor)
+            opened, damage = _verify_one(version, executor)
             if damage is None:
-                assert manifest is not None
-                logical = sum(r.nbytes for r in manifest.records)
+                assert opened is not None
+                logical = sum(r.nbytes for r in opened.logical_records())
+                ranks = f" from {opened.head.world_size} ranks" if isinstance(opened.head, CommitMarker) else ""
                 print(
-                    f"{version.name.ljust(width)}  OK       {len(manifest.records)} tensors, "
-                    f"{_size(manifest.stored_bytes)} stored, {_size(logical)} logical",
+                    f"{version.name.ljust(width)}  OK       {opened.tensors} tensors{ranks}, "
+                    f"{_size(opened.head.stored_bytes)} stored, {_size(logical)} logical",
                     flush=True,
                 )
             else:

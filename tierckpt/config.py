@@ -47,7 +47,7 @@ from tierckpt._config_schema import (
 from tierckpt.errors import ConfigError
 from tierckpt.units import format_size
 
-__all__ = ["Config", "HostConfig", "TierConfig", "FlushPolicy", "KeepPolicy", "CompressionConfig"]
+__all__ = ["Config", "HostConfig", "TierConfig", "FlushPolicy", "KeepPolicy", "CompressionConfig", "DistributedConfig"]
 
 _ON_FULL = ("block", "skip", "evict")
 _TIER_TYPES = ("memory", "filesystem")
@@ -109,6 +109,25 @@ class HostConfig:
     def slot_bytes(self) -> int:
         """Bytes of one host slot: ``capacity_bytes // snapshots``."""
         return self.capacity_bytes // self.snapshots
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DistributedConfig:
+    """How the ranks of a multi-process job coordinate (YAML section ``distributed``).
+
+    Attributes:
+        timeout_s: how long the ranks wait for each other (YAML ``timeout``, e.g. ``60s``): for every
+            rank's part of a version before it is abandoned, and for each other at construction,
+            restore and close. A rank that died or hangs fails the versions in flight after this long.
+
+    Raises:
+        ConfigError: the timeout is not a positive duration.
+    """
+
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "timeout_s", check_seconds(site("distributed"), "timeout", self.timeout_s, positive=True))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -316,6 +335,7 @@ class Config:
 
     Attributes:
         host: the host memory that snapshots are captured into.
+        distributed: how ranks coordinate when ``torch.distributed`` is initialized.
         tiers: at least one tier, names unique; a memory tier may only be the first. A list is stored
             as a tuple.
 
@@ -330,6 +350,7 @@ class Config:
 
     host: HostConfig = HostConfig()
     tiers: tuple[TierConfig, ...]
+    distributed: DistributedConfig = DistributedConfig()
 
     def __post_init__(self) -> None:
         at = site()
@@ -518,7 +539,9 @@ _TIER_KEYS = (
     Key("compression", "compression", *section(CompressionConfig, _COMPRESSION_KEYS)),
     Key("io_threads", "io_threads"),
 )
+_DISTRIBUTED_KEYS = (Key("timeout", "timeout_s", read_duration),)
 _CONFIG_KEYS = (
     Key("host", "host", *section(HostConfig, _HOST_KEYS)),
     Key("tiers", "tiers", _read_tiers, _write_tiers),
+    Key("distributed", "distributed", *section(DistributedConfig, _DISTRIBUTED_KEYS)),
 )

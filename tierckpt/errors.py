@@ -32,6 +32,8 @@ __all__ = [
     "CapacityError",
     "UnsupportedStateError",
     "FlushError",
+    "RankFailureError",
+    "LayoutError",
     "CorruptCheckpointError",
     "FormatVersionError",
     "RestoreError",
@@ -102,6 +104,19 @@ class FlushError(TierckptError, OSError):
     def __str__(self) -> str:
         # OSError would print "[Errno n] strerror: filename" once errno is set, dropping tier and step.
         return str(self.args[0]) if self.args else ""
+
+
+class RankFailureError(FlushError):
+    """A version several ranks save was abandoned: some ranks did not report their part durable in time,
+    or reported a failure. ``ranks`` are those ranks; the message says what each one did."""
+
+    def __init__(self, message: str, *, tier: str | None = None, step: int | None = None, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message, tier=tier, step=step)
+        self.ranks = ranks
+
+
+class LayoutError(TierckptError, ValueError):
+    """A stored version was saved by another number of ranks than the job restoring it has."""
 
 
 class CorruptCheckpointError(TierckptError, ValueError):

@@ -92,7 +92,7 @@ async def restore_latest(tiers: Sequence[Tier], template: Any, staging: MemoryTi
         except KeyError:
             continue  # evicted from memory since the list was made
         try:
-            source = await tier.read(step)
+            source = await tier.read_whole(step)
             try:
                 executor = getattr(tier, "executor")
                 threads = tier.config.io_threads
@@ -213,17 +213,19 @@ def _in_place(source: VersionSource, record: TensorRecord, value: Any) -> memory
     return None
 
 
-def _staged(source: VersionSource, record: TensorRecord, template: Leaf | None) -> bool:
-    """Whether the record goes to a template through the staging area."""
-    return template is not None and record.nbytes > 0 and _in_place(source, record, template.value) is None
+def _staged(source: VersionSource, record: TensorRecord, template: Leaf | None, stage_all: bool = False) -> bool:
+    """Whether the record goes to a template through the staging area (every one, with ``stage_all``)."""
+    if template is None or record.nbytes == 0:
+        return False
+    return stage_all or _in_place(source, record, template.value) is None
 
 
-def staging_bytes(source: VersionSource, templates: dict[str, Leaf]) -> int:
+def staging_bytes(source: VersionSource, templates: dict[str, Leaf], *, stage_all: bool = False) -> int:
     """The size of the staging area :func:`_plan` lays out for loading ``source`` into ``templates``."""
-    return sum(align_up(r.nbytes) for r in source.records if _staged(source, r, templates.get(r.key)))
+    return sum(align_up(r.nbytes) for r in source.records if _staged(source, r, templates.get(r.key), stage_all))
 
 
-def _plan(source: VersionSource, templates: dict[str, Leaf], lent: memoryview | None = None) -> list[_Target]:
+def _plan(source: VersionSource, templates: dict[str, Leaf], lent: memoryview | None = None, stage_all: bool = False) -> list[_Target]:
     """Destinations for every record, after every check: a mismatch raises before a byte moves.
 
     Staged records go to ``lent`` (memory already faulted in) when it is large enough, else to a
@@ -238,7 +240,7 @@ def _plan(source: VersionSource, templates: dict[str, Leaf], lent: memoryview | 
             value, out, fresh = _new(record, dtype)
             targets.append(_Target(record, value, out, fresh))
             continue
-        staged = _staged(source, record, template)
+        staged = _staged(source, record, template, stage_all)
         own = None if staged else _in_place(source, record, template.value)
         targets.append(_Target(record, template.value, own if own is not None else memoryview(b""), False))
         if staged:
@@ -279,12 +281,30 @@ def load(
 ) -> Any:
     """Read, verify and decode every record of ``source``; returns the rebuilt state (blocking).
 
+    :func:`read_verified` then :func:`finish`; several ranks agree between the two, so that no
+    template is written before every rank verified its part.
+    """
+    return finish(source, read_verified(source, templates, executor, threads, lent))
+
+
+def read_verified(
+    source: VersionSource,
+    templates: dict[str, Leaf],
+    executor: concurrent.futures.Executor,
+    threads: int = 2,
+    lent: memoryview | None = None,
+    *,
+    stage_all: bool = False,
+) -> list[_Target]:
+    """Read, verify and decode every record of ``source`` into its destination (blocking).
+
     ``threads`` of the tier's ``executor`` read and verify chunk by chunk, straight into the
     destinations; meanwhile this thread faults the fresh destination pages in ahead of them, then
     reads alongside them. A template is written only after the whole version verified (staged bytes
     are copied then), except from host memory, where nothing can fail half-way (see :func:`_in_place`).
     ``lent``: page-aligned memory, already faulted in, to stage in when large enough (see :func:`_plan`);
-    nothing uses it once this returns.
+    nothing uses it once :func:`finish` returns. ``stage_all``: stage even what could be copied
+    straight into the template (a template is then written only by :func:`finish`).
     """
     if skeleton_leaf_count(source.skeleton) != len(source.records):
         raise CorruptCheckpointError(
@@ -292,7 +312,7 @@ def load(
             tier=source.tier,
             step=source.step,
         )
-    targets = _plan(source, templates, lent)
+    targets = _plan(source, templates, lent, stage_all)
     calls = []
     ahead: list[tuple[int, memoryview]] = []
     for t in targets:
@@ -317,6 +337,11 @@ def load(
         if isinstance(exc, CorruptCheckpointError) and exc.key is None:
             raise CorruptCheckpointError(str(exc), tier=source.tier, step=source.step) from exc
         raise
+    return targets
+
+
+def finish(source: VersionSource, targets: list[_Target]) -> Any:
+    """Copy what was staged into the template, and rebuild the state (blocking; nothing can fail now)."""
     for t in targets:
         if t.staged is None:
             continue

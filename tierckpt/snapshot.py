@@ -11,10 +11,10 @@ import concurrent.futures
 import enum
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from tierckpt._buffers import align_up
-from tierckpt.format import ALIGN
+from tierckpt.format import ALIGN, CHUNK_BYTES
 from tierckpt.state import Leaf, format_path
 
 if TYPE_CHECKING:
@@ -32,22 +32,36 @@ class Entry:
     shape: tuple[int, ...]
     nbytes: int
     offset: int
+    # A value every rank holds alike (``save(replicated=...)``): these ranks store its chunks in turn.
+    shared: tuple[int, ...] | None = None
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes per chunk: a shared value is cut so that each of its ranks stores about an equal part."""
+        if self.shared is None:
+            return CHUNK_BYTES
+        return min(CHUNK_BYTES, max(ALIGN, align_up(-(-self.nbytes // len(self.shared)), ALIGN)))
 
 
-def plan_entries(leaves: Sequence[Leaf]) -> tuple[tuple[Entry, ...], int]:
-    """Lay leaves out back to back at 4 KiB boundaries; returns the entries and the bytes needed."""
+def plan_entries(leaves: Sequence[Leaf], shared: Callable[[str], tuple[int, ...] | None] = lambda key: None) -> tuple[tuple[Entry, ...], int]:
+    """Lay leaves out back to back at 4 KiB boundaries; returns the entries and the bytes needed.
+
+    ``shared(key)`` names the ranks that store the leaf at ``key`` in turn, or None for this rank's own.
+    """
     entries = []
     offset = 0
     for leaf in leaves:
+        key = format_path(leaf.path)
         entries.append(
             Entry(
                 index=leaf.index,
-                key=format_path(leaf.path),
+                key=key,
                 kind=leaf.kind,
                 dtype=leaf.dtype,
                 shape=tuple(leaf.shape),
                 nbytes=leaf.nbytes,
                 offset=offset,
+                shared=shared(key),
             )
         )
         offset += align_up(leaf.nbytes, ALIGN)

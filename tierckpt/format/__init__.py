@@ -1,4 +1,4 @@
-"""The on-disk format, version 2: manifests, checksums, layout constants."""
+"""The on-disk format, version 3: manifests, checksums, layout constants."""
 
 from tierckpt.format.checksum import CHECKSUM_ALGORITHM, checksum
 from tierckpt.format.manifest import (
@@ -8,9 +8,12 @@ from tierckpt.format.manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST_FILE,
+    RANK_MANIFEST_FILE,
     Chunk,
+    CommitMarker,
     Manifest,
     TensorRecord,
+    decode_document,
     version_dirname,
     parse_version_dirname,
 )
@@ -23,10 +26,13 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MANIFEST_FILE",
+    "RANK_MANIFEST_FILE",
     "Chunk",
+    "CommitMarker",
     "Manifest",
     "TensorRecord",
     "checksum",
+    "decode_document",
     "parse_version_dirname",
     "version_dirname",
 ]

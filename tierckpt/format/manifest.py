@@ -8,6 +8,14 @@ bytes come from disk and are treated as untrusted (no pickle, no eval, bounded s
 Version 2 added a per-chunk codec: a chunk of a compressed tensor that did not compress is stored
 raw, and its entry says so. Version 1 manifests (every chunk in its tensor's codec) are still read.
 
+Version 3 is a version saved by several ranks (:mod:`tierckpt.dist`): each rank writes its data file and
+its rank manifest ``manifest-r<rank>.msgpack`` (a :class:`Manifest` with ``rank`` and ``world_size``),
+and ``manifest.msgpack`` is the :class:`CommitMarker`, written last, once every rank's part was durable:
+it names each rank manifest with its checksum. A record of a value every rank holds alike (saved with
+``replicated=``) is ``shared`` by a list of ranks: its chunk ``i`` is stored once, by rank
+``shared[i % len(shared)]``, and the other ranks' manifests hold ``None`` in its place. A version saved
+by one process is still written as version 2.
+
 Decoding checks types and structure only (every message names the manifest file): whether the records
 fit the data files on disk, their dtypes and their shapes is checked by the reader that has the files
 (:func:`tierckpt.tiers.fsread.check_records`), before anything is allocated or read.
@@ -27,9 +35,10 @@ from tierckpt.errors import CorruptCheckpointError, FormatVersionError, Unsuppor
 from tierckpt.format.checksum import CHECKSUM_ALGORITHM, checksum
 
 FORMAT_NAME = "tierckpt"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
-MANIFEST_FILE = "manifest.msgpack"
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+MANIFEST_FILE = "manifest.msgpack"  # a single process's manifest, or the commit marker of several ranks'
+RANK_MANIFEST_FILE = "manifest-r{rank:05d}.msgpack"
 DATA_FILE = "data-r{rank:05d}.bin"
 ALIGN = 4096
 # Independent units of hashing, compression and I/O; a multiple of ALIGN so uncompressed chunks stay
@@ -68,6 +77,9 @@ class Chunk:
     stored: int  # bytes on disk (after the codec)
     checksum: int  # of the stored bytes
     codec: str | None = None  # how this chunk is stored, when not in its record's codec (e.g. raw)
+    # The data file holding it when not its record's: a shared chunk another rank stored, resolved at
+    # restore (never written: on disk, a rank manifest holds None for a chunk another rank stored).
+    file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -83,11 +95,21 @@ class TensorRecord:
     file: str
     codec: str
     chunk_bytes: int  # logical bytes per chunk; the last one may be shorter
-    chunks: tuple[Chunk, ...]
+    chunks: tuple[Chunk | None, ...]  # None: a shared chunk another rank stores
+    shared: tuple[int, ...] | None = None  # the ranks storing this value's chunks in turn (replicated)
 
     @property
     def stored(self) -> int:
-        return sum(c.stored for c in self.chunks)
+        """Bytes of this record in its own file (chunks other ranks store are theirs)."""
+        return sum(c.stored for c in self.chunks if c is not None and c.file is None)
+
+    def owner(self, i: int) -> int | None:
+        """The rank storing chunk ``i`` of a shared record; None for a record of one rank's own."""
+        return None if self.shared is None else self.shared[i % len(self.shared)]
+
+    def chunk_file(self, i: int) -> str:
+        chunk = self.chunks[i]
+        return self.file if chunk is None or chunk.file is None else chunk.file
 
     def chunk_codec(self, i: int) -> str:
         """The codec chunk ``i`` is stored with."""
@@ -111,6 +133,7 @@ class Manifest:
     records: tuple[TensorRecord, ...]
     metadata: dict[str, Any] = field(default_factory=dict)
     world_size: int = 1
+    rank: int = 0
 
     @property
     def stored_bytes(self) -> int:
@@ -123,21 +146,20 @@ class Manifest:
             UnsupportedStateError: they would be more than MAX_MANIFEST_BYTES, which no reader takes
                 (too many tensors, or too much metadata): refused here rather than written unreadable.
         """
-        body = msgpack.packb(
-            {
-                "format": FORMAT_NAME,
-                "version": FORMAT_VERSION,
-                "step": self.step,
-                "created": self.created,
-                "world_size": self.world_size,
-                "checksum": CHECKSUM_ALGORITHM,
-                "metadata": self.metadata,
-                "skeleton": self.skeleton,
-                "records": [_encode_record(r) for r in self.records],
-            },
-            use_bin_type=True,
-        )
-        data = msgpack.packb({"body": body, CHECKSUM_ALGORITHM: checksum(body)}, use_bin_type=True)
+        fields = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION if self.world_size > 1 else 2,  # what one process writes, older readers read
+            "step": self.step,
+            "created": self.created,
+            "world_size": self.world_size,
+            "checksum": CHECKSUM_ALGORITHM,
+            "metadata": self.metadata,
+            "skeleton": self.skeleton,
+            "records": [_encode_record(r) for r in self.records],
+        }
+        if self.world_size > 1:
+            fields["rank"] = self.rank
+        data = _seal(fields)
         if len(data) > MAX_MANIFEST_BYTES:
             raise UnsupportedStateError(
                 f"the manifest of step {self.step} would take {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} "
@@ -146,66 +168,146 @@ class Manifest:
         return data
 
     @classmethod
-    def decode(cls, data: bytes, *, tier: str | None = None, step: int | None = None) -> Manifest:
-        """Parse and validate manifest bytes; raises CorruptCheckpointError / FormatVersionError."""
+    def decode(cls, data: bytes, *, tier: str | None = None, step: int | None = None, name: str = MANIFEST_FILE) -> Manifest:
+        """Parse and validate manifest bytes; raises CorruptCheckpointError / FormatVersionError.
 
-        def bad(why: str) -> CorruptCheckpointError:
-            return CorruptCheckpointError(f"{where(tier, step)}: {MANIFEST_FILE}: {why}", tier=tier, step=step)
-
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise bad(f"{len(data)} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may have")
-        try:
-            outer = msgpack.unpackb(data, raw=False)
-        except Exception as exc:
-            raise bad(f"not msgpack ({exc})") from exc
-        if not isinstance(outer, dict) or not isinstance(outer.get("body"), bytes):
-            raise bad("missing body")
-        body_bytes = outer["body"]
-        if outer.get(CHECKSUM_ALGORITHM) != checksum(body_bytes):
-            raise bad("checksum mismatch (torn or corrupted write)")
-        try:
-            body = msgpack.unpackb(body_bytes, raw=False, strict_map_key=False)
-        except Exception as exc:
-            raise bad(f"body is not msgpack ({exc})") from exc
-        if not isinstance(body, dict):
-            raise bad("body is not a map")
-        if body.get("format") != FORMAT_NAME:
-            raise FormatVersionError(
-                f"{where(tier, step)}: {MANIFEST_FILE}: not a {FORMAT_NAME} manifest", tier=tier, step=step
-            )
-        version = body.get("version")
-        if type(version) is not int or version not in READABLE_VERSIONS:
-            raise FormatVersionError(
-                f"{where(tier, step)}: {MANIFEST_FILE}: format version {_short(version)} is not supported "
-                f"(this release reads versions {' and '.join(map(str, READABLE_VERSIONS))})",
+        ``name`` is the file named in errors. A commit marker is refused here: see :func:`decode_document`.
+        """
+        document = decode_document(data, tier=tier, step=step, name=name)
+        if isinstance(document, CommitMarker):
+            raise CorruptCheckpointError(
+                f"{where(tier, step)}: {name}: a commit marker of {document.world_size} ranks, not a manifest",
                 tier=tier,
                 step=step,
             )
-        if body.get("checksum") != CHECKSUM_ALGORITHM:
-            raise bad(f"unknown checksum algorithm {body.get('checksum')!r}")
-        try:
-            records = tuple(_decode_record(r) for r in _list(body["records"]))
-            manifest = cls(
+        return document
+
+
+def _seal(fields: dict[str, Any]) -> bytes:
+    """A document's file bytes: its msgpack body and the body's checksum."""
+    body = msgpack.packb(fields, use_bin_type=True)
+    return msgpack.packb({"body": body, CHECKSUM_ALGORITHM: checksum(body)}, use_bin_type=True)
+
+
+@dataclass(frozen=True)
+class CommitMarker:
+    """``manifest.msgpack`` of a version saved by several ranks: written once all their parts were durable.
+
+    ``ranks[r]`` is rank r's manifest file name, the checksum of that file's bytes and the bytes its
+    data file holds; a rank manifest that does not match its checksum is not part of this version.
+    """
+
+    step: int
+    created: float
+    world_size: int
+    ranks: tuple[tuple[str, int, int], ...]
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(r[2] for r in self.ranks)
+
+    def encode(self) -> bytes:
+        return _seal(
+            {
+                "format": FORMAT_NAME,
+                "version": FORMAT_VERSION,
+                "kind": "commit",
+                "step": self.step,
+                "created": self.created,
+                "world_size": self.world_size,
+                "checksum": CHECKSUM_ALGORITHM,
+                "metadata": self.metadata,
+                "ranks": [list(r) for r in self.ranks],
+            }
+        )
+
+
+def decode_document(
+    data: bytes, *, tier: str | None = None, step: int | None = None, name: str = MANIFEST_FILE
+) -> Manifest | CommitMarker:
+    """Parse and validate a manifest or a commit marker (untrusted bytes: every field is checked)."""
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where(tier, step)}: {name}: {why}", tier=tier, step=step)
+
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise bad(f"{len(data)} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may have")
+    try:
+        outer = msgpack.unpackb(data, raw=False)
+    except Exception as exc:
+        raise bad(f"not msgpack ({exc})") from exc
+    if not isinstance(outer, dict) or not isinstance(outer.get("body"), bytes):
+        raise bad("missing body")
+    body_bytes = outer["body"]
+    if outer.get(CHECKSUM_ALGORITHM) != checksum(body_bytes):
+        raise bad("checksum mismatch (torn or corrupted write)")
+    try:
+        body = msgpack.unpackb(body_bytes, raw=False, strict_map_key=False)
+    except Exception as exc:
+        raise bad(f"body is not msgpack ({exc})") from exc
+    if not isinstance(body, dict):
+        raise bad("body is not a map")
+    if body.get("format") != FORMAT_NAME:
+        raise FormatVersionError(f"{where(tier, step)}: {name}: not a {FORMAT_NAME} manifest", tier=tier, step=step)
+    version = body.get("version")
+    if type(version) is not int or version not in READABLE_VERSIONS:
+        raise FormatVersionError(
+            f"{where(tier, step)}: {name}: format version {_short(version)} is not supported "
+            f"(this release reads versions {', '.join(map(str, READABLE_VERSIONS[:-1]))} and {READABLE_VERSIONS[-1]})",
+            tier=tier,
+            step=step,
+        )
+    if body.get("checksum") != CHECKSUM_ALGORITHM:
+        raise bad(f"unknown checksum algorithm {body.get('checksum')!r}")
+    try:
+        if body.get("kind") == "commit":
+            marker = CommitMarker(
                 step=_int(body["step"]),
                 created=_time(body["created"]),
-                skeleton=body["skeleton"],
-                records=records,
-                metadata=_map(body["metadata"]),
                 world_size=_int(body["world_size"]),
+                ranks=tuple(_rank_entry(r) for r in _list(body["ranks"])),
+                metadata=_map(body["metadata"]),
             )
-        except KeyError as exc:
-            raise bad(f"malformed field (missing {_short(exc.args[0] if exc.args else None)})") from exc
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise bad(f"malformed field ({_short(str(exc), 200)})") from exc
-        if step is not None and manifest.step != step:
-            raise bad(f"records step {manifest.step}")
-        if [r.index for r in records] != list(range(len(records))):
-            raise bad("tensor records are not numbered 0..n-1")
-        return manifest
+            if not 1 < marker.world_size == len(marker.ranks):
+                raise ValueError(f"{len(marker.ranks)} rank entries for a world of {marker.world_size}")
+            if step is not None and marker.step != step:
+                raise bad(f"records step {marker.step}")
+            return marker
+        records = tuple(_decode_record(r) for r in _list(body["records"]))
+        manifest = Manifest(
+            step=_int(body["step"]),
+            created=_time(body["created"]),
+            skeleton=body["skeleton"],
+            records=records,
+            metadata=_map(body["metadata"]),
+            world_size=_int(body["world_size"]),
+            rank=_int(body.get("rank", 0)),
+        )
+        if manifest.world_size < 1 or manifest.rank >= manifest.world_size:
+            raise ValueError(f"rank {manifest.rank} of a world of {manifest.world_size}")
+        for r in records:
+            if r.shared is not None and any(q >= manifest.world_size for q in r.shared):
+                raise ValueError(f"{_short(r.key)}: shared by a rank outside the world of {manifest.world_size}")
+    except KeyError as exc:
+        raise bad(f"malformed field (missing {_short(exc.args[0] if exc.args else None)})") from exc
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise bad(f"malformed field ({_short(str(exc), 200)})") from exc
+    if step is not None and manifest.step != step:
+        raise bad(f"records step {manifest.step}")
+    if [r.index for r in records] != list(range(len(records))):
+        raise bad("tensor records are not numbered 0..n-1")
+    return manifest
+
+
+def _rank_entry(value: Any) -> tuple[str, int, int]:
+    if type(value) is not list or len(value) != 3:
+        raise ValueError(f"a rank entry is [manifest file, checksum, stored bytes], got {_short(value)}")
+    return _file_name(value[0]), _int(value[1]), _int(value[2])
 
 
 def _encode_record(r: TensorRecord) -> dict[str, Any]:
-    return {
+    extra: dict[str, Any] = {} if r.shared is None else {"shared": list(r.shared)}
+    return extra | {
         "index": r.index,
         "key": r.key,
         "kind": r.kind,
@@ -219,7 +321,9 @@ def _encode_record(r: TensorRecord) -> dict[str, Any]:
     }
 
 
-def _encode_chunk(c: Chunk, record_codec: str) -> list[Any]:
+def _encode_chunk(c: Chunk | None, record_codec: str) -> list[Any] | None:
+    if c is None:
+        return None
     if c.codec is None or c.codec == record_codec:
         return [c.offset, c.stored, c.checksum]
     return [c.offset, c.stored, c.checksum, c.codec]
@@ -289,7 +393,12 @@ def _decode_record(raw: Any) -> TensorRecord:
     if type(raw) is not dict:
         raise ValueError("record is not a map")
     shape = tuple(_int(d) for d in _list(raw["shape"]))
-    chunks = tuple(_decode_chunk(c) for c in _list(raw["chunks"]))
+    shared = None
+    if "shared" in raw:
+        shared = tuple(_int(q) for q in _list(raw["shared"]))
+        if not shared or len(set(shared)) != len(shared):
+            raise ValueError(f"{_short(raw.get('key'))}: shared by {_short(len(shared))} ranks, some twice or none")
+    chunks = tuple(None if c is None and shared is not None else _decode_chunk(c) for c in _list(raw["chunks"]))
     record = TensorRecord(
         index=_int(raw["index"]),
         key=_str(raw["key"]),
@@ -301,6 +410,7 @@ def _decode_record(raw: Any) -> TensorRecord:
         codec=_codec(raw["codec"]),
         chunk_bytes=_int(raw["chunk_bytes"]),
         chunks=chunks,
+        shared=shared,
     )
     if record.kind not in ("torch", "numpy"):
         raise ValueError(f"unknown kind {_short(record.kind)}")

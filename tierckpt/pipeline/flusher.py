@@ -89,8 +89,9 @@ class Flusher:
         return flush_eligible(self.policy, step, arrival)
 
     def wants(self, step: int) -> bool:
-        """Whether a version of ``step`` waits here to be taken (the tier above must keep it)."""
-        return any(c.step == step for c in self.state.waiting())
+        """Whether a version of ``step`` waits here to be taken or is being written (the tier above must
+        keep it: of several ranks, the others may still be reading their parts)."""
+        return any(c.step == step for c in self.state.waiting()) or (self.in_flight is not None and self.in_flight.step == step)
 
     def still_wanted(self, token: int, newer: Sequence[Candidate]) -> bool:
         """Whether version ``token`` must stay above, given ``newer`` versions that will be offered."""
@@ -136,9 +137,14 @@ class Flusher:
             self._drains -= 1
 
     async def stop(self) -> None:
-        if self._task is not None:
+        if self._task is None:
+            return
+        # Cancel until it takes: on Python 3.11, asyncio.wait_for swallows a cancellation that arrives
+        # just as what it waits for completes (a wake-up set by drain() right before stop(), say).
+        while not self._task.done():
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await asyncio.wait([self._task], timeout=0.1)
+        await asyncio.gather(self._task, return_exceptions=True)
 
     async def _sleep(self, timeout: float | None) -> None:
         self._wake.clear()
@@ -187,16 +193,7 @@ class Flusher:
 
     async def _flush(self, candidate: Candidate, lease: Lease, *, started: float) -> None:
         try:
-            source = await self.upstream.read(candidate.step)
-            try:
-                staged = await self.tier.write(source)
-            finally:
-                source.close()
-            try:
-                info = await self.tier.commit(staged)
-            except BaseException:
-                await self.tier.abort(staged)
-                raise
+            info = await self._store(candidate)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the pipeline logs it, and the handle raises it; the next flush tries again
@@ -208,21 +205,45 @@ class Flusher:
         self._events.committed(self.tier.name, candidate, info)
         await self.prune(committed=candidate.step)
 
+    async def _store(self, candidate: Candidate) -> VersionInfo:
+        """Read ``candidate`` from the tier above, write it here and commit it (the caller leased it)."""
+        source = await self.upstream.read(candidate.step)
+        try:
+            staged = await self.tier.write(source)
+        finally:
+            source.close()
+        try:
+            return await self.tier.commit(staged)
+        except BaseException:
+            await self.tier.abort(staged)
+            raise
+
     async def prune(self, committed: int) -> None:
-        """Retention, after ``committed`` was committed: delete what the keep policy drops and nobody reads.
+        """Retention, after ``committed`` was committed: delete what :meth:`doomed` names."""
+        await self.delete(self.doomed(committed))
+
+    def doomed(self, committed: int) -> list[int]:
+        """The steps retention deletes after ``committed`` was committed: what the keep policy drops
+        and nobody reads.
 
         The version just committed always stays (a leftover newer step from an earlier run must not
         push it out), and versions whose manifest did not verify are neither counted nor deleted.
         Retention runs only after a commit: a failed flush never deletes anything, so the last good
-        version stays. A failed delete leaves the version whole (tried again at the next prune) or under
-        ``.trash-`` (swept by the tier).
+        version stays.
         """
         infos = [i for i in self.tier.versions() if i.valid]
         keep = retain(infos, self.tier.config.keep, now=self._wall_clock()) | {committed}
-        for info in infos:
-            if info.step in keep or self.tier.leased(info.step) or self.wanted_below(info.step):
-                continue
+        return [
+            info.step
+            for info in infos
+            if not (info.step in keep or self.tier.leased(info.step) or self.wanted_below(info.step))
+        ]
+
+    async def delete(self, steps: list[int]) -> None:
+        """A failed delete leaves the version whole (tried again at the next prune) or under ``.trash-``
+        (swept by the tier)."""
+        for step in steps:
             try:
-                await self.tier.delete(info.step)
+                await self.tier.delete(step)
             except Exception as exc:  # logged by the pipeline; the version is whole, or under .trash-
-                self._events.delete_failed(self.tier.name, info.step, exc)
+                self._events.delete_failed(self.tier.name, step, exc)

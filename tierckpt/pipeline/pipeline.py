@@ -19,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import errno
+import functools
 import logging
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from tierckpt.capture import Copier, HostPool
 from tierckpt.config import Config
@@ -35,6 +36,9 @@ from tierckpt.state import Leaf
 from tierckpt.tiers.base import Tier, VersionInfo
 from tierckpt.tiers.encoding import CompressionStats
 from tierckpt.tiers.memory import MemoryTier
+
+if TYPE_CHECKING:
+    from tierckpt.dist import RankGroup
 
 log = logging.getLogger("tierckpt")
 
@@ -95,7 +99,7 @@ class Counters:
 
 
 class Pipeline:
-    def __init__(self, config: Config, pool: HostPool, copier: Copier, tiers: Sequence[Tier], *, clock: Callable[[], float]) -> None:
+    def __init__(self, config: Config, pool: HostPool, copier: Copier, tiers: Sequence[Tier], *, clock: Callable[[], float], group: RankGroup | None = None) -> None:
         self.config = config
         self.copier = copier
         self.tiers = list(tiers)
@@ -114,8 +118,15 @@ class Pipeline:
         self._capture_errors: list[FlushError] = []  # raised once by the next save, wait or close
         self._unresolved: dict[str, FlushError] = {}  # per tier, its newest failed flush with no commit since
         self._failing: dict[str, int] = {}  # per tier, failed flushes since its last commit (for the log)
+        self.group = group
+        # Of several ranks, the leader's flushers decide and the others follow (tierckpt.dist.flush).
+        kind: Callable[..., Flusher] = Flusher
+        if group is not None:
+            from tierckpt.dist.flush import FollowerFlusher, LeaderFlusher
+
+            kind = functools.partial(LeaderFlusher if group.leader else FollowerFlusher, group=group)
         self.flushers = [
-            Flusher(
+            kind(
                 upstream,
                 tier,
                 tier.config.flush,

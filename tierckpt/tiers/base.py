@@ -82,6 +82,8 @@ class Staged:
     location: Any
     nbytes: int
     created: float
+    # Of a version several ranks save: this rank's manifest file, its checksum, and its stored bytes.
+    part: tuple[str, int, int] | None = None
 
 
 class Lease:
@@ -149,7 +151,14 @@ class Tier(abc.ABC):
 
     @abc.abstractmethod
     async def read(self, step: int) -> VersionSource:
-        """Open a committed version for reading; the caller holds a lease on it and closes the source."""
+        """Open a committed version for reading; the caller holds a lease on it and closes the source.
+
+        Of a version several ranks saved, this rank's part: what a flush writes further down.
+        """
+
+    async def read_whole(self, step: int) -> VersionSource:
+        """As :meth:`read`, with every chunk this rank restores, those other ranks stored included."""
+        return await self.read(step)
 
     async def write(self, source: VersionSource) -> Staged:
         """Store ``source`` durably under a temporary name."""

@@ -17,6 +17,13 @@ symlinks, and records are checked against the files before anything is allocated
 
 Any write, fsync, rename or removal may fail (a full disk, a quota, EIO, EACCES): see the comment above
 :meth:`FilesystemTier.write` for what a failure leaves behind.
+
+Several ranks (a :class:`~tierckpt.dist.RankGroup`) share the tier's directory. Every rank writes its
+data file and its rank manifest into one staging directory whose name the leader's decision fixes;
+once every rank reported its part durable, the leader writes the commit marker there (:meth:`seal`)
+and renames the directory into place (:meth:`commit`); the other ranks only index it (:meth:`adopt`).
+Only the leader sweeps, locks, deletes and renames: a follower never removes anything but its own
+files of a version that was abandoned.
 """
 
 from __future__ import annotations
@@ -33,19 +40,24 @@ from pathlib import Path
 import aiofiles
 import aiofiles.os
 
+from typing import TYPE_CHECKING
+
 from tierckpt.config import TierConfig
 from tierckpt.errors import ConfigError, CorruptCheckpointError
 from tierckpt.format import (
     DATA_FILE,
     MANIFEST_FILE,
+    RANK_MANIFEST_FILE,
+    CommitMarker,
     Manifest,
+    checksum,
     parse_version_dirname,
     version_dirname,
 )
 from tierckpt.tiers.base import Staged, Tier, VersionInfo, VersionSource
 from tierckpt.tiers.encoding import TierEncoding
 from tierckpt.tiers.fsio import fsync_dir, makedirs_durable, probe_direct_io, remove_tree, write_file
-from tierckpt.tiers.fsread import FilesystemSource, open_source, read_manifest  # noqa: F401 - FilesystemSource lived here
+from tierckpt.tiers.fsread import FilesystemSource, open_source, read_head, read_manifest, resolve_shared  # noqa: F401 - FilesystemSource lived here
 from tierckpt.tiers.fswrite import write_data_file
 from tierckpt.tiers.lock import DirectoryLock
 
@@ -56,15 +68,22 @@ _rmtree = aiofiles.os.wrap(shutil.rmtree)
 _remove_tree = aiofiles.os.wrap(remove_tree)
 _write_file = aiofiles.os.wrap(write_file)
 _read_manifest = aiofiles.os.wrap(read_manifest)
+_read_head = aiofiles.os.wrap(read_head)
 _lstat = aiofiles.os.wrap(os.lstat)
 _REPLACED = ".replaced-"  # + the step directory's name + "-<random>": a committed version being replaced
+_MEMBER = ".member-"  # + run id: the leader's sign that a follower sees the directory the leader sees
+
+if TYPE_CHECKING:
+    from tierckpt.dist import RankGroup
 
 
 class FilesystemTier(Tier):
     """Versions as directories under ``config.path`` (relative paths resolve against the working directory)."""
 
-    def __init__(self, config: TierConfig) -> None:
+    def __init__(self, config: TierConfig, group: RankGroup | None = None) -> None:
         super().__init__(config)
+        self.group = group
+        self.rank = group.rank if group else 0
         assert config.path is not None  # guaranteed by TierConfig validation
         self.root = Path(config.path).expanduser().absolute()
         self.encoding = TierEncoding(config.compression, config.name)
@@ -77,10 +96,42 @@ class FilesystemTier(Tier):
         self._lock = DirectoryLock(self.root, config.name)
 
     async def open(self) -> None:
+        if self.group is None:
+            await self._open()
+            return
+        # The leader opens (locks, sweeps, indexes) first; the others only index what it left, and
+        # check that they see the same directory.
+        key, member = f"open/{self.name}", self.root / f"{_MEMBER}{self.group.run}"
+        if self.group.leader:
+            try:
+                await self._open()
+                await _write_file(member, b"")
+            except BaseException as exc:
+                await self.group.put(key, f"{type(exc).__name__}: {exc}")
+                raise
+            await self.group.put(key, "")
+            return
+        if not await self.group.wait_for([key], self.group.timeout_s):
+            raise ConfigError(f"tier {self.name!r}: rank 0 did not open {str(self.root)!r} within {self.group.timeout_s:g} s", tier=self.name)
+        problem = await self.group.get(key)
+        if problem:
+            raise ConfigError(f"tier {self.name!r}: rank 0 could not open it: {problem}", tier=self.name, key=f"tiers.{self.name}.path")
+        if not await aiofiles.os.path.exists(member):
+            raise ConfigError(
+                f"tier {self.name!r}: {str(self.root)!r} is not the directory rank 0 opened: every rank must "
+                "see the same directory (a shared file system, or one node's disk for all its ranks)",
+                tier=self.name,
+                key=f"tiers.{self.name}.path",
+            )
+        await self._open()
+
+    async def _open(self) -> None:
+        leader = self.group is None or self.group.leader
         try:
             await asyncio.get_running_loop().run_in_executor(self.executor, makedirs_durable, self.root)
             # Before anything is swept: the .tmp- directories of a job still writing here are not leftovers.
-            await asyncio.get_running_loop().run_in_executor(self.executor, self._lock.acquire)
+            if leader:
+                await asyncio.get_running_loop().run_in_executor(self.executor, self._lock.acquire)
             self.direct = await asyncio.get_running_loop().run_in_executor(self.executor, probe_direct_io, self.root)
         except OSError as exc:
             raise ConfigError(
@@ -92,6 +143,14 @@ class FilesystemTier(Tier):
             log.info("tier %r: %s refuses O_DIRECT; writing through the page cache", self.name, self.root)
         replaced = []
         for entry in await aiofiles.os.scandir(self.root):
+            if not leader:
+                step = parse_version_dirname(entry.name)
+                if step is not None and entry.is_dir() and await aiofiles.os.path.exists(Path(entry.path) / MANIFEST_FILE):
+                    self._index[step] = await self._describe(step, Path(entry.path))
+                continue
+            if entry.name.startswith(_MEMBER) and entry.is_file():
+                await aiofiles.os.remove(entry.path)  # left by an earlier run's leader
+                continue
             if entry.name.startswith(_REPLACED):
                 replaced.append(entry)
                 continue
@@ -134,16 +193,18 @@ class FilesystemTier(Tier):
 
     async def _describe(self, step: int, path: Path) -> VersionInfo:
         try:
-            manifest = await self._manifest(step, path)
-            return VersionInfo(self.name, step, manifest.stored_bytes, manifest.created, str(path))
+            head = await _read_head(path, tier=self.name, step=step)
+            return VersionInfo(self.name, step, head.stored_bytes, head.created, str(path))
         except CorruptCheckpointError as exc:
             log.warning("tier %r: %s", self.name, exc)
             stat = await _lstat(path)  # it may be a symlink, refused: not followed here either
             return VersionInfo(self.name, step, 0, stat.st_mtime, str(path), valid=False)
 
     async def _manifest(self, step: int, path: Path) -> Manifest:
+        """This rank's manifest of a version (raises LayoutError when another number of ranks saved it)."""
         # Not aiofiles.open: the file is opened without following a symlink and sized before it is read.
-        return await _read_manifest(path, tier=self.name, step=step)
+        world = self.group.world if self.group else 1
+        return await _read_manifest(path, tier=self.name, step=step, rank=self.rank, world=world)
 
     def versions(self) -> list[VersionInfo]:
         return [self._index[s] for s in sorted(self._index)]
@@ -155,21 +216,30 @@ class FilesystemTier(Tier):
     # saying what the directory holds, the space of a failed write is given back (what cannot be removed
     # is retried before the next write, and swept at the next open), and the OSError names its path.
 
-    async def write(self, source: VersionSource) -> Staged:
+    async def write(self, source: VersionSource, staging: str | None = None) -> Staged:
+        """Write ``source`` under a temporary name: ``staging`` when several ranks share it (each writes
+        its own files there; see the module docstring), else a name of its own."""
         await self._sweep()
-        tmp = self.root / f".tmp-{version_dirname(source.step)}-{uuid.uuid4().hex[:12]}"
-        await aiofiles.os.mkdir(tmp)
+        tmp = self.root / (staging or f".tmp-{version_dirname(source.step)}-{uuid.uuid4().hex[:12]}")
+        ranked = self.group is not None
+        data = tmp / DATA_FILE.format(rank=self.rank)
+        manifest_path = tmp / (RANK_MANIFEST_FILE.format(rank=self.rank) if ranked else MANIFEST_FILE)
+        if ranked:
+            await aiofiles.os.makedirs(tmp, exist_ok=True)
+        else:
+            await aiofiles.os.mkdir(tmp)
         try:
             encoding = self.encoding.begin()
             started = time.perf_counter()
             records = await asyncio.to_thread(
                 write_data_file,
                 source,
-                tmp / DATA_FILE.format(rank=0),
+                data,
                 encoding,
                 self.executor,
                 direct=self.direct,
                 threads=self.config.io_threads,
+                rank=self.rank,
             )
             self.encoding.finish(encoding, time.perf_counter() - started)
             manifest = Manifest(
@@ -178,13 +248,47 @@ class FilesystemTier(Tier):
                 skeleton=source.skeleton,
                 records=records,
                 metadata=source.metadata,
+                world_size=self.group.world if self.group else 1,
+                rank=self.rank,
             )
-            await _write_file(tmp / MANIFEST_FILE, manifest.encode())
+            encoded = manifest.encode()
+            await _write_file(manifest_path, encoded)
             await _fsync_dir(tmp)
         except BaseException:
-            await self._discard(tmp)
+            if ranked:
+                await self._discard_part(data, manifest_path)
+            else:
+                await self._discard(tmp)
             raise
-        return Staged(source.step, tmp, manifest.stored_bytes, source.created)
+        part = (manifest_path.name, checksum(encoded), manifest.stored_bytes) if ranked else None
+        return Staged(source.step, tmp, manifest.stored_bytes, source.created, part)
+
+    async def seal(self, staged: Staged, parts: list[tuple[str, int, int]], metadata: dict) -> None:
+        """The leader, once every rank's part is durable: write the commit marker into the staged version."""
+        marker = CommitMarker(step=staged.step, created=staged.created, world_size=len(parts), ranks=tuple(parts), metadata=metadata)
+        await _write_file(staged.location / MANIFEST_FILE, marker.encode())
+        await _fsync_dir(staged.location)
+        staged.nbytes = marker.stored_bytes
+
+    def adopt(self, staged: Staged, nbytes: int) -> VersionInfo:
+        """A follower: the leader committed the version this rank staged a part of; index it."""
+        info = VersionInfo(self.name, staged.step, nbytes, staged.created, str(self.root / version_dirname(staged.step)))
+        self._index[staged.step] = info
+        return info
+
+    def forget(self, step: int) -> None:
+        """A follower: the leader deleted ``step``."""
+        self._index.pop(step, None)
+
+    async def _discard_part(self, *files: Path) -> None:
+        """A follower's files of a version that will not be committed (the leader removes the directory)."""
+        for path in files:
+            try:
+                await aiofiles.os.remove(path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("tier %r: could not remove %s (%s); the leader sweeps it", self.name, path, exc)
 
     async def commit(self, staged: Staged) -> VersionInfo:
         final = self.root / version_dirname(staged.step)
@@ -241,6 +345,9 @@ class FilesystemTier(Tier):
                 log.warning("tier %r: fsync of %s failed after a commit was taken back: %s", self.name, self.root, exc)
 
     async def abort(self, staged: Staged) -> None:
+        if self.group is not None and not self.group.leader:
+            await self._discard_part(staged.location / DATA_FILE.format(rank=self.rank), staged.location / RANK_MANIFEST_FILE.format(rank=self.rank))
+            return
         await self._discard(staged.location)
 
     async def _discard(self, path: Path) -> OSError | None:
@@ -282,7 +389,22 @@ class FilesystemTier(Tier):
         manifest = await self._manifest(step, path)
         return await asyncio.to_thread(open_source, self.name, path, manifest, direct=self.direct)
 
+    async def read_whole(self, step: int) -> VersionSource:
+        if self.group is None:
+            return await self.read(step)  # one process's version holds every chunk it restores
+        path = self.root / version_dirname(step)
+        manifest = await self._manifest(step, path)
+
+        def whole() -> FilesystemSource:
+            head = read_head(path, tier=self.name, step=step)
+            resolved = resolve_shared(path, head, manifest, tier=self.name) if isinstance(head, CommitMarker) else manifest
+            return open_source(self.name, path, resolved, direct=self.direct)
+
+        return await asyncio.to_thread(whole)
+
     async def delete(self, step: int) -> None:
+        if self.group is not None and not self.group.leader:
+            raise RuntimeError(f"tier {self.name!r}: only rank 0 deletes versions of a shared directory")
         if self.leased(step):
             raise RuntimeError(f"tier {self.name!r}: step {step} is leased and cannot be deleted")
         info = self._index.pop(step, None)
@@ -307,6 +429,11 @@ class FilesystemTier(Tier):
             raise error
 
     async def close(self) -> None:
+        if self.group is not None and self.group.leader:
+            try:
+                await aiofiles.os.remove(self.root / f"{_MEMBER}{self.group.run}")
+            except OSError:
+                pass  # swept at the next open
         self.executor.shutdown(wait=True)
         self._lock.release()
 

@@ -23,18 +23,24 @@ Every failure is a :class:`CorruptCheckpointError` naming tier, step, the file a
 key, so restore warns and moves on to the next candidate. Bytes no chunk covers (the zero padding
 between 4 KiB-aligned tensors of an uncompressed version, a file's tail past its last chunk) are not
 data: nothing reads them, so damage there changes nothing restored and is not reported.
+
+A version several ranks saved (format v3) is read per rank: ``manifest.msgpack`` is the commit marker,
+and rank r's manifest must match the checksum the marker records for it (:func:`read_manifest`). The
+chunks of a shared record that other ranks stored are found in their manifests
+(:func:`resolve_shared`) and read from their data files.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import math
 import os
 import stat
 from pathlib import Path
 
-from tierckpt.errors import CorruptCheckpointError
-from tierckpt.format import CHUNK_BYTES, MANIFEST_FILE, Manifest, TensorRecord, checksum
+from tierckpt.errors import CorruptCheckpointError, LayoutError
+from tierckpt.format import CHUNK_BYTES, MANIFEST_FILE, CommitMarker, Manifest, TensorRecord, checksum, decode_document
 from tierckpt.format.manifest import MAX_MANIFEST_BYTES, where
 from tierckpt.state import numpy_dtype, skeleton_leaf_count, torch_dtype
 from tierckpt.tiers.base import VersionSource
@@ -42,7 +48,8 @@ from tierckpt.tiers.fsio import O_DIRECT, read_into, read_span
 from tierckpt.tiers.fswrite import scratch_bytes
 
 __all__ = [
-    "MAX_CHUNK_BYTES", "ZSTD_MAX_EXPANSION", "FilesystemSource", "check_records", "open_source", "read_manifest",
+    "MAX_CHUNK_BYTES", "ZSTD_MAX_EXPANSION", "FilesystemSource", "check_records", "open_source", "read_head",
+    "read_manifest", "read_rank_manifest", "resolve_shared",
 ]
 
 # Readers keep a scratch buffer of one stored chunk per thread; every writer uses CHUNK_BYTES.
@@ -106,17 +113,108 @@ def open_file(dir_fd: int, name: str, *, tier: str | None, step: int | None, lab
     return fd, st.st_size
 
 
-def read_manifest(path: Path, *, tier: str | None, step: int | None) -> Manifest:
-    """Read and decode the manifest of the version directory ``path`` (blocking; see the module docstring)."""
+def read_manifest(path: Path, *, tier: str | None, step: int | None, rank: int = 0, world: int | None = None) -> Manifest:
+    """Read and decode rank ``rank``'s manifest of the version directory ``path`` (blocking).
+
+    ``world``: the number of ranks reading the version; None takes whatever saved it.
+
+    Raises:
+        CorruptCheckpointError: see the module docstring.
+        LayoutError: the version was saved by another number of ranks than ``world``.
+    """
+    head = read_head(path, tier=tier, step=step)
+    saved = head.world_size
+    if world is not None and saved != world:
+        raise LayoutError(
+            f"{where(tier, step)} was saved by {saved} rank(s), and this job has {world}: "
+            "restoring into another number of ranks is not supported yet",
+            tier=tier,
+            step=step,
+        )
+    if isinstance(head, Manifest):
+        return head
+    return read_rank_manifest(path, head, rank, tier=tier)
+
+
+def read_head(path: Path, *, tier: str | None, step: int | None) -> Manifest | CommitMarker:
+    """``manifest.msgpack`` of the version directory ``path``: a manifest, or several ranks' commit marker."""
+    return decode_document(_read_small(path, MANIFEST_FILE, tier=tier, step=step), tier=tier, step=step)
+
+
+def read_rank_manifest(path: Path, marker: CommitMarker, rank: int, *, tier: str | None) -> Manifest:
+    """Rank ``rank``'s manifest of a version several ranks saved, checked against its commit marker."""
+    step = marker.step
+    name, digest, _ = marker.ranks[rank]
+    data = _read_small(path, name, tier=tier, step=step)
+    if checksum(data) != digest:
+        raise CorruptCheckpointError(
+            f"{where(tier, step)}: {name} does not match the checksum its commit marker records (rank {rank})",
+            tier=tier,
+            step=step,
+        )
+    manifest = Manifest.decode(data, tier=tier, step=step, name=name)
+    if (manifest.rank, manifest.world_size) != (rank, marker.world_size):
+        raise CorruptCheckpointError(
+            f"{where(tier, step)}: {name} is rank {manifest.rank} of {manifest.world_size}, "
+            f"not rank {rank} of {marker.world_size}",
+            tier=tier,
+            step=step,
+        )
+    return manifest
+
+
+def resolve_shared(path: Path, marker: CommitMarker, manifest: Manifest, *, tier: str | None) -> Manifest:
+    """``manifest`` with each chunk another rank stored filled in from that rank's manifest (blocking).
+
+    Raises CorruptCheckpointError when the owner's manifest does not verify or does not hold the same
+    value (key, dtype, shape, chunking) with that chunk.
+    """
+    needed = sorted({r.owner(i) for r in manifest.records for i, c in enumerate(r.chunks) if c is None})
+    if not needed:
+        return manifest
+    step = manifest.step
+    theirs: dict[int, dict[str, TensorRecord]] = {}
+    for q in needed:
+        if q is None or not 0 <= q < marker.world_size or q == manifest.rank:
+            raise CorruptCheckpointError(f"{where(tier, step)}: a shared chunk names rank {q}", tier=tier, step=step)
+        theirs[q] = {r.key: r for r in read_rank_manifest(path, marker, q, tier=tier).records}
+    records = []
+    for r in manifest.records:
+        if all(c is not None for c in r.chunks):
+            records.append(r)
+            continue
+        chunks = list(r.chunks)
+        for i, c in enumerate(r.chunks):
+            if c is not None:
+                continue
+            q = r.owner(i)
+            other = theirs[q].get(r.key)
+            same = other is not None and (other.kind, other.dtype, other.shape, other.nbytes, other.chunk_bytes, other.shared) == (
+                r.kind, r.dtype, r.shape, r.nbytes, r.chunk_bytes, r.shared
+            )
+            if not same or other.chunks[i] is None:
+                raise CorruptCheckpointError(
+                    f"{where(tier, step)}: {r.key} chunk {i} should be in rank {q}'s {marker.ranks[q][0]}, which does not hold it",
+                    tier=tier,
+                    step=step,
+                    key=r.key,
+                )
+            chunks[i] = dataclasses.replace(other.chunks[i], file=other.file)
+        records.append(dataclasses.replace(r, chunks=tuple(chunks)))
+    return dataclasses.replace(manifest, records=tuple(records))
+
+
+def _read_small(path: Path, name: str, *, tier: str | None, step: int | None) -> bytes:
+    """A manifest-sized file of the version directory ``path``, read whole (at most MAX_MANIFEST_BYTES + 1)."""
     dir_fd = open_version(path, tier=tier, step=step)
     try:
-        fd, size = open_file(dir_fd, MANIFEST_FILE, tier=tier, step=step, label=MANIFEST_FILE)
+        fd, size = open_file(dir_fd, name, tier=tier, step=step, label=name)
     finally:
         os.close(dir_fd)
     try:
         if size > MAX_MANIFEST_BYTES:
             raise CorruptCheckpointError(
-                f"{where(tier, step)}: {MANIFEST_FILE}: {size} bytes, "
+                f"{where(tier, step)}: {name}: {size} bytes, "
                 f"more than the {MAX_MANIFEST_BYTES} a manifest may have",
                 tier=tier,
                 step=step,
@@ -131,11 +229,11 @@ def read_manifest(path: Path, *, tier: str | None, step: int | None) -> Manifest
             left -= len(part)
     except OSError as exc:
         raise CorruptCheckpointError(
-            f"{where(tier, step)}: {MANIFEST_FILE} cannot be read ({exc.strerror or exc})", tier=tier, step=step
+            f"{where(tier, step)}: {name} cannot be read ({exc.strerror or exc})", tier=tier, step=step
         ) from exc
     finally:
         os.close(fd)
-    return Manifest.decode(b"".join(parts), tier=tier, step=step)
+    return b"".join(parts)
 
 
 def check_records(records: tuple[TensorRecord, ...], sizes: dict[str, int], *, tier: str | None, step: int | None) -> None:
@@ -166,8 +264,11 @@ def check_records(records: tuple[TensorRecord, ...], sizes: dict[str, int], *, t
             raise bad(f"{r.nbytes} bytes cannot hold {r.dtype}{_dims(r.shape)}")
         if r.chunk_bytes > MAX_CHUNK_BYTES:
             raise bad(f"chunks of {r.chunk_bytes} bytes, more than the {MAX_CHUNK_BYTES} a reader takes")
-        size = sizes[r.file]
         for i, c in enumerate(r.chunks):
+            if c is None:  # stored by another rank: checked when resolved, by that rank's files
+                continue
+            file = r.chunk_file(i)
+            size = sizes[file]
             _, length = r.chunk_span(i)
             if r.chunk_codec(i) == "none":
                 if c.stored != length:
@@ -176,14 +277,14 @@ def check_records(records: tuple[TensorRecord, ...], sizes: dict[str, int], *, t
                 raise bad(f"chunk {i} cannot decode {c.stored} stored bytes into {length}")
             if c.offset + c.stored > size:
                 raise CorruptCheckpointError(
-                    f"{where(tier, step)}: {r.file}: {r.key} chunk {i} (bytes {c.offset}..{c.offset + c.stored}) lies past "
+                    f"{where(tier, step)}: {file}: {r.key} chunk {i} (bytes {c.offset}..{c.offset + c.stored}) lies past "
                     f"the end of the file ({size} bytes): truncated?",
                     tier=tier,
                     step=step,
                     key=r.key,
                 )
             if c.stored:
-                extents.setdefault(r.file, []).append((c.offset, c.offset + c.stored, r.key, i))
+                extents.setdefault(file, []).append((c.offset, c.offset + c.stored, r.key, i))
     for name, spans in extents.items():
         spans.sort()
         for (_, end, key, i), (start, _, other, j) in zip(spans, spans[1:]):
@@ -225,7 +326,8 @@ class FilesystemSource(VersionSource):
             dir_fd = open_version(path, tier=tier, step=self.step)
             try:
                 sizes = {}
-                for name in sorted({r.file for r in manifest.records}):
+                files = {r.chunk_file(i) for r in manifest.records for i, c in enumerate(r.chunks) if c is not None}
+                for name in sorted(files):
                     self._fds[name], sizes[name] = open_file(dir_fd, name, tier=tier, step=self.step)
                     if direct:
                         try:
@@ -242,7 +344,7 @@ class FilesystemSource(VersionSource):
             raise
 
     def _where(self, record: TensorRecord, chunk: int) -> str:
-        return f"{where(self.tier, self.step)}: {record.file}: {record.key} chunk {chunk}"
+        return f"{where(self.tier, self.step)}: {record.chunk_file(chunk)}: {record.key} chunk {chunk}"
 
     def _corrupt(self, record: TensorRecord, message: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(message, tier=self.tier, step=self.step, key=record.key)
@@ -252,7 +354,7 @@ class FilesystemSource(VersionSource):
         if checksum(data) != c.checksum:
             raise self._corrupt(
                 record,
-                f"{where(self.tier, self.step)}: {record.file}: checksum mismatch in {record.key} "
+                f"{where(self.tier, self.step)}: {record.chunk_file(chunk)}: checksum mismatch in {record.key} "
                 f"(chunk {chunk}) at bytes {c.offset}..{c.offset + c.stored}",
             )
 
@@ -264,7 +366,8 @@ class FilesystemSource(VersionSource):
     def read_stored(self, record: TensorRecord, chunk: int, scratch: memoryview) -> memoryview:
         c = record.chunks[chunk]
         what = self._where(record, chunk)
-        fd, direct_fd = self._fds[record.file], self._direct_fds.get(record.file)
+        file = record.chunk_file(chunk)
+        fd, direct_fd = self._fds[file], self._direct_fds.get(file)
         try:
             out = read_span(c.offset, c.stored, scratch, fd, direct_fd, what=what)
         except CorruptCheckpointError as exc:
@@ -290,7 +393,8 @@ class FilesystemSource(VersionSource):
         # Raw chunks land straight in the destination (DMA when both are page-aligned), and are
         # hashed right away while they are in cache: no bounce buffer, no second pass later.
         what = self._where(record, chunk)
-        fd, direct_fd = self._fds[record.file], self._direct_fds.get(record.file)
+        file = record.chunk_file(chunk)
+        fd, direct_fd = self._fds[file], self._direct_fds.get(file)
         try:
             read_into(out, c.offset, fd, direct_fd, scratch, what=what)
         except CorruptCheckpointError as exc:

@@ -10,6 +10,9 @@ layout, so host slot bytes and scratch bytes go to disk with O_DIRECT as they ar
 compressed version are packed back to back. The file is allocated in one piece first and fsynced once
 at the end. An I/O error (a full disk, a quota, EIO) is raised naming the data file, and what it was
 doing: the first one stops the chunks not yet started; the caller removes the file.
+
+Of a record shared by several ranks (``save(replicated=...)``), a rank writes only the chunks it owns
+(:meth:`TensorRecord.owner`); its record holds None for the others, which their owners write.
 """
 
 from __future__ import annotations
@@ -40,11 +43,14 @@ def write_data_file(
     *,
     direct: bool,
     threads: int = 2,
+    rank: int = 0,
 ) -> tuple[TensorRecord, ...]:
     """Write every record of ``source`` into ``path`` and fsync it; returns the stored records.
 
-    ``threads`` of ``executor`` and the calling thread write the chunks (see :class:`ChunkJobs`).
+    ``threads`` of ``executor`` and the calling thread write the chunks (see :class:`ChunkJobs`);
+    ``rank`` is the writing rank: of a shared record, only its own chunks are written.
     """
+    owned = [[c for c in range(len(r.chunks)) if r.owner(c) in (None, rank)] for r in source.records]
     codecs = [encoding.codec_for(r) for r in source.records]
     itemsizes = [element(r)[0] for r in source.records]
     raw_layout = encoding.raw_layout
@@ -53,11 +59,13 @@ def write_data_file(
     try:
         if direct and raw_layout:
             direct_fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | O_DIRECT)
-        raw_offsets = []
+        # Where each owned chunk goes in the slot's layout: a record's owned chunks back to back.
+        raw_offsets: dict[tuple[int, int], int] = {}
         end = 0
-        for record in source.records:
-            raw_offsets.append(end)
-            end += align_up(record.nbytes, ALIGN)
+        for ri, record in enumerate(source.records):
+            for k, c in enumerate(owned[ri]):
+                raw_offsets[(ri, c)] = end + k * record.chunk_bytes
+            end += align_up(sum(record.chunk_span(c)[1] for c in owned[ri]), ALIGN)
         # A raw version keeps the slot's layout, [0, end), and packs only chunks of unaligned size
         # after it; a compressed version packs every chunk from 0 (else the file would start with a hole).
         packed = _Packer(start=end if raw_layout else 0)
@@ -69,7 +77,7 @@ def write_data_file(
 
         def job(ri: int, c: int) -> Chunk:
             record, codec = source.records[ri], codecs[ri]
-            start, length = record.chunk_span(c)
+            _, length = record.chunk_span(c)
             stored = source.read_stored(record, c, scratch(scratch_bytes(record.chunk_bytes)))
             stored_codec = record.chunk_codec(c)
             if record.codec == codec:
@@ -88,7 +96,7 @@ def write_data_file(
                 digest = checksum(data)
             try:
                 if raw_layout and record.chunk_bytes % ALIGN == 0:
-                    offset = raw_offsets[ri] + start
+                    offset = raw_offsets[(ri, c)]
                     pwrite_all(data, offset, fd, direct_fd)
                 else:
                     # Packed chunks go through the page cache: O_DIRECT would pad an unaligned tail to a
@@ -99,7 +107,7 @@ def write_data_file(
                 raise_named(exc, path, f"write of {data.nbytes} bytes at offset {offset}")
             return Chunk(offset, data.nbytes, digest, stored_codec if stored_codec != codec else None)
 
-        keys = [(ri, c) for ri, record in enumerate(source.records) for c in range(len(record.chunks))]
+        keys = [(ri, c) for ri in range(len(source.records)) for c in owned[ri]]
         # Writes only while this thread waits: once join() returns (or raises), no job runs, and
         # the file may be closed.
         results = ChunkJobs([functools.partial(job, ri, c) for ri, c in keys], executor, threads).join()
@@ -123,7 +131,8 @@ def write_data_file(
             file=path.name,
             codec=codecs[ri],
             chunk_bytes=r.chunk_bytes,
-            chunks=tuple(chunks[(ri, c)] for c in range(len(r.chunks))),
+            chunks=tuple(chunks.get((ri, c)) for c in range(len(r.chunks))),
+            shared=r.shared,
         )
         for ri, r in enumerate(source.records)
     )

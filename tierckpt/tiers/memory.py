@@ -30,7 +30,7 @@ from tierckpt.capture.pool import HostPool, Slot
 from tierckpt.config import TierConfig
 from tierckpt._buffers import align_up
 from tierckpt.errors import CorruptCheckpointError
-from tierckpt.format import DATA_FILE, Manifest, TensorRecord, version_dirname
+from tierckpt.format import CHUNK_BYTES, DATA_FILE, Manifest, TensorRecord, version_dirname
 from tierckpt.policy import Held, choose_slot, retain
 from tierckpt.snapshot import Entry, Snapshot, SnapshotState
 from tierckpt.tiers.base import Lease, Tier, VersionInfo, VersionSource
@@ -359,7 +359,7 @@ class MemorySource(VersionSource):
         self._position = {e.index: i for i, e in enumerate(snapshot.entries)}
         # No checksums to check: a snapshot captured here is immutable in this process's memory, and
         # one a previous process left was verified whole when it was opened (MemoryTier.read).
-        self.records = slot_records(snapshot.entries, offset=0, checksums=None, file="")
+        self.records = slot_records(snapshot.entries, offset=0, checksums=None, file="", shared=True)
 
     def read_stored(self, record: TensorRecord, chunk: int, scratch: memoryview) -> memoryview:
         c = record.chunks[chunk]
@@ -368,4 +368,6 @@ class MemorySource(VersionSource):
     def checksum_of(self, record: TensorRecord, chunk: int) -> int | None:
         # A snapshot persisted here was hashed already: a filesystem tier below need not hash it again.
         sums = self._snapshot.checksums
-        return sums[self._position[record.index]][chunk] if sums is not None else None
+        if sums is None or record.chunk_bytes != CHUNK_BYTES:  # a shared record's chunks are cut otherwise
+            return None
+        return sums[self._position[record.index]][chunk]

@@ -24,7 +24,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import msgpack
 
@@ -218,11 +218,19 @@ def slot_records(
     offset: int,
     checksums: Sequence[Sequence[int]] | None,
     file: str,
+    shared: bool = False,
 ) -> tuple[TensorRecord, ...]:
     """Records of a snapshot's entries, their chunks at ``offset`` + the entry's offset in the slot;
-    checksum -1 (none) without ``checksums``."""
-    return tuple(
-        TensorRecord(
+    checksum -1 (none) without ``checksums``.
+
+    With ``shared``, an entry other ranks hold alike is cut into its shared chunks and says which ranks
+    store them (for a flush); else every record is whole, in CHUNK_BYTES chunks (what this rank holds).
+    """
+    return tuple(_slot_record(e, offset, sums, file, e.chunk_bytes if shared else CHUNK_BYTES, e.shared if shared else None) for e, sums in zip(entries, checksums or [None] * len(entries)))
+
+
+def _slot_record(e: Any, offset: int, sums: Sequence[int] | None, file: str, size: int, shared: tuple[int, ...] | None) -> TensorRecord:
+    return TensorRecord(
             index=e.index,
             key=e.key,
             kind=e.kind,
@@ -231,14 +239,13 @@ def slot_records(
             nbytes=e.nbytes,
             file=file,
             codec="none",
-            chunk_bytes=CHUNK_BYTES,
+            chunk_bytes=size,
             chunks=tuple(
-                Chunk(offset + e.offset + c * CHUNK_BYTES, min(CHUNK_BYTES, e.nbytes - c * CHUNK_BYTES), sums[c] if sums else -1)
-                for c in range(chunk_count(e.nbytes))
+                Chunk(offset + e.offset + c * size, min(size, e.nbytes - c * size), sums[c] if sums else -1)
+                for c in range(chunk_count(e.nbytes, size))
             ),
+            shared=shared,
         )
-        for e, sums in zip(entries, checksums or [None] * len(entries))
-    )
 
 
 def slot_manifest(

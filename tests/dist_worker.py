@@ -1,0 +1,169 @@
+"""One rank of a multi-process test (tests/test_distributed.py): ``python dist_worker.py <scenario> <dir>``.
+
+Started once per rank with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set; joins a gloo process
+group on localhost, runs the scenario, and writes what it saw to ``<dir>/result-<rank>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tierckpt import Checkpointer, FlushError, RankFailureError
+from tierckpt.config import TierConfig
+from tierckpt.tiers.filesystem import FilesystemTier
+
+MODEL_NUMEL = 300_000  # 1.2 MB of float32 per tensor: several shared chunks per rank at world 4
+
+
+def config(root: Path, timeout: float) -> dict[str, Any]:
+    return {
+        "host": {"capacity": "64MiB", "snapshots": 2},
+        "tiers": [
+            {"name": "ram", "type": "memory"},
+            {"name": "disk", "type": "filesystem", "path": str(root / "disk"), "keep": {"last": 3}},
+        ],
+        "distributed": {"timeout": f"{timeout}s"},
+    }
+
+
+def model(step: int) -> dict[str, torch.Tensor]:
+    """What every rank holds alike at ``step`` (data-parallel weights)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return {"w": torch.randn(MODEL_NUMEL, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16)}
+
+
+def state(step: int, rank: int) -> dict[str, Any]:
+    return {
+        "model": model(step),
+        "mine": torch.full((1000 + rank,), float(step * 100 + rank)),
+        "rng": torch.tensor([rank, step], dtype=torch.int64),
+        "step": step,
+    }
+
+
+def template(rank: int) -> dict[str, Any]:
+    empty = state(0, rank)
+    return {
+        "model": {k: torch.zeros_like(v) for k, v in empty["model"].items()},
+        "mine": torch.zeros_like(empty["mine"]),
+        "rng": torch.zeros_like(empty["rng"]),
+        "step": 0,
+    }
+
+
+def equal(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
+    return a == b
+
+
+class KilledMidWrite(FilesystemTier):
+    """Rank ``victim``'s tier: SIGKILLs its own process half-way through writing step ``at``."""
+
+    victim_step = -1
+
+    async def write(self, source: Any, staging: str | None = None) -> Any:
+        if source.step == self.victim_step:
+            assert staging is not None
+            tmp = self.root / staging
+            tmp.mkdir(exist_ok=True)
+            with open(tmp / f"data-r{self.rank:05d}.bin", "wb") as f:
+                f.write(b"\1" * 4096)  # half a part, then the process dies
+                f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return await super().write(source, staging)
+
+
+def main() -> None:
+    scenario, root = sys.argv[1], Path(sys.argv[2])
+    if os.environ.get("DUMP_AFTER"):
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["DUMP_AFTER"]), exit=True)
+    timeout = float(os.environ.get("TEST_TIMEOUT", "30"))
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict[str, Any] = {"rank": rank, "world": world}
+    started = time.monotonic()
+    if scenario == "save":
+        steps = [int(s) for s in os.environ["STEPS"].split(",")]
+        replicated = ["model"] if os.environ.get("REPLICATED") == "1" else []
+        with Checkpointer(config(root, timeout)) as ckpt:
+            out["ckpt_world"] = ckpt.world_size
+            for step in steps:
+                handle = ckpt.save_sync(step, state(step, rank), replicated=replicated)
+                out.setdefault("committed", []).append(handle.committed_sync("disk", timeout=120))
+    elif scenario == "restore":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with Checkpointer(config(root, timeout)) as ckpt:
+                into = template(rank)
+                restored = ckpt.restore_latest_sync(into)
+        out["warnings"] = [str(w.message) for w in caught if "tierckpt" in str(w.message)]
+        if restored is None:
+            out["step"] = None
+        else:
+            out["step"] = restored.step
+            out["tier"] = restored.tier
+            out["bitwise"] = equal(restored.state, state(restored.step, rank))
+            out["template_filled"] = restored.state["mine"] is into["mine"] and equal(into["model"], model(restored.step))
+    elif scenario == "kill":
+        victim, at = int(os.environ["VICTIM"]), int(os.environ["AT"])
+        KilledMidWrite.victim_step = at if rank == victim else -1
+
+        def factory(cfg: TierConfig) -> FilesystemTier | None:
+            return KilledMidWrite(cfg, ckpt_group[0]) if cfg.type == "filesystem" else None
+
+        ckpt_group: list[Any] = []
+        from tierckpt.dist import RankGroup
+
+        original = RankGroup.discover
+
+        def remember(group: Any, timeout_s: float) -> Any:
+            found = original(group, timeout_s)
+            ckpt_group.append(found)
+            return found
+
+        RankGroup.discover = staticmethod(remember)  # type: ignore[method-assign]
+        ckpt = Checkpointer(config(root, timeout), tier_factory=factory)
+        for step in range(1, at):
+            assert ckpt.save_sync(step, state(step, rank)).committed_sync("disk", timeout=120)
+        handle = ckpt.save_sync(at, state(at, rank))
+        t0 = time.monotonic()
+        try:
+            handle.committed_sync("disk", timeout=10 * timeout)
+            out["error"] = None
+        except FlushError as exc:
+            out["error"] = str(exc)
+            out["ranks"] = list(getattr(exc, "ranks", ()))
+            out["rank_failure"] = isinstance(exc, RankFailureError)
+        out["raised_after_s"] = time.monotonic() - t0
+        # Training goes on: the next save returns, and is abandoned in turn.
+        later = ckpt.save_sync(at + 1, state(at + 1, rank))
+        try:
+            out["later"] = later.committed_sync("disk", timeout=10 * timeout)
+        except FlushError as exc:
+            out["later"] = str(exc)
+        try:
+            ckpt.close_sync()
+        except FlushError as exc:
+            out["close"] = str(exc)
+    out["elapsed_s"] = time.monotonic() - started
+    (root / f"result-{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

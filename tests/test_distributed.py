@@ -1,0 +1,149 @@
+"""Many ranks, one checkpoint: real processes on localhost with gloo (tests/dist_worker.py is a rank).
+
+World sizes 1, 2 and 4; per-rank and replicated state round trips bitwise; the dedup seen on disk;
+a rank SIGKILLed in the middle of a flush; a corrupted file of one rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tierckpt.format import MANIFEST_FILE, version_dirname
+from tierckpt.format.manifest import decode_document
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+MODEL_BYTES = 300_000 * 4 + 7 * 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(world: int, scenario: str, root: Path, env: dict[str, str] | None = None, *, expect_dead: tuple[int, ...] = ()) -> list[dict[str, Any]]:
+    """Start ``world`` ranks of ``scenario``; returns each surviving rank's result."""
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        penv = os.environ | {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "TEST_TIMEOUT": "30",
+            "OMP_NUM_THREADS": "1",
+        } | (env or {})
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario, str(root)], env=penv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    results = []
+    try:
+        for rank, proc in enumerate(procs):
+            output, _ = proc.communicate(timeout=300)
+            if rank in expect_dead:
+                assert proc.returncode == -9, output.decode(errors="replace")[-3000:]
+                continue
+            assert proc.returncode == 0, f"rank {rank}:\n{output.decode(errors='replace')[-5000:]}"
+            results.append(json.loads((root / f"result-{rank}.json").read_text()))
+    finally:
+        for proc in procs:  # a failed rank must not leave the others running into the next test
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return results
+
+
+def _version(root: Path, step: int) -> Path:
+    return root / "disk" / version_dirname(step)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_save_and_restore_bitwise_with_replicated_bytes_stored_once(tmp_path: Path, world: int) -> None:
+    saved = run_ranks(world, "save", tmp_path, {"STEPS": "1,2,3", "REPLICATED": "1"})
+    assert [r["committed"] for r in saved] == [[True, True, True]] * world
+    assert all(r["ckpt_world"] == world for r in saved)
+    version = _version(tmp_path, 3)
+    marker = decode_document((version / MANIFEST_FILE).read_bytes())
+    assert marker.world_size == world and len(marker.ranks) == world
+    # The model is stored once, split across the ranks; each rank's own tensors once per rank.
+    data = {p.name: p.stat().st_size for p in version.glob("data-r*.bin")}
+    assert sorted(data) == [f"data-r{r:05d}.bin" for r in range(world)]
+    own = sum(4 * (1000 + r) + 16 for r in range(world))
+    assert sum(marker.ranks[r][2] for r in range(world)) < MODEL_BYTES + own + world * 3 * 4096
+    shares = [marker.ranks[r][2] for r in range(world)]
+    assert max(shares) - min(shares) < MODEL_BYTES / world  # about 1/world of the model each
+    restored = run_ranks(world, "restore", tmp_path)
+    assert [r["step"] for r in restored] == [3] * world
+    assert all(r["bitwise"] and r["template_filled"] for r in restored), restored
+    assert all(r["warnings"] == [] for r in restored)
+
+
+def test_without_replicated_every_rank_stores_its_own_copy(tmp_path: Path) -> None:
+    run_ranks(2, "save", tmp_path, {"STEPS": "5"})
+    marker = decode_document((_version(tmp_path, 5) / MANIFEST_FILE).read_bytes())
+    assert all(marker.ranks[r][2] >= MODEL_BYTES for r in range(2))
+    restored = run_ranks(2, "restore", tmp_path)
+    assert [(r["step"], r["bitwise"]) for r in restored] == [(5, True), (5, True)]
+
+
+def test_world_of_one_saves_as_a_single_process(tmp_path: Path) -> None:
+    saved = run_ranks(1, "save", tmp_path, {"STEPS": "1,2", "REPLICATED": "1"})
+    assert saved[0]["ckpt_world"] == 1
+    manifest = decode_document((_version(tmp_path, 2) / MANIFEST_FILE).read_bytes())
+    assert manifest.world_size == 1 and not hasattr(manifest, "ranks")
+    restored = run_ranks(1, "restore", tmp_path)
+    assert restored[0]["step"] == 2 and restored[0]["bitwise"]
+
+
+def test_a_corrupted_file_of_one_rank_makes_every_rank_fall_back_together(tmp_path: Path) -> None:
+    run_ranks(2, "save", tmp_path, {"STEPS": "1,2,3", "REPLICATED": "1"})
+    data = _version(tmp_path, 3) / "data-r00001.bin"
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    verify = subprocess.run([sys.executable, "-m", "tierckpt", "verify", str(tmp_path / "disk")], capture_output=True, text=True)
+    assert verify.returncode == 1, verify.stdout + verify.stderr
+    assert "step-000000000003  DAMAGED  data-r00001.bin: checksum mismatch" in verify.stdout
+    assert "from 2 ranks" in verify.stdout and "3 versions: 2 OK, 1 damaged" in verify.stdout
+    restored = run_ranks(2, "restore", tmp_path)
+    assert [r["step"] for r in restored] == [2, 2]
+    assert all(r["bitwise"] for r in restored)
+    for r in restored:
+        # Both ranks read rank 1's bytes (rank 0 for its shared chunks): each warns once, naming the file.
+        assert len(r["warnings"]) == 1, r["warnings"]
+        assert "step 3" in r["warnings"][0] and "data-r00001.bin" in r["warnings"][0]
+
+
+def test_a_rank_killed_mid_flush_commits_nothing_and_the_others_go_on(tmp_path: Path) -> None:
+    results = run_ranks(2, "kill", tmp_path, {"VICTIM": "1", "AT": "3", "TEST_TIMEOUT": "4"}, expect_dead=(1,))
+    (leader,) = results
+    assert leader["rank_failure"] and leader["ranks"] == [1], leader
+    assert "rank(s) 1" in leader["error"]
+    assert leader["raised_after_s"] < 4 + 10  # the timeout, plus the write
+    assert leader["later"] != True  # noqa: E712 - abandoned too (rank 1 is gone), but returned
+    assert not _version(tmp_path, 3).exists() and not _version(tmp_path, 4).exists()
+    assert (_version(tmp_path, 2) / MANIFEST_FILE).exists()
+    assert not any(p.name.startswith(".tmp-") for p in (tmp_path / "disk").iterdir())
+
+
+def test_the_torchrun_example_trains_and_resumes_on_every_rank(tmp_path: Path) -> None:
+    example = Path(__file__).resolve().parents[1] / "examples" / "distributed_train.py"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port())]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    first = subprocess.run([*torchrun, str(example), "--steps", "3", "--dir", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert re.search(r"trained to step 3; on disk: \[(1, |2, )?3\]", first.stdout), first.stdout
+    torchrun[-1] = str(_free_port())
+    second = subprocess.run([*torchrun, str(example), "--steps", "5", "--dir", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "rank 0: resumed from step 3 (tier disk)" in second.stdout
+    assert "rank 1: resumed from step 3 (tier disk)" in second.stdout
+    assert re.search(r"trained to step 5; on disk: \[(3, |4, )?5\]", second.stdout), second.stdout

@@ -1,0 +1,307 @@
+"""Flushing a version that several ranks save: the leader decides, every rank writes its part, the
+leader commits once all parts are durable.
+
+Per tier below host memory, the leader's flusher runs the tier's flush policy as a single process
+would, and publishes each decision (decision ``n``: flush step S) in the group's store. Each follower's
+flusher takes decisions only from there, in order: it waits for its own snapshot of S (its training
+may be a little behind), writes its part into the staging directory decision ``n`` names, and reports
+the part (file, checksum, bytes) or its failure. The leader waits for every report up to
+``distributed.timeout``; with all parts durable it writes the commit marker and renames the version
+into place, then publishes the outcome with the versions retention deletes; else it removes the
+staging directory and publishes the abandonment, naming each missing or failed rank. Every rank's
+handle resolves from that outcome, so all of them say the same thing.
+
+So flush and retention decisions are made once, by the leader, and no rank can take another: a
+follower keeps each eligible snapshot until a decision takes it or a newer one (or the leader's
+published *horizon*, the newest step it has dealt with) passes it over. A follower whose leader is
+gone (the store cannot be reached) fails what waits and what comes, naming rank 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+from tierckpt.dist.group import CoordinationLost, RankGroup
+from tierckpt.errors import RankFailureError
+from tierckpt.format import version_dirname
+from tierckpt.pipeline.flusher import Flusher
+from tierckpt.policy import Candidate, Update, finished, take
+from tierckpt.tiers.base import Lease, Staged, VersionInfo
+
+log = logging.getLogger("tierckpt")
+
+_FOLLOW_POLL_S = 0.02
+
+
+class TierChannel:
+    """The store keys of one tier's decisions, reports and outcomes."""
+
+    def __init__(self, group: RankGroup, tier: str) -> None:
+        self.group = group
+        self.tier = tier
+
+    def key(self, *parts: Any) -> str:
+        return "/".join(("tier", self.tier, *map(str, parts)))
+
+    def staging(self, step: int, n: int) -> str:
+        return f".tmp-{version_dirname(step)}-{self.group.run}-{n}"
+
+    async def collect(self, n: int) -> tuple[dict[int, tuple[str, int, int]], dict[int, str]]:
+        """Every follower's report of decision ``n``, waited for up to the timeout: (parts, failures)."""
+        group = self.group
+        keys = {r: self.key("report", n, r) for r in range(1, group.world)}
+        await group.wait_for(list(keys.values()), group.timeout_s)
+        parts: dict[int, tuple[str, int, int]] = {}
+        failures: dict[int, str] = {}
+        for r, key in keys.items():
+            if not await group.has([key]):
+                failures[r] = f"did not report within {group.timeout_s:g} s (dead, hung, or slower than the timeout)"
+                continue
+            report = await group.get(key)
+            if report.get("part") is not None:
+                parts[r] = tuple(report["part"])
+            else:
+                failures[r] = str(report.get("error"))
+        return parts, failures
+
+
+def rank_failure(tier: str, step: int, failures: dict[int, str]) -> RankFailureError:
+    ranks = tuple(sorted(failures))
+    said = "; ".join(f"rank {r}: {why}" for r, why in sorted(failures.items()))
+    return RankFailureError(
+        f"tier {tier!r}: step {step} was abandoned: rank(s) {', '.join(map(str, ranks))} did not store their part ({said})",
+        tier=tier,
+        step=step,
+        ranks=ranks,
+    )
+
+
+class LeaderFlusher(Flusher):
+    """Rank 0's flusher: the tier's policy decides; every decision and its outcome go to the store."""
+
+    def __init__(self, *args: Any, group: RankGroup, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.channel = TierChannel(group, self.tier.name)
+        self._decisions = 0
+        self._doomed: list[int] = []
+        self._newest = -1  # the newest step offered here
+        self._published = -1
+
+    def offer(self, step: int, token: int, arrival: int | None = None) -> None:
+        self._newest = max(self._newest, step)
+        super().offer(step, token, arrival)
+
+    async def _sleep(self, timeout: float | None) -> None:
+        if not self.state.waiting() and self.in_flight is None and self._newest > self._published:
+            # Nothing waits: every step offered so far was taken or passed over. Followers pass over
+            # what they still hold up to here (a step this rank never saved, for one).
+            try:
+                await self.channel.group.put(self.channel.key("horizon"), self._newest)
+                self._published = self._newest
+            except CoordinationLost as exc:
+                log.error("tier %r: %s", self.tier.name, exc)
+            if self._wake.is_set():
+                return  # woken while publishing (a capture ended, a version arrived): decide again first
+        await super()._sleep(timeout)
+
+    async def _store(self, candidate: Candidate) -> VersionInfo:
+        channel = self.channel
+        self._decisions += 1
+        n = self._decisions
+        await channel.group.put(channel.key("decision", n), candidate.step)
+        staged: Staged | None = None
+        try:
+            source = await self.upstream.read(candidate.step)
+            try:
+                staged = await self.tier.write(source, channel.staging(candidate.step, n))
+            finally:
+                source.close()
+            metadata = dict(source.metadata)
+            parts, failures = await channel.collect(n)
+            if failures:
+                raise rank_failure(self.tier.name, candidate.step, failures)
+            assert staged.part is not None
+            parts[0] = staged.part
+            await self.tier.seal(staged, [parts[r] for r in range(channel.group.world)], metadata)
+            info = await self.tier.commit(staged)
+        except BaseException as exc:
+            if staged is not None:
+                await self.tier.abort(staged)
+            await self._publish(n, {"error": str(exc), "ranks": list(getattr(exc, "ranks", ()) or [0])})
+            raise
+        self._doomed = self.doomed(candidate.step)
+        await self._publish(n, {"nbytes": info.nbytes, "delete": self._doomed})
+        return info
+
+    async def _publish(self, n: int, outcome: dict[str, Any]) -> None:
+        try:
+            await self.channel.group.put(self.channel.key("outcome", n), outcome)
+        except CoordinationLost:
+            pass  # this process hosts the store: only a closed store ends up here
+
+    async def prune(self, committed: int) -> None:
+        doomed, self._doomed = self._doomed, []
+        await self.delete(doomed)
+
+
+class FollowerFlusher(Flusher):
+    """A follower's flusher: writes its part of each version the leader decides to flush, in order."""
+
+    def __init__(self, *args: Any, group: RankGroup, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.channel = TierChannel(group, self.tier.name)
+        # Keep every eligible version until a decision takes it or passes it over: queue, never replace.
+        self.policy = replace(self.policy, newest_only=False, min_interval_s=0.0)
+        self._next = 1  # the next decision to follow
+        self._lost: CoordinationLost | None = None
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._follow()
+            except asyncio.CancelledError:
+                raise
+            except CoordinationLost as exc:
+                self._lost = exc
+                self._fail_waiting()
+                await self._sleep(None)
+            except Exception as exc:  # a bug must not silently stop this tier's flushing
+                log.exception("tier %r: flusher error", self.tier.name)
+                self._events.failed(self.tier.name, None, exc)
+                await asyncio.sleep(0.1)
+
+    def _fail_waiting(self) -> None:
+        assert self._lost is not None
+        for candidate in self.state.waiting():
+            self._events.failed(self.tier.name, candidate, rank_failure(self.tier.name, candidate.step, {0: str(self._lost)}))
+        self.state = replace(self.state, queue=(), fallback=None)
+        self._idle.set()
+
+    async def _follow(self) -> None:
+        if self._lost is not None:
+            self._fail_waiting()
+            await self._sleep(None)
+            return
+        channel = self.channel
+        key = channel.key("decision", self._next)
+        if not await channel.group.has([key]):
+            if await channel.group.has([channel.key("horizon")]):
+                self._pass_over(await channel.group.get(channel.key("horizon")), inclusive=True)
+            if not self.state.waiting():
+                self._idle.set()
+            await self._sleep(_FOLLOW_POLL_S)
+            return
+        n, step = self._next, await channel.group.get(key)
+        self._next += 1
+        self._pass_over(step, inclusive=False)
+        candidate = await self._await_snapshot(step)
+        if candidate is None:
+            error = f"rank {channel.group.rank} holds no step {step} on tier {self.upstream.name!r} (it skipped, evicted or never made that save)"
+            await channel.group.put(channel.key("report", n, channel.group.rank), {"error": error})
+            await self._outcome(n)  # stay in step with the leader's decisions
+            return
+        self._apply(take(self.state, self.policy, candidate, now=self._clock()))
+        self.in_flight = candidate
+        started = self._clock()
+        try:
+            lease = self.upstream.lease(step)
+        except KeyError:
+            lease = None
+        try:
+            await self._write_part(n, candidate, lease, started)
+        finally:
+            self.in_flight = None
+
+    async def _write_part(self, n: int, candidate: Candidate, lease: Lease | None, started: float) -> None:
+        channel = self.channel
+        me = channel.group.rank
+        staged: Staged | None = None
+        try:
+            if lease is None:
+                raise KeyError(f"rank {me} holds no step {candidate.step} on tier {self.upstream.name!r} any more")
+            source = await self.upstream.read(candidate.step)
+            try:
+                staged = await self.tier.write(source, channel.staging(candidate.step, n))
+            finally:
+                source.close()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if lease is not None:
+                lease.release()
+            await channel.group.put(channel.key("report", n, me), {"error": f"{type(exc).__name__}: {exc}"})
+            outcome = await self._outcome(n)
+            self._events.failed(self.tier.name, candidate, exc if outcome is None or "error" in outcome else exc)
+            return
+        lease.release()
+        await channel.group.put(channel.key("report", n, me), {"part": list(staged.part or ())})
+        outcome = await self._outcome(n)
+        if outcome is None or "error" in outcome:
+            await self.tier.abort(staged)
+            if outcome is None:
+                failure = rank_failure(self.tier.name, candidate.step, {0: f"no outcome within {2 * channel.group.timeout_s:g} s"})
+            else:
+                failure = rank_failure(self.tier.name, candidate.step, {r: "see rank 0's log" for r in outcome["ranks"]})
+                failure.args = (f"tier {self.tier.name!r}: step {candidate.step} was abandoned by rank 0: {outcome['error']}",)
+            self._events.failed(self.tier.name, candidate, failure)
+            return
+        info = self.tier.adopt(staged, outcome["nbytes"])
+        self.state = finished(self.state, started=started, ok=True)
+        self._events.committed(self.tier.name, candidate, info)
+        for step in outcome["delete"]:
+            self.tier.forget(step)
+
+    async def _outcome(self, n: int) -> dict[str, Any] | None:
+        """The leader's outcome of decision ``n``; None if none came in twice the timeout (the leader's
+        wait for the reports, and its own write)."""
+        channel = self.channel
+        key = channel.key("outcome", n)
+        if not await channel.group.wait_for([key], 2 * channel.group.timeout_s):
+            return None
+        return await channel.group.get(key)
+
+    async def _await_snapshot(self, step: int) -> Candidate | None:
+        """This rank's version of ``step`` from the tier above; waits for it while this rank is behind."""
+        deadline = time.monotonic() + self.channel.group.timeout_s
+        while True:
+            found = next((c for c in self.state.waiting() if c.step == step), None)
+            if found is not None or any(c.step > step for c in self.state.waiting()) or self._newest_offered > step:
+                return found
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            await self._sleep(min(left, _FOLLOW_POLL_S))
+
+    _newest_offered = -1
+
+    def offer(self, step: int, token: int, arrival: int | None = None) -> None:
+        self._newest_offered = max(self._newest_offered, step)
+        super().offer(step, token, arrival)
+        if self._lost is not None:
+            self._wake.set()
+
+    def _pass_over(self, step: int, *, inclusive: bool) -> None:
+        """The leader went past ``step``: what waits here below it (or at it) will not be taken."""
+        older = tuple(c for c in self.state.waiting() if c.step < step or (inclusive and c.step == step))
+        if not older:
+            return
+        queue = tuple(c for c in self.state.queue if c not in older)
+        fallback = None if self.state.fallback in older else self.state.fallback
+        self._apply(Update(replace(self.state, queue=queue, fallback=fallback), older))
+
+    async def drain(self) -> None:
+        """Wait until the leader dealt with everything waiting here, for at most the timeout."""
+        try:
+            await asyncio.wait_for(super().drain(), self.channel.group.timeout_s)
+        except asyncio.TimeoutError:
+            left = self.state.waiting()
+            log.warning(
+                "tier %r: rank 0 took none of steps %s within %g s; they will not go down",
+                self.tier.name, [c.step for c in left], self.channel.group.timeout_s,
+            )
+            self._apply(Update(replace(self.state, queue=(), fallback=None), left))
+            self._idle.set()

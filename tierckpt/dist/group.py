@@ -1,0 +1,165 @@
+"""The ranks one Checkpointer spans, and the two channels they coordinate over.
+
+Made once, collectively, when the Checkpointer is constructed under ``torch.distributed``:
+
+- a **gloo process group** of its own (``new_group(backend="gloo")``) over the same ranks, used only
+  for the few collectives every rank calls at the same moment from its own call (construction,
+  ``restore_latest``), so nothing tierckpt does ever issues a collective on the training group (NCCL or
+  otherwise), and never from a background thread;
+- a **key-value store** (a ``TCPStore`` served by the leader, the group's first rank) for everything
+  the engine thread coordinates while training runs: the leader's flush decisions, each rank's report
+  of its part, the outcome of each version. A store needs no matching calls on every rank, and every
+  wait on it has a timeout, so a dead or stuck rank costs a timeout, never a hang.
+
+Every store call runs on one thread of its own (a TCPStore client is one socket); waits poll
+``check``, which costs a few microseconds, backing off to 20 ms while nothing changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import datetime
+import logging
+import os
+import socket
+import time
+import uuid
+from typing import Any, Sequence
+
+import msgpack
+import torch.distributed as dist
+
+from tierckpt.errors import ConfigError
+
+log = logging.getLogger("tierckpt")
+
+_POLL_MIN_S = 0.001
+_POLL_MAX_S = 0.02
+
+
+class CoordinationLost(RuntimeError):
+    """The store cannot be reached any more: the leader's process is gone (or the network is)."""
+
+
+class RankGroup:
+    """This process's place among the ranks of one Checkpointer, and their channels.
+
+    Attributes:
+        rank: this process's rank in the group (0 .. world - 1); rank 0 is the leader.
+        world: how many ranks the group has (> 1: one process needs no group).
+        ranks: the global ranks of the group, in group order.
+        run: an id of this Checkpointer's run, the same on every rank (names staging directories).
+        timeout_s: how long a rank waits for the others (``distributed.timeout``).
+    """
+
+    def __init__(self, rank: int, world: int, ranks: Sequence[int], run: str, timeout_s: float, store: Any, pg: Any, server: Any = None) -> None:
+        self.rank = rank
+        self.world = world
+        self.ranks = tuple(ranks)
+        self.run = run
+        self.timeout_s = timeout_s
+        self._store = store
+        self._server = server  # the leader keeps the store's server alive
+        self._pg = pg
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-store")
+        self._lost: str | None = None
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def discover(cls, group: Any, timeout_s: float) -> RankGroup | None:
+        """The ranks of ``group`` (default: the world) when ``torch.distributed`` is initialized, else None.
+
+        Collective over ``group``: every rank of it must call this, at the same point of its program.
+        A group of one process is None too: it saves as a single process does.
+        """
+        if not (dist.is_available() and dist.is_initialized()):
+            if group is not None:
+                raise ConfigError("Checkpointer(group=...) needs torch.distributed to be initialized first")
+            return None
+        group = group if group is not None else dist.group.WORLD
+        world = dist.get_world_size(group)
+        if world <= 1:
+            return None
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise ConfigError("Checkpointer(group=...): this process is not a member of that group")
+        ranks = dist.get_process_group_ranks(group)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        pg = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True)
+        server = None
+        if rank == 0:
+            # Served by the leader on a free port; the others learn where from the collective below.
+            server = dist.TCPStore("0.0.0.0", 0, None, True, timeout, wait_for_workers=False)
+            host = os.environ.get("MASTER_ADDR") if dist.get_rank() == 0 and os.environ.get("MASTER_ADDR") else socket.gethostname()
+            where = [host, server.port, uuid.uuid4().hex[:12]]
+        else:
+            where = [None, None, None]
+        dist.broadcast_object_list(where, src=ranks[0], group=pg)
+        host, port, run = where
+        store = server if server is not None else dist.TCPStore(host, port, None, False, timeout)
+        return cls(rank, world, ranks, run, timeout_s, store, pg, server)
+
+    # -- the store (from the engine thread) ---------------------------------------------------------
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        if self._lost is not None:
+            raise CoordinationLost(self._lost)
+        fn = getattr(self._store, method)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        except (RuntimeError, OSError) as exc:  # DistNetworkError / DistStoreError are RuntimeErrors
+            self._lost = f"lost contact with the leader (rank 0) of the checkpointing group: {exc}"
+            raise CoordinationLost(self._lost) from exc
+
+    async def put(self, key: str, value: Any) -> None:
+        await self._call("set", key, msgpack.packb(value, use_bin_type=True))
+
+    async def get(self, key: str) -> Any:
+        return msgpack.unpackb(await self._call("get", key), raw=False)
+
+    async def add(self, key: str, amount: int) -> int:
+        return int(await self._call("add", key, amount))
+
+    async def has(self, keys: Sequence[str]) -> bool:
+        return bool(await self._call("check", list(keys)))
+
+    async def wait_for(self, keys: Sequence[str], timeout_s: float | None) -> bool:
+        """Whether every key was set within ``timeout_s`` (None: wait as long as it takes)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        delay = _POLL_MIN_S
+        while not await self.has(keys):
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX_S)
+        return True
+
+    # -- collectives (every rank at once, from its own call) -----------------------------------------
+
+    def all_gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order (blocking; msgpack types only)."""
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, msgpack.packb(value, use_bin_type=True), group=self._pg)
+        return [msgpack.unpackb(v, raw=False) for v in out]
+
+    async def leave(self) -> None:
+        """Closing: the leader serves the store until every rank left (or the timeout passed); the
+        others only say they leave, since the store may be gone once they look again."""
+        try:
+            await self.put(f"left/{self.rank}", True)
+            if not self.leader:
+                return
+            keys = [f"left/{r}" for r in range(1, self.world)]
+            if not await self.wait_for(keys, self.timeout_s):
+                late = [r for r in range(1, self.world) if not await self.has([f"left/{r}"])]
+                log.warning("tierckpt: rank(s) %s did not reach close() within %g s", late, self.timeout_s)
+        except CoordinationLost as exc:
+            log.warning("tierckpt: closing without the other ranks: %s", exc)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        self._store = self._server = None
