@@ -234,8 +234,8 @@ class FollowerFlusher(Flusher):
             if lease is not None:
                 lease.release()
             await channel.group.put(channel.key("report", n, me), {"error": f"{type(exc).__name__}: {exc}"})
-            outcome = await self._outcome(n)
-            self._events.failed(self.tier.name, candidate, exc if outcome is None or "error" in outcome else exc)
+            await self._outcome(n)  # stay in step with the leader's decisions; this rank's error is the one to raise
+            self._events.failed(self.tier.name, candidate, exc)
             return
         lease.release()
         await channel.group.put(channel.key("report", n, me), {"part": list(staged.part or ())})
