@@ -119,6 +119,26 @@ def main() -> None:
             out["tier"] = restored.tier
             out["bitwise"] = equal(restored.state, state(restored.step, rank))
             out["template_filled"] = restored.state["mine"] is into["mine"] and equal(into["model"], model(restored.step))
+    elif scenario == "dtensor":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (world,))
+        weights = distribute_tensor(model(4)["w"], mesh, [Replicate()])
+        with Checkpointer(config(root, timeout)) as ckpt:
+            assert ckpt.save_sync(4, {"w": weights, "mine": state(4, rank)["mine"]}).committed_sync("disk", timeout=120)
+        into = {"w": distribute_tensor(torch.zeros(MODEL_NUMEL), mesh, [Replicate()]), "mine": torch.zeros(1000 + rank)}
+        with Checkpointer(config(root, timeout)) as ckpt:
+            restored = ckpt.restore_latest_sync(into)
+        out["step"] = restored.step
+        out["bitwise"] = equal(into["w"].to_local(), model(4)["w"]) and equal(into["mine"], state(4, rank)["mine"])
+        try:
+            sharded = distribute_tensor(model(4)["w"], mesh, [torch.distributed.tensor.Shard(0)])
+            with Checkpointer(config(root / "sharded", timeout)) as ckpt:
+                ckpt.save_sync(5, {"w": sharded})
+            out["sharded"] = "saved"
+        except Exception as exc:
+            out["sharded"] = f"{type(exc).__name__}: {exc}"
     elif scenario == "kill":
         victim, at = int(os.environ["VICTIM"]), int(os.environ["AT"])
         KilledMidWrite.victim_step = at if rank == victim else -1

@@ -147,3 +147,11 @@ def test_the_torchrun_example_trains_and_resumes_on_every_rank(tmp_path: Path) -
     assert "rank 0: resumed from step 3 (tier disk)" in second.stdout
     assert "rank 1: resumed from step 3 (tier disk)" in second.stdout
     assert re.search(r"trained to step 5; on disk: \[(3, |4, )?5\]", second.stdout), second.stdout
+
+
+def test_replicated_dtensors_are_stored_once_without_being_named(tmp_path: Path) -> None:
+    (a, b) = run_ranks(2, "dtensor", tmp_path)
+    assert (a["step"], a["bitwise"], b["step"], b["bitwise"]) == (4, True, 4, True)
+    marker = decode_document((_version(tmp_path, 4) / MANIFEST_FILE).read_bytes())
+    assert sum(marker.ranks[r][2] for r in range(2)) < MODEL_BYTES + 3 * 4096 + 2 * 4 * 1001  # the weights once
+    assert "UnsupportedStateError" in a["sharded"] and "sharded DTensors" in a["sharded"]

@@ -432,6 +432,8 @@ def _sharing(replicated: Sequence[Any], leaves: list[Any], world: int) -> Callab
     """
     if isinstance(replicated, (str, tuple)) and replicated and not isinstance(replicated, list):
         replicated = [replicated]
+    # DTensors replicated over a mesh of every saving rank, named or not.
+    dtensors = {format_path(leaf.path) for leaf in leaves if leaf.replicated == world > 1}
     prefixes = []
     for entry in replicated:
         if isinstance(entry, str):
@@ -440,9 +442,7 @@ def _sharing(replicated: Sequence[Any], leaves: list[Any], world: int) -> Callab
             prefixes.append(tuple(str(k) for k in entry))
         else:
             raise TypeError(f"replicated entries are key paths (a str like 'model' or 'optim.state', or a tuple), not {entry!r}")
-    if not prefixes:
-        return lambda key: None
-    matched: set[str] = set()
+    matched: set[str] = set(dtensors)
     for leaf in leaves:
         path = tuple(str(k) for k in leaf.path)
         for prefix in prefixes:
@@ -452,6 +452,9 @@ def _sharing(replicated: Sequence[Any], leaves: list[Any], world: int) -> Callab
     if unused:
         raise ValueError(f"replicated={unused!r}: no tensor of the state is under {'these keys' if len(unused) > 1 else 'this key'}")
     if world <= 1:
+        return lambda key: None
+
+    if not matched:
         return lambda key: None
 
     def sharing(key: str) -> tuple[int, ...] | None:

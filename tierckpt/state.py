@@ -96,6 +96,9 @@ class Leaf:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    # A DTensor replicated over its whole mesh: the mesh's size (else 0). ``value`` is its local
+    # tensor, the same on every rank of the mesh; a mesh of every saving rank stores it once.
+    replicated: int = 0
 
 
 def format_path(path: tuple[Any, ...]) -> str:
@@ -260,12 +263,17 @@ def skeleton_leaf_count(skeleton: Any) -> int:
 def _leaf_node(obj: Any, path: tuple[Any, ...], leaves: list[Leaf]) -> list[Any]:
     """Check one array, append its Leaf and return its skeleton node."""
     index = len(leaves)
+    replicated = 0
+    if isinstance(obj, torch.Tensor) and _is_dtensor(obj):
+        if not all(p.is_replicate() for p in obj.placements):
+            raise _unsupported(obj, path, False, f"sharded DTensors (placements {tuple(obj.placements)}) are not supported yet; only Replicate()")
+        obj, replicated = obj.to_local(), obj.device_mesh.size()
     if isinstance(obj, torch.Tensor):
         problem = _tensor_problem(obj)
         if problem is not None:
             raise _unsupported(obj, path, False, problem)
         dtype, nbytes = _TORCH_DTYPE_NAMES[obj.dtype], obj.numel() * obj.element_size()
-        leaves.append(Leaf(index, path, "torch", obj, dtype, tuple(obj.shape), nbytes))
+        leaves.append(Leaf(index, path, "torch", obj, dtype, tuple(obj.shape), nbytes, replicated))
         return ["T", index]
     if type(obj) is np.ndarray:
         array, tag = obj, "N"
@@ -278,6 +286,11 @@ def _leaf_node(obj: Any, path: tuple[Any, ...], leaves: list[Leaf]) -> list[Any]
         raise _unsupported(obj, path, False, problem)
     leaves.append(Leaf(index, path, "numpy", array, array.dtype.str, array.shape, array.nbytes))
     return [tag, index]
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    cls = type(tensor)
+    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
 
 
 def _tensor_problem(tensor: torch.Tensor) -> str | None:
