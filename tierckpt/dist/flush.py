@@ -157,6 +157,7 @@ class FollowerFlusher(Flusher):
         # Keep every eligible version until a decision takes it or passes it over: queue, never replace.
         self.policy = replace(self.policy, newest_only=False, min_interval_s=0.0)
         self._next = 1  # the next decision to follow
+        self._newest_offered = -1  # the newest step of this rank's own saves offered here
         self._lost: CoordinationLost | None = None
 
     async def _run(self) -> None:
@@ -275,8 +276,6 @@ class FollowerFlusher(Flusher):
             if left <= 0:
                 return None
             await self._sleep(min(left, _FOLLOW_POLL_S))
-
-    _newest_offered = -1
 
     def offer(self, step: int, token: int, arrival: int | None = None) -> None:
         self._newest_offered = max(self._newest_offered, step)

@@ -118,7 +118,6 @@ class Pipeline:
         self._capture_errors: list[FlushError] = []  # raised once by the next save, wait or close
         self._unresolved: dict[str, FlushError] = {}  # per tier, its newest failed flush with no commit since
         self._failing: dict[str, int] = {}  # per tier, failed flushes since its last commit (for the log)
-        self.group = group
         # Of several ranks, the leader's flushers decide and the others follow (tierckpt.dist.flush).
         kind: Callable[..., Flusher] = Flusher
         if group is not None:
