@@ -132,13 +132,6 @@ def main() -> None:
             restored = ckpt.restore_latest_sync(into)
         out["step"] = restored.step
         out["bitwise"] = equal(into["w"].to_local(), model(4)["w"]) and equal(into["mine"], state(4, rank)["mine"])
-        try:
-            sharded = distribute_tensor(model(4)["w"], mesh, [torch.distributed.tensor.Shard(0)])
-            with Checkpointer(config(root / "sharded", timeout)) as ckpt:
-                ckpt.save_sync(5, {"w": sharded})
-            out["sharded"] = "saved"
-        except Exception as exc:
-            out["sharded"] = f"{type(exc).__name__}: {exc}"
     elif scenario == "kill":
         victim, at = int(os.environ["VICTIM"]), int(os.environ["AT"])
         KilledMidWrite.victim_step = at if rank == victim else -1

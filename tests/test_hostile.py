@@ -34,6 +34,8 @@ from hypothesis import HealthCheck, event, given, reject, settings
 from hypothesis import strategies as st
 
 import tierckpt._buffers
+import tierckpt.landing
+import tierckpt.reshard.load
 import tierckpt.restore
 import tierckpt.state
 import tierckpt.tiers.fsio
@@ -176,12 +178,12 @@ class _Guards:
 
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(os, "open", self._open(os.open))
-            for module in (tierckpt._buffers, tierckpt.restore, tierckpt.tiers.fsio):
+            for module in (tierckpt._buffers, tierckpt.restore, tierckpt.landing, tierckpt.reshard.load, tierckpt.tiers.fsio):
                 patch.setattr(module, "aligned_buffer", self._sized(module.aligned_buffer, lambda n, **_: n, "aligned_buffer"))
             patch.setattr(
-                tierckpt.restore,
+                tierckpt.landing,
                 "owned_tensor",
-                self._sized(tierckpt.restore.owned_tensor, lambda dtype, shape, n: n, "owned_tensor"),
+                self._sized(tierckpt.landing.owned_tensor, lambda dtype, shape, n: n, "owned_tensor"),
             )
             patch.setattr(torch, "empty", self._sized(torch.empty, numel_bytes, "torch.empty"))
             patch.setattr(np, "empty", self._sized(np.empty, numel_bytes, "np.empty"))

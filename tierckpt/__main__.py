@@ -1,4 +1,4 @@
-"""``python -m tierckpt ls|verify DIR``: see :mod:`tierckpt.cli`."""
+"""``python -m tierckpt ls|verify DIR`` and ``python -m tierckpt export VERSION OUT``: see :mod:`tierckpt.cli`."""
 
 from tierckpt.cli import main
 

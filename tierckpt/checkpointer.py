@@ -313,7 +313,7 @@ class Checkpointer:
         except (TypeError, ValueError, OverflowError) as exc:
             raise TypeError(f"metadata must hold only msgpack types (str, int, float, bool, None, bytes, lists, dicts): {exc}") from exc
         skeleton, leaves = flatten(state)
-        entries, nbytes = plan_entries(leaves, _sharing(replicated, leaves, self.world_size))
+        entries, nbytes = plan_entries(leaves, _sharing(replicated, leaves, self._group.ranks if self._group else (0,)))
         slot = self._pool.slot_size
         if nbytes > slot:
             host = self.config.host
@@ -344,7 +344,7 @@ class Checkpointer:
         self._check_open()
         self._engine.run_sync(self._pipeline.wait())
 
-    async def restore_latest(self, template: Any = None) -> Restored | None:
+    async def restore_latest(self, template: Any = None, *, strict: bool = True, cast: bool = False) -> Restored | None:
         """Load the newest committed version that verifies, from whichever tier holds it.
 
         With ``template`` (a state of the same structure), tensors are copied into the template's
@@ -353,20 +353,33 @@ class Checkpointer:
         host slots when they fit (a save meanwhile finds those slots busy), else in new memory.
         Returns None when no tier holds a version.
 
+        The version may have been saved with another parallel layout: a DTensor of the template gets
+        its own piece, whatever mesh and placements saved it and whatever mesh it has now, read from
+        just the stored pieces that overlap it; a plain tensor of the template, or any tensor without
+        a template, gets the whole global tensor. Values that are not DTensors come from the same rank
+        of the saved job (rank 0's where it had fewer ranks). Under torch.distributed this is
+        collective: every rank calls it.
+
+        ``strict``: a template tensor the version lacks is an error (else it is left as it is; see
+        :attr:`Restored.missing_keys`). Tensors the version has and the template lacks come back as
+        new tensors (:attr:`Restored.unexpected_keys`). ``cast``: convert a saved dtype to the
+        template's (else a differing dtype is an error naming the key).
+
         Raises:
-            RestoreError: the template's tensors do not match the stored ones.
+            RestoreError: the template's tensors do not match the stored ones (global shape, dtype,
+                kind), or ``strict`` and template keys are missing from the version.
         """
         self._check_open()
-        return await self._engine.run(self._restore(template))
+        return await self._engine.run(self._restore(template, strict, cast))
 
-    def restore_latest_sync(self, template: Any = None) -> Restored | None:
+    def restore_latest_sync(self, template: Any = None, *, strict: bool = True, cast: bool = False) -> Restored | None:
         self._check_open()
-        return self._engine.run_sync(self._restore(template))
+        return self._engine.run_sync(self._restore(template, strict, cast))
 
-    def _restore(self, template: Any) -> Any:
+    def _restore(self, template: Any, strict: bool, cast: bool) -> Any:
         if self._group is not None:
-            return restore_agreed(self._group, self._pipeline.tiers, template, self._pipeline.memory)
-        return restore_latest(self._pipeline.tiers, template, self._pipeline.memory)
+            return restore_agreed(self._group, self._pipeline.tiers, template, self._pipeline.memory, strict=strict, cast=cast)
+        return restore_latest(self._pipeline.tiers, template, self._pipeline.memory, strict=strict, cast=cast)
 
     def versions(self) -> list[VersionInfo]:
         """What each tier holds now: one :class:`VersionInfo` per committed version, per tier."""
@@ -423,8 +436,12 @@ class _Handles:
         self._handles = []
 
 
-def _sharing(replicated: Sequence[Any], leaves: list[Any], world: int) -> Callable[[str], tuple[int, ...] | None]:
-    """Which leaves ``replicated`` names, as :func:`plan_entries` asks: by key, the ranks sharing it.
+def _sharing(replicated: Sequence[Any], leaves: list[Any], ranks: Sequence[int]) -> Callable[[str], tuple[int, ...] | None]:
+    """Which leaves are stored once between ranks, as :func:`plan_entries` asks: by key, those ranks.
+
+    ``ranks`` are the global ranks of the group, in group order. A DTensor piece is shared by its
+    replicas (the ranks holding the same piece), named or not; ``replicated`` names other values that
+    every rank holds alike.
 
     Raises:
         ValueError: an entry names no leaf (a typo would otherwise store every rank's copy).
@@ -432,8 +449,6 @@ def _sharing(replicated: Sequence[Any], leaves: list[Any], world: int) -> Callab
     """
     if isinstance(replicated, (str, tuple)) and replicated and not isinstance(replicated, list):
         replicated = [replicated]
-    # DTensors replicated over a mesh of every saving rank, named or not.
-    dtensors = {format_path(leaf.path) for leaf in leaves if leaf.replicated == world > 1}
     prefixes = []
     for entry in replicated:
         if isinstance(entry, str):
@@ -442,28 +457,34 @@ def _sharing(replicated: Sequence[Any], leaves: list[Any], world: int) -> Callab
             prefixes.append(tuple(str(k) for k in entry))
         else:
             raise TypeError(f"replicated entries are key paths (a str like 'model' or 'optim.state', or a tuple), not {entry!r}")
-    matched: set[str] = set(dtensors)
-    for leaf in leaves:
-        path = tuple(str(k) for k in leaf.path)
-        for prefix in prefixes:
-            if path[: len(prefix)] == prefix:
-                matched.add(format_path(leaf.path))
     unused = [".".join(p) for p in prefixes if not any(tuple(str(k) for k in leaf.path)[: len(p)] == p for leaf in leaves)]
     if unused:
         raise ValueError(f"replicated={unused!r}: no tensor of the state is under {'these keys' if len(unused) > 1 else 'this key'}")
-    if world <= 1:
+    if len(ranks) <= 1:
         return lambda key: None
-
-    if not matched:
+    position = {r: i for i, r in enumerate(ranks)}
+    everyone = tuple(range(len(ranks)))
+    holders: dict[str, tuple[int, ...]] = {}
+    for leaf in leaves:
+        key = format_path(leaf.path)
+        if leaf.region is not None:  # a DTensor: its placements say who holds the same piece
+            if len(leaf.replicas) > 1 and all(r in position for r in leaf.replicas):
+                holders[key] = tuple(position[r] for r in leaf.replicas)
+            continue
+        path = tuple(str(k) for k in leaf.path)
+        if any(path[: len(p)] == p for p in prefixes):
+            holders[key] = everyone
+    if not holders:
         return lambda key: None
 
     def sharing(key: str) -> tuple[int, ...] | None:
-        if key not in matched:
+        group = holders.get(key)
+        if group is None:
             return None
-        # Each value's chunks start at a rank of their own (the same on every rank: from the key), so
-        # that the odd chunks of many values do not all land on rank 0.
-        first = zlib.crc32(key.encode()) % world
-        return tuple((first + r) % world for r in range(world))
+        # Each value's chunks start at a rank of their own (the same on every holder: from the key),
+        # so that the odd chunks of many values do not all land on one rank.
+        first = zlib.crc32(key.encode()) % len(group)
+        return group[first:] + group[:first]
 
     return sharing
 

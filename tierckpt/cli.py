@@ -1,4 +1,4 @@
-"""``python -m tierckpt ls|verify DIR``: look at and check stored versions without a Checkpointer.
+"""``python -m tierckpt ls|verify DIR`` and ``export VERSION OUT``: stored versions without a Checkpointer.
 
 ``DIR`` is a filesystem tier's directory (every ``step-<12 digits>`` directory in it is a version) or
 one version directory. Nothing is written, and no lock is taken: both work beside a running job.
@@ -14,12 +14,25 @@ one version directory. Nothing is written, and no lock is taken: both work besid
 Exit status: 0 when every version is fine (or there is none), 1 when one is damaged, 2 on a usage
 error (a missing directory, a bad argument).
 
+``export VERSION OUT [--to safetensors|torch] [--force] [--threads N]`` writes one version's
+consolidated state (DTensor shards of every rank put together; every other value as rank 0 saved it)
+for tools without tierckpt: a safetensors file (the default, and for an ``OUT`` not ending in ``.pt``
+or ``.pth``) or a ``torch.save`` file that ``torch.load(OUT, weights_only=True)`` reads
+(:mod:`tierckpt.export`). One tensor at a time is in memory. It shows a progress line on stderr when
+that is a terminal and prints one summary line. Exit status: 0 when written; 1 when the version is
+damaged (a chunk's checksum) or the output cannot be written, and then no output is left; 2 on a
+usage error: ``VERSION`` missing or not a version directory, ``OUT`` existing (``--force`` replaces
+it), a value the format cannot hold (a dtype safetensors lacks: use ``--to torch``), named before
+anything is written.
+
 Example::
 
     $ python -m tierckpt verify ./checkpoints/nvme
     step-000000000100  OK       5 tensors, 1.2 GiB stored, 1.2 GiB logical
     step-000000000200  DAMAGED  data-r00000.bin: checksum mismatch in ['model']['w'] (chunk 3) at bytes ...
     2 versions: 1 OK, 1 damaged
+    $ python -m tierckpt export ./checkpoints/nvme/step-000000000100 model.safetensors
+    exported step 100: 5 tensors, 1.2 GiB to model.safetensors
 """
 
 from __future__ import annotations
@@ -32,8 +45,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
-from tierckpt.errors import CorruptCheckpointError
+from tierckpt import export as exporting
+from tierckpt.errors import CorruptCheckpointError, UnsupportedStateError
 from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, TensorRecord, parse_version_dirname
 from tierckpt.format.manifest import where
 from tierckpt.tiers.fsio import scratch, scratch2
@@ -62,15 +77,26 @@ class _Version:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (see the module docstring)."""
     parser = argparse.ArgumentParser(
-        prog="python -m tierckpt", description="Look at and check tierckpt versions on a filesystem tier."
+        prog="python -m tierckpt", description="Look at, check and export tierckpt versions on a filesystem tier."
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{ls,verify}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{ls,verify,export}")
     ls = commands.add_parser("ls", help="list versions: step, sizes, creation time, valid (reads manifests only)")
     ls.add_argument("dir", type=Path, help="a tier directory, or one version directory")
     verify = commands.add_parser("verify", help="check every version: manifest, every chunk's checksum, decoding")
     verify.add_argument("dir", type=Path, help="a tier directory, or one version directory")
     verify.add_argument("--threads", type=int, default=2, help="threads reading and checking chunks (default 2)")
+    export = commands.add_parser("export", help="write one version's consolidated state as safetensors or torch.save")
+    export.add_argument("version", type=Path, help="a version directory (step-<12 digits>) of a filesystem tier")
+    export.add_argument("out", type=Path, help="the file to write")
+    export.add_argument(
+        "--to", choices=exporting.FORMATS, default=None,
+        help="the format (default: torch for a .pt or .pth OUT, else safetensors)",
+    )
+    export.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    export.add_argument("--threads", type=int, default=2, help="threads reading and checking chunks (default 2)")
     args = parser.parse_args(argv)
+    if args.command == "export":
+        return _export(parser.prog, args)
     try:
         if args.command == "verify" and args.threads < 1:
             raise _UsageError(f"--threads must be at least 1, not {args.threads}")
@@ -245,3 +271,57 @@ def _verify(versions: list[_Version], threads: int) -> int:
                 print(f"{version.name.ljust(width)}  DAMAGED  {damage}", flush=True)
     print(f"{len(versions)} version{'s' if len(versions) != 1 else ''}: {len(versions) - damaged} OK, {damaged} damaged")
     return DAMAGED if damaged else OK
+
+
+def _export(prog: str, args: argparse.Namespace) -> int:
+    if args.threads < 1:
+        print(f"{prog} export: --threads must be at least 1, not {args.threads}", file=sys.stderr)
+        return USAGE
+    bar = _ProgressLine(sys.stderr) if sys.stderr.isatty() else None
+    try:
+        summary = exporting.export(
+            args.version, args.out, to=args.to, force=args.force, threads=args.threads, progress=bar
+        )
+    except (FileNotFoundError, FileExistsError, UnsupportedStateError) as exc:  # NoCheckpointError too
+        status, text = USAGE, str(exc)
+    except CorruptCheckpointError as exc:
+        status, text = DAMAGED, str(exc)
+    except OSError as exc:
+        status, text = DAMAGED, f"cannot write {args.out}: {exc.strerror or exc}"
+    else:
+        status, text = OK, ""
+    finally:
+        if bar is not None:
+            bar.end()
+    if status != OK:
+        print(f"{prog} export: {text}", file=sys.stderr)
+        return status
+    print(f"exported step {summary.step}: {summary.tensors} tensors, {_size(summary.nbytes)} to {summary.path}")
+    return OK
+
+
+class _ProgressLine:
+    """``export step 7: 12/40 tensors, 1.2 GiB/3.4 GiB``, redrawn in place at most 10 times a second."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._drawn = 0.0
+        self._width = 0
+
+    def __call__(self, p: exporting.ExportProgress) -> None:
+        now = time.monotonic()
+        if now - self._drawn < 0.1 and p.tensors < p.total_tensors:
+            return
+        self._drawn = now
+        line = f"export step {p.step}: {p.tensors}/{p.total_tensors} tensors, {_size(p.nbytes)}/{_size(p.total_nbytes)}"
+        if p.tensors == p.total_tensors:
+            line += ", writing" if p.total_tensors else ""
+        self._width = max(self._width, len(line))
+        self._stream.write("\r" + line.ljust(self._width))
+        self._stream.flush()
+
+    def end(self) -> None:
+        """Clear the line (the summary or the error follows)."""
+        if self._width:
+            self._stream.write("\r" + " " * self._width + "\r")
+            self._stream.flush()

@@ -116,7 +116,11 @@ class RankFailureError(FlushError):
 
 
 class LayoutError(TierckptError, ValueError):
-    """A stored version was saved by another number of ranks than the job restoring it has."""
+    """A stored version was saved by another number of ranks than the job reading it has.
+
+    ``restore_latest`` does not raise it: it reads such a version through its saved layout
+    (:mod:`tierckpt.reshard`). Reading one rank's part as it is (a flush) does.
+    """
 
 
 class CorruptCheckpointError(TierckptError, ValueError):

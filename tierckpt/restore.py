@@ -5,6 +5,11 @@ tier first. A version that fails verification (damaged manifest, missing file, c
 gives a warning naming tier, step and key, and the next candidate is tried: the same step on a slower
 tier, then older steps.
 
+A version whose records are exactly the template's (same keys, dtypes, shapes, DTensor pieces) is
+read as below. Any other (saved by another parallel layout, restored without a template where it holds
+DTensor shards, or with ``cast``) is read through its saved layout (:mod:`tierckpt.reshard`). The
+template's keys are checked against the version's first (:func:`check_keys`).
+
 Bytes are read in the tier's threads with O_DIRECT where the tier allows it, chunk by chunk, each
 chunk hashed right after its read while it is in cache. New tensors of 1 MiB or more get page-aligned
 memory of their own, so the disk writes straight into them; smaller ones are copied from an aligned
@@ -40,10 +45,13 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from tierckpt._buffers import align_up, aligned_buffer, owned_tensor, prefault, tensor_bytes
-from tierckpt.errors import CorruptCheckpointError, RestoreError
-from tierckpt.state import Leaf, flatten, numpy_dtype, skeleton_leaf_count, torch_dtype, unflatten
+from tierckpt._buffers import align_up, aligned_buffer, prefault, tensor_bytes
+from tierckpt.errors import CorruptCheckpointError, LayoutError, RestoreError
 from tierckpt.format import TensorRecord
+from tierckpt.landing import Target, finish, new_array
+from tierckpt.reshard import load as reshard
+from tierckpt.reshard.layout import NotHere, SavedLayout
+from tierckpt.state import Leaf, flatten, format_path, numpy_dtype, skeleton_leaf_count, torch_dtype
 from tierckpt.tiers.base import Tier, VersionSource
 from tierckpt.tiers.fsio import ChunkJobs, scratch
 from tierckpt.tiers.fswrite import scratch_bytes
@@ -51,9 +59,6 @@ from tierckpt.tiers.memory import MemorySource, MemoryTier
 
 log = logging.getLogger("tierckpt")
 
-# New tensors at least this large get a page-aligned mapping of their own (glibc's malloc gives
-# blocks this size one too); smaller ones come from torch.empty and are copied from scratch.
-_OWN_MAPPING = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -64,21 +69,31 @@ class Restored:
     state: Any
     tier: str  # the tier it was read from
     metadata: dict[str, Any] = field(default_factory=dict)
+    # With a template: its array keys the version lacks (left as they were; only with strict=False),
+    # and the version's keys the template lacks (new arrays in ``state``).
+    missing_keys: tuple[str, ...] = ()
+    unexpected_keys: tuple[str, ...] = ()
 
 
 def template_leaves(template: Any) -> dict[str, Leaf]:
-    from tierckpt.state import format_path
-
     if template is None:
         return {}
     return {format_path(leaf.path): leaf for leaf in flatten(template)[1]}
 
 
-async def restore_latest(tiers: Sequence[Tier], template: Any, staging: MemoryTier | None = None) -> Restored | None:
+async def restore_latest(
+    tiers: Sequence[Tier],
+    template: Any,
+    staging: MemoryTier | None = None,
+    *,
+    strict: bool = True,
+    cast: bool = False,
+) -> Restored | None:
     """The newest version that verifies, loaded (into ``template`` when given); None if none does.
 
     ``staging``: the memory tier whose free slots may hold the bytes staged for the template (see the
-    module docstring); without it, or when they are too small, a fresh mapping does.
+    module docstring); without it, or when they are too small, a fresh mapping does. ``strict`` and
+    ``cast``: see :func:`check_keys` and :func:`tierckpt.reshard.load.plan`.
     """
     by_path = template_leaves(template)
     candidates = sorted(
@@ -91,32 +106,115 @@ async def restore_latest(tiers: Sequence[Tier], template: Any, staging: MemoryTi
             lease = tier.lease(step)
         except KeyError:
             continue  # evicted from memory since the list was made
-        try:
-            source = await tier.read_whole(step)
+        with contextlib.ExitStack() as held_open:
+            held_open.callback(lease.release)
             try:
-                executor = getattr(tier, "executor")
-                threads = tier.config.io_threads
-                with _borrow(staging, staging_bytes(source, by_path)) as arena:
-                    loading = asyncio.ensure_future(asyncio.to_thread(load, source, by_path, executor, threads, arena))
-                    try:
-                        state = await asyncio.shield(loading)
-                    except asyncio.CancelledError:
-                        # The thread cannot be stopped: keep the files open, the version leased and
-                        # the staging slots lent until it is done with them, then let the
-                        # cancellation through.
-                        await asyncio.gather(loading, return_exceptions=True)
-                        raise
-            finally:
-                source.close()
-        except CorruptCheckpointError as exc:
-            message = f"tierckpt: step {step} on tier {tier.name!r} does not verify ({exc}); trying the next candidate"
-            log.warning(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-            continue
-        finally:
-            lease.release()
-        return Restored(step, state, tier.name, dict(source.metadata))
+                read, targets, keys = await read_version(held_open, tier, step, by_path, staging, strict=strict, cast=cast)
+            except NotHere as exc:
+                log.info("tierckpt: %s; trying the next candidate", exc)
+                continue
+            except CorruptCheckpointError as exc:
+                message = f"tierckpt: step {step} on tier {tier.name!r} does not verify ({exc}); trying the next candidate"
+                log.warning(message)
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
+                continue
+            state = await in_thread(finish, read, targets)
+            return Restored(step, state, tier.name, dict(read.metadata), *keys)
     return None
+
+
+async def read_version(
+    held_open: contextlib.ExitStack,
+    tier: Tier,
+    step: int,
+    templates: dict[str, Leaf],
+    staging: MemoryTier | None,
+    *,
+    strict: bool,
+    cast: bool,
+    rank: int = 0,
+    stage_all: bool = False,
+) -> tuple[VersionSource | SavedLayout, list[Target], tuple[tuple[str, ...], tuple[str, ...]]]:
+    """Read and verify what this rank restores of ``step`` from ``tier``; returns what
+    :func:`~tierckpt.landing.finish` takes, and the keys :func:`check_keys` found. Only a snapshot in host memory may have written into the
+    template yet (unless ``stage_all``). What it holds (files, staging) is released by ``held_open``.
+
+    A version whose records are exactly this rank's template is read as it is; any other (saved with
+    another parallel layout, or needing consolidation or a dtype conversion) is read from its saved
+    layout (:mod:`tierckpt.reshard`).
+
+    Raises:
+        CorruptCheckpointError: it does not verify.
+        NotHere: the tier holds only part of a version this rank needs more of.
+        RestoreError: the template does not match (see :func:`check_keys`).
+    """
+    executor, threads = getattr(tier, "executor"), tier.config.io_threads
+    try:
+        source: VersionSource | None = await tier.read_whole(step)
+    except LayoutError:  # saved by another number of ranks
+        source = None
+    if source is not None:
+        held_open.callback(source.close)
+        missing, unexpected = check_keys(source.records, templates, strict=strict, tier=tier.name, step=step)
+        if reshard.fits(source.records, templates):
+            arena = held_open.enter_context(_borrow(staging, staging_bytes(source, templates, stage_all=stage_all)))
+            targets = await in_thread(read_verified, source, templates, executor, threads, arena, stage_all=stage_all)
+            return source, targets, (tuple(missing), tuple(unexpected))
+    layout = await tier.read_layout(step, rank)
+    missing, unexpected = check_keys(layout.records, templates, strict=strict, tier=tier.name, step=step)
+    arena = held_open.enter_context(_borrow(staging, reshard.staging_bytes(layout, templates)))
+    planned = reshard.plan(layout, templates, arena, cast=cast)
+    pieces = await asyncio.to_thread(planned.open)
+    held_open.callback(pieces.close)
+    return layout, await in_thread(planned.run, pieces, executor, threads), (tuple(missing), tuple(unexpected))
+
+
+def check_keys(records: Sequence[TensorRecord], templates: dict[str, Leaf], *, strict: bool, tier: str, step: int) -> tuple[list[str], list[str]]:
+    """Compare the template's array keys with the version's: returns (missing, unexpected).
+
+    ``missing``: template keys the version lacks (their arrays are left as they are), an error when
+    ``strict``: a model would silently keep its initial values. ``unexpected``: version keys the
+    template lacks; they come back as new arrays in the returned state, as for a restore without a
+    template. That is not an error: an optimizer's state is empty until its first step, and a
+    template made from a fresh one lacks it; ``optimizer.load_state_dict`` takes it from the result.
+
+    Raises:
+        RestoreError: ``strict`` and template keys are missing from the version; names them.
+    """
+    if not templates:
+        return [], []
+    saved = {r.key for r in records}
+    missing = [key for key in templates if key not in saved]
+    unexpected = [r.key for r in records if r.key not in templates]
+    if missing and strict:
+        raise RestoreError(
+            f"step {step} on tier {tier!r} lacks {len(missing)} array(s) of the template: {_some(missing)} "
+            "(restore_latest(..., strict=False) leaves them as they are)",
+            tier=tier,
+            step=step,
+        )
+    if missing or unexpected:
+        log.info("tierckpt: step %d on tier %r: template keys not in the checkpoint: %s; checkpoint keys not in the template: %s",
+                 step, tier, _some(missing) or "none", _some(unexpected) or "none")
+    return missing, unexpected
+
+
+def _some(keys: list[str], limit: int = 5) -> str:
+    return ", ".join(keys[:limit]) + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+async def in_thread(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args)`` in a worker thread; a cancellation waits for the thread to be done with what it holds.
+
+    The thread cannot be stopped: the files stay open, the version leased and the staging slots lent
+    until it returns, then the cancellation goes through.
+    """
+    running = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kwargs))
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        await asyncio.gather(running, return_exceptions=True)
+        raise
 
 
 @contextlib.contextmanager
@@ -126,17 +224,6 @@ def _borrow(staging: MemoryTier | None, nbytes: int) -> Iterator[memoryview | No
         return
     with staging.borrow(nbytes) as lent:
         yield lent
-
-
-@dataclass
-class _Target:
-    """Where one record's decoded bytes land, and what the rebuilt state holds for it."""
-
-    record: TensorRecord
-    value: Any  # a new tensor/array, or the template's own
-    out: memoryview  # the bytes the chunks are decoded into
-    fresh: bool  # ``out`` is a new anonymous mapping, faulted in ahead of the reads
-    staged: Any = None  # a tensor/array over staging bytes, copied into ``value`` once all verified
 
 
 def _mismatch(record: TensorRecord, source: VersionSource, value: Any) -> RestoreError:
@@ -176,24 +263,6 @@ def _check(record: TensorRecord, source: VersionSource, template: Leaf | None) -
     return dtype
 
 
-def _new(record: TensorRecord, dtype: Any) -> tuple[Any, memoryview, bool]:
-    """A new CPU tensor/array for the record: large ones on page-aligned memory of their own."""
-    if record.kind == "torch":
-        if record.nbytes >= _OWN_MAPPING:
-            tensor, buf = owned_tensor(dtype, record.shape, record.nbytes)
-            return tensor, memoryview(buf)[: record.nbytes], True
-        tensor = torch.empty(record.shape, dtype=dtype)
-        return tensor, tensor_bytes(tensor), False
-    import numpy as np
-
-    if record.nbytes >= _OWN_MAPPING:
-        buf = aligned_buffer(record.nbytes)
-        array = np.frombuffer(buf, dtype=np.uint8, count=record.nbytes).view(dtype).reshape(record.shape)
-        return array, memoryview(buf)[: record.nbytes], True
-    array = np.empty(record.shape, dtype=dtype)
-    return array, memoryview(array.reshape(-1).view(np.uint8)), False
-
-
 def _in_place(source: VersionSource, record: TensorRecord, value: Any) -> memoryview | None:
     """The template's own bytes, when decoding straight into them cannot hurt; else None.
 
@@ -225,24 +294,24 @@ def staging_bytes(source: VersionSource, templates: dict[str, Leaf], *, stage_al
     return sum(align_up(r.nbytes) for r in source.records if _staged(source, r, templates.get(r.key), stage_all))
 
 
-def _plan(source: VersionSource, templates: dict[str, Leaf], lent: memoryview | None = None, stage_all: bool = False) -> list[_Target]:
+def _plan(source: VersionSource, templates: dict[str, Leaf], lent: memoryview | None = None, stage_all: bool = False) -> list[Target]:
     """Destinations for every record, after every check: a mismatch raises before a byte moves.
 
     Staged records go to ``lent`` (memory already faulted in) when it is large enough, else to a
     fresh mapping.
     """
     dtypes = [_check(r, source, templates.get(r.key)) for r in source.records]
-    targets: list[_Target] = []
-    to_stage: list[_Target] = []
+    targets: list[Target] = []
+    to_stage: list[Target] = []
     for record, dtype in zip(source.records, dtypes):
         template = templates.get(record.key)
         if template is None:
-            value, out, fresh = _new(record, dtype)
-            targets.append(_Target(record, value, out, fresh))
+            value, out, fresh = new_array(record.kind, dtype, record.shape, record.nbytes)
+            targets.append(Target(record, value, out, fresh))
             continue
         staged = _staged(source, record, template, stage_all)
         own = None if staged else _in_place(source, record, template.value)
-        targets.append(_Target(record, template.value, own if own is not None else memoryview(b""), False))
+        targets.append(Target(record, template.value, own if own is not None else memoryview(b""), False, dtensor=template.dtensor))
         if staged:
             to_stage.append(targets[-1])
     if to_stage:
@@ -295,7 +364,7 @@ def read_verified(
     lent: memoryview | None = None,
     *,
     stage_all: bool = False,
-) -> list[_Target]:
+) -> list[Target]:
     """Read, verify and decode every record of ``source`` into its destination (blocking).
 
     ``threads`` of the tier's ``executor`` read and verify chunk by chunk, straight into the
@@ -338,19 +407,6 @@ def read_verified(
             raise CorruptCheckpointError(str(exc), tier=source.tier, step=source.step) from exc
         raise
     return targets
-
-
-def finish(source: VersionSource, targets: list[_Target]) -> Any:
-    """Copy what was staged into the template, and rebuild the state (blocking; nothing can fail now)."""
-    for t in targets:
-        if t.staged is None:
-            continue
-        if isinstance(t.value, torch.Tensor):
-            with torch.no_grad():
-                t.value.copy_(t.staged)
-        else:
-            t.value[...] = t.staged
-    return unflatten(source.skeleton, [t.value for t in targets])
 
 
 def _read_chunk(source: VersionSource, record: TensorRecord, chunk: int, out: memoryview) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from tierckpt._buffers import align_up
-from tierckpt.format import ALIGN, CHUNK_BYTES
+from tierckpt.format import ALIGN, CHUNK_BYTES, Region
 from tierckpt.state import Leaf, format_path
 
 if TYPE_CHECKING:
@@ -34,6 +34,7 @@ class Entry:
     offset: int
     # A value every rank holds alike (``save(replicated=...)``): these ranks store its chunks in turn.
     shared: tuple[int, ...] | None = None
+    region: Region | None = None  # a DTensor's piece: where it lies in the global tensor
 
     @property
     def chunk_bytes(self) -> int:
@@ -62,6 +63,7 @@ def plan_entries(leaves: Sequence[Leaf], shared: Callable[[str], tuple[int, ...]
                 nbytes=leaf.nbytes,
                 offset=offset,
                 shared=shared(key),
+                region=leaf.region,
             )
         )
         offset += align_up(leaf.nbytes, ALIGN)

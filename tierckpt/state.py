@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from tierckpt.errors import CorruptCheckpointError, UnsupportedStateError
+from tierckpt.format.manifest import Region
 
 __all__ = [
     "MAX_SKELETON_DEPTH", "MAX_SKELETON_NODES", "Leaf", "flatten", "unflatten", "skeleton_leaf_count", "format_path",
@@ -96,9 +97,12 @@ class Leaf:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
-    # A DTensor replicated over its whole mesh: the mesh's size (else 0). ``value`` is its local
-    # tensor, the same on every rank of the mesh; a mesh of every saving rank stores it once.
-    replicated: int = 0
+    # A DTensor's local tensor (``value``, ``shape``): the global ranks that hold the same piece
+    # (those differing from this one only along its Replicate() mesh dimensions; () if none does), and
+    # where the piece lies in the global tensor. Replicas store it once between them.
+    replicas: tuple[int, ...] = ()
+    region: Region | None = None
+    dtensor: Any = field(default=None, compare=False, repr=False)  # the DTensor whose local tensor is ``value``
 
 
 def format_path(path: tuple[Any, ...]) -> str:
@@ -263,17 +267,17 @@ def skeleton_leaf_count(skeleton: Any) -> int:
 def _leaf_node(obj: Any, path: tuple[Any, ...], leaves: list[Leaf]) -> list[Any]:
     """Check one array, append its Leaf and return its skeleton node."""
     index = len(leaves)
-    replicated = 0
+    replicas: tuple[int, ...] = ()
+    region = dtensor = None
     if isinstance(obj, torch.Tensor) and _is_dtensor(obj):
-        if not all(p.is_replicate() for p in obj.placements):
-            raise _unsupported(obj, path, False, f"sharded DTensors (placements {tuple(obj.placements)}) are not supported yet; only Replicate()")
-        obj, replicated = obj.to_local(), obj.device_mesh.size()
+        dtensor = obj
+        obj, replicas, region = _dtensor_piece(obj, path)
     if isinstance(obj, torch.Tensor):
         problem = _tensor_problem(obj)
         if problem is not None:
             raise _unsupported(obj, path, False, problem)
         dtype, nbytes = _TORCH_DTYPE_NAMES[obj.dtype], obj.numel() * obj.element_size()
-        leaves.append(Leaf(index, path, "torch", obj, dtype, tuple(obj.shape), nbytes, replicated))
+        leaves.append(Leaf(index, path, "torch", obj, dtype, tuple(obj.shape), nbytes, replicas, region, dtensor))
         return ["T", index]
     if type(obj) is np.ndarray:
         array, tag = obj, "N"
@@ -286,6 +290,33 @@ def _leaf_node(obj: Any, path: tuple[Any, ...], leaves: list[Leaf]) -> list[Any]
         raise _unsupported(obj, path, False, problem)
     leaves.append(Leaf(index, path, "numpy", array, array.dtype.str, array.shape, array.nbytes))
     return [tag, index]
+
+
+def _dtensor_piece(dtensor: Any, path: tuple[Any, ...]) -> tuple[torch.Tensor, tuple[int, ...], Region]:
+    """A DTensor's local tensor, the global ranks holding the same piece, and where it lies."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = dtensor.device_mesh, tuple(dtensor.placements)
+    for p in placements:
+        if type(p) is not Shard and type(p) is not Replicate:
+            why = (
+                "it holds partial values still to be reduced; redistribute it to Replicate() or Shard() first"
+                if p.is_partial()
+                else "only Shard(dim) and Replicate() placements can be stored (strided or custom shardings cannot)"
+            )
+            raise _unsupported(dtensor, path, False, f"a DTensor with placements {placements}: {why}")
+    local = dtensor.to_local()
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise _unsupported(dtensor, path, False, "this rank is not in the DTensor's device mesh")
+    shape, offset = compute_local_shape_and_global_offset(dtensor.shape, mesh, placements)
+    if tuple(shape) != tuple(local.shape):
+        raise _unsupported(dtensor, path, False, f"its local tensor {list(local.shape)} is not the piece {list(shape)} its placements give")
+    # The same piece lives on every rank that differs from this one only along Replicate() dimensions.
+    index = tuple(slice(None) if p.is_replicate() else c for p, c in zip(placements, coordinate))
+    replicas = tuple(sorted(int(r) for r in mesh.mesh[index].reshape(-1).tolist()))
+    return local, replicas if len(replicas) > 1 else (), Region(tuple(dtensor.shape), tuple(int(o) for o in offset))
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:

@@ -7,7 +7,7 @@ slower tiers for that same step. Each rank reads and verifies its whole part int
 the ranks then exchange verdicts, and only if every rank verified does any rank copy into its
 template. If one rank's files fail their checksums, every rank warns once (naming the rank and its
 file) and all fall back together to the next older common step. A version saved by another number
-of ranks is a :class:`~tierckpt.errors.LayoutError` on every rank.
+of ranks, or with other placements, is read from its saved layout (:mod:`tierckpt.reshard`).
 
 The collectives run on the group's own gloo process group, from a worker thread, while each rank's
 caller waits in ``restore_latest``: never on the training process group.
@@ -22,15 +22,19 @@ import warnings
 from typing import Any, Sequence
 
 from tierckpt.dist.group import RankGroup
-from tierckpt.errors import CorruptCheckpointError, LayoutError, RestoreError
-from tierckpt.restore import Restored, _borrow, finish, read_verified, staging_bytes, template_leaves
+from tierckpt.errors import CorruptCheckpointError, RestoreError
+from tierckpt.landing import finish
+from tierckpt.reshard.layout import NotHere
+from tierckpt.restore import Restored, read_version, template_leaves
 from tierckpt.tiers.base import Tier, VersionSource
 from tierckpt.tiers.memory import MemoryTier
 
 log = logging.getLogger("tierckpt")
 
 
-async def restore_agreed(group: RankGroup, tiers: Sequence[Tier], template: Any, staging: MemoryTier | None) -> Restored | None:
+async def restore_agreed(
+    group: RankGroup, tiers: Sequence[Tier], template: Any, staging: MemoryTier | None, *, strict: bool = True, cast: bool = False
+) -> Restored | None:
     """The newest step every rank can load and verify, loaded on every rank; None on every rank if none."""
     by_path = template_leaves(template)
     mine = sorted({info.step for tier in tiers for info in tier.versions()}, reverse=True)
@@ -38,36 +42,32 @@ async def restore_agreed(group: RankGroup, tiers: Sequence[Tier], template: Any,
     common = sorted(set.intersection(*(set(h) for h in held)), reverse=True)
     for step in common:
         with contextlib.ExitStack() as held_open:
-            verdict, layout, loaded = f"rank {group.rank} holds no step {step} any more", None, None
+            verdict, loaded = f"rank {group.rank} holds no step {step} any more", None
             error: BaseException | None = None
             for tier in [t for t in tiers if any(info.step == step for info in t.versions())]:
                 try:
-                    loaded = await _read_part(held_open, tier, step, by_path, staging)
+                    loaded = await _read_part(held_open, tier, step, by_path, staging, group.rank, strict, cast)
                     break
+                except NotHere:  # this rank's host memory holds only its own part: a slower tier may do
+                    continue
                 except CorruptCheckpointError as exc:
                     verdict = str(exc)
-                except LayoutError as exc:
-                    layout = str(exc)
-                    break
                 except Exception as exc:  # a template that does not match, say: raised on every rank below
                     error = exc
                     break
             # One exchange per step, whatever happened here: every rank leaves the step together.
             said = None if error is None else f"{type(error).__name__}: {error}"
-            verdicts = await asyncio.to_thread(group.all_gather, [None if loaded else verdict, layout, said])
+            verdicts = await asyncio.to_thread(group.all_gather, [None if loaded else verdict, said])
             if error is not None:
                 raise error
-            errors = [(r, v[2]) for r, v in enumerate(verdicts) if v[2]]
+            errors = [(r, v[1]) for r, v in enumerate(verdicts) if v[1]]
             if errors:
                 raise RestoreError(f"restoring step {step} failed on rank {errors[0][0]}: {errors[0][1]}", step=step)
-            if all(v == [None, None, None] for v in verdicts):
+            if all(v == [None, None] for v in verdicts):
                 assert loaded is not None
-                tier, source, targets = loaded
-                state = await asyncio.to_thread(finish, source, targets)
-                return Restored(step, state, tier.name, dict(source.metadata))
-        layouts = [v[1] for v in verdicts if v[1]]
-        if layouts:
-            raise LayoutError(layouts[0], step=step)
+                tier, read, targets, keys = loaded
+                state = await asyncio.to_thread(finish, read, targets)
+                return Restored(step, state, tier.name, dict(read.metadata), *keys)
         failed = {r: v[0] for r, v in enumerate(verdicts) if v[0]}
         message = (
             f"tierckpt: step {step} does not verify on rank(s) {', '.join(map(str, failed))} "
@@ -79,25 +79,23 @@ async def restore_agreed(group: RankGroup, tiers: Sequence[Tier], template: Any,
 
 
 async def _read_part(
-    held_open: contextlib.ExitStack, tier: Tier, step: int, by_path: dict[str, Any], staging: MemoryTier | None
-) -> tuple[Tier, VersionSource, list[Any]]:
+    held_open: contextlib.ExitStack,
+    tier: Tier,
+    step: int,
+    by_path: dict[str, Any],
+    staging: MemoryTier | None,
+    rank: int,
+    strict: bool,
+    cast: bool,
+) -> tuple[Tier, Any, list[Any], Any]:
     """Read and verify this rank's part of ``step`` from ``tier`` into staging memory; nothing of the
     template is written. What it holds (lease, files, staging slots) stays held by ``held_open``.
 
-    Raises CorruptCheckpointError (this part does not verify) or LayoutError.
+    Raises CorruptCheckpointError (this part does not verify), NotHere, or RestoreError.
     """
     try:
         held_open.enter_context(tier.lease(step))
     except KeyError:
         raise CorruptCheckpointError(f"step {step} left tier {tier.name!r} meanwhile", tier=tier.name, step=step) from None
-    source = await tier.read_whole(step)
-    held_open.callback(source.close)
-    arena = held_open.enter_context(_borrow(staging, staging_bytes(source, by_path, stage_all=True)))
-    reading = asyncio.ensure_future(
-        asyncio.to_thread(read_verified, source, by_path, getattr(tier, "executor"), tier.config.io_threads, arena, stage_all=True)
-    )
-    try:
-        return tier, source, await asyncio.shield(reading)
-    except asyncio.CancelledError:
-        await asyncio.gather(reading, return_exceptions=True)  # the thread holds the files and the slots
-        raise
+    read, targets, keys = await read_version(held_open, tier, step, by_path, staging, strict=strict, cast=cast, rank=rank, stage_all=True)
+    return tier, read, targets, keys

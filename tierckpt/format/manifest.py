@@ -16,6 +16,10 @@ it names each rank manifest with its checksum. A record of a value every rank ho
 ``shared[i % len(shared)]``, and the other ranks' manifests hold ``None`` in its place. A version saved
 by one process is still written as version 2.
 
+A record of a DTensor also has a ``region``: the global shape of the whole tensor and the offset of the
+stored piece (the record's ``shape``) in it, so that a job with another parallel layout can find the
+bytes it needs (:mod:`tierckpt.reshard`). A reader that ignores it reads the same local shards it wrote.
+
 Decoding checks types and structure only (every message names the manifest file): whether the records
 fit the data files on disk, their dtypes and their shapes is checked by the reader that has the files
 (:func:`tierckpt.tiers.fsread.check_records`), before anything is allocated or read.
@@ -83,6 +87,14 @@ class Chunk:
 
 
 @dataclass(frozen=True)
+class Region:
+    """Where a stored piece of a DTensor lies: the whole tensor's shape and the piece's offset in it."""
+
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class TensorRecord:
     """Where one array leaf of the state lives and how to check and decode it."""
 
@@ -97,6 +109,7 @@ class TensorRecord:
     chunk_bytes: int  # logical bytes per chunk; the last one may be shorter
     chunks: tuple[Chunk | None, ...]  # None: a shared chunk another rank stores
     shared: tuple[int, ...] | None = None  # the ranks storing this value's chunks in turn (replicated)
+    region: Region | None = None  # a DTensor's local piece: where it lies in the global tensor
 
     @property
     def stored(self) -> int:
@@ -307,6 +320,8 @@ def _rank_entry(value: Any) -> tuple[str, int, int]:
 
 def _encode_record(r: TensorRecord) -> dict[str, Any]:
     extra: dict[str, Any] = {} if r.shared is None else {"shared": list(r.shared)}
+    if r.region is not None:
+        extra["region"] = [list(r.region.global_shape), list(r.region.offset)]
     return extra | {
         "index": r.index,
         "key": r.key,
@@ -411,9 +426,22 @@ def _decode_record(raw: Any) -> TensorRecord:
         chunk_bytes=_int(raw["chunk_bytes"]),
         chunks=chunks,
         shared=shared,
+        region=_region(raw["region"], shape) if "region" in raw else None,
     )
     if record.kind not in ("torch", "numpy"):
         raise ValueError(f"unknown kind {_short(record.kind)}")
     if record.chunk_bytes <= 0 or len(chunks) != chunk_count(record.nbytes, record.chunk_bytes):
         raise ValueError(f"{_short(record.key)}: {len(chunks)} chunks do not cover {record.nbytes} bytes")
     return record
+
+
+def _region(value: Any, shape: tuple[int, ...]) -> Region:
+    if type(value) is not list or len(value) != 2:
+        raise ValueError(f"a region is [global shape, offset], got {_short(value)}")
+    global_shape = tuple(_int(d) for d in _list(value[0]))
+    offset = tuple(_int(d) for d in _list(value[1]))
+    if not len(global_shape) == len(offset) == len(shape):
+        raise ValueError(f"a region of {len(global_shape)} dimensions for a piece of {len(shape)}")
+    if any(o + n > g for o, n, g in zip(offset, shape, global_shape)):
+        raise ValueError(f"a piece {list(shape)} at {list(offset)} lies outside its tensor {list(global_shape)}")
+    return Region(global_shape, offset)

@@ -23,6 +23,7 @@ from typing import Any
 from tierckpt.codecs import decoder
 from tierckpt.config import TierConfig
 from tierckpt.format import TensorRecord
+from tierckpt.reshard.layout import SavedLayout, source_layout
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,15 @@ class Tier(abc.ABC):
     async def read_whole(self, step: int) -> VersionSource:
         """As :meth:`read`, with every chunk this rank restores, those other ranks stored included."""
         return await self.read(step)
+
+    async def read_layout(self, step: int, rank: int) -> SavedLayout:
+        """The saved layout of a committed version, for rank ``rank`` of a job with another layout.
+
+        This default holds one process's snapshot: only the part this process saved (not
+        :attr:`~tierckpt.reshard.layout.SavedLayout.complete`); a tier holding every rank's part
+        overrides it.
+        """
+        return source_layout(await self.read_whole(step), complete=False)
 
     async def write(self, source: VersionSource) -> Staged:
         """Store ``source`` durably under a temporary name."""

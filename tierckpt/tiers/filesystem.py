@@ -57,6 +57,7 @@ from tierckpt.format import (
 from tierckpt.tiers.base import Staged, Tier, VersionInfo, VersionSource
 from tierckpt.tiers.encoding import TierEncoding
 from tierckpt.tiers.fsio import fsync_dir, makedirs_durable, probe_direct_io, remove_tree, write_file
+from tierckpt.reshard.layout import SavedLayout, filesystem_layout
 from tierckpt.tiers.fsread import FilesystemSource, open_source, read_head, read_manifest, resolve_shared  # noqa: F401 - FilesystemSource lived here
 from tierckpt.tiers.fswrite import write_data_file
 from tierckpt.tiers.lock import DirectoryLock
@@ -401,6 +402,13 @@ class FilesystemTier(Tier):
             return open_source(self.name, path, resolved, direct=self.direct)
 
         return await asyncio.to_thread(whole)
+
+    async def read_layout(self, step: int, rank: int) -> SavedLayout:
+        path = self.root / version_dirname(step)
+        layout = await asyncio.to_thread(filesystem_layout, self.name, path, rank, direct=self.direct)
+        if layout.step != step:
+            raise CorruptCheckpointError(f"{path}: its manifest records step {layout.step}", tier=self.name, step=step)
+        return layout
 
     async def delete(self, step: int) -> None:
         if self.group is not None and not self.group.leader:

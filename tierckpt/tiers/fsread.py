@@ -38,6 +38,7 @@ import math
 import os
 import stat
 from pathlib import Path
+from typing import Mapping
 
 from tierckpt.errors import CorruptCheckpointError, LayoutError
 from tierckpt.format import CHUNK_BYTES, MANIFEST_FILE, CommitMarker, Manifest, TensorRecord, checksum, decode_document
@@ -127,7 +128,7 @@ def read_manifest(path: Path, *, tier: str | None, step: int | None, rank: int =
     if world is not None and saved != world:
         raise LayoutError(
             f"{where(tier, step)} was saved by {saved} rank(s), and this job has {world}: "
-            "restoring into another number of ranks is not supported yet",
+            "no rank part is this rank's as it is (a restore reads the saved layout instead)",
             tier=tier,
             step=step,
         )
@@ -163,8 +164,12 @@ def read_rank_manifest(path: Path, marker: CommitMarker, rank: int, *, tier: str
     return manifest
 
 
-def resolve_shared(path: Path, marker: CommitMarker, manifest: Manifest, *, tier: str | None) -> Manifest:
+def resolve_shared(
+    path: Path, marker: CommitMarker, manifest: Manifest, *, tier: str | None, manifests: Mapping[int, Manifest] | None = None
+) -> Manifest:
     """``manifest`` with each chunk another rank stored filled in from that rank's manifest (blocking).
+
+    ``manifests``: rank manifests already read (and checked), by rank; others are read here.
 
     Raises CorruptCheckpointError when the owner's manifest does not verify or does not hold the same
     value (key, dtype, shape, chunking) with that chunk.
@@ -177,7 +182,8 @@ def resolve_shared(path: Path, marker: CommitMarker, manifest: Manifest, *, tier
     for q in needed:
         if q is None or not 0 <= q < marker.world_size or q == manifest.rank:
             raise CorruptCheckpointError(f"{where(tier, step)}: a shared chunk names rank {q}", tier=tier, step=step)
-        theirs[q] = {r.key: r for r in read_rank_manifest(path, marker, q, tier=tier).records}
+        known = manifests.get(q) if manifests is not None else None
+        theirs[q] = {r.key: r for r in (known or read_rank_manifest(path, marker, q, tier=tier)).records}
     records = []
     for r in manifest.records:
         if all(c is not None for c in r.chunks):

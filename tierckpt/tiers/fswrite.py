@@ -133,6 +133,7 @@ def write_data_file(
             chunk_bytes=r.chunk_bytes,
             chunks=tuple(chunks.get((ri, c)) for c in range(len(r.chunks))),
             shared=r.shared,
+            region=r.region,
         )
         for ri, r in enumerate(source.records)
     )

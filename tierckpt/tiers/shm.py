@@ -245,6 +245,7 @@ def _slot_record(e: Any, offset: int, sums: Sequence[int] | None, file: str, siz
                 for c in range(chunk_count(e.nbytes, size))
             ),
             shared=shared,
+            region=e.region,
         )
 
 

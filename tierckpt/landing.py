@@ -1,0 +1,70 @@
+"""Where restored bytes land: new arrays, template pieces staged until all verified, the final copy.
+
+A restore decodes each stored value into a :class:`Target`: a new CPU tensor or array (its own
+memory, so nothing else is touched), or a staging area for a template's tensor, copied in by
+:func:`finish` only once every chunk of the version verified. :func:`finish` also converts dtypes,
+for a restore that asked for ``cast=True``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tierckpt._buffers import aligned_buffer, owned_tensor, tensor_bytes
+from tierckpt.format import TensorRecord
+from tierckpt.state import unflatten
+
+__all__ = ["Target", "finish", "new_array"]
+
+# New tensors at least this large get a page-aligned mapping of their own (glibc's malloc gives
+# blocks this size one too); smaller ones come from torch.empty and are copied from scratch.
+_OWN_MAPPING = 1 << 20
+
+
+@dataclass
+class Target:
+    """Where one record's decoded bytes land, and what the rebuilt state holds for it."""
+
+    record: TensorRecord
+    value: Any  # a new tensor/array, or the template's own
+    out: memoryview  # the bytes the chunks are decoded into
+    fresh: bool  # ``out`` is a new anonymous mapping, faulted in ahead of the reads
+    staged: Any = None  # a tensor/array over staging bytes, copied into ``value`` once all verified
+    dtensor: Any = None  # the template's DTensor whose local tensor ``value`` is: what the state holds
+
+
+def new_array(kind: str, dtype: Any, shape: tuple[int, ...], nbytes: int) -> tuple[Any, memoryview, bool]:
+    """A new CPU tensor/array: large ones on page-aligned memory of their own."""
+    if kind == "torch":
+        if nbytes >= _OWN_MAPPING:
+            tensor, buf = owned_tensor(dtype, shape, nbytes)
+            return tensor, memoryview(buf)[:nbytes], True
+        tensor = torch.empty(shape, dtype=dtype)
+        return tensor, tensor_bytes(tensor), False
+    import numpy as np
+
+    if nbytes >= _OWN_MAPPING:
+        buf = aligned_buffer(nbytes)
+        array = np.frombuffer(buf, dtype=np.uint8, count=nbytes).view(dtype).reshape(shape)
+        return array, memoryview(buf)[:nbytes], True
+    array = np.empty(shape, dtype=dtype)
+    return array, memoryview(array.reshape(-1).view(np.uint8)), False
+
+
+def finish(source: Any, targets: list[Target]) -> Any:
+    """Copy what was staged into the template, and rebuild the state (blocking; nothing can fail now).
+
+    ``source`` is what the targets were read from: anything with the version's ``skeleton``.
+    """
+    for t in targets:
+        if t.staged is None:
+            continue
+        if isinstance(t.value, torch.Tensor):
+            with torch.no_grad():
+                t.value.copy_(t.staged)
+        else:
+            t.value[...] = t.staged
+    return unflatten(source.skeleton, [t.value if t.dtensor is None else t.dtensor for t in targets])
