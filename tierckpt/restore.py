@@ -136,8 +136,9 @@ async def read_version(
     stage_all: bool = False,
 ) -> tuple[VersionSource | SavedLayout, list[Target], tuple[tuple[str, ...], tuple[str, ...]]]:
     """Read and verify what this rank restores of ``step`` from ``tier``; returns what
-    :func:`~tierckpt.landing.finish` takes, and the keys :func:`check_keys` found. Only a snapshot in host memory may have written into the
-    template yet (unless ``stage_all``). What it holds (files, staging) is released by ``held_open``.
+    :func:`~tierckpt.landing.finish` takes, and the keys :func:`check_keys` found. Only a snapshot in
+    host memory may have written into the template yet (unless ``stage_all``). What it holds (files,
+    staging) is released by ``held_open``.
 
     A version whose records are exactly this rank's template is read as it is; any other (saved with
     another parallel layout, or needing consolidation or a dtype conversion) is read from its saved

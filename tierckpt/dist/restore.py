@@ -26,7 +26,7 @@ from tierckpt.errors import CorruptCheckpointError, RestoreError
 from tierckpt.landing import finish
 from tierckpt.reshard.layout import NotHere
 from tierckpt.restore import Restored, read_version, template_leaves
-from tierckpt.tiers.base import Tier, VersionSource
+from tierckpt.tiers.base import Tier
 from tierckpt.tiers.memory import MemoryTier
 
 log = logging.getLogger("tierckpt")
