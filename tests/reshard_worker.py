@@ -5,6 +5,7 @@ Started once per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and:
     PLACE       the placements of the sharded values, one per mesh dimension: "S0", "S1", "R", "S0,R", ...
     TEMPLATE    restore: "dtensor" (the default), "plain" (whole tensors: consolidation) or "none"
     CAST        restore: "1" to restore into a bfloat16 template of the float32 weights, with cast=True
+    WRONG       restore: "1" to give "w" a template of another global shape (a RestoreError on every rank)
 Writes what it saw to ``<dir>/result-<rank>.json``: for each key, whether what it holds is bitwise
 the right piece of the global tensor.
 """
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from tierckpt import Checkpointer
+from tierckpt import Checkpointer, RestoreError
 from tierckpt.tiers.fsread import FilesystemSource
 
 STEP = 7
@@ -92,10 +93,17 @@ def main() -> None:
                 model = {}
                 for k in SHAPES:
                     dtype = torch.bfloat16 if cast and k == "w" else DTYPES[k]
-                    zeros = torch.zeros(SHAPES[k], dtype=dtype)
+                    shape = (13, 11) if k == "w" and os.environ.get("WRONG") == "1" else SHAPES[k]
+                    zeros = torch.zeros(shape, dtype=dtype)
                     model[k] = zeros if kind == "plain" else local(k, zeros)
                 template = {"model": model, "rank": torch.tensor([-1]), "step": 0}
-            restored = ckpt.restore_latest_sync(template, cast=cast)
+            try:
+                restored = ckpt.restore_latest_sync(template, cast=cast)
+            except RestoreError as exc:
+                out["error"] = str(exc)
+                out["untouched"] = not any(bool(v.to_local().any()) for v in template["model"].values())
+                restored = None
+        if mode != "save" and restored is not None:
             out["step"], out["tier"] = restored.step, restored.tier
             out["rank_value"] = int(restored.state["rank"][0])
             for k in SHAPES:

@@ -116,3 +116,12 @@ def test_two_by_two_mesh_restores_into_one_dimensional_mesh_and_back(tmp_path: P
 def test_cast_converts_a_dtype_only_when_asked(tmp_path: Path) -> None:
     run(2, "save", tmp_path, "2", "S0")
     _all_right(run(2, "restore", tmp_path, "2", "S1", CAST="1"), saved=2)
+
+
+def test_a_template_of_another_global_shape_is_refused_on_every_rank_before_anything_is_written(tmp_path: Path) -> None:
+    run(4, "save", tmp_path, "4", "S0")
+    refused = run(2, "restore", tmp_path, "2", "S1", WRONG="1")
+    for r in refused:
+        # The rank whose own template is wrong names the key; the other hears it from that rank.
+        assert "['model']['w']" in r["error"] and "float32[13, 10]" in r["error"] and "[13, 11]" in r["error"], r
+        assert r["untouched"], r
