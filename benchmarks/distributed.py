@@ -40,9 +40,7 @@ import gc
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -176,50 +174,13 @@ def _peak_rss_mib() -> float:
 # -- the parent ----------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(job: dict[str, Any], world: int, log: Path, limit_s: float) -> list[dict[str, Any]]:
+def run_ranks(job: dict[str, Any], world: int, log_dir: Path, limit_s: float) -> list[dict[str, Any]]:
     """Start ``world`` ranks of this script; returns each rank's result (raises with the logs' tails)."""
-    port = free_port()
-    procs = []
-    logs = []
-    for rank in range(world):
-        env = os.environ | {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
-        f = open(log.with_name(f"{log.name}-{rank}.log"), "wb")
-        logs.append(f)
-        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-worker", json.dumps(job)], env=env, stdout=f, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + limit_s
-    failed = []
-    try:
-        for rank, proc in enumerate(procs):
-            try:
-                code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                code = None
-            if code != 0:
-                failed.append((rank, code))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for f in logs:
-            f.close()
-    if failed:
-        tails = "\n".join(
-            f"--- rank {r} (exit {c}) ---\n" + log.with_name(f"{log.name}-{r}.log").read_text(errors="replace")[-4000:] for r, c in failed
-        )
-        raise RuntimeError(f"{job['variant']} at world {world} failed:\n{tails}")
+    from tierckpt.testing import failures, launch_ranks
+
+    exits = launch_ranks([sys.executable, __file__, "--rank-worker", json.dumps(job)], world, timeout_s=limit_s, log_dir=log_dir)
+    if failed := failures(exits):
+        raise RuntimeError(f"{job['variant']} at world {world} failed:\n{failed}")
     return [json.loads(Path(job["results"], f"rank-{r}.json").read_text()) for r in range(world)]
 
 
@@ -262,7 +223,7 @@ def bench_variant(base: Path, variant: str, world: int, nbytes: int, saves: int,
     limit_s = write_limit(work, limit_bytes)
     job = {"variant": variant, "dir": str(work / "ckpt"), "results": str(work / "results"), "nbytes": nbytes, "saves": saves, "timeout": timeout}
     t = time.perf_counter()
-    ranks = run_ranks(job, world, base / f"w{world}-{variant.replace(' ', '-')}", limit_s=timeout * 3 + 60)
+    ranks = run_ranks(job, world, base / "logs" / f"w{world}-{variant.replace(' ', '-')}", limit_s=timeout * 3 + 60)
     wall = time.perf_counter() - t
     on_disk = version_bytes(variant, work / "ckpt", saves, world)
     measured = range(1, saves)  # the first save is the warm-up

@@ -48,9 +48,7 @@ import json
 import math
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -331,48 +329,18 @@ def _peak_rss_mib() -> float:
 # -- the parent ----------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(job: dict[str, Any], world: int, log: Path) -> list[dict[str, Any]]:
+def run_ranks(job: dict[str, Any], world: int, log_dir: Path) -> list[dict[str, Any]]:
     """Start ``world`` ranks of this script (world 0: one process without torch.distributed)."""
-    port = free_port()
-    procs, logs = [], []
+    from tierckpt.testing import failures, launch_ranks
+
     results = Path(job["results"])
     shutil.rmtree(results, ignore_errors=True)
     results.mkdir(parents=True)
-    for rank in range(max(world, 1)):
-        env = os.environ | {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(world, 1)))}
-        if world:
-            env |= {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        f = open(log.with_name(f"{log.name}-{rank}.log"), "wb")
-        logs.append(f)
-        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-worker", json.dumps(job | {"world": world})], env=env, stdout=f, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + job["timeout"] + 60
-    failed = []
-    try:
-        for rank, proc in enumerate(procs):
-            try:
-                code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                code = None
-            if code != 0:
-                failed.append((rank, code))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for f in logs:
-            f.close()
-    if failed:
-        tails = "\n".join(
-            f"--- rank {r} (exit {c}) ---\n" + log.with_name(f"{log.name}-{r}.log").read_text(errors="replace")[-4000:] for r, c in failed
-        )
-        raise RuntimeError(f"{job['mode']} with {world} ranks failed:\n{tails}")
+    argv = [sys.executable, __file__, "--rank-worker", json.dumps(job | {"world": world})]
+    threads = str(max(1, (os.cpu_count() or 1) // max(world, 1)))
+    exits = launch_ranks(argv, world, env={"OMP_NUM_THREADS": threads}, timeout_s=job["timeout"] + 60, log_dir=log_dir)
+    if failed := failures(exits):
+        raise RuntimeError(f"{job['mode']} with {world} ranks failed:\n{failed}")
     return [json.loads((results / f"rank-{r}.json").read_text()) for r in range(max(world, 1))]
 
 
@@ -495,7 +463,7 @@ def main() -> None:
         for n in sorted({c[1] for c in cases}, reverse=True):
             job = common | {"mode": "save", "tier_dir": str(base / f"tierckpt-{n}"), "dcp_dir": str(base / f"dcp-{n}"), "results": str(base / "results")}
             t = time.perf_counter()
-            ranks = run_ranks(job, n, base / f"save-{n}")
+            ranks = run_ranks(job, n, base / "logs" / f"save-{n}")
             save = {
                 "tierckpt_s": max(r["tierckpt_save_s"] for r in ranks),
                 "dcp_s": max(r["dcp_save_s"] for r in ranks),
@@ -513,7 +481,7 @@ def main() -> None:
             }
             t = time.perf_counter()
             try:
-                ranks = run_ranks(job, 0 if place == "plain" else m, base / f"restore-{i}")
+                ranks = run_ranks(job, 0 if place == "plain" else m, base / "logs" / f"restore-{i}")
             except RuntimeError as exc:
                 print(exc, flush=True)
                 report["cases"].append({"case": name, "saved_world": n, "restored_world": m, "error": str(exc)})

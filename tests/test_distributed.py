@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,46 +18,18 @@ import pytest
 
 from tierckpt.format import MANIFEST_FILE, version_dirname
 from tierckpt.format.manifest import decode_document
+from tierckpt.testing import failures, free_port, launch_ranks
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 MODEL_BYTES = 300_000 * 4 + 7 * 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(world: int, scenario: str, root: Path, env: dict[str, str] | None = None, *, expect_dead: tuple[int, ...] = ()) -> list[dict[str, Any]]:
-    """Start ``world`` ranks of ``scenario``; returns each surviving rank's result."""
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        penv = os.environ | {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "TEST_TIMEOUT": "30",
-            "OMP_NUM_THREADS": "1",
-        } | (env or {})
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario, str(root)], env=penv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    results = []
-    try:
-        for rank, proc in enumerate(procs):
-            output, _ = proc.communicate(timeout=300)
-            if rank in expect_dead:
-                assert proc.returncode == -9, output.decode(errors="replace")[-3000:]
-                continue
-            assert proc.returncode == 0, f"rank {rank}:\n{output.decode(errors='replace')[-5000:]}"
-            results.append(json.loads((root / f"result-{rank}.json").read_text()))
-    finally:
-        for proc in procs:  # a failed rank must not leave the others running into the next test
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    return results
+    """Start ``world`` ranks of ``scenario``; returns each surviving rank's result (ranks in ``expect_dead`` must die by SIGKILL)."""
+    exits = launch_ranks([sys.executable, str(WORKER), scenario, str(root)], world, env={"TEST_TIMEOUT": "30"} | (env or {}))
+    failed = failures(exits, expect_dead)
+    assert not failed, failed
+    return [json.loads((root / f"result-{e.rank}.json").read_text()) for e in exits if e.rank not in expect_dead]
 
 
 def _version(root: Path, step: int) -> Path:
@@ -136,12 +107,12 @@ def test_a_rank_killed_mid_flush_commits_nothing_and_the_others_go_on(tmp_path: 
 
 def test_the_torchrun_example_trains_and_resumes_on_every_rank(tmp_path: Path) -> None:
     example = Path(__file__).resolve().parents[1] / "examples" / "distributed_train.py"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port())]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     first = subprocess.run([*torchrun, str(example), "--steps", "3", "--dir", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert re.search(r"trained to step 3; on disk: \[(1, |2, )?3\]", first.stdout), first.stdout
-    torchrun[-1] = str(_free_port())
+    torchrun[-1] = str(free_port())
     second = subprocess.run([*torchrun, str(example), "--steps", "5", "--dir", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "rank 0: resumed from step 3 (tier disk)" in second.stdout

@@ -7,7 +7,6 @@ import io
 import json
 import os
 import shutil
-import socket
 import struct
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from tierckpt import Checkpointer
 from tierckpt.cli import main
 from tierckpt.export import ExportProgress, export
 from tierckpt.format import DATA_FILE, MANIFEST_FILE, Manifest, version_dirname
+from tierckpt.testing import failures, launch_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -195,23 +195,9 @@ def test_explicit_format_wins_over_the_suffix_and_a_terminal_gets_a_progress_lin
 
 def _run_ranks(root: Path, world: int, env: dict[str, str]) -> None:
     """``world`` ranks of tests/reshard_worker.py saving step 7 (as tests/test_distributed.py starts ranks)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(world):
-        penv = ENV | {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} | env
-        cmd = [sys.executable, str(TESTS / "reshard_worker.py"), "save", str(root)]
-        procs.append(subprocess.Popen(cmd, env=penv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    try:
-        for rank, proc in enumerate(procs):
-            output, _ = proc.communicate(timeout=300)
-            assert proc.returncode == 0, f"rank {rank}:\n{output.decode(errors='replace')[-5000:]}"
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+    exits = launch_ranks([sys.executable, str(TESTS / "reshard_worker.py"), "save", str(root)], world, env=ENV | env)
+    failed = failures(exits)
+    assert not failed, failed
 
 
 def test_four_ranks_of_dtensor_shards_export_as_global_tensors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,14 +8,13 @@ every restored piece is compared bitwise with the same piece cut from the global
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tierckpt.testing import failures, launch_ranks
 
 WORKER = Path(__file__).with_name("reshard_worker.py")
 KEYS = ("w", "emb", "big", "norm")
@@ -24,39 +23,12 @@ BIG_BYTES = 2050 * 2100 * 4
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(world: int, mode: str, root: Path, mesh: str, place: str = "S0", **env: str) -> list[dict[str, Any]]:
     """Run ``world`` ranks of the worker; returns each rank's result."""
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        penv = os.environ | {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "MESH": mesh,
-            "PLACE": place,
-        } | env
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), mode, str(root)], env=penv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    results = []
-    try:
-        for rank, proc in enumerate(procs):
-            output, _ = proc.communicate(timeout=300)
-            assert proc.returncode == 0, f"rank {rank}:\n{output.decode(errors='replace')[-5000:]}"
-            results.append(json.loads((root / f"result-{rank}.json").read_text()))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    return results
+    exits = launch_ranks([sys.executable, str(WORKER), mode, str(root)], world, env={"MESH": mesh, "PLACE": place} | env)
+    failed = failures(exits)
+    assert not failed, failed
+    return [json.loads((root / f"result-{rank}.json").read_text()) for rank in range(world)]
 
 
 def _all_right(results: list[dict[str, Any]], *, saved: int = 4, in_place: bool = True) -> None:

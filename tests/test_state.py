@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import enum
 import math
-import warnings
 from collections import OrderedDict
 from typing import Any
 
