@@ -144,8 +144,8 @@ def main() -> None:
 
         original = RankGroup.discover
 
-        def remember(group: Any, timeout_s: float) -> Any:
-            found = original(group, timeout_s)
+        def remember(group: Any, timeout_s: float, **kwargs: Any) -> Any:
+            found = original(group, timeout_s, **kwargs)
             ckpt_group.append(found)
             return found
 

@@ -17,12 +17,14 @@ from hypothesis import strategies as st
 
 from tierckpt.config import (
     _COMPRESSION_KEYS,
+    _DISTRIBUTED_KEYS,
     _FLUSH_KEYS,
     _HOST_KEYS,
     _KEEP_KEYS,
     _TIER_KEYS,
     CompressionConfig,
     Config,
+    DistributedConfig,
     FlushPolicy,
     HostConfig,
     KeepPolicy,
@@ -141,7 +143,7 @@ def test_example_as_dict(tmp_path: Path) -> None:
                 "io_threads": 2,
             },
         ],
-        "distributed": {"timeout": 60.0},
+        "distributed": {"timeout": 60.0, "nodes": None},
     }
 
 
@@ -181,6 +183,7 @@ def test_readme_documents_every_key() -> None:
     expected = {f"host.{key.name}" for key in _HOST_KEYS}
     expected |= {f"tiers[].{key.name}" for key in _TIER_KEYS if key.name not in sections}
     expected |= {f"tiers[].{name}.{key.name}" for name, keys in sections.items() for key in keys}
+    expected |= {f"distributed.{key.name}" for key in _DISTRIBUTED_KEYS}
     assert expected <= rows, f"keys without a row in README's table: {sorted(expected - rows)}"
 
 
@@ -207,9 +210,9 @@ def test_wrong_choice_message(tmp_path: Path) -> None:
     ("text", "key", "line", "allowed"),
     [
         (small() + "logging: {level: info}\n", "logging", 9, "host, tiers, distributed"),
-        (small() + "distributed: {timout: 60s}\n", "distributed.timout", 9, "timeout"),
+        (small() + "distributed: {timout: 60s}\n", "distributed.timout", 9, "timeout, nodes"),
         (small(host="  capacity: 1GiB\n  snapshot: 2\n"), "host.snapshot", 3, "capacity, snapshots, on_full, copy_threads"),
-        (small(nvme="    copies: 2\n"), "tiers[1].copies", 9, "name, type, path, flush, keep, compression, io_threads"),
+        (small(nvme="    replicas: 2\n"), "tiers[1].replicas", 9, "name, type, path, flush, keep, compression, io_threads, copies, bandwidth"),
         (small(nvme="    flush:\n      every: 2\n      max_stale: 1m\n"), "tiers[1].flush.max_stale", 11, "every, every_steps, min_interval, max_staleness, newest_only"),
         (small(nvme="    keep: {last: 2, newer_than: 1h}\n"), "tiers[1].keep.newer_than", 9, "last, every_steps, within, max_bytes"),
         (small(nvme="    compression: {codec: zstd, planes: 4}\n"), "tiers[1].compression.planes", 9, "codec, level, shuffle, min_ratio, when"),
@@ -301,7 +304,7 @@ def test_bad_values(tmp_path: Path, host: str, nvme: str, key: str, line: int, s
         ("tiers:\n  - name: my disk\n    type: memory\n", "tiers[0].name", 2, "use letters, digits"),
         ("tiers:\n  - name: 7\n    type: memory\n", "tiers[0].name", 2, "7 is not allowed"),
         ("tiers:\n  - name: _ram\n    type: memory\n", "tiers[0].name", 2, "'_ram' is not allowed"),
-        ("tiers:\n  - name: ram\n    type: peer\n", "tiers[0].type", 3, "use one of: memory, filesystem"),
+        ("tiers:\n  - name: ram\n    type: tape\n", "tiers[0].type", 3, "use one of: memory, filesystem, peer"),
         ("tiers: []\n", "tiers", 1, "no tier is given"),
         ("tiers: {name: ram, type: memory}\n", "tiers", 1, "is not a list"),
         ("tiers:\n  - ram\n", "tiers[0]", 2, "'ram' is not a mapping"),
@@ -422,7 +425,7 @@ def test_from_dict_errors_name_the_source() -> None:
     data = {"tiers": [{"name": "ram", "type": "memory", "bogus": 1}]}
     with pytest.raises(ConfigError) as caught:
         Config.from_dict(data)
-    assert str(caught.value) == "tiers[0].bogus: unknown key (tier 'ram'); allowed: name, type, path, flush, keep, compression, io_threads"
+    assert str(caught.value) == "tiers[0].bogus: unknown key (tier 'ram'); allowed: name, type, path, flush, keep, compression, io_threads, copies, bandwidth"
     with pytest.raises(ConfigError, match=r"^tiers\[0\]\.bogus: unknown key \(tier 'ram', in job\.json\); allowed: "):
         Config.from_dict(data, source="job.json")
     with pytest.raises(ConfigError, match=r"^config: \[\] is not a mapping; use a mapping with keys: host, tiers, distributed$"):
@@ -560,6 +563,143 @@ def test_frozen(section: object) -> None:
         setattr(section, name, getattr(section, name))
     assert hash(section) == hash(pickle.loads(pickle.dumps(section)))
     assert pickle.loads(pickle.dumps(section)) == section
+
+
+# --- peer tiers and distributed.nodes ------------------------------------------------------------------
+
+PEER = "  - name: peer\n    type: peer\n"  # tiers[1], after a memory tier; its keys start at line 6
+
+
+def peer_config(keys: str = "", *, after: str = "") -> str:
+    return "tiers:\n  - name: ram\n    type: memory\n" + PEER + keys + after
+
+
+@pytest.mark.parametrize(("written", "rate"), [("500MiB", 500 << 20), ("500MiB/s", 500 << 20), ("1.5 GB / s", 1_500_000_000), (4096, 4096)])
+def test_peer_tier_loads(tmp_path: Path, written: object, rate: int) -> None:
+    text = peer_config(f"    copies: 2\n    bandwidth: {written}\n    flush: {{every_steps: 10}}\n    keep: {{last: 1}}\n")
+    peer = load(tmp_path, text).tiers[1]
+    assert peer == TierConfig(
+        name="peer", type="peer", copies=2, bandwidth_bytes=rate, flush=FlushPolicy(every_steps=10), keep=KeepPolicy(last=1)
+    )
+    assert isinstance(peer.bandwidth_bytes, int)
+
+
+def test_peer_tier_defaults_and_round_trip(tmp_path: Path) -> None:
+    config = load(tmp_path, peer_config(after="  - {name: nvme, type: filesystem, path: /tmp/nvme}\n"))
+    peer = config.tier("peer")
+    assert (peer.copies, peer.bandwidth_bytes, peer.path) == (1, None, None)
+    written = config.to_dict()
+    assert written["tiers"][0] == {"name": "ram", "type": "memory"}
+    assert written["tiers"][1] == {
+        "name": "peer",
+        "type": "peer",
+        "flush": {"every": 1, "every_steps": None, "min_interval": 0.0, "max_staleness": None, "newest_only": True},
+        "copies": 1,
+        "bandwidth": None,
+    }
+    assert "copies" not in written["tiers"][2] and "bandwidth" not in written["tiers"][2]
+    assert Config.from_dict(written) == config
+    limited = dataclasses.replace(config, tiers=(config.tiers[0], dataclasses.replace(peer, copies=2, bandwidth_bytes=500 << 20)))
+    assert limited.to_dict()["tiers"][1]["bandwidth"] == 500 << 20
+    assert Config.from_dict(limited.to_dict()) == limited
+    (tmp_path / "out.yaml").write_text(limited.to_yaml())
+    assert Config.from_yaml(tmp_path / "out.yaml") == limited
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "line", "says"),
+    [
+        (small(nvme="    copies: 2\n"), "tiers[1].copies", 9, "not allowed on a filesystem tier"),
+        (small(nvme="    copies: 1\n"), "tiers[1].copies", 9, "copies applies to peer tiers"),
+        (small(nvme="    bandwidth: 1GiB\n"), "tiers[1].bandwidth", 9, "bandwidth applies to peer tiers"),
+        ("tiers:\n  - name: ram\n    type: memory\n    copies: 2\n", "tiers[0].copies", 4, "not allowed on a memory tier"),
+        ("tiers:\n  - name: ram\n    type: memory\n    bandwidth: 1GiB/s\n", "tiers[0].bandwidth", 4, "not allowed on a memory tier"),
+        (peer_config("    path: /dev/shm/peer\n"), "tiers[1].path", 6, "copies live in the memory tier's directory, or in process memory"),
+        (peer_config("    compression: {codec: zstd}\n"), "tiers[1].compression", 6, "not allowed on a peer tier"),
+        (peer_config("    io_threads: 4\n"), "tiers[1].io_threads", 6, "io_threads applies to filesystem tiers"),
+        (peer_config("    copies: 3\n"), "tiers[1].copies", 6, "use an integer from 1 to 2"),
+        (peer_config("    copies: 0\n"), "tiers[1].copies", 6, "0 is not allowed"),
+        (peer_config("    copies: two\n"), "tiers[1].copies", 6, "'two' is not an integer"),
+        (peer_config("    bandwidth: 0\n"), "tiers[1].bandwidth", 6, "use a size per second > 0, e.g. 500MiB/s"),
+        (peer_config("    bandwidth: 0MiB/s\n"), "tiers[1].bandwidth", 6, "0 is not allowed"),
+        (peer_config("    bandwidth: -1MiB/s\n"), "tiers[1].bandwidth", 6, "'-1MiB/s' is not a size per second"),
+        (peer_config("    bandwidth: fast\n"), "tiers[1].bandwidth", 6, "'fast' is not a size per second"),
+        (peer_config("    bandwidth: 500MiB/h\n"), "tiers[1].bandwidth", 6, "'500MiB/h' is not a size per second"),
+        (peer_config("    bandwidth: true\n"), "tiers[1].bandwidth", 6, "True is not a size per second"),
+    ],
+)
+def test_peer_keys_refused(tmp_path: Path, text: str, key: str, line: int, says: str) -> None:
+    error = load_error(tmp_path, text)
+    assert error.key == key
+    assert str(error).startswith(f"{key}: ")
+    assert error.tier == ("ram" if key.startswith("tiers[0]") else "peer" if "type: peer" in text else "nvme")
+    assert f"(tier {error.tier!r}, in {tmp_path / 'tiers.yaml'}, line {line})" in str(error)
+    assert says in str(error)
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "line", "tier", "says"),
+    [
+        ("tiers:\n  - {name: peer, type: peer}\n", "tiers[0].type", 2, "peer",
+         "'peer' is not allowed first (tier 'peer', in {file}, line 2); a peer tier copies what the host memory tier captured; put a memory tier first"),
+        (peer_config(after="  - {name: peer2, type: peer}\n"), "tiers[2].type", 6, "peer2",
+         "'peer' is not allowed twice; tiers[1] is a peer tier already (tier 'peer2', in {file}, line 6); use at most one peer tier"),
+    ],
+)
+def test_peer_tier_rules(tmp_path: Path, text: str, key: str, line: int, tier: str, says: str) -> None:
+    error = load_error(tmp_path, text)
+    assert (error.key, error.tier) == (key, tier)
+    assert str(error) == f"{key}: " + says.format(file=tmp_path / "tiers.yaml")
+
+
+def test_peer_tier_in_code() -> None:
+    ram = TierConfig(name="ram", type="memory")
+    peer = TierConfig(name="peer", type="peer", copies=2, bandwidth_bytes=1 << 30)
+    assert Config(tiers=(ram, peer)).tiers[1] is peer
+    # A filesystem tier listed first is fed by a host tier the Checkpointer puts in front of it.
+    Config(tiers=(TierConfig(name="nvme", type="filesystem", path="n"), peer))
+    with pytest.raises(ConfigError, match=r"^tiers\[0\]\.type: 'peer' is not allowed first \(tier 'peer'\)"):
+        Config(tiers=(peer,))
+    with pytest.raises(ConfigError, match=r"^tiers\[2\]\.type: 'peer' is not allowed twice; tiers\[1\] is a peer tier already"):
+        Config(tiers=(ram, peer, dataclasses.replace(peer, name="peer2")))
+    with pytest.raises(ConfigError, match=r"^tier\.copies: not allowed on a memory tier \(tier 'ram'\); copies applies to peer tiers"):
+        TierConfig(name="ram", type="memory", copies=2)
+    with pytest.raises(ConfigError, match=r"^tier\.bandwidth: not allowed on a filesystem tier \(tier 'd'\); bandwidth applies"):
+        TierConfig(name="d", type="filesystem", path="d", bandwidth_bytes=1)
+    with pytest.raises(ConfigError, match=r"^tier\.path: not allowed on a peer tier \(tier 'peer'\); a peer tier's copies live"):
+        TierConfig(name="peer", type="peer", path="/dev/shm/p")
+    with pytest.raises(ConfigError, match=r"^tier\.io_threads: not allowed on a peer tier"):
+        TierConfig(name="peer", type="peer", io_threads=4)
+    with pytest.raises(ConfigError, match=r"^tier\.compression: not allowed on a peer tier"):
+        TierConfig(name="peer", type="peer", compression=CompressionConfig(codec="zstd"))
+    with pytest.raises(ConfigError, match=r"^tier\.copies: 3 is not allowed \(tier 'peer'\); use an integer from 1 to 2$"):
+        TierConfig(name="peer", type="peer", copies=3)
+    for bad in (0, -1, True, 1.5, "1GiB"):
+        with pytest.raises(ConfigError, match=r"^tier\.bandwidth: .* is not allowed \(tier 'peer'\); use a size per second > 0"):
+            TierConfig(name="peer", type="peer", bandwidth_bytes=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 8])
+def test_distributed_nodes(tmp_path: Path, nodes: int) -> None:
+    config = load(tmp_path, small() + f"distributed:\n  timeout: 30s\n  nodes: {nodes}\n")
+    assert config.distributed == DistributedConfig(timeout_s=30.0, nodes=nodes)
+    assert config.to_dict()["distributed"] == {"timeout": 30.0, "nodes": nodes}
+    assert Config.from_dict(config.to_dict()) == config
+    assert load(tmp_path, small()).distributed.nodes is None
+    assert load(tmp_path, small() + "distributed: {nodes: null}\n").distributed.nodes is None
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [("0", "0 is not allowed"), ("-2", "-2 is not allowed"), ("two", "'two' is not an integer"),
+     ("1.5", "1.5 is not an integer"), ("true", "True is not an integer")],
+)
+def test_distributed_nodes_refused(tmp_path: Path, value: str, says: str) -> None:
+    error = load_error(tmp_path, small() + f"distributed:\n  nodes: {value}\n")
+    assert (error.key, error.tier) == ("distributed.nodes", None)
+    assert str(error).startswith(f"distributed.nodes: {says} (in {tmp_path / 'tiers.yaml'}, line 10); use an integer >= 1, or null")
+    with pytest.raises(ConfigError, match=r"^distributed\.nodes: 0 is not allowed; use an integer >= 1, or null$"):
+        DistributedConfig(nodes=0)
 
 
 # --- units ------------------------------------------------------------------------------------------
@@ -782,7 +922,21 @@ def configs(draw: st.DrawFn) -> Config:
                 io_threads=draw(st.integers(1, 64)),
             )
         )
-    return Config(host=draw(hosts()), tiers=tuple(tiers))
+    if tiers and draw(st.booleans()):
+        # A peer tier anywhere but first; its name is not one of the others' (they are at most 13 long).
+        peer = TierConfig(
+            name="peer-tier-of-the-job",
+            type="peer",
+            flush=draw(flushes),
+            keep=draw(keeps),
+            copies=draw(st.integers(1, 2)),
+            bandwidth_bytes=draw(st.none() | st.integers(1, 2**50)),
+        )
+        tiers.insert(draw(st.integers(1, len(tiers))), peer)
+    distributed = DistributedConfig(
+        timeout_s=draw(st.floats(1e-3, 1e9, allow_nan=False, allow_infinity=False)), nodes=draw(st.none() | st.integers(1, 4096))
+    )
+    return Config(host=draw(hosts()), tiers=tuple(tiers), distributed=distributed)
 
 
 @given(configs())

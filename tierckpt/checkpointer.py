@@ -29,6 +29,7 @@ from tierckpt.state import flatten, format_path
 from tierckpt.tiers.base import Tier, VersionInfo
 from tierckpt.tiers.filesystem import FilesystemTier
 from tierckpt.tiers.memory import MemoryTier
+from tierckpt.tiers.peer import PeerTier
 from tierckpt.tiers.shm import ShmStore
 from tierckpt.units import format_size
 
@@ -134,7 +135,8 @@ class Checkpointer:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = Config.coerce(config)
-        self._group = RankGroup.discover(group, self.config.distributed.timeout_s)
+        peer = any(t.type == "peer" for t in self.config.tiers)
+        self._group = RankGroup.discover(group, self.config.distributed.timeout_s, bulk=peer, nodes=self.config.distributed.nodes)
         try:
             self._build(tier_factory, clock)
         except BaseException as exc:
@@ -155,6 +157,25 @@ class Checkpointer:
             self._runtime.abandon()
             rank, why = failed[0]
             raise ConfigError(f"rank {rank} could not construct its Checkpointer: {why}")
+        if peer:
+            self._learn_peer_versions()
+
+    def _learn_peer_versions(self) -> None:
+        """After a restart, the versions of the peer tier every rank's part of which is still held somewhere."""
+        assert self._group is not None
+        tier = next(t for t in self._pipeline.tiers if isinstance(t, PeerTier))
+        world = self._group.world
+        held = [[h.owner, h.step, nbytes] for h, nbytes in tier.replicas.held().items() if h.world == world]
+        by_step: dict[int, dict[int, int]] = {}
+        for reply in self._group.all_gather(held):
+            for owner, step, nbytes in reply:
+                by_step.setdefault(step, {})[owner] = nbytes
+        complete = [(step, 0.0, sum(parts.values())) for step, parts in sorted(by_step.items()) if len(parts) == world]
+
+        async def learn() -> None:
+            tier.learn(complete)
+
+        self._engine.run_sync(learn())
 
     def _build(self, tier_factory: TierFactory | None, clock: Callable[[], float]) -> None:
         host = self.config.host
@@ -183,7 +204,7 @@ class Checkpointer:
         for cfg in tier_configs:
             tier = tier_factory(cfg) if tier_factory else None
             if tier is None:
-                tier = MemoryTier(cfg, self._pool, store if cfg is tier_configs[0] else None) if cfg.type == "memory" else FilesystemTier(cfg, self._group)
+                tier = self._tier(cfg, tier_configs[0], store)
             tiers.append(tier)
         self._pipeline = Pipeline(self.config, self._pool, self._copier, tiers, clock=clock, group=self._group)
         self._engine = Engine()
@@ -197,6 +218,21 @@ class Checkpointer:
                 self._runtime.teardown()
             raise
         _register_exit(self._runtime)
+
+    def _tier(self, cfg: TierConfig, first: TierConfig, store: ShmStore | None) -> Tier:
+        if cfg.type == "memory":
+            return MemoryTier(cfg, self._pool, store if cfg is first else None)
+        if cfg.type == "filesystem":
+            return FilesystemTier(cfg, self._group)
+        if self._group is None or self._group.nodes is None:
+            raise ConfigError(
+                f"tier {cfg.name!r}: a peer tier copies each rank's snapshots into the RAM of ranks on other nodes; "
+                "it needs torch.distributed initialized, with ranks on at least 2 nodes",
+                tier=cfg.name,
+            )
+        # Copies live beside the memory tier's pool, so that they too outlive the process.
+        root = None if first.path is None else Path(first.path).expanduser().absolute() / f"{cfg.name}-rank-{self._group.rank:05d}"
+        return PeerTier(cfg, self._group, self._group.nodes, root)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], **kwargs: Any) -> Checkpointer:

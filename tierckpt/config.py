@@ -50,20 +50,33 @@ from tierckpt.units import format_size
 __all__ = ["Config", "HostConfig", "TierConfig", "FlushPolicy", "KeepPolicy", "CompressionConfig", "DistributedConfig"]
 
 _ON_FULL = ("block", "skip", "evict")
-_TIER_TYPES = ("memory", "filesystem")
+_TIER_TYPES = ("memory", "filesystem", "peer")
 _CODECS = ("none", "zstd")
 _WHEN = ("always", "faster")
 _TIER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 # A slot must hold at least one 4 KiB block: tensor data is laid out in 4 KiB-aligned extents.
 _MIN_SLOT_BYTES = 4096
+_MAX_COPIES = 2
+_PER_SECOND = re.compile(r"\s*/\s*s\s*$", re.IGNORECASE)
+_BANDWIDTH_HINT = "use a size per second > 0, e.g. 500MiB/s or 1GB/s, or leave bandwidth out for no limit"
 # Keys a tier of a type does not take, and why; a tier may not set them, not even to their default.
+_PEER_ONLY = {
+    "copies": "copies applies to peer tiers: how many other nodes hold a copy of each rank's snapshot",
+    "bandwidth": "bandwidth applies to peer tiers: it limits the copying of snapshots to other nodes",
+}
 _NOT_FOR_TYPE: dict[str, dict[str, str]] = {
     "memory": {
         "flush": "a memory tier is the first tier and receives every save",
         "compression": "a memory tier holds snapshots uncompressed; compress on a filesystem tier",
         "io_threads": "a memory tier does no file I/O; io_threads applies to filesystem tiers",
+        **_PEER_ONLY,
     },
-    "filesystem": {},
+    "filesystem": dict(_PEER_ONLY),
+    "peer": {
+        "path": "a peer tier's copies live in the memory tier's directory, or in process memory",
+        "compression": "a peer tier holds snapshots uncompressed in other nodes' memory",
+        "io_threads": "a peer tier does no file I/O; io_threads applies to filesystem tiers",
+    },
 }
 
 
@@ -119,15 +132,28 @@ class DistributedConfig:
         timeout_s: how long the ranks wait for each other (YAML ``timeout``, e.g. ``60s``): for every
             rank's part of a version before it is abandoned, and for each other at construction,
             restore and close. A rank that died or hangs fails the versions in flight after this long.
+        nodes: how many nodes the job's ranks are on, overriding what the ranks find out themselves
+            (:mod:`tierckpt.dist.nodes`), for tests and trials on one host: the ranks are split into
+            this many nodes of consecutive ranks (>= 1), which a peer tier places its copies across.
+            The world size must be divisible by it; that is checked when the ranks start, not here.
+            ``None`` (the default): ranks on the same node are those with the same ``GROUP_RANK``
+            (set by torchrun), or else the same host name.
 
     Raises:
-        ConfigError: the timeout is not a positive duration.
+        ConfigError: the timeout is not a positive duration, or ``nodes`` is not an integer >= 1.
+
+    Example:
+        >>> DistributedConfig(nodes=2).nodes
+        2
     """
 
     timeout_s: float = 60.0
+    nodes: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "timeout_s", check_seconds(site("distributed"), "timeout", self.timeout_s, positive=True))
+        at = site("distributed")
+        object.__setattr__(self, "timeout_s", check_seconds(at, "timeout", self.timeout_s, positive=True))
+        check_int(at, "nodes", self.nodes, low=1, optional=True)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -280,17 +306,22 @@ class TierConfig:
 
     Attributes:
         name: unique name: letters, digits, ``_ . -``, starting with a letter or a digit.
-        type: ``"memory"`` (host slots; only as the first tier) or ``"filesystem"``.
+        type: ``"memory"`` (host slots; only as the first tier), ``"filesystem"``, or ``"peer"``
+            (in-memory redundancy: each rank's snapshot is copied into the memory of ranks on other
+            nodes; never the first tier, at most one).
         path: the directory of a filesystem tier, required there; a ``str`` or ``os.PathLike`` is stored
             as a ``Path`` with ``~`` expanded, a relative path stays relative. On a memory tier (optional):
             a directory on a RAM-backed file system (``/dev/shm/...``) holding the host pool, so that
-            its snapshots outlive the process.
+            its snapshots outlive the process. Not on a peer tier.
         flush: which versions from the tier above this tier writes. Not on a memory tier: it is first
             and receives every save. (A filesystem tier listed first is fed by the host tier that the
             Checkpointer puts in front of it, so it may have one.)
         keep: which committed versions this tier keeps.
         compression: how tensor bytes are compressed; filesystem tiers only.
         io_threads: writer and reader threads of a filesystem tier (1..64); filesystem tiers only.
+        copies: how many other nodes hold a copy of each rank's snapshot (1 or 2); peer tiers only.
+        bandwidth_bytes: at most this many bytes per second copied to other nodes (YAML ``bandwidth``:
+            bytes or ``"500MiB/s"``, the ``/s`` optional; > 0), or ``None`` for no limit; peer tiers only.
 
     Raises:
         ConfigError: a value is missing, of the wrong type or out of range, or a key does not apply to
@@ -308,6 +339,8 @@ class TierConfig:
     keep: KeepPolicy = KeepPolicy()
     compression: CompressionConfig = CompressionConfig()
     io_threads: int = 2
+    copies: int = 1
+    bandwidth_bytes: int | None = None
 
     def __post_init__(self) -> None:
         at = site("tier")
@@ -327,6 +360,10 @@ class TierConfig:
             if not isinstance(value := getattr(self, key), kind):
                 raise at.error(key, problem=f"{value!r} is not allowed", hint=f"use a {kind.__name__}")
         check_int(at, "io_threads", self.io_threads, low=1, high=64)
+        check_int(at, "copies", self.copies, low=1, high=_MAX_COPIES)
+        bandwidth = self.bandwidth_bytes
+        if bandwidth is not None and (isinstance(bandwidth, bool) or not isinstance(bandwidth, int) or bandwidth < 1):
+            raise at.error("bandwidth", problem=f"{bandwidth!r} is not allowed", hint=_BANDWIDTH_HINT)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -336,8 +373,8 @@ class Config:
     Attributes:
         host: the host memory that snapshots are captured into.
         distributed: how ranks coordinate when ``torch.distributed`` is initialized.
-        tiers: at least one tier, names unique; a memory tier may only be the first. A list is stored
-            as a tuple.
+        tiers: at least one tier, names unique; a memory tier may only be the first; a peer tier may
+            not be the first, and there is at most one. A list is stored as a tuple.
 
     Raises:
         ConfigError: a value is missing, of the wrong type or out of range, or the tiers break a rule above.
@@ -363,6 +400,7 @@ class Config:
         if not self.tiers:
             raise at.error("tiers", problem="no tier is given", hint="a config needs at least one tier")
         index_of: dict[str, int] = {}
+        peer: int | None = None
         for index, tier in enumerate(self.tiers):
             if not isinstance(tier, TierConfig):
                 raise at.error("tiers", index, problem=f"{tier!r} is not allowed", hint="use a TierConfig")
@@ -373,6 +411,14 @@ class Config:
             if tier.type == "memory" and index > 0:
                 hint = "a memory tier can only be the first tier"
                 raise at.of_tier(tier.name).error("tiers", index, "type", problem="'memory' is not allowed here", hint=hint)
+            if tier.type == "peer" and index == 0:
+                hint = "a peer tier copies what the host memory tier captured; put a memory tier first"
+                raise at.of_tier(tier.name).error("tiers", index, "type", problem="'peer' is not allowed first", hint=hint)
+            if tier.type == "peer" and peer is not None:
+                problem = f"'peer' is not allowed twice; tiers[{peer}] is a peer tier already"
+                raise at.of_tier(tier.name).error("tiers", index, "type", problem=problem, hint="use at most one peer tier")
+            if tier.type == "peer":
+                peer = index
 
     def tier(self, name: str) -> TierConfig:
         """The tier called ``name``.
@@ -489,6 +535,14 @@ def _write_tiers(tiers: tuple[TierConfig, ...]) -> list[dict[str, Any]]:
     ]
 
 
+def _read_bandwidth(value: Any, at: Site) -> int:
+    # A rate reads as a size: "500MiB/s" and "500MiB" are the same.
+    try:
+        return read_size(_PER_SECOND.sub("", value) if isinstance(value, str) else value, at)
+    except ConfigError as exc:
+        raise at.error(problem=f"{value!r} is not a size per second", hint=_BANDWIDTH_HINT) from exc
+
+
 def _read_keep(data: Any, at: Site) -> KeepPolicy:
     keep: KeepPolicy = _read_keep_section(data, at)
     if keep.keeps_all:
@@ -538,8 +592,10 @@ _TIER_KEYS = (
     Key("keep", "keep", _read_keep, _write_keep_section),
     Key("compression", "compression", *section(CompressionConfig, _COMPRESSION_KEYS)),
     Key("io_threads", "io_threads"),
+    Key("copies", "copies"),
+    Key("bandwidth", "bandwidth_bytes", optional(_read_bandwidth)),
 )
-_DISTRIBUTED_KEYS = (Key("timeout", "timeout_s", read_duration),)
+_DISTRIBUTED_KEYS = (Key("timeout", "timeout_s", read_duration), Key("nodes", "nodes"))
 _CONFIG_KEYS = (
     Key("host", "host", *section(HostConfig, _HOST_KEYS)),
     Key("tiers", "tiers", _read_tiers, _write_tiers),

@@ -250,11 +250,11 @@ class FollowerFlusher(Flusher):
                 failure.args = (f"tier {self.tier.name!r}: step {candidate.step} was abandoned by rank 0: {outcome['error']}",)
             self._events.failed(self.tier.name, candidate, failure)
             return
-        info = self.tier.adopt(staged, outcome["nbytes"])
+        info = await self.tier.adopt(staged, outcome["nbytes"])
         self.state = finished(self.state, started=started, ok=True)
         self._events.committed(self.tier.name, candidate, info)
         for step in outcome["delete"]:
-            self.tier.forget(step)
+            await self.tier.forget(step)
 
     async def _outcome(self, n: int) -> dict[str, Any] | None:
         """The leader's outcome of decision ``n``; None if none came in twice the timeout (the leader's

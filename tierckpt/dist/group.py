@@ -30,6 +30,7 @@ from typing import Any, Sequence
 import msgpack
 import torch.distributed as dist
 
+from tierckpt.dist.nodes import group_nodes, node_identity, split_nodes
 from tierckpt.errors import ConfigError
 
 log = logging.getLogger("tierckpt")
@@ -62,6 +63,9 @@ class RankGroup:
         self._store = store
         self._server = server  # the leader keeps the store's server alive
         self._pg = pg
+        self._bulk: Any = None
+        # The group positions of the ranks on each node (found only when a peer tier needs them).
+        self.nodes: list[list[int]] | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-store")
         self._lost: str | None = None
 
@@ -70,11 +74,14 @@ class RankGroup:
         return self.rank == 0
 
     @classmethod
-    def discover(cls, group: Any, timeout_s: float) -> RankGroup | None:
+    def discover(cls, group: Any, timeout_s: float, *, bulk: bool = False, nodes: int | None = None) -> RankGroup | None:
         """The ranks of ``group`` (default: the world) when ``torch.distributed`` is initialized, else None.
 
         Collective over ``group``: every rank of it must call this, at the same point of its program.
-        A group of one process is None too: it saves as a single process does.
+        A group of one process is None too: it saves as a single process does. With ``bulk`` (a peer
+        tier is configured), also makes the bulk group and finds which ranks share a node
+        (:attr:`nodes`): ``nodes`` consecutive blocks of ranks if given, else by each rank's
+        :func:`~tierckpt.dist.nodes.node_identity`.
         """
         if not (dist.is_available() and dist.is_initialized()):
             if group is not None:
@@ -101,7 +108,11 @@ class RankGroup:
         dist.broadcast_object_list(where, src=ranks[0], group=pg)
         host, port, run = where
         store = server if server is not None else dist.TCPStore(host, port, None, False, timeout)
-        return cls(rank, world, ranks, run, timeout_s, store, pg, server)
+        made = cls(rank, world, ranks, run, timeout_s, store, pg, server)
+        if bulk:
+            made.bulk_group()
+            made.nodes = split_nodes(world, nodes) if nodes is not None else group_nodes(made.all_gather(node_identity()))
+        return made
 
     # -- the store (from the engine thread) ---------------------------------------------------------
 
@@ -124,6 +135,9 @@ class RankGroup:
     async def add(self, key: str, amount: int) -> int:
         return int(await self._call("add", key, amount))
 
+    async def delete(self, key: str) -> None:
+        await self._call("delete_key", key)
+
     async def has(self, keys: Sequence[str]) -> bool:
         return bool(await self._call("check", list(keys)))
 
@@ -139,6 +153,15 @@ class RankGroup:
         return True
 
     # -- collectives (every rank at once, from its own call) -----------------------------------------
+
+    def bulk_group(self) -> Any:
+        """A gloo process group of its own for bulk point-to-point transfers (the peer tier's copies),
+        so that they never queue behind, or beside, a collective of the group's own. Made on the first
+        call, which is collective: every rank makes it at the same point (construction)."""
+        if self._bulk is None:
+            timeout = datetime.timedelta(seconds=self.timeout_s)
+            self._bulk = dist.new_group(ranks=list(self.ranks), backend="gloo", timeout=timeout, use_local_synchronization=True)
+        return self._bulk
 
     def all_gather(self, value: Any) -> list[Any]:
         """Every rank's ``value``, in rank order (blocking; msgpack types only)."""

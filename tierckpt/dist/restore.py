@@ -1,9 +1,10 @@
 """Restore by several ranks: they agree on one step, and every rank returns it, or none does.
 
 ``restore_latest`` is collective. The ranks first exchange the steps each can get from some tier (its
-own host memory, or a filesystem tier, where only globally committed versions are listed) and try
-the newest step that every rank has, each from its fastest tier holding it, falling back to its
-slower tiers for that same step. Each rank reads and verifies its whole part into staging memory;
+own host memory, or a filesystem tier, where only globally committed versions are listed) or from a
+peer holding a copy of its part (a peer tier), and try the newest step that every rank can get, each
+from the cheapest place holding it: its own host memory, else a peer's (the peer sends the copy over;
+:mod:`tierckpt.tiers.peer.recovery`), else its disk tiers, falling back to those for that same step. Each rank reads and verifies its whole part into staging memory;
 the ranks then exchange verdicts, and only if every rank verified does any rank copy into its
 template. If one rank's files fail their checksums, every rank warns once (naming the rank and its
 file) and all fall back together to the next older common step. A version saved by another number
@@ -28,6 +29,8 @@ from tierckpt.reshard.layout import NotHere
 from tierckpt.restore import Restored, read_version, template_leaves
 from tierckpt.tiers.base import Tier
 from tierckpt.tiers.memory import MemoryTier
+from tierckpt.tiers.peer import PeerTier
+from tierckpt.tiers.peer.recovery import copies_held, exchange, fetch_plan, holders_of
 
 log = logging.getLogger("tierckpt")
 
@@ -37,14 +40,30 @@ async def restore_agreed(
 ) -> Restored | None:
     """The newest step every rank can load and verify, loaded on every rank; None on every rank if none."""
     by_path = template_leaves(template)
-    mine = sorted({info.step for tier in tiers for info in tier.versions()}, reverse=True)
-    held = await asyncio.to_thread(group.all_gather, mine)
-    common = sorted(set.intersection(*(set(h) for h in held)), reverse=True)
+    peer = next((t for t in tiers if isinstance(t, PeerTier)), None)
+    own = [t for t in tiers if t is not peer]
+    mine = sorted({info.step for tier in own for info in tier.versions()}, reverse=True)
+    in_memory = [info.step for info in own[0].versions()] if isinstance(own[0], MemoryTier) else []
+    held = await asyncio.to_thread(group.all_gather, [mine, in_memory, copies_held(peer)])
+    holders = holders_of([h[2] for h in held])
+    can = [set(h[0]) | {step for owner, step in holders if owner == r} for r, h in enumerate(held)]
+    common = sorted(set.intersection(*can), reverse=True)
     for step in common:
         with contextlib.ExitStack() as held_open:
             verdict, loaded = f"rank {group.rank} holds no step {step} any more", None
             error: BaseException | None = None
-            for tier in [t for t in tiers if any(info.step == step for info in t.versions())]:
+            order = [t for t in own if any(info.step == step for info in t.versions())]
+            fetchers = fetch_plan(step, [h[1] for h in held], holders)
+            if peer is not None and fetchers:
+                # The ranks without their part in host memory get it from a peer's, before any disk.
+                try:
+                    fetched = await exchange(peer, step, fetchers, held_open)
+                except CorruptCheckpointError as exc:
+                    verdict = str(exc)
+                    log.warning("tierckpt: %s; trying the other tiers", exc)
+                else:
+                    order = ([fetched] if fetched is not None else []) + order
+            for tier in order:
                 try:
                     loaded = await _read_part(held_open, tier, step, by_path, staging, group.rank, strict, cast)
                     break

@@ -124,23 +124,45 @@ class Pipeline:
             from tierckpt.dist.flush import FollowerFlusher, LeaderFlusher
 
             kind = functools.partial(LeaderFlusher if group.leader else FollowerFlusher, group=group)
+        # Each tier is fed by the one above it, except below a peer tier: that tier only copies snapshots
+        # into other nodes' RAM, so the tier below it is fed by the tier above it (a disk write never
+        # waits on the network, and nothing reads a version back from the peers while training runs).
+        self._above: list[int] = [0] * len(self.tiers)
+        for i in range(1, len(self.tiers)):
+            j = i - 1
+            while j > 0 and self.tiers[j].config.type == "peer":
+                j -= 1
+            self._above[i] = j
         self.flushers = [
             kind(
-                upstream,
+                self.tiers[self._above[i]],
                 tier,
                 tier.config.flush,
                 self,
                 clock=clock,
                 wall_clock=self._wall,
-                copy_running=(lambda: bool(self.memory.capturing())) if upstream is memory else (lambda: False),
+                copy_running=(lambda: bool(self.memory.capturing())) if self._above[i] == 0 else (lambda: False),
             )
-            for upstream, tier in zip(self.tiers, self.tiers[1:])
+            for i, tier in enumerate(self.tiers[1:], start=1)
         ]
         memory.needed = self._needed_below_memory
         memory.evicted = self._evicted
         memory.wall_clock = self._wall
-        for above, below in zip(self.flushers, self.flushers[1:]):
-            above.wanted_below = below.wants
+        for i, flusher in enumerate(self.flushers, start=1):
+            below = self._fed_by(i)
+            flusher.wanted_below = lambda step, below=below: any(f.wants(step) for f in below)
+
+    def _fed_by(self, i: int) -> list[Flusher]:
+        """The flushers reading from tier ``i``."""
+        return [f for j, f in enumerate(self.flushers, start=1) if self._above[j] == i]
+
+    def _downstream(self, i: int) -> list[Tier]:
+        """Tier ``i`` and every tier that gets versions only through it."""
+        found = [i]
+        for j in range(i + 1, len(self.tiers)):
+            if self._above[j] in found:
+                found.append(j)
+        return [self.tiers[j] for j in found]
 
     async def start(self) -> None:
         for tier in self.tiers:
@@ -239,12 +261,12 @@ class Pipeline:
                     tracker.resolve(self.memory.name, True)
             if self.memory.persistent:
                 self._persist(snapshot, tracker)
-            if self.flushers:
-                self.flushers[0].offer(snapshot.step, snapshot.seq, arrival=snapshot.seq)
-            elif tracker is not None:
+            for flusher in self._fed_by(0):
+                flusher.offer(snapshot.step, snapshot.seq, arrival=snapshot.seq)
+            if not self.flushers and tracker is not None:
                 self._forget(tracker)
             self.memory.prune()
-        for flusher in self.flushers[:1]:
+        for flusher in self._fed_by(0):
             flusher.wake()
         self.memory.notify()
 
@@ -272,20 +294,19 @@ class Pipeline:
         task.add_done_callback(self._tasks.discard)
 
     def _needed_below_memory(self, snapshot: Snapshot, incoming: tuple[int, int] | None) -> bool:
-        """Whether the first flusher still wants ``snapshot``, given newer saves (see MemoryTier)."""
-        if not self.flushers:
-            return False
+        """Whether a flusher fed by host memory still wants ``snapshot``, given newer saves (see MemoryTier)."""
         newer = [Candidate(s.step, s.seq, s.seq) for s in self.memory.capturing() if s.seq > snapshot.seq]
         if incoming is not None:
             newer.append(Candidate(incoming[0], incoming[1], incoming[1]))
-        return self.flushers[0].still_wanted(snapshot.seq, newer)
+        return any(f.still_wanted(snapshot.seq, newer) for f in self._fed_by(0))
 
     def _evicted(self, snapshot: Snapshot) -> None:
-        """A save took the slot of a snapshot the first flusher still wanted (on_full: evict)."""
+        """A save took the slot of a snapshot a flusher fed by host memory still wanted (on_full: evict)."""
         self.counters.evicted_saves += 1
-        if self.flushers:  # always: only a flusher makes a snapshot wanted
-            flusher = self.flushers[0]
-            log.info("step %d evicted from host memory before tier %r took it (host.on_full: evict)", snapshot.step, flusher.tier.name)
+        below = self._fed_by(0)
+        names = ", ".join(repr(f.tier.name) for f in below)
+        log.info("step %d evicted from host memory before tier(s) %s took it (host.on_full: evict)", snapshot.step, names)
+        for flusher in below:
             flusher.forget(snapshot.seq)
 
     # -- flusher events (FlushEvents) --------------------------------------------------------------
@@ -299,7 +320,7 @@ class Pipeline:
         if tracker is None:
             self.memory.notify()
             return
-        for t in self.tiers[self._index(tier) :]:
+        for t in self._downstream(self._index(tier)):
             tracker.resolve(t.name, False)
         self._forget(tracker)
         self.memory.prune()
@@ -319,9 +340,9 @@ class Pipeline:
         tracker = self._trackers.get(candidate.token)
         if tracker is not None:
             tracker.resolve(tier, True)
-        if i < len(self.flushers):
-            self.flushers[i].offer(candidate.step, candidate.token)
-        elif tracker is not None:
+        for flusher in self._fed_by(i):
+            flusher.offer(candidate.step, candidate.token)
+        if tracker is not None:
             self._forget(tracker)
         self.memory.prune()
         self.memory.notify()
@@ -337,7 +358,7 @@ class Pipeline:
             tracker = self._trackers.get(candidate.token)
             if tracker is not None:
                 tracker.resolve(tier, failure)
-                for t in self.tiers[self._index(tier) + 1 :]:
+                for t in self._downstream(self._index(tier))[1:]:
                     tracker.resolve(t.name, False)
                 self._forget(tracker)
         self.memory.prune()

@@ -271,13 +271,13 @@ class FilesystemTier(Tier):
         await _fsync_dir(staged.location)
         staged.nbytes = marker.stored_bytes
 
-    def adopt(self, staged: Staged, nbytes: int) -> VersionInfo:
+    async def adopt(self, staged: Staged, nbytes: int) -> VersionInfo:
         """A follower: the leader committed the version this rank staged a part of; index it."""
         info = VersionInfo(self.name, staged.step, nbytes, staged.created, str(self.root / version_dirname(staged.step)))
         self._index[staged.step] = info
         return info
 
-    def forget(self, step: int) -> None:
+    async def forget(self, step: int) -> None:
         """A follower: the leader deleted ``step``."""
         self._index.pop(step, None)
 

@@ -372,3 +372,14 @@ def remove_tree(path: Path) -> OSError | None:
     if not os.path.lexists(path):
         return None
     return errors[0] if errors else OSError(errno.ENOTEMPTY, f"{os.strerror(errno.ENOTEMPTY)} (removal)", str(path))
+
+
+def remove_out_of_sight(root: Path, path: Path, name: str) -> None:
+    """Remove directory ``path``: renamed to ``root/.trash-<name>-…`` first (a reader sees it whole or
+    gone, and what a crash leaves behind is swept as trash), then its files. Gone already: nothing."""
+    trash = root / f".trash-{name}-{uuid.uuid4().hex[:12]}"
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)

@@ -31,7 +31,7 @@ import msgpack
 from tierckpt.errors import ConfigError, CorruptCheckpointError
 from tierckpt.format import CHUNK_BYTES, DATA_FILE, MANIFEST_FILE, Chunk, Manifest, TensorRecord, checksum, parse_version_dirname, version_dirname
 from tierckpt.format.manifest import chunk_count
-from tierckpt.tiers.fsio import write_file
+from tierckpt.tiers.fsio import remove_out_of_sight, write_file
 from tierckpt.tiers.lock import DirectoryLock
 
 log = logging.getLogger("tierckpt")
@@ -201,12 +201,7 @@ class ShmStore:
 
     def remove_dir(self, path: Path) -> None:
         """Remove a version directory: out of sight first (one rename), then its files."""
-        trash = self.root / f".trash-{path.name}-{uuid.uuid4().hex[:12]}"
-        try:
-            os.rename(path, trash)
-        except FileNotFoundError:
-            return
-        shutil.rmtree(trash, ignore_errors=True)
+        remove_out_of_sight(self.root, path, path.name)
 
     def close(self) -> None:
         self._lock.release()

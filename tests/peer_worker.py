@@ -1,0 +1,120 @@
+"""One rank of a peer-tier test (tests/test_peer.py): ``python peer_worker.py <save|restore> <dir>``.
+
+Started once per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and:
+    STEPS       save: the steps to save, "1,2,3"
+    DIE         save: this rank dies by SIGKILL right after its first save reached the peer tier
+    TIMEOUT     distributed.timeout (default 30s)
+    BANDWIDTH   the peer tier's bandwidth cap (default: none)
+    MB          megabytes of state per rank (default 6)
+The job is 2 simulated nodes (``distributed.nodes: 2``) of WORLD_SIZE/2 ranks; each node's RAM tier is
+``<dir>/node-<n>`` (rank r on node r // (WORLD_SIZE/2)), and the disk tier is ``<dir>/nvme`` with
+``flush: {every_steps: 2}``, so the disk holds the even steps only.
+
+save: saves STEPS, waits until the last is committed on the peer tier, and, with KILL=1, dies by
+SIGKILL after every rank got there (as a node lost mid-training would, leaving RAM files behind).
+restore: restores into a template; both write ``<dir>/<mode>-<rank>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tierckpt import Checkpointer, FlushError
+
+
+def config(root: Path, rank: int, world: int) -> dict[str, Any]:
+    node = rank // (world // 2)
+    peer: dict[str, Any] = {"name": "peer", "type": "peer", "copies": 1, "keep": {"last": 2}}
+    if os.environ.get("BANDWIDTH"):
+        peer["bandwidth"] = os.environ["BANDWIDTH"]
+    return {
+        "host": {"capacity": "64MiB", "snapshots": 2},
+        "tiers": [
+            {"name": "ram", "type": "memory", "path": str(root / f"node-{node}"), "keep": {"last": 2}},
+            peer,
+            {"name": "nvme", "type": "filesystem", "path": str(root / "nvme"), "flush": {"every_steps": 2}},
+        ],
+        "distributed": {"timeout": os.environ.get("TIMEOUT", "30s"), "nodes": 2},
+    }
+
+
+def state(rank: int, step: int) -> dict[str, Any]:
+    """Values that differ by rank and step; one larger than a stored chunk would be too slow here."""
+    n = int(float(os.environ.get("MB", "6")) * (1 << 20)) // 4
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return {
+        "model": {"w": torch.randn(n // 2, generator=g), "b": torch.arange(n // 2, dtype=torch.float32) + rank},
+        "optim": {"m": torch.randn(64, 64, generator=g).to(torch.bfloat16), "step": step},
+        "rank": rank,
+    }
+
+
+def template(rank: int) -> dict[str, Any]:
+    return {k: (v if not isinstance(v, dict) else {kk: torch.zeros_like(vv) if isinstance(vv, torch.Tensor) else vv for kk, vv in v.items()}) for k, v in state(rank, 0).items()}
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.dtype == torch.bfloat16 else a, b.view(torch.uint8) if b.dtype == torch.bfloat16 else b)
+    return bool(a == b)
+
+
+def main() -> None:
+    mode, root = sys.argv[1], Path(sys.argv[2])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict[str, Any] = {}
+    ckpt = Checkpointer(config(root, rank, world))
+    if mode == "save":
+        steps = [int(s) for s in os.environ["STEPS"].split(",")]
+        die = int(os.environ.get("DIE", "-1"))
+        for step in steps:
+            handle = ckpt.save_sync(step, state(rank, step))
+            handle.captured_sync(60)
+            started = time.monotonic()
+            try:
+                out[str(step)] = {"peer": handle.committed_sync("peer", 120), "seconds": time.monotonic() - started}
+            except FlushError as exc:
+                out[str(step)] = {"error": str(exc), "ranks": list(getattr(exc, "ranks", ()))}
+            if rank == die:  # this rank's node is lost after its first save went everywhere
+                os.kill(os.getpid(), signal.SIGKILL)
+        if die >= 0:
+            (root / f"save-{rank}.json").write_text(json.dumps(out))
+            try:
+                ckpt.close_sync()
+            except FlushError:
+                pass
+            return
+        peer = next(t for t in ckpt._pipeline.tiers if t.name == "peer")
+        out["slept_s"] = peer.throttle.slept_s
+        ckpt.wait_sync()  # retention included: what each holder keeps is settled
+        out["versions"] = {t: [v.step for v in ckpt.versions() if v.tier == t] for t in ckpt.tiers}
+        out["held"] = sorted([h.owner, h.step] for h in peer.replicas.held())
+        out["nvme"] = [v.step for v in ckpt.versions() if v.tier == "nvme"]
+        (root / f"save-{rank}.json").write_text(json.dumps(out))
+        if os.environ.get("KILL") == "1":
+            dist.barrier()
+            os.kill(os.getpid(), signal.SIGKILL)
+        ckpt.close_sync()
+    else:
+        restored = ckpt.restore_latest_sync(template(rank))
+        assert restored is not None
+        out = {"step": restored.step, "tier": restored.tier, "bitwise": same(restored.state, state(rank, restored.step))}
+        (root / f"restore-{rank}.json").write_text(json.dumps(out))
+        ckpt.close_sync()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""The peer tier (Gemini-style in-memory redundancy) with real processes: 4 ranks as 2 simulated nodes
+of 2 (``distributed.nodes: 2``), each node with a RAM-tier directory of its own on /dev/shm.
+
+Each rank is tests/peer_worker.py (gloo on localhost). A lost node is its processes killed by SIGKILL
+and its RAM directory wiped; then every rank is started again, as torchrun restarts a job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from tierckpt import Checkpointer, ConfigError
+from tierckpt.testing import failures, launch_ranks
+
+WORKER = Path(__file__).with_name("peer_worker.py")
+WORLD = 4
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm: the RAM tier of these tests lives there")
+    path = Path(tempfile.mkdtemp(prefix="tierckpt-peer-", dir="/dev/shm"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def run(mode: str, root: Path, *, kill: bool = False, **env: str) -> list[dict[str, Any]]:
+    exits = launch_ranks([sys.executable, str(WORKER), mode, str(root)], WORLD, env={"KILL": "1" if kill else "0"} | env, timeout_s=180)
+    failed = failures(exits, expect_dead=range(WORLD) if kill else ())
+    assert not failed, failed
+    return [json.loads((root / f"{mode}-{rank}.json").read_text()) for rank in range(WORLD)]
+
+
+def _saved_steps_1_to_3_and_killed(root: Path) -> None:
+    saved = run("save", root, kill=True, STEPS="1,2,3")
+    for rank, s in enumerate(saved):
+        assert all(s[str(step)]["peer"] is True for step in (1, 2, 3)), s
+        # keep: {last: 2} on the peer tier: each holder dropped its copies of step 1.
+        assert s["versions"]["peer"] == [2, 3] and s["nvme"] == [2], s
+        peer = rank + 2 if rank < 2 else rank - 2  # the same position on the other node
+        assert s["held"] == [[peer, 2], [peer, 3]], s
+
+
+def test_a_lost_node_is_restored_from_its_peers_memory_and_none_from_disk(root: Path) -> None:
+    _saved_steps_1_to_3_and_killed(root)
+    shutil.rmtree(root / "node-1")  # node 1 is replaced: its RAM (pools and the copies it held) is gone
+    restored = run("restore", root)
+    assert [r["step"] for r in restored] == [3] * WORLD  # newer than the disk's step 2
+    assert [r["tier"] for r in restored] == ["ram", "ram", "peer", "peer"]
+    assert all(r["bitwise"] for r in restored), restored
+
+
+def test_a_rank_and_the_peer_holding_its_copy_both_lost_fall_back_together_to_the_disk(root: Path) -> None:
+    _saved_steps_1_to_3_and_killed(root)
+    shutil.rmtree(root / "node-1")
+    shutil.rmtree(root / "node-0" / "peer-rank-00000")  # rank 0 held rank 2's copies
+    restored = run("restore", root)
+    assert [r["step"] for r in restored] == [2] * WORLD
+    # Each rank reads step 2 from the cheapest place that has it: its own RAM, a peer's, or the disk.
+    assert [r["tier"] for r in restored] == ["ram", "ram", "nvme", "peer"]
+    assert all(r["bitwise"] for r in restored), restored
+
+
+def test_a_dead_peer_fails_the_version_on_every_rank_naming_it(root: Path) -> None:
+    exits = launch_ranks([sys.executable, str(WORKER), "save", str(root)], WORLD, env={"STEPS": "1,2", "DIE": "3", "TIMEOUT": "5s"}, timeout_s=180)
+    failed = failures(exits, expect_dead=[3])
+    assert not failed, failed
+    for rank in range(3):
+        saved = json.loads((root / f"save-{rank}.json").read_text())
+        assert saved["1"]["peer"] is True
+        # Rank 3 never reports its part, and held rank 1's copy: step 2 is committed nowhere. Rank 1
+        # raises its own failure to send, the others rank 0's abandonment; both name rank 3.
+        if rank == 1:
+            assert "copying rank 1's step 2 to rank 3 failed" in saved["2"]["error"], saved
+        else:
+            assert 3 in saved["2"]["ranks"] and "step 2 was abandoned" in saved["2"]["error"], saved
+
+
+def test_copies_are_paced_under_the_bandwidth_cap(root: Path) -> None:
+    capped = run("save", root, STEPS="1", MB="4", BANDWIDTH="8MiB/s")
+    for s in capped:
+        assert s["1"]["peer"] is True
+        # 4 MiB sent at most at 8 MiB/s: the copy cannot have taken less than half a second.
+        assert s["1"]["seconds"] >= 0.5 * 0.95 and s["slept_s"] > 0.3, s
+
+
+def test_a_peer_tier_needs_ranks_on_several_nodes(tmp_path: Path) -> None:
+    config = {"tiers": [{"name": "ram", "type": "memory"}, {"name": "peer", "type": "peer"}]}
+    with pytest.raises(ConfigError, match="peer tier .* needs torch.distributed"):
+        Checkpointer(config)

@@ -1,0 +1,184 @@
+"""The peer tier's parts that need no second process: pacing, the copy's layout, the replica directory."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tierckpt.format import ALIGN, Chunk, Manifest, TensorRecord, checksum
+from tierckpt.tiers.peer import wire
+from tierckpt.tiers.peer.recovery import fetch_plan, holders_of
+from tierckpt.tiers.peer.replicas import _PRIVATE, Held, ReplicaStore
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_the_throttle_keeps_the_average_rate_under_the_cap_from_the_first_byte() -> None:
+    clock = FakeClock()
+    throttle = wire.Throttle(1000, clock=clock, sleep=clock.sleep)
+    for _ in range(10):
+        throttle.spent(500)  # sent instantly: the throttle alone sets the pace
+    assert clock.now - 100.0 == pytest.approx(5.0)  # 5000 bytes at 1000 B/s
+    assert throttle.slept_s == pytest.approx(5.0)
+    clock.now += 60  # idle, then a new copy: the idle minute is no credit for a burst
+    throttle.begin()
+    before = clock.now
+    throttle.spent(2000)
+    assert clock.now - before == pytest.approx(2.0)
+
+
+def test_no_cap_never_sleeps() -> None:
+    clock = FakeClock()
+    throttle = wire.Throttle(None, clock=clock, sleep=clock.sleep)
+    throttle.spent(1 << 40)
+    assert clock.slept == [] and throttle.slept_s == 0
+
+
+def _record(index: int, sizes: list[int], codec: str = "none") -> TensorRecord:
+    return TensorRecord(
+        index=index,
+        key=f"k{index}",
+        kind="torch",
+        dtype="uint8",
+        shape=(sum(sizes),),
+        nbytes=sum(sizes),
+        file="data-r00003.bin",
+        codec=codec,
+        chunk_bytes=max(sizes, default=1),
+        chunks=tuple(Chunk(999, s, 7) for s in sizes),
+        shared=(0, 1),
+    )
+
+
+def test_a_copy_lays_each_record_out_from_a_page_boundary_in_one_file() -> None:
+    records, size = wire.relocate([_record(0, [5000, 3]), _record(1, []), _record(2, [10])])
+    assert [[(c.offset, c.stored, c.checksum) for c in r.chunks] for r in records] == [
+        [(0, 5000, -1), (5000, 3, -1)],
+        [],
+        [(2 * ALIGN, 10, -1)],
+    ]
+    assert size == 2 * ALIGN + 10
+    assert all(r.file == wire.COPY_FILE and r.shared is None for r in records)  # the whole part, one file
+    summed = wire.with_checksums(records, [11, 12, 13])
+    assert [c.checksum for r in summed for c in r.chunks] == [11, 12, 13]
+
+
+def test_a_damaged_chunk_is_named() -> None:
+    records, size = wire.relocate([_record(0, [100, 50])])
+    data = bytearray(os.urandom(size))
+    sums = [checksum(memoryview(data)[c.offset : c.offset + c.stored]) for r in records for c in r.chunks]
+    records = wire.with_checksums(records, sums)
+    assert wire.first_mismatch(memoryview(data), records) is None
+    data[120] ^= 1
+    assert wire.first_mismatch(memoryview(data), records) == "k0 chunk 1 (bytes 100..150)"
+
+
+def _manifest(step: int, records: tuple[TensorRecord, ...]) -> bytes:
+    return Manifest(step=step, created=1.0, skeleton={"k0": None}, records=records).encode()
+
+
+def test_the_replica_directory_commits_whole_copies_and_a_new_process_finds_them(tmp_path: Path) -> None:
+    store = ReplicaStore(tmp_path / "copies", "peer")
+    store.open()
+    held = Held(4, 2, 7)
+    incoming = store.stage(held, 8192)
+    incoming.data[:5] = b"hello"
+    store.commit(incoming, b"manifest")
+    assert store.held() == {held: 8192}
+    assert (store.path(held) / wire.COPY_FILE).read_bytes()[:5] == b"hello"
+    left = store.stage(Held(4, 2, 8), 4096)  # a copy cut off by a kill: never committed
+    store.close()
+    again = ReplicaStore(tmp_path / "copies", "peer")
+    again.open()
+    assert again.held() == {held: 8192}
+    assert not left.path.exists()  # swept
+    again.delete(held)
+    assert again.held() == {} and not again.path(held).exists()
+    again.close()
+
+
+def test_a_replica_directory_in_use_is_refused(tmp_path: Path) -> None:
+    store = ReplicaStore(tmp_path / "copies", "peer")
+    store.open()
+    other = ReplicaStore(tmp_path / "copies", "peer")
+    with pytest.raises(Exception, match="in use by another Checkpointer"):
+        other.open()
+    store.close()
+
+
+def test_a_full_ram_file_system_refuses_a_copy_with_enospc_and_keeps_the_others(tmp_path: Path) -> None:
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        store = ReplicaStore(mount / "copies", "peer")
+        store.open()
+        kept = store.stage(Held(2, 1, 1), 512 << 10)
+        store.commit(kept, b"m")
+        with pytest.raises(OSError) as raised:
+            store.stage(Held(2, 1, 2), 4 << 20)
+        assert raised.value.errno == errno.ENOSPC and "rank 1's step 2" in str(raised.value)
+        assert store.held() == {Held(2, 1, 1): 512 << 10}
+        assert [p.name for p in (mount / "copies").iterdir() if p.name.startswith(".tmp-")] == []
+        store.close()
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_private_directories_of_dead_processes_are_swept_and_live_ones_kept(tmp_path: Path) -> None:
+    base = Path("/dev/shm") if os.path.isdir("/dev/shm") else None
+    if base is None:
+        pytest.skip("no /dev/shm")
+    dead = base / f"{_PRIVATE}test-dead-{os.getpid()}"
+    live = base / f"{_PRIVATE}test-live-{os.getpid()}"
+    dead.mkdir()
+    live.mkdir()
+    fd = os.open(live, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    # Held by another process: flock is per open file, so this process could take it again.
+    holder = subprocess.Popen([sys.executable, "-c", f"import fcntl, os, sys, time; fd = os.open({str(live)!r}, os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); print(1, flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+    os.close(fd)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == b"1"
+        store = ReplicaStore(None, "peer")
+        store.open()
+        assert not dead.exists() and live.exists()
+        root = store.root
+        assert root.parent == base and root.name.startswith(_PRIVATE)
+        store.close()
+        assert not root.exists()  # private: gone with the Checkpointer
+    finally:
+        holder.kill()
+        holder.wait()
+        if holder.stdout is not None:
+            holder.stdout.close()
+        shutil.rmtree(dead, ignore_errors=True)
+        shutil.rmtree(live, ignore_errors=True)
+
+
+def test_ranks_without_the_step_in_ram_fetch_it_from_a_holder_spread_over_the_holders() -> None:
+    copies = [[[2, 5], [3, 5]], [[2, 5]], [], [[0, 5], [0, 4]]]  # what ranks 0..3 hold: [owner, step]
+    holders = holders_of(copies)
+    assert holders == {(2, 5): [0, 1], (3, 5): [0], (0, 5): [3], (0, 4): [3]}
+    in_memory = [[5], [5], [], [4]]
+    assert fetch_plan(5, in_memory, holders) == {2: 0, 3: 0}  # rank 2: holders [0, 1], 2 % 2 -> 0
+    assert fetch_plan(4, in_memory, holders) == {0: 3}

@@ -1,0 +1,196 @@
+"""The copies of other ranks' snapshots that one rank holds, as files on a RAM file system.
+
+Layout of the directory (``<memory tier path>/<peer tier>-rank-<rank>`` when the memory tier has a
+``path``; else a private directory on ``/dev/shm``, removed at close)::
+
+    w<world>-r<owner>/step-<12>/   a copy of rank <owner>'s part of a version saved by <world> ranks:
+                                   manifest.msgpack and data-r00000.bin, a one-process version of the
+                                   filesystem format (checksums included)
+    .tmp-*                         a copy being received (swept when the directory is opened)
+
+A copy is received into its data file mapped shared, verified against its checksums, and renamed into
+place whole: a process killed at any moment leaves each ``step-`` directory whole or absent. A new
+process opening the directory finds the copies there; they are verified again when they are read.
+Every method blocks (file I/O) and is safe to call from several threads.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import re
+import shutil
+import tempfile
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from tierckpt.errors import ConfigError
+from tierckpt.format import MANIFEST_FILE, parse_version_dirname, version_dirname
+from tierckpt.tiers.fsio import remove_out_of_sight, write_file
+from tierckpt.tiers.lock import DirectoryLock
+from tierckpt.tiers.peer.wire import COPY_FILE
+
+_OWNER_DIR = re.compile(r"^w(\d{5})-r(\d{5})$")
+_PRIVATE = "tierckpt-copies-"  # the prefix of a private directory (a memory tier without a path)
+
+
+def _sweep_orphans(base: Path) -> None:
+    """Remove the private directories of processes that died without closing (SIGKILL): each live one
+    is locked by its process, so a directory that can be locked has nobody left."""
+    for path in base.glob(f"{_PRIVATE}*"):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # alive
+        finally:
+            os.close(fd)  # drops the lock, if taken
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Held:
+    """One copy held: whose part, of which version."""
+
+    world: int
+    owner: int
+    step: int
+
+    @property
+    def dirname(self) -> str:
+        return f"w{self.world:05d}-r{self.owner:05d}"
+
+
+class Incoming:
+    """A copy being received: its staging directory and its data file, mapped."""
+
+    def __init__(self, held: Held, path: Path, nbytes: int) -> None:
+        self.held = held
+        self.path = path
+        self.nbytes = nbytes
+        self._map: mmap.mmap | None = None
+        fd = os.open(path / COPY_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            if nbytes:
+                # Reserve the RAM now: a full tmpfs fails here with ENOSPC, not with SIGBUS mid-receive.
+                os.posix_fallocate(fd, 0, nbytes)
+                self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+
+    @property
+    def data(self) -> memoryview:
+        return memoryview(self._map) if self._map is not None else memoryview(b"")
+
+    def unmap(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a receive that failed may still hold a view; the mapping goes with it
+                pass
+            self._map = None
+
+
+class ReplicaStore:
+    def __init__(self, root: Path | None, tier: str) -> None:
+        self.tier = tier
+        self._ephemeral = root is None
+        if root is None:
+            base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
+            _sweep_orphans(base)
+            root = Path(tempfile.mkdtemp(prefix=_PRIVATE, dir=base))
+        self.root = root
+        self._lock = DirectoryLock(root, tier)
+        self._guard = threading.Lock()
+        self._held: dict[Held, int] = {}  # -> bytes
+
+    def open(self) -> None:
+        """Lock the directory, sweep what a killed process left, and index the copies it holds."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(
+                f"tier {self.tier!r}: {str(self.root)!r} cannot be created ({exc.strerror or exc}); use a memory tier path on /dev/shm",
+                tier=self.tier,
+            ) from exc
+        self._lock.acquire()
+        for name in os.listdir(self.root):
+            path = self.root / name
+            if name.startswith((".tmp-", ".trash-")):
+                shutil.rmtree(path, ignore_errors=True)
+                continue
+            owner = _OWNER_DIR.match(name)
+            if owner is None or not path.is_dir():
+                continue
+            for version in os.listdir(path):
+                step = parse_version_dirname(version)
+                if step is None:
+                    continue
+                try:
+                    size = os.stat(path / version / COPY_FILE).st_size
+                    os.stat(path / version / MANIFEST_FILE)
+                except OSError:
+                    self._remove(path / version)
+                    continue
+                self._held[Held(int(owner[1]), int(owner[2]), step)] = size
+
+    def held(self) -> dict[Held, int]:
+        with self._guard:
+            return dict(self._held)
+
+    def path(self, held: Held) -> Path:
+        return self.root / held.dirname / version_dirname(held.step)
+
+    def stage(self, held: Held, nbytes: int) -> Incoming:
+        """A staging directory with a data file of ``nbytes`` reserved in RAM.
+
+        Raises:
+            OSError: ENOSPC when the RAM file system has no room (names the directory).
+        """
+        tmp = self.root / f".tmp-{held.dirname}-{version_dirname(held.step)}-{uuid.uuid4().hex[:12]}"
+        tmp.mkdir()
+        try:
+            return Incoming(held, tmp, nbytes)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if exc.errno in (errno.ENOSPC, errno.EFBIG):
+                raise OSError(exc.errno, f"no room for a {nbytes}-byte copy of rank {held.owner}'s step {held.step} ({exc.strerror})", str(self.root)) from None
+            raise
+
+    def commit(self, incoming: Incoming, manifest: bytes) -> Path:
+        """Make a fully received and verified copy visible; replaces an older copy of the same step."""
+        incoming.unmap()
+        write_file(incoming.path / MANIFEST_FILE, manifest)
+        final = self.path(incoming.held)
+        final.parent.mkdir(exist_ok=True)
+        if final.exists():
+            self._remove(final)
+        os.rename(incoming.path, final)
+        with self._guard:
+            self._held[incoming.held] = incoming.nbytes
+        return final
+
+    def discard(self, incoming: Incoming) -> None:
+        incoming.unmap()
+        shutil.rmtree(incoming.path, ignore_errors=True)
+
+    def delete(self, held: Held) -> None:
+        with self._guard:
+            if self._held.pop(held, None) is None:
+                return
+        self._remove(self.path(held))
+
+    def _remove(self, path: Path) -> None:
+        remove_out_of_sight(self.root, path, f"{path.parent.name}-{path.name}")
+
+    def close(self) -> None:
+        self._lock.release()
+        if self._ephemeral:
+            shutil.rmtree(self.root, ignore_errors=True)
