@@ -4,6 +4,7 @@ Started once per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and:
     STEPS       save: the steps to save, "1,2,3"
     DIE         save: this rank dies by SIGKILL right after its first save reached the peer tier
     TIMEOUT     distributed.timeout (default 30s)
+    FULL        save: this rank's RAM refuses (ENOSPC) the first copy it is sent
     BANDWIDTH   the peer tier's bandwidth cap (default: none)
     MB          megabytes of state per rank (default 6)
 The job is 2 simulated nodes (``distributed.nodes: 2``) of WORLD_SIZE/2 ranks; each node's RAM tier is
@@ -17,6 +18,8 @@ restore: restores into a template; both write ``<dir>/<mode>-<rank>.json``.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import signal
@@ -29,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from tierckpt import Checkpointer, FlushError
+from tierckpt.testing import IOFaults
 
 
 def config(root: Path, rank: int, world: int) -> dict[str, Any]:
@@ -79,16 +83,11 @@ def main() -> None:
     if mode == "save":
         steps = [int(s) for s in os.environ["STEPS"].split(",")]
         die = int(os.environ.get("DIE", "-1"))
-        for step in steps:
-            handle = ckpt.save_sync(step, state(rank, step))
-            handle.captured_sync(60)
-            started = time.monotonic()
-            try:
-                out[str(step)] = {"peer": handle.committed_sync("peer", 120), "seconds": time.monotonic() - started}
-            except FlushError as exc:
-                out[str(step)] = {"error": str(exc), "ranks": list(getattr(exc, "ranks", ()))}
-            if rank == die:  # this rank's node is lost after its first save went everywhere
-                os.kill(os.getpid(), signal.SIGKILL)
+        faults = contextlib.nullcontext()
+        if rank == int(os.environ.get("FULL", "-1")):  # this rank's RAM has no room for the first copy it gets
+            faults = IOFaults(errno.ENOSPC, "allocate", under=root / f"node-{rank // (world // 2)}" / f"peer-rank-{rank:05d}")
+        with faults:
+            saved = save_all(ckpt, rank, steps, die, out)
         if die >= 0:
             (root / f"save-{rank}.json").write_text(json.dumps(out))
             try:
@@ -98,7 +97,10 @@ def main() -> None:
             return
         peer = next(t for t in ckpt._pipeline.tiers if t.name == "peer")
         out["slept_s"] = peer.throttle.slept_s
-        ckpt.wait_sync()  # retention included: what each holder keeps is settled
+        try:
+            ckpt.wait_sync()  # retention included: what each holder keeps is settled
+        except FlushError:
+            assert not saved  # only a version that failed may fail the wait
         out["versions"] = {t: [v.step for v in ckpt.versions() if v.tier == t] for t in ckpt.tiers}
         out["held"] = sorted([h.owner, h.step] for h in peer.replicas.held())
         out["nvme"] = [v.step for v in ckpt.versions() if v.tier == "nvme"]
@@ -114,6 +116,23 @@ def main() -> None:
         (root / f"restore-{rank}.json").write_text(json.dumps(out))
         ckpt.close_sync()
     dist.destroy_process_group()
+
+
+def save_all(ckpt: Checkpointer, rank: int, steps: list[int], die: int, out: dict[str, Any]) -> bool:
+    """Save ``steps``, recording each one's outcome on the peer tier; True if every one committed there."""
+    ok = True
+    for step in steps:
+        handle = ckpt.save_sync(step, state(rank, step))
+        handle.captured_sync(60)
+        started = time.monotonic()
+        try:
+            out[str(step)] = {"peer": handle.committed_sync("peer", 120), "seconds": time.monotonic() - started}
+        except FlushError as exc:
+            ok = False
+            out[str(step)] = {"error": str(exc), "ranks": list(getattr(exc, "ranks", ()))}
+        if rank == die:  # this rank's node is lost after its first save went everywhere
+            os.kill(os.getpid(), signal.SIGKILL)
+    return ok
 
 
 if __name__ == "__main__":

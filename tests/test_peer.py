@@ -82,7 +82,7 @@ def test_a_dead_peer_fails_the_version_on_every_rank_naming_it(root: Path) -> No
         # Rank 3 never reports its part, and held rank 1's copy: step 2 is committed nowhere. Rank 1
         # raises its own failure to send, the others rank 0's abandonment; both name rank 3.
         if rank == 1:
-            assert "copying rank 1's step 2 to rank 3 failed" in saved["2"]["error"], saved
+            assert "copying rank 1's step 2 failed (rank 3: the transfer with rank 3 broke off" in saved["2"]["error"], saved
         else:
             assert 3 in saved["2"]["ranks"] and "step 2 was abandoned" in saved["2"]["error"], saved
 
@@ -99,3 +99,12 @@ def test_a_peer_tier_needs_ranks_on_several_nodes(tmp_path: Path) -> None:
     config = {"tiers": [{"name": "ram", "type": "memory"}, {"name": "peer", "type": "peer"}]}
     with pytest.raises(ConfigError, match="peer tier .* needs torch.distributed"):
         Checkpointer(config)
+
+
+def test_a_holder_out_of_ram_fails_that_version_and_the_next_copies_arrive_whole(root: Path) -> None:
+    saved = run("save", root, STEPS="1,2,3", FULL="3")  # rank 3 holds rank 1's copies
+    assert "rank 3: OSError: [Errno 28]" in saved[1]["1"]["error"] and "No space left on device" in saved[1]["1"]["error"], saved[1]
+    assert all("1" not in s or "error" in s["1"] for s in saved)  # step 1 committed nowhere on the peer tier
+    # Rank 3 took the refused copy off the wire: the copies after it are whole, on every rank.
+    assert all(s[str(step)]["peer"] is True for s in saved for step in (2, 3)), saved
+    assert saved[3]["held"] == [[1, 2], [1, 3]]

@@ -91,6 +91,45 @@ def test_a_damaged_chunk_is_named() -> None:
     assert wire.first_mismatch(memoryview(data), records) == "k0 chunk 1 (bytes 100..150)"
 
 
+class _Source:
+    """Three chunks of one record; reading chunk 2 fails when ``fail`` is set."""
+
+    def __init__(self, fail: bool) -> None:
+        self.records = (_record(0, [4, 4, 4]),)
+        self.fail = fail
+        self.data = [b"aaaa", b"bbbb", b"cccc"]
+
+    def read_stored(self, record: TensorRecord, chunk: int, scratch: memoryview) -> memoryview:
+        if self.fail and chunk == 2:
+            raise OSError(errno.EIO, "bad sector")
+        return memoryview(self.data[chunk])
+
+    def checksum_of(self, record: TensorRecord, chunk: int) -> None:
+        return None
+
+
+def test_every_destination_still_there_gets_every_chunk_whatever_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[tuple[int, bytes]] = []
+
+    def send(view: memoryview, dst: int, group: object, tag: int) -> None:
+        if dst == 5 and len([s for s in sent if s[0] == 5]) == 1:
+            raise wire.TransferError(5, RuntimeError("Connection closed by peer\nadvice"))
+        sent.append((dst, bytes(view)))
+
+    monkeypatch.setattr(wire, "send", send)
+    throttle = wire.Throttle(None)
+    assert wire.send_copy(_Source(fail=False), [4], None, wire.TAG_COPY, throttle) == [checksum(d) for d in (b"aaaa", b"bbbb", b"cccc")]
+    sent.clear()
+    with pytest.raises(wire.CopyFailed) as raised:
+        wire.send_copy(_Source(fail=True), [4, 5], None, wire.TAG_COPY, throttle)
+    # Rank 5 broke off after its first chunk and got no more; rank 4 got all three, the unreadable
+    # one as zeros (which no checksum matches), so it never waits for a chunk that does not come.
+    assert sent == [(4, b"aaaa"), (5, b"aaaa"), (4, b"bbbb"), (4, bytes(4))]
+    failed = raised.value.failed
+    assert sorted(failed) == [4, 5]
+    assert "bad sector" in str(failed[4]) and str(failed[5]) == "the transfer with rank 5 broke off: Connection closed by peer"
+
+
 def _manifest(step: int, records: tuple[TensorRecord, ...]) -> bytes:
     return Manifest(step=step, created=1.0, skeleton={"k0": None}, records=records).encode()
 

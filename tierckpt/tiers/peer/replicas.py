@@ -30,7 +30,7 @@ from pathlib import Path
 
 from tierckpt.errors import ConfigError
 from tierckpt.format import MANIFEST_FILE, parse_version_dirname, version_dirname
-from tierckpt.tiers.fsio import remove_out_of_sight, write_file
+from tierckpt.tiers.fsio import preallocate, remove_out_of_sight, write_file
 from tierckpt.tiers.lock import DirectoryLock
 from tierckpt.tiers.peer.wire import COPY_FILE
 
@@ -80,7 +80,8 @@ class Incoming:
         try:
             if nbytes:
                 # Reserve the RAM now: a full tmpfs fails here with ENOSPC, not with SIGBUS mid-receive.
-                os.posix_fallocate(fd, 0, nbytes)
+                preallocate(fd, nbytes)
+                os.ftruncate(fd, nbytes)
                 self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)

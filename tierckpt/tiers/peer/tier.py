@@ -32,12 +32,13 @@ from typing import Any, Coroutine
 from tierckpt.config import TierConfig
 from tierckpt.dist.group import CoordinationLost, RankGroup
 from tierckpt.dist.nodes import placement, senders
-from tierckpt.errors import CorruptCheckpointError
-from tierckpt.format import Manifest
+from tierckpt.errors import ConfigError, CorruptCheckpointError
+from tierckpt.format import CHUNK_BYTES, Manifest
 from tierckpt.tiers.base import Staged, Tier, VersionInfo, VersionSource
 from tierckpt.tiers.fsread import check_records
 from tierckpt.tiers.peer import wire
 from tierckpt.tiers.peer.replicas import Held, ReplicaStore
+from tierckpt.units import format_size
 
 log = logging.getLogger("tierckpt")
 
@@ -47,6 +48,15 @@ class PeerTier(Tier):
 
     def __init__(self, config: TierConfig, group: RankGroup, nodes: list[list[int]], root: Path | None) -> None:
         super().__init__(config)
+        if config.bandwidth_bytes is not None and CHUNK_BYTES / config.bandwidth_bytes > group.timeout_s / 2:
+            # Each chunk is one send that the receiver waits for with the group's timeout.
+            raise ConfigError(
+                f"tier {config.name!r}: bandwidth {format_size(config.bandwidth_bytes)}/s sends a {format_size(CHUNK_BYTES)} chunk "
+                f"in {CHUNK_BYTES / config.bandwidth_bytes:.0f} s, too close to distributed.timeout ({group.timeout_s:g} s); "
+                "raise bandwidth or the timeout",
+                tier=config.name,
+                key=f"tiers.{config.name}.bandwidth",
+            )
         self.group = group
         place = placement(nodes, config.copies, tier=config.name)
         self.peers = place[group.rank]  # group positions holding this rank's copies
@@ -96,9 +106,11 @@ class PeerTier(Tier):
         loop = asyncio.get_running_loop()
         try:
             sums = await loop.run_in_executor(self.executor, wire.send_copy, source, dsts, self._bulk, wire.TAG_COPY, self.throttle)
-        except wire.TransferError as exc:
-            peer = group.ranks.index(exc.rank) if exc.rank in group.ranks else exc.rank
-            raise RuntimeError(f"tier {self.name!r}: copying rank {group.rank}'s step {source.step} to rank {peer} failed: {exc}") from exc
+        except wire.CopyFailed as exc:
+            for peer in self.peers:  # an empty manifest: the peers drop what they got now, not after a timeout
+                await group.put(self._key("manifest", peer, group.rank, n), b"")
+            said = "; ".join(f"rank {group.ranks.index(dst)}: {why}" for dst, why in sorted(exc.failed.items()))
+            raise RuntimeError(f"tier {self.name!r}: copying rank {group.rank}'s step {source.step} failed ({said})") from exc
         manifest = Manifest(
             step=source.step,
             created=source.created,
@@ -192,9 +204,13 @@ class PeerTier(Tier):
         loop = asyncio.get_running_loop()
         held = Held(int(announce["world"]), owner, int(announce["step"]))
         layout = [(int(o), int(s)) for o, s in announce["layout"]]
-        incoming = await loop.run_in_executor(self.executor, self.replicas.stage, held, int(announce["nbytes"]))
+        src = group.ranks[owner]
         try:
-            src = group.ranks[owner]
+            incoming = await loop.run_in_executor(self.executor, self.replicas.stage, held, int(announce["nbytes"]))
+        except Exception:
+            await loop.run_in_executor(self._receivers, wire.drain, [size for _, size in layout], src, self._bulk, wire.TAG_COPY)
+            raise
+        try:
 
             def receive_all() -> None:
                 for offset, size in layout:
@@ -206,6 +222,8 @@ class PeerTier(Tier):
                 raise TimeoutError(f"rank {owner} sent no manifest within {group.timeout_s:g} s")
             encoded = await group.get(key)
             await group.delete(key)
+            if not encoded:
+                raise RuntimeError(f"rank {owner} abandoned its copy of step {held.step} (it could not send all of it)")
             await loop.run_in_executor(self.executor, self._check, incoming, encoded, layout)
             await loop.run_in_executor(self.executor, self.replicas.commit, incoming, encoded)
         except BaseException:

@@ -121,23 +121,65 @@ def receive(view: memoryview, src: int, group: Any, tag: int) -> None:
             raise TransferError(src, exc) from exc
 
 
+class CopyFailed(RuntimeError):
+    """Some or all of a copy's destinations did not get it: ``failed`` maps each to why."""
+
+    def __init__(self, failed: dict[int, BaseException]) -> None:
+        super().__init__("; ".join(f"rank {dst}: {why}" for dst, why in sorted(failed.items())))
+        self.failed = failed
+
+
 def send_copy(source: VersionSource, dsts: Sequence[int], group: Any, tag: int, throttle: Throttle) -> list[int]:
     """Send every stored chunk of ``source`` to each of ``dsts`` (global ranks), in record order;
-    returns each chunk's checksum, hashed here unless the source knows it already (blocking)."""
+    returns each chunk's checksum, hashed here unless the source knows it already (blocking).
+
+    Every destination that is still there gets every chunk the announcement promised, whatever fails:
+    a destination whose transfer broke is dropped and the others go on, and a chunk the source cannot
+    read goes out as zeros (its checksum will not match, so no peer acknowledges the copy). A
+    receiver thus never waits for a chunk that will not come, or takes the next copy's chunk for one
+    of this copy's. Raises :class:`CopyFailed` at the end if anything failed.
+    """
     sums: list[int] = []
     scratch: Any = None
+    live = list(dsts)
+    failed: dict[int, BaseException] = {}
+    broken: BaseException | None = None  # the source's error: every chunk from there on is zeros
     for r in source.records:
         for i, c in enumerate(r.chunks):
             assert c is not None
             if scratch is None or len(scratch) < scratch_bytes(r.chunk_bytes):
                 scratch = aligned_buffer(scratch_bytes(r.chunk_bytes))
-            view = source.read_stored(r, i, memoryview(scratch))[: c.stored]
-            known = source.checksum_of(r, i)
-            sums.append(checksum(view) if known is None else known)
-            for dst in dsts:
-                send(view, dst, group, tag)
+            if broken is None:
+                try:
+                    view = source.read_stored(r, i, memoryview(scratch))[: c.stored]
+                    known = source.checksum_of(r, i)
+                    sums.append(checksum(view) if known is None else known)
+                except Exception as exc:
+                    broken = exc
+            if broken is not None:
+                view = memoryview(scratch)[: c.stored]
+                view[:] = bytes(c.stored)
+                sums.append(-1)
+            for dst in list(live):
+                try:
+                    send(view, dst, group, tag)
+                except TransferError as exc:
+                    live.remove(dst)
+                    failed[dst] = exc
                 throttle.spent(view.nbytes)
+    if broken is not None:
+        failed.update({dst: broken for dst in live})
+    if failed:
+        raise CopyFailed(failed)
     return sums
+
+
+def drain(sizes: Sequence[int], src: int, group: Any, tag: int) -> None:
+    """Receive and drop chunks of these sizes: a copy this rank cannot keep still has to be taken off
+    the wire, or the next copy's first chunks would land in its place."""
+    scratch = memoryview(aligned_buffer(max(sizes, default=0)))
+    for size in sizes:
+        receive(scratch[:size], src, group, tag)
 
 
 def receive_copy(data: memoryview, records: Sequence[TensorRecord], src: int, group: Any, tag: int) -> None:
