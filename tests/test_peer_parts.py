@@ -154,6 +154,32 @@ def test_the_replica_directory_commits_whole_copies_and_a_new_process_finds_them
     again.close()
 
 
+def test_a_deleted_copy_s_memory_receives_the_next_copy_and_spares_are_bounded(tmp_path: Path) -> None:
+    store = ReplicaStore(tmp_path / "copies", "peer")
+    store.spares = 1
+    store.open()
+    for step, size in ((1, 8192), (2, 16384)):
+        store.commit(store.stage(Held(2, 1, step), size), b"m")
+    inodes = {step: os.stat(store.path(Held(2, 1, step)) / wire.COPY_FILE).st_ino for step in (1, 2)}
+    store.delete(Held(2, 1, 1))
+    store.delete(Held(2, 1, 2))  # one spare at most: this one's file goes
+    assert len(list((tmp_path / "copies").glob(".spare-*"))) == 1
+    incoming = store.stage(Held(2, 1, 3), 12288)  # larger than the spare: it grows
+    assert os.stat(incoming.path / wire.COPY_FILE).st_ino == inodes[1]
+    assert os.stat(incoming.path / wire.COPY_FILE).st_size == 12288 and incoming.data.nbytes == 12288
+    assert list((tmp_path / "copies").glob(".spare-*")) == []
+    store.discard(incoming)  # a discarded copy's file becomes the spare again
+    smaller = store.stage(Held(2, 1, 4), 4096)
+    assert os.stat(smaller.path / wire.COPY_FILE).st_ino == inodes[1] and os.stat(smaller.path / wire.COPY_FILE).st_size == 4096
+    store.commit(smaller, b"m")
+    store.delete(Held(2, 1, 4))
+    store.close()
+    again = ReplicaStore(tmp_path / "copies", "peer")
+    again.open()  # a new process does not know the spares: they are removed
+    assert list((tmp_path / "copies").glob(".spare-*")) == [] and again.held() == {}
+    again.close()
+
+
 def test_a_replica_directory_in_use_is_refused(tmp_path: Path) -> None:
     store = ReplicaStore(tmp_path / "copies", "peer")
     store.open()

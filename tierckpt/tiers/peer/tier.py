@@ -62,6 +62,7 @@ class PeerTier(Tier):
         self.peers = place[group.rank]  # group positions holding this rank's copies
         self.owners = senders(place)[group.rank]  # group positions whose copies this rank holds
         self.replicas = ReplicaStore(root, config.name)
+        self.replicas.spares = len(self.owners)  # one copy in flight per owner at a time
         self.throttle = wire.Throttle(config.bandwidth_bytes)
         self.executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"tierckpt-{config.name}")
         # Receiving blocks a thread per owner for as long as a transfer runs: a pool of their own, so
