@@ -5,10 +5,11 @@ Started once per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and:
     DIE         save: this rank dies by SIGKILL right after its first save reached the peer tier
     TIMEOUT     distributed.timeout (default 30s)
     FULL        save: this rank's RAM refuses (ENOSPC) the first copy it is sent
+    RESUME      restore: then save this step, and report the copies held once it is committed
     BANDWIDTH   the peer tier's bandwidth cap (default: none)
     MB          megabytes of state per rank (default 6)
-The job is 2 simulated nodes (``distributed.nodes: 2``) of WORLD_SIZE/2 ranks; each node's RAM tier is
-``<dir>/node-<n>`` (rank r on node r // (WORLD_SIZE/2)), and the disk tier is ``<dir>/nvme`` with
+The job is NODES simulated nodes (``distributed.nodes``, default 2) of WORLD_SIZE/NODES ranks, and the
+peer tier keeps COPIES copies (default 1); each node's RAM tier is ``<dir>/node-<n>``, and the disk tier is ``<dir>/nvme`` with
 ``flush: {every_steps: 2}``, so the disk holds the even steps only.
 
 save: saves STEPS, waits until the last is committed on the peer tier, and, with KILL=1, dies by
@@ -35,9 +36,13 @@ from tierckpt import Checkpointer, FlushError
 from tierckpt.testing import IOFaults
 
 
+def nodes() -> int:
+    return int(os.environ.get("NODES", "2"))
+
+
 def config(root: Path, rank: int, world: int) -> dict[str, Any]:
-    node = rank // (world // 2)
-    peer: dict[str, Any] = {"name": "peer", "type": "peer", "copies": 1, "keep": {"last": 2}}
+    node = rank // (world // nodes())
+    peer: dict[str, Any] = {"name": "peer", "type": "peer", "copies": int(os.environ.get("COPIES", "1")), "keep": {"last": 2}}
     if os.environ.get("BANDWIDTH"):
         peer["bandwidth"] = os.environ["BANDWIDTH"]
     return {
@@ -47,7 +52,7 @@ def config(root: Path, rank: int, world: int) -> dict[str, Any]:
             peer,
             {"name": "nvme", "type": "filesystem", "path": str(root / "nvme"), "flush": {"every_steps": 2}},
         ],
-        "distributed": {"timeout": os.environ.get("TIMEOUT", "30s"), "nodes": 2},
+        "distributed": {"timeout": os.environ.get("TIMEOUT", "30s"), "nodes": nodes()},
     }
 
 
@@ -85,7 +90,7 @@ def main() -> None:
         die = int(os.environ.get("DIE", "-1"))
         faults = contextlib.nullcontext()
         if rank == int(os.environ.get("FULL", "-1")):  # this rank's RAM has no room for the first copy it gets
-            faults = IOFaults(errno.ENOSPC, "allocate", under=root / f"node-{rank // (world // 2)}" / f"peer-rank-{rank:05d}")
+            faults = IOFaults(errno.ENOSPC, "allocate", under=root / f"node-{rank // (world // nodes())}" / f"peer-rank-{rank:05d}")
         with faults:
             saved = save_all(ckpt, rank, steps, die, out)
         if die >= 0:
@@ -113,6 +118,13 @@ def main() -> None:
         restored = ckpt.restore_latest_sync(template(rank))
         assert restored is not None
         out = {"step": restored.step, "tier": restored.tier, "bitwise": same(restored.state, state(rank, restored.step))}
+        if os.environ.get("RESUME"):  # training goes on: the next version's copies replace what is left
+            step = int(os.environ["RESUME"])
+            out["resumed"] = ckpt.save_sync(step, state(rank, step)).committed_sync("peer", 120)
+            ckpt.wait_sync()
+            peer = next(t for t in ckpt._pipeline.tiers if t.name == "peer")
+            out["held"] = sorted([h.owner, h.step] for h in peer.replicas.held())
+            out["versions"] = [v.step for v in ckpt.versions() if v.tier == "peer"]
         (root / f"restore-{rank}.json").write_text(json.dumps(out))
         ckpt.close_sync()
     dist.destroy_process_group()

@@ -35,11 +35,11 @@ def root() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def run(mode: str, root: Path, *, kill: bool = False, **env: str) -> list[dict[str, Any]]:
-    exits = launch_ranks([sys.executable, str(WORKER), mode, str(root)], WORLD, env={"KILL": "1" if kill else "0"} | env, timeout_s=180)
-    failed = failures(exits, expect_dead=range(WORLD) if kill else ())
+def run(mode: str, root: Path, *, kill: bool = False, world: int = WORLD, **env: str) -> list[dict[str, Any]]:
+    exits = launch_ranks([sys.executable, str(WORKER), mode, str(root)], world, env={"KILL": "1" if kill else "0"} | env, timeout_s=180)
+    failed = failures(exits, expect_dead=range(world) if kill else ())
     assert not failed, failed
-    return [json.loads((root / f"{mode}-{rank}.json").read_text()) for rank in range(WORLD)]
+    return [json.loads((root / f"{mode}-{rank}.json").read_text()) for rank in range(world)]
 
 
 def _saved_steps_1_to_3_and_killed(root: Path) -> None:
@@ -55,10 +55,26 @@ def _saved_steps_1_to_3_and_killed(root: Path) -> None:
 def test_a_lost_node_is_restored_from_its_peers_memory_and_none_from_disk(root: Path) -> None:
     _saved_steps_1_to_3_and_killed(root)
     shutil.rmtree(root / "node-1")  # node 1 is replaced: its RAM (pools and the copies it held) is gone
-    restored = run("restore", root)
+    restored = run("restore", root, RESUME="4")
     assert [r["step"] for r in restored] == [3] * WORLD  # newer than the disk's step 2
     assert [r["tier"] for r in restored] == ["ram", "ram", "peer", "peer"]
     assert all(r["bitwise"] for r in restored), restored
+    # Training resumed: step 4's copies are held, and the copies left from before (no version the peer
+    # tier could still give every rank: node 1's were lost) are gone.
+    for rank, r in enumerate(restored):
+        peer = rank + 2 if rank < 2 else rank - 2
+        assert r["resumed"] is True and r["versions"] == [4] and r["held"] == [[peer, 4]], r
+
+
+def test_with_two_copies_two_of_three_nodes_lost_are_restored_from_the_third(root: Path) -> None:
+    saved = run("save", root, kill=True, world=3, STEPS="1,2,3", NODES="3", COPIES="2")
+    for rank, s in enumerate(saved):
+        assert s["3"]["peer"] is True
+        assert s["held"] == sorted([owner, step] for owner in range(3) if owner != rank for step in (2, 3)), s
+    shutil.rmtree(root / "node-1")
+    shutil.rmtree(root / "node-2")
+    restored = run("restore", root, world=3, NODES="3", COPIES="2")
+    assert [(r["step"], r["tier"], r["bitwise"]) for r in restored] == [(3, "ram", True), (3, "peer", True), (3, "peer", True)]
 
 
 def test_a_rank_and_the_peer_holding_its_copy_both_lost_fall_back_together_to_the_disk(root: Path) -> None:
