@@ -66,6 +66,17 @@ def test_a_lost_node_is_restored_from_its_peers_memory_and_none_from_disk(root: 
         assert r["resumed"] is True and r["versions"] == [4] and r["held"] == [[peer, 4]], r
 
 
+def test_after_a_restart_with_every_node_whole_retention_goes_on_from_the_versions_held(root: Path) -> None:
+    _saved_steps_1_to_3_and_killed(root)
+    restored = run("restore", root, RESUME="4")
+    assert [(r["step"], r["tier"]) for r in restored] == [(3, "ram")] * WORLD
+    # Steps 2 and 3 were found held for every rank when the Checkpointers were built; keep: {last: 2}
+    # then drops step 2 once step 4 is committed, on every holder.
+    for rank, r in enumerate(restored):
+        peer = rank + 2 if rank < 2 else rank - 2
+        assert r["versions"] == [3, 4] and r["held"] == [[peer, 3], [peer, 4]], r
+
+
 def test_with_two_copies_two_of_three_nodes_lost_are_restored_from_the_third(root: Path) -> None:
     saved = run("save", root, kill=True, world=3, STEPS="1,2,3", NODES="3", COPIES="2")
     for rank, s in enumerate(saved):

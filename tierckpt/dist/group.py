@@ -141,15 +141,16 @@ class RankGroup:
     async def has(self, keys: Sequence[str]) -> bool:
         return bool(await self._call("check", list(keys)))
 
-    async def wait_for(self, keys: Sequence[str], timeout_s: float | None) -> bool:
-        """Whether every key was set within ``timeout_s`` (None: wait as long as it takes)."""
+    async def wait_for(self, keys: Sequence[str], timeout_s: float | None, *, poll_max_s: float = _POLL_MAX_S) -> bool:
+        """Whether every key was set within ``timeout_s`` (None: wait as long as it takes). ``poll_max_s``:
+        the longest pause between looks, for waits that may idle for long and need not answer at once."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         delay = _POLL_MIN_S
         while not await self.has(keys):
             if deadline is not None and time.monotonic() >= deadline:
                 return False
             await asyncio.sleep(delay)
-            delay = min(delay * 2, _POLL_MAX_S)
+            delay = min(delay * 2, poll_max_s)
         return True
 
     # -- collectives (every rank at once, from its own call) -----------------------------------------

@@ -180,7 +180,9 @@ class PeerTier(Tier):
         while True:
             key = self._key("copy", group.rank, owner, n)
             try:
-                await group.wait_for([key], None)
+                # Idle between saves: a look every 100 ms keeps the leader's store from serving a
+                # poll per rank every 20 ms, and costs a copy at most that much of a head start.
+                await group.wait_for([key], None, poll_max_s=0.1)
                 announce = await group.get(key)
                 await group.delete(key)
             except CoordinationLost as exc:
