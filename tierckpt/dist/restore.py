@@ -4,10 +4,11 @@
 own host memory, or a filesystem tier, where only globally committed versions are listed) or from a
 peer holding a copy of its part (a peer tier), and try the newest step that every rank can get, each
 from the cheapest place holding it: its own host memory, else a peer's (the peer sends the copy over;
-:mod:`tierckpt.tiers.peer.recovery`), else its disk tiers, falling back to those for that same step. Each rank reads and verifies its whole part into staging memory;
-the ranks then exchange verdicts, and only if every rank verified does any rank copy into its
-template. If one rank's files fail their checksums, every rank warns once (naming the rank and its
-file) and all fall back together to the next older common step. A version saved by another number
+:mod:`tierckpt.tiers.peer.recovery`), else its disk tiers, falling back to those for that same step.
+Each rank reads and verifies its whole part into staging memory; the ranks then exchange verdicts,
+and only if every rank verified does any rank copy into its template. If one rank's files fail their
+checksums, every rank warns once (naming the rank and its file) and all fall back together to the
+next older common step. A version saved by another number
 of ranks, or with other placements, is read from its saved layout (:mod:`tierckpt.reshard`).
 
 The collectives run on the group's own gloo process group, from a worker thread, while each rank's

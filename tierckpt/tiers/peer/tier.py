@@ -4,8 +4,8 @@ Flushing a version to this tier (the leader decides, as for every tier of severa
 :mod:`tierckpt.dist.flush`) means: every rank sends its own part to its peers
 (:func:`~tierckpt.dist.nodes.placement`: never on its own node, each copy on another node) and
 waits until each peer says it holds the copy verified; the version is committed once every rank's
-copies are. So a committed version survives the loss of any one node (of ``copies`` nodes) from
-memory alone. A tier below this one is fed by the tier above it: a disk flush never waits for the
+copies are. So a committed version that the owners' RAM tiers still hold survives the loss of any
+``copies`` nodes from memory alone. A tier below this one is fed by the tier above it: a disk flush never waits for the
 network.
 
 Each transfer is announced in the group's store (what the copy looks like), its bytes go over the
