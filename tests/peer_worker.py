@@ -1,4 +1,4 @@
-"""One rank of a peer-tier test (tests/test_peer.py): ``python peer_worker.py <save|restore> <dir>``.
+"""One rank of a peer-tier test (tests/test_peer.py): ``python peer_worker.py <save|restore|misplaced> <dir>``.
 
 Started once per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and:
     STEPS       save: the steps to save, "1,2,3"
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tierckpt import Checkpointer, FlushError
+from tierckpt import Checkpointer, ConfigError, FlushError
 from tierckpt.testing import IOFaults
 
 
@@ -84,6 +84,17 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     out: dict[str, Any] = {}
+    if mode == "misplaced":  # every rank on one node: refused, and nothing is left held
+        try:
+            Checkpointer(config(root, rank, world))
+        except ConfigError as exc:
+            out["error"] = str(exc)
+        plain = config(root, rank, world)
+        plain["tiers"] = [t for t in plain["tiers"] if t["type"] != "peer"]
+        Checkpointer(plain).close_sync()  # the same RAM directory: its lock was given back
+        (root / f"{mode}-{rank}.json").write_text(json.dumps(out))
+        dist.destroy_process_group()
+        return
     ckpt = Checkpointer(config(root, rank, world))
     if mode == "save":
         steps = [int(s) for s in os.environ["STEPS"].split(",")]

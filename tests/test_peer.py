@@ -122,6 +122,12 @@ def test_copies_are_paced_under_the_bandwidth_cap(root: Path) -> None:
         assert s["1"]["seconds"] >= 0.5 * 0.95 and s["slept_s"] > 0.3, s
 
 
+def test_ranks_all_on_one_node_refuse_a_peer_tier_on_every_rank_and_hold_nothing(root: Path) -> None:
+    refused = run("misplaced", root, world=2, NODES="1")
+    for r in refused:
+        assert r["error"].startswith("tiers.peer.copies: all ranks are on 1 node(s)") and "distributed.nodes" in r["error"], r
+
+
 def test_a_peer_tier_needs_ranks_on_several_nodes(tmp_path: Path) -> None:
     config = {"tiers": [{"name": "ram", "type": "memory"}, {"name": "peer", "type": "peer"}]}
     with pytest.raises(ConfigError, match="peer tier .* needs torch.distributed"):

@@ -29,7 +29,7 @@ from tierckpt.state import flatten, format_path
 from tierckpt.tiers.base import Tier, VersionInfo
 from tierckpt.tiers.filesystem import FilesystemTier
 from tierckpt.tiers.memory import MemoryTier
-from tierckpt.tiers.peer import PeerTier
+from tierckpt.tiers.peer import PeerTier, check_peer
 from tierckpt.tiers.shm import ShmStore
 from tierckpt.units import format_size
 
@@ -181,6 +181,9 @@ class Checkpointer:
         host = self.config.host
         tier_configs = list(self.config.tiers)
         _check_disjoint_paths(tier_configs)
+        for cfg in tier_configs:
+            if cfg.type == "peer":  # before anything is allocated or locked
+                check_peer(cfg, self._group)
         if tier_configs[0].type != "memory":
             names = {t.name for t in tier_configs}
             implicit = next(n for n in ("host", "host-memory", "tierckpt-host") if n not in names)
@@ -224,15 +227,10 @@ class Checkpointer:
             return MemoryTier(cfg, self._pool, store if cfg is first else None)
         if cfg.type == "filesystem":
             return FilesystemTier(cfg, self._group)
-        if self._group is None or self._group.nodes is None:
-            raise ConfigError(
-                f"tier {cfg.name!r}: a peer tier copies each rank's snapshots into the RAM of ranks on other nodes; "
-                "it needs torch.distributed initialized, with ranks on at least 2 nodes",
-                tier=cfg.name,
-            )
+        assert self._group is not None and self._group.nodes is not None  # check_peer made sure
         # Copies live beside the memory tier's pool, so that they too outlive the process.
         root = None if first.path is None else Path(first.path).expanduser().absolute() / f"{cfg.name}-rank-{self._group.rank:05d}"
-        return PeerTier(cfg, self._group, self._group.nodes, root)
+        return PeerTier(cfg, self._group, root)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], **kwargs: Any) -> Checkpointer:

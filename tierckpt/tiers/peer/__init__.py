@@ -4,6 +4,6 @@
 others, ``tier`` is the tier itself, and ``recovery`` serves those copies back in a restore.
 """
 
-from tierckpt.tiers.peer.tier import PeerTier
+from tierckpt.tiers.peer.tier import PeerTier, check_peer
 
-__all__ = ["PeerTier"]
+__all__ = ["PeerTier", "check_peer"]

@@ -5,8 +5,8 @@ Flushing a version to this tier (the leader decides, as for every tier of severa
 (:func:`~tierckpt.dist.nodes.placement`: never on its own node, each copy on another node) and
 waits until each peer says it holds the copy verified; the version is committed once every rank's
 copies are. So a committed version that the owners' RAM tiers still hold survives the loss of any
-``copies`` nodes from memory alone. A tier below this one is fed by the tier above it: a disk flush never waits for the
-network.
+``copies`` nodes from memory alone. A tier below this one is fed by the tier above it: a disk flush
+never waits for the network.
 
 Each transfer is announced in the group's store (what the copy looks like), its bytes go over the
 group's bulk gloo group (:mod:`tierckpt.tiers.peer.wire`) at most at ``bandwidth``, and the manifest
@@ -43,22 +43,40 @@ from tierckpt.units import format_size
 log = logging.getLogger("tierckpt")
 
 
-class PeerTier(Tier):
-    """See the module docstring. ``nodes``: the group positions of the ranks on each node."""
+def check_peer(config: TierConfig, group: RankGroup | None) -> dict[int, tuple[int, ...]]:
+    """Whether a peer tier can work in this job; its placement (group position -> the positions holding
+    its copies) if so.
 
-    def __init__(self, config: TierConfig, group: RankGroup, nodes: list[list[int]], root: Path | None) -> None:
+    Raises:
+        ConfigError: no torch.distributed, ranks on too few nodes for ``copies``, or a ``bandwidth`` so
+            low that one chunk takes near the group's timeout.
+    """
+    if group is None or group.nodes is None:
+        raise ConfigError(
+            f"tier {config.name!r}: a peer tier copies each rank's snapshots into the RAM of ranks on other nodes; "
+            "it needs torch.distributed initialized, with ranks on at least 2 nodes",
+            tier=config.name,
+        )
+    if config.bandwidth_bytes is not None and CHUNK_BYTES / config.bandwidth_bytes > group.timeout_s / 2:
+        # Each chunk is one send that the receiver waits for with the group's timeout.
+        raise ConfigError(
+            f"tier {config.name!r}: bandwidth {format_size(config.bandwidth_bytes)}/s sends a {format_size(CHUNK_BYTES)} chunk "
+            f"in {CHUNK_BYTES / config.bandwidth_bytes:.0f} s, too close to distributed.timeout ({group.timeout_s:g} s); "
+            "raise bandwidth or the timeout",
+            tier=config.name,
+            key=f"tiers.{config.name}.bandwidth",
+        )
+    return placement(group.nodes, config.copies, tier=config.name)
+
+
+class PeerTier(Tier):
+    """See the module docstring. ``root``: where the copies this rank holds live (None: a private
+    directory on /dev/shm, removed at close)."""
+
+    def __init__(self, config: TierConfig, group: RankGroup, root: Path | None) -> None:
         super().__init__(config)
-        if config.bandwidth_bytes is not None and CHUNK_BYTES / config.bandwidth_bytes > group.timeout_s / 2:
-            # Each chunk is one send that the receiver waits for with the group's timeout.
-            raise ConfigError(
-                f"tier {config.name!r}: bandwidth {format_size(config.bandwidth_bytes)}/s sends a {format_size(CHUNK_BYTES)} chunk "
-                f"in {CHUNK_BYTES / config.bandwidth_bytes:.0f} s, too close to distributed.timeout ({group.timeout_s:g} s); "
-                "raise bandwidth or the timeout",
-                tier=config.name,
-                key=f"tiers.{config.name}.bandwidth",
-            )
+        place = check_peer(config, group)
         self.group = group
-        place = placement(nodes, config.copies, tier=config.name)
         self.peers = place[group.rank]  # group positions holding this rank's copies
         self.owners = senders(place)[group.rank]  # group positions whose copies this rank holds
         self.replicas = ReplicaStore(root, config.name)
