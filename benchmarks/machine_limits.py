@@ -28,6 +28,12 @@ def buffer(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, max(nbytes, 4096), flags=flags)
 
 
+def shown(path: Path) -> str:
+    """``path`` relative to the working directory where it lies under it, else absolute (for reports)."""
+    path = path.resolve()
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
+
+
 def drop_caches() -> bool:
     """Empty the page cache so reads come from the disk; False where not allowed (not root)."""
     try:

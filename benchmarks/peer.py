@@ -496,12 +496,6 @@ def table(s: dict[str, Any]) -> list[str]:
     return lines
 
 
-def shown(path: Path) -> str:
-    """``path`` relative to the working directory where it lies under it, else absolute."""
-    path = path.resolve()
-    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=float, default=256, help="MiB of state per rank")
@@ -521,7 +515,7 @@ def main() -> None:
     if args.steps < 1 or args.repeats < 1:
         parser.error("--steps and --repeats must be at least 1")
     sys.path.insert(0, str(HERE))
-    from machine_limits import machine
+    from machine_limits import machine, shown
 
     base = args.dir or Path(tempfile.mkdtemp(prefix="tierckpt-peer-"))
     base.mkdir(parents=True, exist_ok=True)

@@ -405,12 +405,6 @@ def table(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def shown(path: Path) -> str:
-    """``path`` relative to the working directory where it lies under it, else absolute."""
-    path = path.resolve()
-    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=1.0, help="GiB of global state")
@@ -437,7 +431,7 @@ def main() -> None:
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     sys.path.insert(0, str(HERE))
-    from machine_limits import limits, machine
+    from machine_limits import limits, machine, shown
 
     base = args.dir or Path(tempfile.mkdtemp(prefix="tierckpt-reshard-"))
     base.mkdir(parents=True, exist_ok=True)
