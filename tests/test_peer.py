@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import pytest
 
 from tierckpt import Checkpointer, ConfigError
+from tierckpt.format import DATA_FILE, MANIFEST_FILE, Manifest
 from tierckpt.testing import failures, launch_ranks
 
 WORKER = Path(__file__).with_name("peer_worker.py")
@@ -75,6 +76,20 @@ def test_after_a_restart_with_every_node_whole_retention_goes_on_from_the_versio
     for rank, r in enumerate(restored):
         peer = rank + 2 if rank < 2 else rank - 2
         assert r["versions"] == [3, 4] and r["held"] == [[peer, 3], [peer, 4]], r
+
+
+def test_a_rank_whose_own_ram_copy_is_damaged_reads_its_peers_copy_before_the_disk(root: Path) -> None:
+    _saved_steps_1_to_3_and_killed(root)
+    version = root / "node-0" / "rank-00000" / "step-000000000003"
+    manifest = Manifest.decode((version / MANIFEST_FILE).read_bytes())
+    chunk = next(c for r in manifest.records for c in r.chunks if c is not None and c.stored > 100)
+    with open(version / DATA_FILE.format(rank=0), "r+b") as f:  # one bit of rank 0's step 3 in its pool
+        f.seek(chunk.offset + 100)
+        byte = f.read(1)[0]
+        f.seek(chunk.offset + 100)
+        f.write(bytes([byte ^ 1]))
+    restored = run("restore", root)
+    assert [(r["step"], r["tier"], r["bitwise"]) for r in restored] == [(3, "peer", True)] + [(3, "ram", True)] * 3
 
 
 def test_with_two_copies_two_of_three_nodes_lost_are_restored_from_the_third(root: Path) -> None:

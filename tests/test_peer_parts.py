@@ -240,10 +240,10 @@ def test_private_directories_of_dead_processes_are_swept_and_live_ones_kept(tmp_
         shutil.rmtree(live, ignore_errors=True)
 
 
-def test_ranks_without_the_step_in_ram_fetch_it_from_a_holder_spread_over_the_holders() -> None:
+def test_ranks_still_wanting_their_part_fetch_it_from_a_holder_spread_over_the_holders() -> None:
     copies = [[[2, 5], [3, 5]], [[2, 5]], [], [[0, 5], [0, 4]]]  # what ranks 0..3 hold: [owner, step]
     holders = holders_of(copies)
     assert holders == {(2, 5): [0, 1], (3, 5): [0], (0, 5): [3], (0, 4): [3]}
-    in_memory = [[5], [5], [], [4]]
-    assert fetch_plan(5, in_memory, holders) == {2: 0, 3: 0}  # rank 2: holders [0, 1], 2 % 2 -> 0
-    assert fetch_plan(4, in_memory, holders) == {0: 3}
+    assert fetch_plan(5, [2, 3], holders) == {2: 0, 3: 0}  # rank 2: holders [0, 1], 2 % 2 -> 0
+    assert fetch_plan(5, [0, 1], holders) == {0: 3}  # nobody holds rank 1's copy: it reads its disks
+    assert fetch_plan(4, [0], holders) == {0: 3}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import warnings
 from typing import Any, Sequence
@@ -44,37 +45,34 @@ async def restore_agreed(
     peer = next((t for t in tiers if isinstance(t, PeerTier)), None)
     own = [t for t in tiers if t is not peer]
     mine = sorted({info.step for tier in own for info in tier.versions()}, reverse=True)
-    in_memory = [info.step for info in own[0].versions()] if isinstance(own[0], MemoryTier) else []
-    held = await asyncio.to_thread(group.all_gather, [mine, in_memory, copies_held(peer)])
-    holders = holders_of([h[2] for h in held])
+    held = await asyncio.to_thread(group.all_gather, [mine, copies_held(peer)])
+    holders = holders_of([h[1] for h in held])
     can = [set(h[0]) | {step for owner, step in holders if owner == r} for r, h in enumerate(held)]
     common = sorted(set.intersection(*can), reverse=True)
+    first_of = functools.partial(_first_of, by_path=by_path, staging=staging, rank=group.rank, strict=strict, cast=cast)
     for step in common:
         with contextlib.ExitStack() as held_open:
-            verdict, loaded = f"rank {group.rank} holds no step {step} any more", None
-            error: BaseException | None = None
+            attempt = Attempt(f"rank {group.rank} holds no step {step} any more")
             order = [t for t in own if any(info.step == step for info in t.versions())]
-            fetchers = fetch_plan(step, [h[1] for h in held], holders)
-            if peer is not None and fetchers:
-                # The ranks without their part in host memory get it from a peer's, before any disk.
-                try:
-                    fetched = await exchange(peer, step, fetchers, held_open)
-                except CorruptCheckpointError as exc:
-                    verdict = str(exc)
-                    log.warning("tierckpt: %s; trying the other tiers", exc)
-                else:
-                    order = ([fetched] if fetched is not None else []) + order
-            for tier in order:
-                try:
-                    loaded = await _read_part(held_open, tier, step, by_path, staging, group.rank, strict, cast)
-                    break
-                except NotHere:  # this rank's host memory holds only its own part: a slower tier may do
-                    continue
-                except CorruptCheckpointError as exc:
-                    verdict = str(exc)
-                except Exception as exc:  # a template that does not match, say: raised on every rank below
-                    error = exc
-                    break
+            if peer is not None:
+                # Cheapest first: this rank's own host memory; then a copy a peer holds (for a rank whose
+                # memory lacks the step, or whose copy there does not verify); then its disk tiers.
+                if order and isinstance(order[0], MemoryTier):
+                    await first_of(held_open, order[:1], step, attempt)
+                    order = order[1:]
+                wanting = await asyncio.to_thread(group.all_gather, attempt.wants)
+                fetchers = fetch_plan(step, [r for r, wants in enumerate(wanting) if wants], holders)
+                if fetchers:
+                    try:
+                        fetched = await exchange(peer, step, fetchers, held_open)
+                    except CorruptCheckpointError as exc:
+                        attempt.verdict = str(exc)
+                        log.warning("tierckpt: %s; trying the other tiers", exc)
+                    else:
+                        order = ([fetched] if fetched is not None else []) + order
+            if attempt.wants:
+                await first_of(held_open, order, step, attempt)
+            loaded, verdict, error = attempt.loaded, attempt.verdict, attempt.error
             # One exchange per step, whatever happened here: every rank leaves the step together.
             said = None if error is None else f"{type(error).__name__}: {error}"
             verdicts = await asyncio.to_thread(group.all_gather, [None if loaded else verdict, said])
@@ -96,6 +94,46 @@ async def restore_agreed(
         log.warning(message)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
     return None
+
+
+class Attempt:
+    """How reading this rank's part of one step went: ``loaded``, or why not (``verdict``: it did not
+    verify; ``error``: it cannot be loaded into the template, which every rank raises)."""
+
+    def __init__(self, verdict: str) -> None:
+        self.verdict = verdict
+        self.loaded: tuple[Tier, Any, list[Any], Any] | None = None
+        self.error: BaseException | None = None
+
+    @property
+    def wants(self) -> bool:
+        return self.loaded is None and self.error is None
+
+
+async def _first_of(
+    held_open: contextlib.ExitStack,
+    tiers: Sequence[Tier],
+    step: int,
+    attempt: Attempt,
+    *,
+    by_path: dict[str, Any],
+    staging: MemoryTier | None,
+    rank: int,
+    strict: bool,
+    cast: bool,
+) -> None:
+    """Read this rank's part of ``step`` from the first of ``tiers`` where it verifies, into ``attempt``."""
+    for tier in tiers:
+        try:
+            attempt.loaded = await _read_part(held_open, tier, step, by_path, staging, rank, strict, cast)
+            return
+        except NotHere:  # this rank's host memory holds only its own part: a slower tier may do
+            continue
+        except CorruptCheckpointError as exc:
+            attempt.verdict = str(exc)
+        except Exception as exc:  # a template that does not match, say: raised on every rank below
+            attempt.error = exc
+            return
 
 
 async def _read_part(

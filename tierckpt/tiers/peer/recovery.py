@@ -152,13 +152,13 @@ def copies_held(peer: PeerTier | None) -> list[list[int]]:
     return [[h.owner, h.step] for h in peer.replicas.held() if h.world == peer.group.world]
 
 
-def fetch_plan(step: int, in_memory: list[list[int]], holders: dict[tuple[int, int], list[int]]) -> dict[int, int]:
-    """Which ranks fetch their part of ``step`` from a peer, and from which: those whose own host memory
-    lacks it, from one of the ranks holding a copy (spread over them by the fetching rank)."""
+def fetch_plan(step: int, wanting: list[int], holders: dict[tuple[int, int], list[int]]) -> dict[int, int]:
+    """Which of the ``wanting`` ranks (those without a verified part of ``step`` yet) fetch it from a peer,
+    and from which: each from one of the ranks holding its copy (spread over them by the fetching rank)."""
     plan = {}
-    for rank, steps in enumerate(in_memory):
+    for rank in wanting:
         found = sorted(holders.get((rank, step), ()))
-        if step not in steps and found:
+        if found:
             plan[rank] = found[rank % len(found)]
     return plan
 
