@@ -130,8 +130,8 @@ def test_every_destination_still_there_gets_every_chunk_whatever_fails(monkeypat
     assert "bad sector" in str(failed[4]) and str(failed[5]) == "the transfer with rank 5 broke off: Connection closed by peer"
 
 
-def _manifest(step: int, records: tuple[TensorRecord, ...]) -> bytes:
-    return Manifest(step=step, created=1.0, skeleton={"k0": None}, records=records).encode()
+def _manifest(step: int) -> bytes:
+    return Manifest(step=step, created=1234.5, skeleton=None, records=()).encode()
 
 
 def test_the_replica_directory_commits_whole_copies_and_a_new_process_finds_them(tmp_path: Path) -> None:
@@ -140,15 +140,17 @@ def test_the_replica_directory_commits_whole_copies_and_a_new_process_finds_them
     held = Held(4, 2, 7)
     incoming = store.stage(held, 8192)
     incoming.data[:5] = b"hello"
-    store.commit(incoming, b"manifest")
-    assert store.held() == {held: 8192}
+    store.commit(incoming, _manifest(7), 1234.5)
+    assert store.held() == {held: 8192} and store.created(held) == 1234.5
     assert (store.path(held) / wire.COPY_FILE).read_bytes()[:5] == b"hello"
     left = store.stage(Held(4, 2, 8), 4096)  # a copy cut off by a kill: never committed
+    store.commit(store.stage(Held(4, 3, 7), 4096), b"not a manifest")  # damaged while this process was gone
     store.close()
     again = ReplicaStore(tmp_path / "copies", "peer")
     again.open()
-    assert again.held() == {held: 8192}
+    assert again.held() == {held: 8192} and again.created(held) == 1234.5  # from its manifest
     assert not left.path.exists()  # swept
+    assert not again.path(Held(4, 3, 7)).exists()  # removed, with a warning
     again.delete(held)
     assert again.held() == {} and not again.path(held).exists()
     again.close()

@@ -165,12 +165,16 @@ class Checkpointer:
         assert self._group is not None
         tier = next(t for t in self._pipeline.tiers if isinstance(t, PeerTier))
         world = self._group.world
-        held = [[h.owner, h.step, nbytes] for h, nbytes in tier.replicas.held().items() if h.world == world]
-        by_step: dict[int, dict[int, int]] = {}
+        held = [[h.owner, h.step, nbytes, tier.replicas.created(h)] for h, nbytes in tier.replicas.held().items() if h.world == world]
+        by_step: dict[int, dict[int, tuple[int, float]]] = {}
         for reply in self._group.all_gather(held):
-            for owner, step, nbytes in reply:
-                by_step.setdefault(step, {})[owner] = nbytes
-        complete = [(step, 0.0, sum(parts.values())) for step, parts in sorted(by_step.items()) if len(parts) == world]
+            for owner, step, nbytes, created in reply:
+                by_step.setdefault(step, {})[owner] = (nbytes, created)
+        complete = [
+            (step, max(c for _, c in parts.values()), sum(n for n, _ in parts.values()))
+            for step, parts in sorted(by_step.items())
+            if len(parts) == world
+        ]
 
         async def learn() -> None:
             tier.learn(complete)

@@ -138,7 +138,7 @@ def _fetch(peer: PeerTier, step: int, src: int) -> tuple[Held, Manifest, int]:
     incoming = peer.replicas.stage(held, size)
     try:
         wire.receive_copy(incoming.data, manifest.records, src, bulk, wire.TAG_FETCH)
-        peer.replicas.commit(incoming, bytes(encoded))
+        peer.replicas.commit(incoming, bytes(encoded), manifest.created)
     except BaseException:
         peer.replicas.discard(incoming)
         raise

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import re
@@ -28,11 +29,13 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierckpt.errors import ConfigError
-from tierckpt.format import MANIFEST_FILE, parse_version_dirname, version_dirname
+from tierckpt.errors import ConfigError, CorruptCheckpointError
+from tierckpt.format import MANIFEST_FILE, Manifest, parse_version_dirname, version_dirname
 from tierckpt.tiers.fsio import preallocate, remove_out_of_sight, write_file
 from tierckpt.tiers.lock import DirectoryLock
 from tierckpt.tiers.peer.wire import COPY_FILE
+
+log = logging.getLogger("tierckpt")
 
 _OWNER_DIR = re.compile(r"^w(\d{5})-r(\d{5})$")
 _PRIVATE = "tierckpt-copies-"  # the prefix of a private directory (a memory tier without a path)
@@ -115,6 +118,7 @@ class ReplicaStore:
         self._lock = DirectoryLock(root, tier)
         self._guard = threading.Lock()
         self._held: dict[Held, int] = {}  # -> bytes
+        self._created: dict[Held, float] = {}  # -> when its owner saved it (unix time)
         # Data files of deleted copies, kept (up to ``spares``) to receive later copies into: their RAM is
         # allocated and faulted in already, which made a 256 MiB copy land in 65 ms instead of 175-350 ms.
         self.spares = 0
@@ -142,17 +146,25 @@ class ReplicaStore:
                 step = parse_version_dirname(version)
                 if step is None:
                     continue
+                held = Held(int(owner[1]), int(owner[2]), step)
                 try:
                     size = os.stat(path / version / COPY_FILE).st_size
-                    os.stat(path / version / MANIFEST_FILE)
-                except OSError:
+                    manifest = Manifest.decode((path / version / MANIFEST_FILE).read_bytes(), tier=self.tier, step=step)
+                except (OSError, CorruptCheckpointError) as exc:
+                    log.warning("tier %r: removing the copy of rank %d's step %d: %s", self.tier, held.owner, step, exc)
                     self._remove(path / version)
                     continue
-                self._held[Held(int(owner[1]), int(owner[2]), step)] = size
+                self._held[held] = size
+                self._created[held] = manifest.created
 
     def held(self) -> dict[Held, int]:
         with self._guard:
             return dict(self._held)
+
+    def created(self, held: Held) -> float:
+        """When the owner saved the version of a copy held (unix time; 0 if not known)."""
+        with self._guard:
+            return self._created.get(held, 0.0)
 
     def path(self, held: Held) -> Path:
         return self.root / held.dirname / version_dirname(held.step)
@@ -176,8 +188,9 @@ class ReplicaStore:
                 raise OSError(exc.errno, f"no room for a {nbytes}-byte copy of rank {held.owner}'s step {held.step} ({exc.strerror})", str(self.root)) from None
             raise
 
-    def commit(self, incoming: Incoming, manifest: bytes) -> Path:
-        """Make a fully received and verified copy visible; replaces an older copy of the same step."""
+    def commit(self, incoming: Incoming, manifest: bytes, created: float = 0.0) -> Path:
+        """Make a fully received and verified copy visible; replaces an older copy of the same step.
+        ``created``: when the owner saved it, from ``manifest`` (decoded and checked by the caller)."""
         incoming.unmap()
         write_file(incoming.path / MANIFEST_FILE, manifest)
         final = self.path(incoming.held)
@@ -187,6 +200,7 @@ class ReplicaStore:
         os.rename(incoming.path, final)
         with self._guard:
             self._held[incoming.held] = incoming.nbytes
+            self._created[incoming.held] = created
         return final
 
     def discard(self, incoming: Incoming) -> None:
@@ -196,6 +210,7 @@ class ReplicaStore:
 
     def delete(self, held: Held) -> None:
         with self._guard:
+            self._created.pop(held, None)
             if self._held.pop(held, None) is None:
                 return
         path = self.path(held)

@@ -245,13 +245,13 @@ class PeerTier(Tier):
             await group.delete(key)
             if not encoded:
                 raise RuntimeError(f"rank {owner} abandoned its copy of step {held.step} (it could not send all of it)")
-            await loop.run_in_executor(self.executor, self._check, incoming, encoded, layout)
-            await loop.run_in_executor(self.executor, self.replicas.commit, incoming, encoded)
+            manifest = await loop.run_in_executor(self.executor, self._check, incoming, encoded, layout)
+            await loop.run_in_executor(self.executor, self.replicas.commit, incoming, encoded, manifest.created)
         except BaseException:
             await loop.run_in_executor(self.executor, self.replicas.discard, incoming)
             raise
 
-    def _check(self, incoming: Any, encoded: bytes, layout: list[tuple[int, int]]) -> None:
+    def _check(self, incoming: Any, encoded: bytes, layout: list[tuple[int, int]]) -> Manifest:
         """The copy's manifest is well formed, describes exactly what was received, and every chunk matches."""
         held = incoming.held
         manifest = Manifest.decode(encoded, tier=self.name, step=held.step)
@@ -261,6 +261,7 @@ class PeerTier(Tier):
         bad = wire.first_mismatch(incoming.data, manifest.records)
         if bad is not None:
             raise CorruptCheckpointError(f"tier {self.name!r}: rank {held.owner}'s step {held.step} arrived damaged: {bad}")
+        return manifest
 
     async def _prune(self, committed: int) -> None:
         """Copies no decision keeps: older than ``committed`` and not committed, or of another world."""
