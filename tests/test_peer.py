@@ -43,6 +43,17 @@ def run(mode: str, root: Path, *, kill: bool = False, world: int = WORLD, **env:
     return [json.loads((root / f"{mode}-{rank}.json").read_text()) for rank in range(world)]
 
 
+def _flip_a_bit(version: Path, data: str) -> None:
+    """One bit inside the first chunk of the version's data file that is over 100 bytes long."""
+    manifest = Manifest.decode((version / MANIFEST_FILE).read_bytes())
+    chunk = next(c for r in manifest.records for c in r.chunks if c is not None and c.stored > 100)
+    with open(version / data, "r+b") as f:
+        f.seek(chunk.offset + 100)
+        byte = f.read(1)[0]
+        f.seek(chunk.offset + 100)
+        f.write(bytes([byte ^ 1]))
+
+
 def _saved_steps_1_to_3_and_killed(root: Path) -> None:
     saved = run("save", root, kill=True, STEPS="1,2,3")
     for rank, s in enumerate(saved):
@@ -80,16 +91,18 @@ def test_after_a_restart_with_every_node_whole_retention_goes_on_from_the_versio
 
 def test_a_rank_whose_own_ram_copy_is_damaged_reads_its_peers_copy_before_the_disk(root: Path) -> None:
     _saved_steps_1_to_3_and_killed(root)
-    version = root / "node-0" / "rank-00000" / "step-000000000003"
-    manifest = Manifest.decode((version / MANIFEST_FILE).read_bytes())
-    chunk = next(c for r in manifest.records for c in r.chunks if c is not None and c.stored > 100)
-    with open(version / DATA_FILE.format(rank=0), "r+b") as f:  # one bit of rank 0's step 3 in its pool
-        f.seek(chunk.offset + 100)
-        byte = f.read(1)[0]
-        f.seek(chunk.offset + 100)
-        f.write(bytes([byte ^ 1]))
+    _flip_a_bit(root / "node-0" / "rank-00000" / "step-000000000003", DATA_FILE.format(rank=0))  # in rank 0's pool
     restored = run("restore", root)
     assert [(r["step"], r["tier"], r["bitwise"]) for r in restored] == [(3, "peer", True)] + [(3, "ram", True)] * 3
+
+
+def test_a_damaged_copy_at_the_holder_is_refused_and_every_rank_falls_back_together(root: Path) -> None:
+    _saved_steps_1_to_3_and_killed(root)
+    shutil.rmtree(root / "node-1")
+    _flip_a_bit(root / "node-0" / "peer-rank-00000" / "w00004-r00002" / "step-000000000003", "data-r00000.bin")
+    restored = run("restore", root)
+    # Rank 2's copy of step 3 fails its checksums when rank 2 reads it; step 2's copies are whole.
+    assert [(r["step"], r["tier"], r["bitwise"]) for r in restored] == [(2, "ram", True)] * 2 + [(2, "peer", True)] * 2
 
 
 def test_with_two_copies_two_of_three_nodes_lost_are_restored_from_the_third(root: Path) -> None:

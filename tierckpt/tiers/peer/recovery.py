@@ -91,17 +91,23 @@ def _serve(peer: PeerTier, held: Held, dst: int) -> None:
     bulk = peer.group.bulk_group()
     path = peer.replicas.path(held)
     try:
+        # Checked here as the receiver will check it: a copy it would refuse half-way is refused in the
+        # header instead, so that it never waits for chunks, nor this rank to send chunks, in vain.
         encoded = (path / MANIFEST_FILE).read_bytes()
         manifest = Manifest.decode(encoded, tier=peer.name, step=held.step)
         fd = os.open(path / wire.COPY_FILE, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            end = max((c.offset + c.stored for r in manifest.records for c in r.chunks if c is not None), default=0)
+            if size != end:
+                raise CorruptCheckpointError(f"{wire.COPY_FILE} holds {size} bytes, its manifest {end}")
+            check_records(manifest.records, {wire.COPY_FILE: size}, tier=peer.name, step=held.step)
+            data = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
+        finally:
+            os.close(fd)
     except (OSError, CorruptCheckpointError) as exc:
         wire.send(memoryview(torch.tensor([-1, 0], dtype=torch.int64).numpy()), dst, bulk, wire.TAG_FETCH)
         raise CorruptCheckpointError(f"tier {peer.name!r}: the copy of rank {held.owner}'s step {held.step} cannot be served: {exc}") from exc
-    try:
-        size = os.fstat(fd).st_size
-        data = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
-    finally:
-        os.close(fd)
     try:
         view = memoryview(data) if data is not None else memoryview(b"")
         wire.send(memoryview(torch.tensor([len(encoded), size], dtype=torch.int64).numpy()), dst, bulk, wire.TAG_FETCH)
@@ -109,13 +115,14 @@ def _serve(peer: PeerTier, held: Held, dst: int) -> None:
         for r in manifest.records:
             for c in r.chunks:
                 assert c is not None
-                if c.offset + c.stored > size:  # the receiver finds out from the header, and refuses it
-                    return
                 wire.send(view[c.offset : c.offset + c.stored], dst, bulk, wire.TAG_FETCH)
     finally:
         del view
         if data is not None:
-            data.close()
+            try:
+                data.close()
+            except BufferError:  # a failed send's traceback still holds a view: the mapping goes with it
+                pass
 
 
 def _fetch(peer: PeerTier, step: int, src: int) -> tuple[Held, Manifest, int]:
