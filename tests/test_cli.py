@@ -16,6 +16,7 @@ import torch
 from tierckpt import Checkpointer
 from tierckpt.cli import main
 from tierckpt.format import CHECKSUM_ALGORITHM, DATA_FILE, MANIFEST_FILE, Manifest, checksum, version_dirname
+from tierckpt.testing import flip_bits
 
 DATA = DATA_FILE.format(rank=0)
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,11 +66,7 @@ def _manifest(version: Path) -> Manifest:
 
 
 def _flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([byte ^ 0x10]))
+    flip_bits(path, offset, 0x10)
 
 
 def test_verify_passes_a_healthy_tier_and_says_what_it_checked(tiers: Path, capsys: pytest.CaptureFixture[str]) -> None:

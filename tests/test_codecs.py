@@ -21,6 +21,7 @@ from tierckpt.codecs import NoneCodec, ShuffleCodec, ZstdCodec, decoder, get_cod
 from tierckpt.config import CompressionConfig
 from tierckpt.errors import ConfigError, CorruptCheckpointError
 from tierckpt.format import ALIGN, MANIFEST_FILE, Manifest, checksum, version_dirname
+from tierckpt.testing import flip_bits
 
 # -- chunk codecs -------------------------------------------------------------------------------------
 
@@ -414,11 +415,7 @@ def test_a_corrupted_zstd_chunk_is_detected(opened: _Opened, tmp_path: Path) -> 
     ckpt.close_sync()
     record = _manifest(pfs, 2).records[0]
     data_file = pfs / version_dirname(2) / "data-r00000.bin"
-    with open(data_file, "r+b") as f:
-        f.seek(record.chunks[0].offset + record.chunks[0].stored // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x40]))
+    flip_bits(data_file, record.chunks[0].offset + record.chunks[0].stored // 2, 0x40)
     with pytest.warns(RuntimeWarning, match=r"step 2 on tier 'pfs'.*\['a'\]"):
         restored = opened(_config(_tier("pfs", pfs, "zstd"))).restore_latest_sync()
     assert restored is not None and restored.step == 1
@@ -568,11 +565,7 @@ def test_a_damaged_chunk_of_a_shuffle_tier_names_the_key_and_chunk(opened: _Open
     assert len(record.chunks) == 2 and record.chunk_codec(1) == "zstd+shuffle"
     chunk = record.chunks[1]
     data_file = pfs / version_dirname(2) / "data-r00000.bin"
-    with open(data_file, "r+b") as f:
-        f.seek(chunk.offset + chunk.stored - 100)  # inside the compressed exponent plane
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x01]))
+    flip_bits(data_file, chunk.offset + chunk.stored - 100, 0x01)  # inside the compressed exponent plane
     with pytest.warns(RuntimeWarning, match=r"step 2 on tier 'pfs'.*checksum mismatch in \['w'\] \(chunk 1\)"):
         restored = opened(_config(_tier("pfs", pfs, "zstd"), capacity="40MiB")).restore_latest_sync()
     assert restored is not None and restored.step == 1

@@ -42,6 +42,7 @@ import torch
 from tierckpt import Checkpointer
 from tierckpt.cli import main as cli
 from tierckpt.format import CHUNK_BYTES, DATA_FILE, MANIFEST_FILE, Manifest, TensorRecord, version_dirname
+from tierckpt.testing import flip_bits
 
 SEED = 11
 TRIALS = int(os.environ.get("TIERCKPT_CORRUPTION_TRIALS", "64"))
@@ -202,11 +203,7 @@ def _apply(root: Path, damage: _Damage) -> None:
     if damage.kind == "truncate":
         os.truncate(path, damage.at)
         return
-    with open(path, "r+b") as f:
-        f.seek(damage.at)
-        byte = f.read(1)[0]
-        f.seek(damage.at)
-        f.write(bytes([byte ^ (1 << damage.bit)]))
+    flip_bits(path, damage.at, 1 << damage.bit)
 
 
 def _originals(root: Path) -> dict[Path, tuple[bytes, int]]:

@@ -22,7 +22,7 @@ from tierckpt import Checkpointer
 from tierckpt.cli import main
 from tierckpt.export import ExportProgress, export
 from tierckpt.format import DATA_FILE, MANIFEST_FILE, Manifest, version_dirname
-from tierckpt.testing import failures, launch_ranks
+from tierckpt.testing import failures, flip_bits, launch_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -223,11 +223,7 @@ def test_four_ranks_of_dtensor_shards_export_as_global_tensors(tmp_path: Path, c
 
 
 def _flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([byte ^ 0x10]))
+    flip_bits(path, offset, 0x10)
 
 
 @pytest.mark.parametrize("to", ["safetensors", "torch"])

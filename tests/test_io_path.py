@@ -27,6 +27,7 @@ from tierckpt.format import CHUNK_BYTES, MANIFEST_FILE, Manifest, checksum, vers
 from tierckpt.tiers import fsio, fswrite
 from tierckpt.tiers.filesystem import FilesystemSource, FilesystemTier
 from tierckpt.tiers.fsio import ChunkJobs, preallocate, probe_direct_io, pwrite_all, read_into, read_span
+from tierckpt.testing import flip_bits
 
 
 def _config(path: Path, capacity: str = "160MiB", **tier: Any) -> dict[str, Any]:
@@ -97,11 +98,7 @@ def _flip(root: Path, step: int, key: str, chunk: int) -> None:
     version = root / version_dirname(step)
     record = next(r for r in Manifest.decode((version / MANIFEST_FILE).read_bytes()).records if r.key == key)
     offset = record.chunks[chunk].offset + record.chunks[chunk].stored - 1  # the chunk's last byte
-    with open(version / record.file, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([byte ^ 0x40]))
+    flip_bits(version / record.file, offset, 0x40)
 
 
 # -- end to end ------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import pytest
 
 from tierckpt import Checkpointer, ConfigError
 from tierckpt.format import DATA_FILE, MANIFEST_FILE, Manifest
-from tierckpt.testing import failures, launch_ranks
+from tierckpt.testing import failures, flip_bits, launch_ranks
 
 WORKER = Path(__file__).with_name("peer_worker.py")
 WORLD = 4
@@ -47,11 +47,7 @@ def _flip_a_bit(version: Path, data: str) -> None:
     """One bit inside the first chunk of the version's data file that is over 100 bytes long."""
     manifest = Manifest.decode((version / MANIFEST_FILE).read_bytes())
     chunk = next(c for r in manifest.records for c in r.chunks if c is not None and c.stored > 100)
-    with open(version / data, "r+b") as f:
-        f.seek(chunk.offset + 100)
-        byte = f.read(1)[0]
-        f.seek(chunk.offset + 100)
-        f.write(bytes([byte ^ 1]))
+    flip_bits(version / data, chunk.offset + 100, 1)
 
 
 def _saved_steps_1_to_3_and_killed(root: Path) -> None:

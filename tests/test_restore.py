@@ -25,6 +25,7 @@ from tierckpt.format import CHECKSUM_ALGORITHM, MANIFEST_FILE, Manifest, checksu
 from tierckpt.tiers.base import VersionSource
 from tierckpt.tiers.filesystem import FilesystemTier
 from tierckpt.tiers.memory import MemoryTier
+from tierckpt.testing import flip_bits
 
 
 def _tier(name: str, path: Path, **extra: Any) -> dict[str, Any]:
@@ -115,11 +116,7 @@ def _commit_all(ckpt: Checkpointer, steps: Any, tier: str) -> None:
 
 
 def _flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([byte ^ 0x01]))
+    flip_bits(path, offset, 0x01)
 
 
 def _manifest(root: Path, step: int) -> Manifest:

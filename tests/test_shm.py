@@ -20,6 +20,7 @@ import torch
 from tierckpt import Checkpointer, ConfigError
 from tierckpt.format import MANIFEST_FILE, Manifest, version_dirname
 from tierckpt.tiers.shm import POOL_FILE, POOL_INFO
+from tierckpt.testing import flip_bits
 
 _SLOT = 8 << 20
 
@@ -167,11 +168,7 @@ def test_a_damaged_snapshot_falls_back_to_the_same_step_on_disk(shm: Path, tmp_p
         assert [i.step for i in ckpt.versions() if i.tier == "nvme"] == [4]
     manifest = Manifest.decode((shm / version_dirname(4) / MANIFEST_FILE).read_bytes(), step=4)
     chunk = next(r for r in manifest.records if r.key == "['w']").chunks[0]
-    with open(shm / POOL_FILE, "r+b") as f:
-        f.seek(chunk.offset + 12345)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x10]))
+    flip_bits(shm / POOL_FILE, chunk.offset + 12345, 0x10)
     with Checkpointer(_config(shm, tmp_path / "nvme")) as ckpt:
         with pytest.warns(RuntimeWarning, match=r"step 4 on tier 'ram'.*checksum mismatch in \['w'\] \(chunk 0\)"):
             restored = ckpt.restore_latest_sync()

@@ -300,6 +300,15 @@ def path_of(arg: Any, dir_fd: Any = None) -> str | None:
     return os.path.join(os.path.realpath(os.path.dirname(raw)), os.path.basename(raw))
 
 
+def flip_bits(path: str | os.PathLike[str], offset: int, mask: int = 0x10) -> None:
+    """Damage a file as a bad disk or bad RAM would: XOR the byte at ``offset`` with ``mask``, in place."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ mask]))
+
+
 # -- ranks of one job on localhost -----------------------------------------------------------------------
 
 TAIL_CHARS = 5000  # of a rank's output kept in its RankExit
