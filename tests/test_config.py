@@ -121,7 +121,7 @@ def test_example_loads_as_written(tmp_path: Path) -> None:
 
 def test_example_as_dict(tmp_path: Path) -> None:
     assert load(tmp_path, EXAMPLE).to_dict() == {
-        "host": {"capacity": 4 * 2**30, "snapshots": 2, "on_full": "block", "copy_threads": 2},
+        "host": {"capacity": 4 * 2**30, "snapshots": 2, "on_full": "block", "copy_threads": 2, "pinned": "auto"},
         "tiers": [
             {"name": "ram", "type": "memory", "keep": {"last": 2, "every_steps": None, "within": None, "max_bytes": None}},
             {
@@ -211,7 +211,7 @@ def test_wrong_choice_message(tmp_path: Path) -> None:
     [
         (small() + "logging: {level: info}\n", "logging", 9, "host, tiers, distributed"),
         (small() + "distributed: {timout: 60s}\n", "distributed.timout", 9, "timeout, nodes"),
-        (small(host="  capacity: 1GiB\n  snapshot: 2\n"), "host.snapshot", 3, "capacity, snapshots, on_full, copy_threads"),
+        (small(host="  capacity: 1GiB\n  snapshot: 2\n"), "host.snapshot", 3, "capacity, snapshots, on_full, copy_threads, pinned"),
         (small(nvme="    replicas: 2\n"), "tiers[1].replicas", 9, "name, type, path, flush, keep, compression, io_threads, copies, bandwidth"),
         (small(nvme="    flush:\n      every: 2\n      max_stale: 1m\n"), "tiers[1].flush.max_stale", 11, "every, every_steps, min_interval, max_staleness, newest_only"),
         (small(nvme="    keep: {last: 2, newer_than: 1h}\n"), "tiers[1].keep.newer_than", 9, "last, every_steps, within, max_bytes"),
@@ -240,6 +240,8 @@ def test_unknown_keys(tmp_path: Path, text: str, key: str, line: int, allowed: s
         ("  on_full: drop\n", "", "host.on_full", 2, ["'drop' is not allowed", "block, skip, evict"]),
         ("  on_full: true\n", "", "host.on_full", 2, ["True is not allowed"]),
         ("  copy_threads: 65\n", "", "host.copy_threads", 2, ["65 is not allowed", "from 1 to 64"]),
+        ("  pinned: yes please\n", "", "host.pinned", 2, ["'yes please' is not allowed", "auto, true or false"]),
+        ("  pinned: 1\n", "", "host.pinned", 2, ["1 is not allowed", "auto, true or false"]),
         ("", "    flush: {every: 0}\n", "tiers[1].flush.every", 9, ["0 is not allowed", ">= 1"]),
         ("", "    flush: {every: '1'}\n", "tiers[1].flush.every", 9, ["'1' is not an integer"]),
         ("", "    flush: {every_steps: 2.5}\n", "tiers[1].flush.every_steps", 9, ["2.5 is not an integer", "or null"]),
@@ -901,6 +903,7 @@ def hosts(draw: st.DrawFn) -> HostConfig:
         snapshots=snapshots,
         on_full=draw(st.sampled_from(["block", "skip", "evict"])),
         copy_threads=draw(st.integers(1, 64)),
+        pinned=draw(st.sampled_from(["auto", True, False])),
     )
 
 

@@ -205,7 +205,12 @@ class Checkpointer:
                 HostPool.slot_bytes(host.capacity_bytes, host.snapshots),
                 host.snapshots,
             )
-        self._pool = HostPool(host.capacity_bytes, host.snapshots, memory=store and (lambda size, slots: store.open()))
+        try:
+            self._pool = HostPool(host.capacity_bytes, host.snapshots, memory=store and (lambda size, slots: store.open()), pinned=host.pinned)
+        except BaseException:
+            if store is not None:
+                store.close()
+            raise
         self._copier = Copier(self._pool, host.copy_threads)
         tiers: list[Tier] = []
         for cfg in tier_configs:
@@ -250,6 +255,11 @@ class Checkpointer:
     def world_size(self) -> int:
         """How many ranks save together (1 for a single process)."""
         return self._group.world if self._group else 1
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the host pool is page-locked for CUDA copies (``host.pinned``; False without CUDA)."""
+        return self._pool.pinned
 
     @property
     def tiers(self) -> tuple[str, ...]:
@@ -301,9 +311,19 @@ class Checkpointer:
             )
         raise TypeError(f"attach() takes a torch optimizer or module, not {type(target).__name__}")
 
-    def wait_captured(self, timeout: float | None = None) -> bool:
-        """Block until every host copy started so far has finished (False if ``timeout`` ran out)."""
-        return self._copier.wait_captured(timeout)
+    def wait_captured(self, timeout: float | None = None, *, host: bool = False) -> bool:
+        """The lazy barrier, for state changed in place outside ``optimizer.step()``.
+
+        Call it before such a change (a GradScaler's ``update()``, an EMA update, a manual
+        ``tensor.add_``). Copies of CPU tensors: blocks until they are done. Copies of CUDA tensors:
+        blocks only until they are queued, then makes the current stream of each device wait for
+        them, so that work queued on that stream afterwards runs after them; call it under each
+        stream that will write (``with torch.cuda.stream(s):``). ``host=True`` blocks until the
+        CUDA copies are done too (for writes from other streams or processes).
+
+        Returns False if ``timeout`` ran out first (nothing is ordered then).
+        """
+        return self._copier.wait_captured(timeout, host=host)
 
     # -- save ------------------------------------------------------------------------------------
 
@@ -527,17 +547,17 @@ def _sharing(replicated: Sequence[Any], leaves: list[Any], ranks: Sequence[int])
     return sharing
 
 
-def _cuda_ready(leaves: list[Any]) -> list[Any]:
-    """Events on the saving thread's current stream of each device holding a leaf.
+def _cuda_ready(leaves: list[Any]) -> dict[torch.device, Any]:
+    """Per CUDA device holding a leaf, an event on the saving thread's current stream there.
 
-    Streams are per thread: the copy threads must wait for what this thread queued before save().
+    Streams are per thread: the copies must wait for what this thread queued before save().
     """
     devices = {leaf.value.device for leaf in leaves if leaf.kind == "torch" and leaf.value.device.type == "cuda"}
-    events = []
+    events = {}
     for device in devices:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
-        events.append(event)
+        events[device] = event
     return events
 
 

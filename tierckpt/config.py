@@ -92,6 +92,9 @@ class HostConfig:
             ``"skip"`` drops that save, ``"evict"`` drops the oldest snapshot that is neither being
             copied nor read, even one a tier was still waiting to take (see the README).
         copy_threads: threads that copy tensors into host slots (1..64).
+        pinned: page-lock the pool for CUDA copies: ``"auto"`` when CUDA is available, falling back to
+            pageable memory (logged once) if the system refuses; ``True`` requires it (refusal is a
+            ConfigError); ``False`` never.
 
     Raises:
         ConfigError: a value is of the wrong type or out of range, or a slot would be under 4 KiB.
@@ -105,6 +108,7 @@ class HostConfig:
     snapshots: int = 2
     on_full: str = "block"
     copy_threads: int = 2
+    pinned: str | bool = "auto"
 
     def __post_init__(self) -> None:
         at = site("host")
@@ -112,6 +116,8 @@ class HostConfig:
         check_int(at, "snapshots", self.snapshots, low=1)
         check_choice(at, "on_full", self.on_full, _ON_FULL)
         check_int(at, "copy_threads", self.copy_threads, low=1, high=64)
+        if not isinstance(self.pinned, bool) and self.pinned != "auto":
+            raise at.error("pinned", problem=f"{self.pinned!r} is not allowed", hint="use auto, true or false")
         if self.slot_bytes < _MIN_SLOT_BYTES:
             capacity, slot = format_size(self.capacity_bytes), format_size(self.slot_bytes)
             problem = f"{capacity} over {self.snapshots} snapshots leaves {slot} per snapshot"
@@ -562,6 +568,7 @@ _HOST_KEYS = (
     Key("snapshots", "snapshots"),
     Key("on_full", "on_full"),
     Key("copy_threads", "copy_threads"),
+    Key("pinned", "pinned"),
 )
 _FLUSH_KEYS = (
     Key("every", "every"),

@@ -57,14 +57,25 @@ def new_array(kind: str, dtype: Any, shape: tuple[int, ...], nbytes: int) -> tup
 def finish(source: Any, targets: list[Target]) -> Any:
     """Copy what was staged into the template, and rebuild the state (blocking; nothing can fail now).
 
+    Copies to CUDA templates are done when this returns: they run on this thread's current stream of
+    their device, which is then synchronized.
+
     ``source`` is what the targets were read from: anything with the version's ``skeleton``.
     """
+    devices = set()
     for t in targets:
         if t.staged is None:
             continue
         if isinstance(t.value, torch.Tensor):
+            # To a GPU from staging in the pinned pool: queued DMAs, back to back; waited for below,
+            # before the staging memory goes back to the pool.
+            to_cuda = t.value.device.type == "cuda"
             with torch.no_grad():
-                t.value.copy_(t.staged)
+                t.value.copy_(t.staged, non_blocking=to_cuda)
+            if to_cuda:
+                devices.add(t.value.device)
         else:
             t.value[...] = t.staged
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
     return unflatten(source.skeleton, [t.value if t.dtensor is None else t.dtensor for t in targets])

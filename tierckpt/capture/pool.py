@@ -5,6 +5,9 @@ Copying into memory that is already touched runs at ~16 GB/s here, into a fresh 
 free is decided by the memory tier on the engine thread; the pool only owns the bytes. For the same
 reason a restore stages its bytes in free slots when they are large enough (lent by the memory tier,
 :meth:`MemoryTier.borrow <tierckpt.tiers.memory.MemoryTier.borrow>`, as one :meth:`HostPool.span`).
+
+With CUDA, the whole pool is page-locked once (:mod:`tierckpt.capture.pinning`): copies from and to
+devices are then DMAs that do not hold up the thread that queued them.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from tierckpt._buffers import aligned_buffer
+from tierckpt._buffers import address, aligned_buffer
+from tierckpt.capture.pinning import pin, unpin
 from tierckpt.format import ALIGN
 from tierckpt.state import numpy_dtype, torch_dtype
 
@@ -30,14 +34,30 @@ class Slot:
 class HostPool:
     """``snapshots`` equal slots in ``capacity_bytes`` of host memory."""
 
-    def __init__(self, capacity_bytes: int, snapshots: int, *, memory: Callable[[int, int], mmap.mmap] | None = None) -> None:
-        """``memory(slot_size, slots)`` maps the pool instead of anonymous memory (a RAM tier's shared file)."""
+    def __init__(
+        self,
+        capacity_bytes: int,
+        snapshots: int,
+        *,
+        memory: Callable[[int, int], mmap.mmap] | None = None,
+        pinned: str | bool = False,
+    ) -> None:
+        """``memory(slot_size, slots)`` maps the pool instead of anonymous memory (a RAM tier's shared file);
+        ``pinned``: ``host.pinned`` (see :func:`~tierckpt.capture.pinning.pin`)."""
         slot_size = self.slot_bytes(capacity_bytes, snapshots)
         self.slot_size = slot_size
         self.capacity_bytes = slot_size * snapshots
         self._memory = memory(slot_size, snapshots) if memory else aligned_buffer(self.capacity_bytes, populate=True)
         self._bytes = torch.frombuffer(self._memory, dtype=torch.uint8)
         self.slots = tuple(Slot(i, i * slot_size, slot_size) for i in range(snapshots))
+        view = memoryview(self._memory)
+        self._address = address(view)
+        view.release()
+        try:
+            self.pinned = pin(self._address, self.capacity_bytes, pinned)
+        except BaseException:
+            self.close()
+            raise
 
     @staticmethod
     def slot_bytes(capacity_bytes: int, snapshots: int) -> int:
@@ -67,6 +87,9 @@ class HostPool:
         return flat.view(numpy_dtype(dtype)).reshape(shape)
 
     def close(self) -> None:
+        if getattr(self, "pinned", False):
+            self.pinned = False
+            unpin(self._address)
         del self._bytes
         try:
             self._memory.close()

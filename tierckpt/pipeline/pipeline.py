@@ -24,7 +24,7 @@ import logging
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from tierckpt.capture import Copier, HostPool
 from tierckpt.config import Config
@@ -192,7 +192,7 @@ class Pipeline:
         nbytes: int,
         skeleton: Any,
         metadata: dict[str, Any],
-        ready: Sequence[Any] = (),
+        ready: Mapping[Any, Any] | None = None,
     ) -> SaveTracker:
         self.raise_pending(flushes=False)  # a failed flush never fails a later save: see the module docstring
         on_full = self.config.host.on_full

@@ -1,0 +1,118 @@
+"""Page-locking the host pool (``host.pinned``) on any machine: the CUDA runtime's answer is injected.
+
+The real registration runs in tests/test_cuda.py on a GPU; here the decisions around it are checked:
+when it is tried, what a refusal does under auto/true/false, that it is undone before the pool is
+unmapped, and that a RAM tier's directory is free again after a refused start.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tierckpt import Checkpointer, ConfigError
+from tierckpt.capture import pinning
+
+_EMEM = 2  # cudaErrorMemoryAllocation
+
+
+def config(tmp_path: Path, pinned: Any = "auto", ram_path: Path | None = None) -> dict[str, Any]:
+    ram: dict[str, Any] = {"name": "ram", "type": "memory"}
+    if ram_path is not None:
+        ram["path"] = str(ram_path)
+    return {
+        "host": {"capacity": "8MiB", "snapshots": 2, "pinned": pinned},
+        "tiers": [ram, {"name": "nvme", "type": "filesystem", "path": str(tmp_path / "nvme")}],
+    }
+
+
+class FakeRuntime:
+    """Stands in for cudaHostRegister/Unregister and the error reset; records every call."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, result: int) -> None:
+        self.result = result
+        self.registered: list[tuple[int, int]] = []
+        self.unregistered: list[int] = []
+        self.cleared = 0
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(pinning, "_register", self._register)
+        monkeypatch.setattr(pinning, "_unregister", self._unregister)
+        monkeypatch.setattr(pinning, "clear_error", self._clear)
+        monkeypatch.setattr(pinning, "_warned", False)
+
+    def _register(self, address: int, nbytes: int) -> int:
+        self.registered.append((address, nbytes))
+        return self.result
+
+    def _unregister(self, address: int) -> int:
+        self.unregistered.append(address)
+        return 0
+
+    def _clear(self) -> None:
+        self.cleared += 1
+
+
+def test_without_cuda_auto_and_false_stay_pageable_and_true_is_a_config_error(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("checks a machine without CUDA")
+    for pinned in ("auto", False):
+        with Checkpointer(config(tmp_path, pinned)) as ckpt:
+            assert ckpt.pinned is False
+            assert ckpt.save_sync(1, {"x": torch.arange(10)}).committed_sync("nvme", timeout=30)
+    with pytest.raises(ConfigError, match="host.pinned is true but CUDA is not available") as info:
+        Checkpointer(config(tmp_path, True))
+    assert info.value.key == "host.pinned"
+
+
+def test_the_whole_pool_is_registered_once_and_unregistered_at_close(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runtime = FakeRuntime(monkeypatch, result=0)
+    ckpt = Checkpointer(config(tmp_path))
+    try:
+        assert ckpt.pinned is True
+        assert runtime.registered == [(ckpt._pool._bytes.data_ptr(), 8 << 20)]
+        assert ckpt.save_sync(1, {"x": torch.arange(10)}).committed_sync("nvme", timeout=30)
+        assert runtime.unregistered == []
+    finally:
+        ckpt.close_sync()
+    assert runtime.unregistered == [runtime.registered[0][0]]
+    assert runtime.cleared == 0
+
+
+def test_a_refused_registration_under_auto_falls_back_clears_the_error_and_warns_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    runtime = FakeRuntime(monkeypatch, result=_EMEM)
+    with caplog.at_level(logging.WARNING, logger="tierckpt"):
+        for attempt in range(2):
+            with Checkpointer(config(tmp_path / str(attempt))) as ckpt:
+                assert ckpt.pinned is False
+                assert ckpt.save_sync(1, {"x": torch.arange(10)}).committed_sync("nvme", timeout=30)
+                restored = ckpt.restore_latest_sync()
+                assert restored is not None and torch.equal(restored.state["x"], torch.arange(10))
+    assert len(runtime.registered) == 2 and runtime.cleared == 2
+    assert runtime.unregistered == []  # nothing was pinned: nothing to undo
+    warnings = [r.getMessage() for r in caplog.records if "page-locking" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "the 8MiB host pool failed" in warnings[0] and f"cudaError {_EMEM}" in warnings[0] and "pageable" in warnings[0]
+
+
+def test_a_refused_registration_under_true_is_a_config_error_and_frees_the_ram_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runtime = FakeRuntime(monkeypatch, result=_EMEM)
+    ram = tmp_path / "shm"
+    with pytest.raises(ConfigError, match=f"cudaError {_EMEM}.*host.pinned: auto") as info:
+        Checkpointer(config(tmp_path, True, ram_path=ram))
+    assert info.value.key == "host.pinned" and runtime.cleared == 1
+    runtime.result = 0
+    with Checkpointer(config(tmp_path, True, ram_path=ram)) as ckpt:  # the directory's lock was let go
+        assert ckpt.pinned is True
+
+
+def test_pinned_false_never_asks_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runtime = FakeRuntime(monkeypatch, result=0)
+    with Checkpointer(config(tmp_path, False)) as ckpt:
+        assert ckpt.pinned is False
+    assert runtime.registered == [] and runtime.unregistered == []

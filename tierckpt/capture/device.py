@@ -1,0 +1,179 @@
+"""The CUDA side of a capture: copies on a side stream per device, into the (pinned) host slot.
+
+``save()`` records an event on each device's current stream (everything queued before ``save()``).
+One queueing thread then makes that device's copy stream (created once) wait for the event, queues
+one ``non_blocking`` copy per tensor into the slot and records a done event on the copy stream. The
+training thread queues nothing itself: 200 copy launches cost milliseconds of Python and driver time,
+more than ``save()`` may take.
+
+The lazy barrier (:meth:`DeviceCopies.order`) does not wait for the copies on the host. It waits only
+until they are queued (normally long done when the optimizer steps), then makes the current stream
+of each device wait on the done event: kernels queued after the barrier (the optimizer's in-place
+updates) run after the copies, in the GPU's own order, and the host goes on at once.
+
+A waiter thread sleeps on the done events (blocking-sync events: no spinning core) and then
+completes the capture; only then do the tiers read the slot. The sources stay referenced until
+then, so the caching allocator cannot give their memory to a new tensor while a copy stream still
+reads it.
+
+In-place writes that bypass the barrier fail the capture (:class:`TornCaptureError`) where they can
+be seen: a tensor whose version counter moved before its copy was queued, or before its copy
+finished while no barrier ordered the streams. A write on another stream after the barrier ran on
+this one cannot be seen: order it with ``wait_captured()`` under that stream.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from tierckpt.capture.pool import HostPool
+from tierckpt.capture.views import TornCaptureError, check_unchanged, tensor_pair
+from tierckpt.snapshot import Entry, Snapshot
+from tierckpt.state import Leaf
+
+
+@dataclass(eq=False)
+class _Batch:
+    """One snapshot's device tensors: queued once, completed once."""
+
+    snapshot: Snapshot
+    items: Sequence[tuple[Leaf, Entry, int]]  # leaf, its entry, its version counter at save()
+    ready: Mapping[torch.device, Any]  # per device: the event recorded at save() on its current stream
+    done: Callable[[BaseException | None], None]
+    queued: threading.Event = field(default_factory=threading.Event)
+    completed: threading.Event = field(default_factory=threading.Event)
+    events: dict[torch.device, Any] = field(default_factory=dict)
+    ordered: bool = False  # a barrier made some stream wait for the copies: later writes are safe
+    error: BaseException | None = None
+
+
+class DeviceCopies:
+    """Queues the device-to-host copies of every snapshot and completes them; owns its two threads."""
+
+    def __init__(self, pool: HostPool) -> None:
+        self._pool = pool
+        self._streams: dict[torch.device, Any] = {}
+        self._queue = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-cuda")
+        self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-cuda-wait")
+        self._pending: list[_Batch] = []
+        self._lock = threading.Lock()
+
+    def start(
+        self,
+        snapshot: Snapshot,
+        items: Sequence[tuple[Leaf, Entry, int]],
+        ready: Mapping[torch.device, Any],
+        done: Callable[[BaseException | None], None],
+    ) -> None:
+        """Queue the copies of ``items``; ``done(error)`` is called once they have finished (or failed)."""
+        batch = _Batch(snapshot, items, ready, done)
+        with self._lock:
+            self._pending.append(batch)
+        self._queue.submit(self._launch, batch)
+
+    def order(self, timeout: float | None = None) -> bool:
+        """The barrier: the current stream of each device waits for every capture started so far.
+
+        Blocks the host only until those copies are queued; False if ``timeout`` ran out first.
+        """
+        with self._lock:
+            pending = list(self._pending)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for batch in pending:
+            if not batch.queued.wait(_left(deadline)):
+                return False
+        for batch in pending:
+            for device, event in batch.events.items():
+                torch.cuda.current_stream(device).wait_event(event)
+            batch.ordered = True
+        return True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block the host until every capture started so far has finished; False if ``timeout`` ran out."""
+        with self._lock:
+            pending = list(self._pending)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return all(batch.completed.wait(_left(deadline)) for batch in pending)
+
+    def close(self) -> None:
+        self._queue.shutdown(wait=True)
+        self._waiter.shutdown(wait=True)
+
+    def _stream(self, device: torch.device) -> Any:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
+    def _launch(self, batch: _Batch) -> None:
+        used = []
+        try:
+            by_device: dict[torch.device, list[tuple[Leaf, Entry, int]]] = {}
+            for item in batch.items:
+                by_device.setdefault(item[0].value.device, []).append(item)
+            with torch.no_grad():  # grad mode is per thread
+                for device, items in by_device.items():
+                    stream = self._stream(device)
+                    used.append(stream)
+                    batch.events[device] = self._queue_copies(batch, stream, device, items)
+            # Written before its copy was even queued: no barrier can have ordered that write.
+            _check(batch)
+        except BaseException as exc:  # reported through the snapshot's capture
+            batch.error = exc
+            for stream in used:  # what was queued must finish before the slot can be reused
+                stream.synchronize()
+            batch.events.clear()
+        finally:
+            batch.queued.set()
+            self._waiter.submit(self._complete, batch)
+
+    def _queue_copies(self, batch: _Batch, stream: Any, device: torch.device, items: list[tuple[Leaf, Entry, int]]) -> Any:
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            ready = batch.ready.get(device)
+            if ready is not None:
+                stream.wait_event(ready)
+            for leaf, entry, _ in items:
+                dest, src = tensor_pair(self._pool, batch.snapshot, leaf, entry)
+                if src.is_conj() or src.is_neg():
+                    # A cross-device copy applies these bits to the host copy afterwards, on the host,
+                    # racing the DMA: resolve them on the device first, on this stream.
+                    src = src.resolve_conj().resolve_neg()
+                dest.copy_(src, non_blocking=True)
+            done = torch.cuda.Event(blocking=True)
+            done.record(stream)
+        return done
+
+    def _complete(self, batch: _Batch) -> None:
+        error = batch.error
+        try:
+            for event in batch.events.values():
+                event.synchronize()
+            if error is None and not batch.ordered:
+                _check(batch)
+        except TornCaptureError as exc:
+            # A barrier that ran meanwhile ordered the writes it let through: only a change seen
+            # while no barrier had run is a torn copy.
+            if not batch.ordered:
+                error = exc
+        except BaseException as exc:
+            error = error or exc
+        with self._lock:
+            self._pending.remove(batch)
+        batch.items = ()  # the sources may go now
+        batch.completed.set()
+        batch.done(error)
+
+
+def _check(batch: _Batch) -> None:
+    for leaf, entry, version in batch.items:
+        check_unchanged(batch.snapshot, entry.key, leaf.value, version)
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())

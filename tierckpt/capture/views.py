@@ -1,0 +1,42 @@
+"""Where one leaf's copy comes from and goes to: a view of the live value, a view of its slot bytes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tierckpt.capture.pool import HostPool
+from tierckpt.snapshot import Entry, Snapshot
+from tierckpt.state import Leaf
+
+
+class TornCaptureError(RuntimeError):
+    """A tensor changed while it was being copied into the host slot."""
+
+
+def tensor_pair(pool: HostPool, snapshot: Snapshot, leaf: Leaf, entry: Entry, first: int = 0, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(slot view, source view)`` for ``dest.copy_(src)``: elements ``[first, stop)`` of a torch leaf
+    (all of it when ``stop`` is None)."""
+    dest = pool.tensor(snapshot.slot, entry.offset, entry.nbytes, entry.dtype, entry.shape)
+    src = leaf.value.detach()
+    if src.element_size() == 1 and src.dtype is not torch.uint8:
+        # Sub-byte dtypes (uint1..7, int1..7) have no copy kernel; every 1-byte dtype copies
+        # bitwise as uint8, at any strides.
+        src, dest = src.view(torch.uint8), dest.view(torch.uint8)
+    if stop is not None:
+        src, dest = src.reshape(-1)[first:stop], dest.reshape(-1)[first:stop]
+    return dest, src
+
+
+def check_unchanged(snapshot: Snapshot, key: str, value: Any, version: int) -> None:
+    """Raise if ``value`` was modified in place since ``save()`` read its version counter ``version``.
+
+    Such a snapshot may mix two steps: fail loudly rather than store it.
+    """
+    if value._version != version:
+        raise TornCaptureError(
+            f"step {snapshot.step}: {key} was modified in place while its host copy was running; "
+            "call ckpt.wait_captured() before changing state outside optimizer.step(), or "
+            "ckpt.attach(module) for modules whose forward updates buffers (e.g. BatchNorm statistics)"
+        )
