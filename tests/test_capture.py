@@ -340,3 +340,16 @@ def test_a_tensor_bigger_than_a_copy_piece_is_captured_bitwise(tmp_path: Path, c
     assert got.dtype == torch.int64 and got.shape == big.shape
     assert torch.equal(got, big)
     assert torch.equal(restored.state["tail"], tail)
+
+
+def test_inference_tensors_have_no_version_counter_and_round_trip(tmp_path: Path, checkpointers: list[Checkpointer]) -> None:
+    with torch.inference_mode():
+        ema = torch.arange(1000, dtype=torch.float32) * 0.5  # e.g. weights averaged under inference_mode
+    assert ema.is_inference()
+    ckpt = Checkpointer(make_config(tmp_path))
+    checkpointers.append(ckpt)
+    handle = ckpt.save_sync(1, {"ema": ema, "w": torch.ones(3)})
+    assert handle.committed_sync("nvme", timeout=DEADLINE_S) is True
+    restored = ckpt.restore_latest_sync()
+    assert restored is not None and restored.tier == "ram"
+    assert_same(restored.state["ema"], ema.clone())

@@ -29,12 +29,19 @@ def tensor_pair(pool: HostPool, snapshot: Snapshot, leaf: Leaf, entry: Entry, fi
     return dest, src
 
 
+def version_of(value: Any) -> int:
+    """A tensor's in-place version counter; -1 for what has none (inference tensors, numpy arrays)."""
+    if not isinstance(value, torch.Tensor) or value.is_inference():
+        return -1
+    return value._version
+
+
 def check_unchanged(snapshot: Snapshot, key: str, value: Any, version: int) -> None:
     """Raise if ``value`` was modified in place since ``save()`` read its version counter ``version``.
 
     Such a snapshot may mix two steps: fail loudly rather than store it.
     """
-    if value._version != version:
+    if version >= 0 and value._version != version:
         raise TornCaptureError(
             f"step {snapshot.step}: {key} was modified in place while its host copy was running; "
             "call ckpt.wait_captured() before changing state outside optimizer.step(), or "
