@@ -302,6 +302,8 @@ def peak_rss_bytes() -> int:
 def worker(job: dict[str, Any]) -> dict[str, Any]:
     """Train ``steps`` steps, checkpointing every ``every`` steps with ``variant``; times from the clock's start."""
     size, device, every = ModelSize(**job["size"]), job["device"], job["every"]
+    if job.get("threads"):
+        torch.set_num_threads(job["threads"])
     torch.manual_seed(0)
     model = GPT(size).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
@@ -516,9 +518,10 @@ def plot(report: dict[str, Any], path: Path) -> None:
     right.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
     right.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     m = report["model"]
+    threads = f", training on {report['threads']} thread(s)" if "threads" in report else ""  # older JSON lacks it
     fig.suptitle(
         f"{report['steps']} training steps of a {m['parameters'] / 1e6:.0f} M-parameter GPT (state {m['state_bytes'] / 2**30:.2f} GiB), "
-        f"{baseline['step_s']:.2f} s a step; {report['machine']['cores']} cores, {report['device']}; medians of {report['repeats']}",
+        f"{baseline['step_s']:.2f} s a step; {report['machine']['cores']} cores{threads}, {report['device']}; medians of {report['repeats']}",
         fontsize=10,
     )
     fig.tight_layout()
@@ -546,6 +549,7 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--dir", type=Path, default=Path("/tmp/tierckpt-train-bench"), help="on the disk to measure; emptied between runs")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--threads", type=int, help="training's intra-op threads (default: torch's, one per core); fewer leave cores to the checkpointers, as a GPU host does")
     parser.add_argument("--quick", action="store_true", help="a 5 M-parameter model and few steps; results under --dir only")
     parser.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
     parser.add_argument("--replot", type=Path, help="draw the plot (next to it) and print the table of a saved JSON; run nothing")
@@ -577,6 +581,7 @@ def main() -> None:
         "time": stamp, "machine": machine(work), "gpu": gpu, "device": args.device, "steps": steps, "warmup": args.warmup,
         "every": ks, "repeats": repeats, "size": dataclasses.asdict(size), "command": " ".join(["python", *sys.argv]),
         "model": {"parameters": parameters, "state_bytes": nbytes, "tensors": tensors},
+        "threads": args.threads or torch.get_num_threads(),
     }  # fmt: skip
     print(f"{describe_machine({**report, 'write_s': float('nan')})}\nmodel: {parameters / 1e6:.1f} M parameters, state {nbytes / 2**30:.2f} GiB", flush=True)
     plan = [("none", 0)] + [(v, k) for k in ks for v in args.variants]
@@ -590,7 +595,7 @@ def main() -> None:
         for variant, every in order:
             work.mkdir()
             os.sync()  # nothing of the previous run left to write back
-            job = {"variant": variant, "every": every, "steps": steps, "warmup": args.warmup, "dir": str(work), "device": args.device, "size": dataclasses.asdict(size)}
+            job = {"variant": variant, "every": every, "steps": steps, "warmup": args.warmup, "dir": str(work), "device": args.device, "size": dataclasses.asdict(size), "threads": args.threads}
             run = run_worker(job) | {"repeat": r}
             runs.append(run)
             shutil.rmtree(work)
@@ -626,8 +631,9 @@ def main() -> None:
     section = [
         f"### training loop, a checkpoint every k steps: tierckpt vs DCP async_save, torch.save, DCP save ({stamp})",
         "",
-        describe_machine(report) + " Shared with other engineers' test runs. Only 2 cores: training "
-        "(2 intra-op threads) and every checkpointer's copies, hashing and writes compete for them.",
+        describe_machine(report) + f" Shared with other engineers' test runs. Training runs {report['threads']} "
+        f"intra-op thread(s) on the {report['machine']['cores']} cores; every checkpointer's copies, hashing and "
+        "writes take what is left, or compete with training where nothing is.",
         "",
         f"Model: a GPT ({size.layers} layers, d_model {size.d_model}, vocab {size.vocab}), {parameters / 1e6:.1f} M parameters; "
         f"state (weights + AdamW moments) {nbytes / 2**30:.2f} GiB in {tensors} tensors; batch {size.batch} × {size.block} tokens, "
