@@ -80,6 +80,45 @@ def test_attach_module_makes_forward_wait_so_the_snapshot_is_consistent(tmp_path
         assert all(not m._forward_pre_hooks for m in model.modules())
 
 
+class _Wrapper(torch.nn.Module):
+    """Writes its child's buffers before the child's forward runs, as DistributedDataParallel does."""
+
+    def __init__(self, child: torch.nn.Module) -> None:
+        super().__init__()
+        self.child = child
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            for buffer in self.child.buffers():
+                buffer.add_(1)
+        return self.child(x)
+
+
+def test_attach_holds_a_wrapper_without_buffers_that_writes_its_childrens(tmp_path: Path) -> None:
+    import threading
+
+    wrapper = _Wrapper(_model())
+    at_save = {k: v.clone() for k, v in wrapper.state_dict().items()}
+    with Checkpointer(_config(tmp_path)) as ckpt:
+        hooks = ckpt.attach(wrapper)
+        assert wrapper._forward_pre_hooks, "the root is held even without buffers of its own"
+        gate = _gate(ckpt)
+        handle = ckpt.save_sync(1, wrapper.state_dict())
+        forward = threading.Thread(target=wrapper, args=(torch.randn(8, 2048),))
+        forward.start()
+        forward.join(timeout=0.2)
+        assert forward.is_alive(), "the wrapper's forward must wait for the copy"
+        gate.set()
+        forward.join(timeout=30)
+        assert handle.captured_sync(timeout=30)  # not torn
+        restored = ckpt.restore_latest_sync()
+        hooks.remove()
+    assert restored is not None
+    for key, value in at_save.items():
+        assert torch.equal(restored.state[key], value), key
+    assert not torch.equal(wrapper.child[-1].running_mean, at_save["child.6.running_mean"])
+
+
 def test_attach_rejects_other_objects(tmp_path: Path) -> None:
     with Checkpointer(_config(tmp_path)) as ckpt:
         with pytest.raises(TypeError, match="optimizer or module"):

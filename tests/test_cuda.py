@@ -111,7 +111,7 @@ def test_mixed_devices_round_trip_each_to_its_templates_device(tmp_path: Path) -
         state[f"on {device}"] = random_tensor(torch.float32, (4096, 33), device=str(device))
     with Checkpointer(config(tmp_path)) as ckpt:
         assert ckpt.save_sync(1, state).committed_sync("nvme", timeout=DEADLINE_S)
-        template = {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+        template = {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else np.zeros_like(v) if isinstance(v, np.ndarray) else v) for k, v in state.items()}
         restored = ckpt.restore_latest_sync(template)
     assert restored is not None and restored.state["step"] == 7
     assert np.array_equal(restored.state["array"], state["array"])
@@ -186,6 +186,23 @@ def test_a_write_without_the_barrier_fails_the_capture(tmp_path: Path) -> None:
         with pytest.raises(FlushError):
             ckpt.save_sync(2, {"x": x})  # reported once at the next save
         assert ckpt.save_sync(3, {"x": x}).committed_sync("nvme", timeout=DEADLINE_S)
+
+
+def test_a_write_queued_before_the_barrier_fails_the_capture(tmp_path: Path) -> None:
+    x = torch.zeros(32 << 20, device="cuda")
+    with Checkpointer(config(tmp_path)) as ckpt:
+        torch.cuda._sleep(SLEEP_CYCLES)
+        handle = ckpt.save_sync(1, {"x": x})
+        devices = ckpt._copier._devices
+        assert devices is not None
+        devices._queue.submit(lambda: None).result(DEADLINE_S)  # the copy is queued (behind the sleep)
+        x.add_(1.0)  # unordered with the copy: the barrier comes only after it
+        assert ckpt.wait_captured(timeout=DEADLINE_S)
+        with pytest.raises(FlushError) as info:
+            handle.captured_sync(DEADLINE_S)
+        assert isinstance(info.value.__cause__, TornCaptureError)
+        with pytest.raises(FlushError):
+            ckpt.wait_sync()  # reported once more, by the next wait
 
 
 def test_a_source_dropped_after_save_is_not_reused_before_its_copy(tmp_path: Path) -> None:

@@ -116,3 +116,25 @@ def test_pinned_false_never_asks_cuda(tmp_path: Path, monkeypatch: pytest.Monkey
     with Checkpointer(config(tmp_path, False)) as ckpt:
         assert ckpt.pinned is False
     assert runtime.registered == [] and runtime.unregistered == []
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping holding ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_the_anonymous_pool_is_left_out_of_forked_children(tmp_path: Path) -> None:
+    with Checkpointer(config(tmp_path)) as ckpt:
+        # "dc": do not copy on fork; a pinned pool would otherwise be copied into every DataLoader worker.
+        assert "dc" in _vm_flags(ckpt._pool._bytes.data_ptr())
+    with Checkpointer(config(tmp_path, ram_path=tmp_path / "shm")) as ckpt:
+        assert "dc" not in _vm_flags(ckpt._pool._bytes.data_ptr())  # shared: a fork shares it, never copies
+

@@ -18,6 +18,7 @@ import msgpack
 import torch
 
 from tierckpt.capture import Copier, HostPool
+from tierckpt.capture.views import moment
 from tierckpt.config import Config, TierConfig
 from tierckpt.dist import RankGroup
 from tierckpt.dist.restore import restore_agreed
@@ -282,8 +283,9 @@ class Checkpointer:
         """Install the lazy barrier: wait for pending host copies before state is overwritten.
 
         An optimizer gets a step pre-hook (``optimizer.step()`` waits). A module gets a forward
-        pre-hook on every submodule that owns buffers, since forward may update those in place
-        (BatchNorm running statistics); modules without buffers keep running during the copy.
+        pre-hook on itself and on every submodule that owns buffers, since forward may update those
+        in place (BatchNorm running statistics, DDP's buffer broadcast); modules without buffers keep
+        running during the copy.
         Returns a handle; ``handle.remove()`` detaches. Other state modified in place outside these
         (a GradScaler, EMA weights) needs :meth:`wait_captured` before it is modified; a copy that
         sees its tensor change fails with :class:`FlushError` instead of storing a torn snapshot.
@@ -302,11 +304,13 @@ class Checkpointer:
             def forward_barrier(_module: Any, _args: Any) -> None:
                 self.wait_captured()
 
+            # The root too, buffers or not: a wrapper may write its children's buffers before their
+            # own hooks run (DistributedDataParallel broadcasts them in place at the top of forward).
             return _Handles(
                 [
                     module.register_forward_pre_hook(forward_barrier)
                     for module in target.modules()
-                    if next(module.buffers(recurse=False), None) is not None
+                    if module is target or next(module.buffers(recurse=False), None) is not None
                 ]
             )
         raise TypeError(f"attach() takes a torch optimizer or module, not {type(target).__name__}")
@@ -383,7 +387,7 @@ class Checkpointer:
                 step=step,
                 key="host.capacity",
             )
-        return step, leaves, entries, nbytes, skeleton, meta, _cuda_ready(leaves)
+        return step, leaves, entries, nbytes, skeleton, meta, moment(leaves)
 
     # -- wait, restore, list -----------------------------------------------------------------------
 
@@ -545,20 +549,6 @@ def _sharing(replicated: Sequence[Any], leaves: list[Any], ranks: Sequence[int])
         return group[first:] + group[:first]
 
     return sharing
-
-
-def _cuda_ready(leaves: list[Any]) -> dict[torch.device, Any]:
-    """Per CUDA device holding a leaf, an event on the saving thread's current stream there.
-
-    Streams are per thread: the copies must wait for what this thread queued before save().
-    """
-    devices = {leaf.value.device for leaf in leaves if leaf.kind == "torch" and leaf.value.device.type == "cuda"}
-    events = {}
-    for device in devices:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        events[device] = event
-    return events
 
 
 def _check_disjoint_paths(tiers: list[TierConfig]) -> None:

@@ -57,23 +57,24 @@ def new_array(kind: str, dtype: Any, shape: tuple[int, ...], nbytes: int) -> tup
 def finish(source: Any, targets: list[Target]) -> Any:
     """Copy what was staged into the template, and rebuild the state (blocking; nothing can fail now).
 
-    Copies to CUDA templates are done when this returns: they run on this thread's current stream of
-    their device, which is then synchronized.
+    Copies to CUDA templates run after everything queued on their device before this call, and are
+    done when it returns.
 
     ``source`` is what the targets were read from: anything with the version's ``skeleton``.
     """
-    devices = set()
+    devices = {t.value.device for t in targets if t.staged is not None and isinstance(t.value, torch.Tensor) and t.value.is_cuda}
+    for device in devices:
+        # This is not the caller's thread, so not its stream: let whatever the caller queued on the
+        # templates finish first (a restore is rare; a device-wide wait costs nothing then).
+        torch.cuda.synchronize(device)
     for t in targets:
         if t.staged is None:
             continue
         if isinstance(t.value, torch.Tensor):
             # To a GPU from staging in the pinned pool: queued DMAs, back to back; waited for below,
             # before the staging memory goes back to the pool.
-            to_cuda = t.value.device.type == "cuda"
             with torch.no_grad():
-                t.value.copy_(t.staged, non_blocking=to_cuda)
-            if to_cuda:
-                devices.add(t.value.device)
+                t.value.copy_(t.staged, non_blocking=t.value.is_cuda)
         else:
             t.value[...] = t.staged
     for device in devices:

@@ -21,13 +21,13 @@ import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Sequence
 
 import torch
 
 from tierckpt.capture.device import DeviceCopies
 from tierckpt.capture.pool import HostPool
-from tierckpt.capture.views import TornCaptureError, check_unchanged, tensor_pair, version_of
+from tierckpt.capture.views import SaveMoment, TornCaptureError, check_unchanged, tensor_pair
 from tierckpt.snapshot import Entry, Snapshot
 from tierckpt.state import Leaf
 
@@ -89,18 +89,18 @@ class Copier:
         self._pending: set[concurrent.futures.Future[None]] = set()  # the copy threads' part of each capture
         self._lock = threading.Lock()
 
-    def start(self, snapshot: Snapshot, leaves: Sequence[Leaf], ready: Mapping[torch.device, Any] | None = None) -> None:
+    def start(self, snapshot: Snapshot, leaves: Sequence[Leaf], seen: SaveMoment) -> None:
         """Enqueue the copies of ``leaves`` into ``snapshot``'s slot; ``snapshot.capture`` completes after.
 
-        ``ready``: per CUDA device, an event recorded on the saving thread's current stream; the
-        device's copies wait for it, so kernels queued before ``save()`` have finished writing.
+        ``seen``: the leaves' version counters and CUDA events read by ``save()`` on the caller's thread
+        (:func:`~tierckpt.capture.views.moment`).
         """
         on_device, on_host = [], []
-        for leaf, entry in zip(leaves, snapshot.entries):
+        for leaf, entry, version in zip(leaves, snapshot.entries, seen.versions):
             if leaf.kind == "torch" and leaf.value.is_cuda:
-                on_device.append((leaf, entry, version_of(leaf.value)))
+                on_device.append((leaf, entry, version))
             else:
-                on_host.extend(_pieces(leaf, entry))
+                on_host.extend(_pieces(leaf, entry, version))
         batches = _balance(on_host, self._threads)
         future = snapshot.capture
         # The copies run whatever a waiter does: a cancelled await (wait() under a timeout) must not
@@ -114,7 +114,7 @@ class Copier:
         if on_device:
             if self._devices is None:
                 self._devices = DeviceCopies(self._pool)
-            self._devices.start(snapshot, on_device, ready or {}, countdown.finish)
+            self._devices.start(snapshot, on_device, seen.ready, countdown.finish)
         if batches:
             on_threads: concurrent.futures.Future[None] = concurrent.futures.Future()
             on_threads.set_running_or_notify_cancel()
@@ -155,10 +155,9 @@ class Copier:
             self._pending.discard(future)
 
 
-def _pieces(leaf: Leaf, entry: Entry) -> list[_Piece]:
+def _pieces(leaf: Leaf, entry: Entry, version: int) -> list[_Piece]:
     value = leaf.value
     torch_leaf = leaf.kind == "torch"
-    version = version_of(value)
     contiguous = value.is_contiguous() if torch_leaf else value.flags.c_contiguous
     if not contiguous or entry.nbytes <= _PIECE_BYTES or value.ndim == 0:
         return [_Piece(leaf, entry, version=version)]

@@ -17,9 +17,12 @@ then, so the caching allocator cannot give their memory to a new tensor while a 
 reads it.
 
 In-place writes that bypass the barrier fail the capture (:class:`TornCaptureError`) where they can
-be seen: a tensor whose version counter moved before its copy was queued, or before its copy
-finished while no barrier ordered the streams. A write on another stream after the barrier ran on
-this one cannot be seen: order it with ``wait_captured()`` under that stream.
+be seen: a tensor whose version counter moved before its copy was queued, before a barrier ordered
+the streams, or before its copy finished with no barrier at all. A write on another stream after the
+barrier ran on this one cannot be seen: order it with ``wait_captured()`` under that stream.
+
+A non-contiguous source is copied through a contiguous temporary on the copy stream (torch's
+``copy_`` makes it): device memory as large as that tensor, cached for the copy stream afterwards.
 """
 
 from __future__ import annotations
@@ -88,10 +91,15 @@ class DeviceCopies:
         for batch in pending:
             if not batch.queued.wait(_left(deadline)):
                 return False
+        with self._lock:  # against _complete's own check: one of the two sees each change
+            for batch in pending:
+                if batch.error is None and not batch.ordered and not batch.completed.is_set():
+                    # Changed before this barrier ordered anything: unordered with the copy.
+                    batch.error = _torn(batch)
+                batch.ordered = True
         for batch in pending:
             for device, event in batch.events.items():
                 torch.cuda.current_stream(device).wait_event(event)
-            batch.ordered = True
         return True
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -150,29 +158,34 @@ class DeviceCopies:
         return done
 
     def _complete(self, batch: _Batch) -> None:
-        error = batch.error
-        try:
-            for event in batch.events.values():
+        failure = None
+        for event in batch.events.values():  # every one, even after a failure: the slot is reused after
+            try:
                 event.synchronize()
-            if error is None and not batch.ordered:
-                _check(batch)
-        except TornCaptureError as exc:
-            # A barrier that ran meanwhile ordered the writes it let through: only a change seen
-            # while no barrier had run is a torn copy.
-            if not batch.ordered:
-                error = exc
-        except BaseException as exc:
-            error = error or exc
+            except BaseException as exc:
+                failure = failure or exc
         with self._lock:
+            error = batch.error or failure
+            if error is None and not batch.ordered:
+                # No barrier yet: whatever changed, changed unordered with the copy.
+                error = _torn(batch)
             self._pending.remove(batch)
-        batch.items = ()  # the sources may go now
-        batch.completed.set()
+            batch.items = ()  # the sources may go now
+            batch.completed.set()
         batch.done(error)
 
 
 def _check(batch: _Batch) -> None:
     for leaf, entry, version in batch.items:
         check_unchanged(batch.snapshot, entry.key, leaf.value, version)
+
+
+def _torn(batch: _Batch) -> TornCaptureError | None:
+    try:
+        _check(batch)
+    except TornCaptureError as exc:
+        return exc
+    return None
 
 
 def _left(deadline: float | None) -> float | None:

@@ -38,9 +38,10 @@ def pin(address: int, nbytes: int, mode: str | bool) -> bool:
     global _warned
     if mode is False or nbytes == 0:
         return False
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() or torch.cuda._is_in_bad_fork():
+        # (A child fork()ed from a process that used CUDA cannot use it: torch refuses to start it again.)
         if mode is True:
-            raise ConfigError("host.pinned is true but CUDA is not available; use auto or false", key="host.pinned")
+            raise ConfigError("host.pinned is true but CUDA is not available in this process; use auto or false", key="host.pinned")
         return False
     result = _register(address, nbytes)
     if int(result) == 0:
@@ -68,13 +69,13 @@ def unpin(address: int) -> None:
 
 
 def clear_error() -> None:
-    """Reset CUDA's last error, so that the next kernel launch does not report it as its own."""
-    library = _cudart_library()
-    if library is not None:
+    """Reset CUDA's last error (per thread), so that the next kernel launch does not report it as its own."""
+    # Torch may have loaded two copies of the runtime (one found by LD_LIBRARY_PATH, one from the
+    # nvidia wheels by path), each with its own error state: reset each.
+    for library in _cudart_libraries():
         library.cudaGetLastError()
-        return
-    # cudart linked statically into torch: the check after a kernel launch (the fill) reads, and so
-    # resets, the error.
+    # And where the runtime is linked statically: the check after a kernel launch (the fill) reads,
+    # and so resets, the error. Harmless when nothing is pending.
     try:
         torch.ones(1, device="cuda")
     except RuntimeError:
@@ -97,14 +98,21 @@ def _describe(result: Any) -> str:
     return f"{text} (cudaError {int(result)})"
 
 
-def _cudart_library() -> ctypes.CDLL | None:
-    """The CUDA runtime library this process has loaded (the one torch uses), if it is a shared one."""
+def _cudart_libraries() -> list[ctypes.CDLL]:
+    """Every shared CUDA runtime library this process has mapped (torch's among them)."""
+    paths: dict[str, None] = {}
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 fields = line.split(None, 5)
                 if len(fields) == 6 and "/libcudart.so" in fields[5]:
-                    return ctypes.CDLL(fields[5].strip())
+                    paths[fields[5].strip()] = None
     except OSError:
         pass
-    return None
+    libraries = []
+    for path in paths:
+        try:
+            libraries.append(ctypes.CDLL(path))
+        except OSError:  # unmapped since, or not loadable by path
+            pass
+    return libraries

@@ -47,7 +47,14 @@ class HostPool:
         slot_size = self.slot_bytes(capacity_bytes, snapshots)
         self.slot_size = slot_size
         self.capacity_bytes = slot_size * snapshots
-        self._memory = memory(slot_size, snapshots) if memory else aligned_buffer(self.capacity_bytes, populate=True)
+        if memory is not None:
+            self._memory = memory(slot_size, snapshots)
+        else:
+            self._memory = aligned_buffer(self.capacity_bytes, populate=True)
+            # A fork()ed child (a DataLoader worker) never uses the pool. Without this, Linux copies
+            # every page of a pinned pool into each child at fork (pinned pages cannot be shared
+            # copy-on-write), and every page the parent writes while a child lives otherwise.
+            self._memory.madvise(mmap.MADV_DONTFORK)
         self._bytes = torch.frombuffer(self._memory, dtype=torch.uint8)
         self.slots = tuple(Slot(i, i * slot_size, slot_size) for i in range(snapshots))
         view = memoryview(self._memory)

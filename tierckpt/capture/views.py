@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -27,6 +28,30 @@ def tensor_pair(pool: HostPool, snapshot: Snapshot, leaf: Leaf, entry: Entry, fi
     if stop is not None:
         src, dest = src.reshape(-1)[first:stop], dest.reshape(-1)[first:stop]
     return dest, src
+
+
+@dataclass(frozen=True)
+class SaveMoment:
+    """What ``save()`` saw on the caller's thread, before it returned: what the copies are checked against.
+
+    ``versions``: each leaf's in-place version counter (-1 where it has none); ``ready``: per CUDA
+    device holding a leaf, an event on the caller's current stream there (streams are per thread: the
+    copies must wait for what the caller queued before ``save()``).
+    """
+
+    versions: Sequence[int]
+    ready: Mapping[torch.device, Any]
+
+
+def moment(leaves: Sequence[Leaf]) -> SaveMoment:
+    """Read the :class:`SaveMoment` of ``leaves`` (on the saving thread, before ``save()`` returns)."""
+    ready = {}
+    for leaf in leaves:
+        if leaf.kind == "torch" and leaf.value.is_cuda and leaf.value.device not in ready:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(leaf.value.device))
+            ready[leaf.value.device] = event
+    return SaveMoment(tuple(version_of(leaf.value) for leaf in leaves), ready)
 
 
 def version_of(value: Any) -> int:

@@ -24,9 +24,10 @@ import logging
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from tierckpt.capture import Copier, HostPool
+from tierckpt.capture.views import SaveMoment
 from tierckpt.config import Config
 from tierckpt.errors import FlushError
 from tierckpt.pipeline.flusher import Flusher
@@ -192,7 +193,7 @@ class Pipeline:
         nbytes: int,
         skeleton: Any,
         metadata: dict[str, Any],
-        ready: Mapping[Any, Any] | None = None,
+        seen: SaveMoment,
     ) -> SaveTracker:
         self.raise_pending(flushes=False)  # a failed flush never fails a later save: see the module docstring
         on_full = self.config.host.on_full
@@ -224,7 +225,7 @@ class Pipeline:
         loop = asyncio.get_running_loop()
         snapshot.capture.add_done_callback(lambda _: loop.call_soon_threadsafe(self._captured, snapshot))
         try:
-            self.copier.start(snapshot, leaves, ready)
+            self.copier.start(snapshot, leaves, seen)
         except BaseException as exc:
             # Nothing was enqueued: fail the capture so the slot comes back and nobody waits on it.
             if not snapshot.capture.done():
