@@ -1,0 +1,218 @@
+"""The device stage's own logic on any machine, with a fake GPU: barrier, completion, torn writes.
+
+``DeviceCopies`` talks to CUDA through a handful of calls (streams, events, the current stream). Here
+they are a fake GPU whose queued work "finishes" only when the test opens :attr:`FakeGpu.done`, so
+the test decides when the copies complete and can check what the barrier did before that: that it
+did not block the host, that it made the current stream wait on the copy's done event, which writes
+it reports as torn, and that the sources stay alive until the copies are done. The copies themselves
+run on the CPU at once (``copy_`` of CPU tensors). What CUDA does with real streams is tested in
+tests/test_cuda.py on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+import weakref
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from tierckpt.capture import device as device_module
+from tierckpt.capture.device import DeviceCopies
+from tierckpt.capture.pool import HostPool
+from tierckpt.capture.views import TornCaptureError, version_of
+from tierckpt.snapshot import Snapshot, plan_entries
+from tierckpt.state import flatten
+
+DEADLINE_S = 30.0  # a deadlock guard only
+GPU = torch.device("cpu")  # the fake GPU's tensors live on the CPU: streams and events are keyed by their device
+
+
+class FakeGpu:
+    """Streams and events whose work is done once :attr:`done` is set."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.waits: list[tuple[Any, Any]] = []  # (stream, event) of every wait_event
+        self.current = self.Stream()
+
+    def Stream(self, device: Any = None) -> Any:  # noqa: N802 - stands in for torch.cuda.Stream
+        gpu = self
+
+        class FakeStream:
+            def wait_event(self, event: Any) -> None:
+                gpu.waits.append((self, event))
+
+            def synchronize(self) -> None:
+                assert gpu.done.wait(DEADLINE_S)
+
+        return FakeStream()
+
+    def Event(self, **_: Any) -> Any:  # noqa: N802 - stands in for torch.cuda.Event
+        gpu = self
+
+        class FakeEvent:
+            def record(self, stream: Any = None) -> None:
+                pass
+
+            def synchronize(self) -> None:
+                assert gpu.done.wait(DEADLINE_S)
+
+        return FakeEvent()
+
+
+@pytest.fixture
+def gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGpu]:
+    fake = FakeGpu()
+    monkeypatch.setattr(torch.cuda, "Stream", fake.Stream)
+    monkeypatch.setattr(torch.cuda, "Event", fake.Event)
+    monkeypatch.setattr(torch.cuda, "device", lambda _: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda _: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fake.current)
+    yield fake
+    fake.done.set()  # let every waiter go, whatever the test did
+
+
+class Capture:
+    """One snapshot of ``state`` started on ``copies`` (as the Copier does for device tensors)."""
+
+    def __init__(self, copies: DeviceCopies, pool: HostPool, state: dict[str, torch.Tensor]) -> None:
+        skeleton, leaves = flatten(state)
+        entries, nbytes = plan_entries(leaves)
+        self.snapshot = Snapshot(1, 1, entries, nbytes, skeleton, {}, 0.0, pool.slots[0])
+        self.pool = pool
+        self.finished = threading.Event()
+        self.error: BaseException | None = None
+        items = [(leaf, entry, version_of(leaf.value)) for leaf, entry in zip(leaves, entries)]
+        copies.start(self.snapshot, items, {GPU: "ready"}, self._done)
+
+    def _done(self, error: BaseException | None) -> None:
+        self.error = error
+        self.finished.set()
+
+    def slot(self, key: str) -> torch.Tensor:
+        entry = next(e for e in self.snapshot.entries if e.key == f"[{key!r}]")
+        return self.pool.tensor(self.snapshot.slot, entry.offset, entry.nbytes, entry.dtype, entry.shape)
+
+
+@pytest.fixture
+def stage(gpu: FakeGpu) -> Iterator[tuple[DeviceCopies, HostPool]]:
+    pool = HostPool(1 << 20, 1)
+    copies = DeviceCopies(pool)
+    yield copies, pool
+    gpu.done.set()
+    copies.close()
+    pool.close()
+
+
+def queued(copies: DeviceCopies) -> None:
+    """Wait until the queueing thread has queued everything started so far."""
+    copies._queue.submit(lambda: None).result(DEADLINE_S)
+
+
+def test_the_barrier_orders_the_stream_without_waiting_for_the_copy(gpu: FakeGpu, stage: tuple[DeviceCopies, HostPool]) -> None:
+    copies, pool = stage
+    x = torch.arange(100, dtype=torch.float32)
+    capture = Capture(copies, pool, {"x": x})
+    assert copies.order(timeout=DEADLINE_S) is True  # returns while the "GPU" has not finished
+    assert not capture.finished.is_set()
+    ((stream, event),) = [w for w in gpu.waits if w[0] is gpu.current]
+    assert event is capture_event(copies, capture)  # the training stream waits on the copy's done event
+    x.add_(1)  # after the barrier: ordered, so not torn
+    gpu.done.set()
+    assert capture.finished.wait(DEADLINE_S) and capture.error is None
+    assert torch.equal(capture.slot("x"), torch.arange(100, dtype=torch.float32))
+
+
+def capture_event(copies: DeviceCopies, capture: Capture) -> Any:
+    (batch,) = [b for b in copies._pending if b.snapshot is capture.snapshot]
+    return batch.events[GPU]
+
+
+def test_the_copy_stream_waits_for_what_was_queued_before_save(gpu: FakeGpu, stage: tuple[DeviceCopies, HostPool]) -> None:
+    copies, pool = stage
+    Capture(copies, pool, {"x": torch.zeros(4)})
+    queued(copies)
+    assert [event for stream, event in gpu.waits if stream is not gpu.current] == ["ready"]
+
+
+def test_a_write_queued_after_the_copy_but_before_the_barrier_is_torn(gpu: FakeGpu, stage: tuple[DeviceCopies, HostPool]) -> None:
+    copies, pool = stage
+    x = torch.zeros(100)
+    capture = Capture(copies, pool, {"x": x})
+    queued(copies)
+    x.add_(1)  # unordered with the copy on a real GPU
+    assert copies.order(timeout=DEADLINE_S) is True
+    gpu.done.set()
+    assert capture.finished.wait(DEADLINE_S)
+    assert isinstance(capture.error, TornCaptureError) and "['x']" in str(capture.error)
+
+
+def test_a_write_with_no_barrier_before_the_copy_finished_is_torn(gpu: FakeGpu, stage: tuple[DeviceCopies, HostPool]) -> None:
+    copies, pool = stage
+    x = torch.zeros(100)
+    capture = Capture(copies, pool, {"x": x})
+    queued(copies)
+    x.add_(1)
+    gpu.done.set()
+    assert capture.finished.wait(DEADLINE_S)
+    assert isinstance(capture.error, TornCaptureError)
+
+
+def test_wait_blocks_the_host_until_the_copies_are_done(gpu: FakeGpu, stage: tuple[DeviceCopies, HostPool]) -> None:
+    copies, pool = stage
+    capture = Capture(copies, pool, {"x": torch.zeros(100)})
+    assert copies.wait(timeout=0.05) is False
+    waiter = threading.Thread(target=copies.wait, args=(DEADLINE_S,))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive(), "wait() returned before the copies were done"
+    gpu.done.set()
+    waiter.join(DEADLINE_S)
+    assert not waiter.is_alive() and capture.finished.is_set() and capture.error is None
+    assert copies._pending == []
+
+
+def test_the_sources_live_until_their_copies_are_done(gpu: FakeGpu, stage: tuple[DeviceCopies, HostPool]) -> None:
+    copies, pool = stage
+    x = torch.zeros(100)
+    alive = weakref.ref(x)
+    capture = Capture(copies, pool, {"x": x})
+    del x
+    queued(copies)
+    gc.collect()
+    assert alive() is not None, "a source was let go while its copy could still be reading it"
+    gpu.done.set()
+    assert capture.finished.wait(DEADLINE_S)
+    gc.collect()
+    assert alive() is None
+
+
+def test_a_failed_queueing_waits_for_what_was_queued_and_reports_the_failure(
+    gpu: FakeGpu, stage: tuple[DeviceCopies, HostPool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    copies, pool = stage
+    calls = []
+
+    def failing_pair(*args: Any) -> Any:
+        calls.append(args)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real_pair(*args)
+
+    real_pair = device_module.tensor_pair
+    monkeypatch.setattr(device_module, "tensor_pair", failing_pair)
+    capture = Capture(copies, pool, {"a": torch.zeros(10), "b": torch.zeros(10)})
+    done_queueing = threading.Thread(target=queued, args=(copies,))
+    done_queueing.start()
+    done_queueing.join(0.2)
+    # The first copy was queued: the queueing thread waits for the stream before the slot can go back.
+    assert done_queueing.is_alive() and not capture.finished.is_set()
+    gpu.done.set()
+    done_queueing.join(DEADLINE_S)
+    assert capture.finished.wait(DEADLINE_S)
+    assert isinstance(capture.error, RuntimeError) and "illegal memory access" in str(capture.error)
+    assert copies.order(timeout=DEADLINE_S) is True  # nothing left pending
