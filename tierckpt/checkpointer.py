@@ -101,9 +101,10 @@ class SaveHandle:
 class Checkpointer:
     """Asynchronous, multi-tier checkpointing of a training state.
 
-    ``save()`` returns once the host copy is enqueued; the copy runs on copy threads while training
-    goes on, and :meth:`attach` makes ``optimizer.step()`` wait for it. Captured snapshots flow from
-    host memory down the configured tiers on the library's own thread.
+    ``save()`` returns once the host copy is enqueued; the copy runs on copy threads (CUDA tensors: on
+    a side stream per device, into the pinned pool) while training goes on, and :meth:`attach` makes
+    ``optimizer.step()`` wait for it (for CUDA tensors, its stream waits; the host does not). Captured
+    snapshots flow from host memory down the configured tiers on the library's own thread.
 
     Args:
         config: a :class:`Config`, a mapping in the YAML's shape, or the path of a YAML file.
