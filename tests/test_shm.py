@@ -120,6 +120,8 @@ def test_capacity_and_retention_hold_across_restarts(shm: Path, tmp_path: Path) 
     assert sorted(os.listdir(shm)) == [POOL_FILE, POOL_INFO, version_dirname(4), version_dirname(5)]
     size = (shm / POOL_FILE).stat().st_size
     with Checkpointer(_config(shm, tmp_path / "nvme")) as ckpt:
+        ckpt.wait_sync()  # step 4 reaches the disk now if the kill came before it did
+        assert [i.step for i in ckpt.versions() if i.tier == "nvme"] == [4]
         # Both slots hold a snapshot from before: the next save takes the older one's slot.
         assert ckpt.save_sync(10, state(10)).committed_sync("ram", timeout=60)
         assert sorted(i.step for i in ckpt.versions() if i.tier == "ram") == [5, 10]
@@ -229,3 +231,78 @@ def test_a_path_not_on_a_ram_file_system_works_with_a_warning(tmp_path: Path, ca
     with Checkpointer(_config(tmp_path / "ram", tmp_path / "nvme")) as ckpt:
         restored = ckpt.restore_latest_sync()
         assert restored is not None and (restored.step, restored.tier) == (1, "ram")
+
+
+# -- snapshots a killed process left behind go on down ------------------------------------------------
+
+
+def _every_config(shm: Path, disk: Path, newest_only: bool = False) -> dict[str, Any]:
+    return {
+        "host": {"capacity": 4 * _SLOT, "snapshots": 4},
+        "tiers": [
+            {"name": "ram", "type": "memory", "path": str(shm), "keep": {"last": 2}},
+            {"name": "nvme", "type": "filesystem", "path": str(disk), "flush": {"newest_only": newest_only}, "keep": {"last": 3}},
+        ],
+    }
+
+
+_STALLED_DISK_CHILD = textwrap.dedent(
+    """
+    import os, signal, sys
+    sys.path.insert(0, sys.argv[3])
+    from test_shm import _every_config, state
+    from tierckpt import Checkpointer
+    from tierckpt.testing import slow
+    from pathlib import Path
+    # The disk takes 10 minutes a write: nothing reaches it before the kill.
+    ckpt = Checkpointer(_every_config(Path(sys.argv[1]), Path(sys.argv[2])), tier_factory=slow({"nvme": 600}))
+    for step in (1, 2, 3):
+        ckpt.save_sync(step, state(step)).committed_sync("ram", timeout=60)
+        print(step, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def test_snapshots_a_killed_process_left_in_ram_are_flushed_by_the_next_one(shm: Path, tmp_path: Path) -> None:
+    disk = tmp_path / "nvme"
+    child = subprocess.run(
+        [sys.executable, "-c", _STALLED_DISK_CHILD, str(shm), str(disk), str(Path(__file__).parent)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    assert child.stdout.split() == ["1", "2", "3"]
+    assert not disk.exists() or not any(p.name.startswith("step-") for p in disk.iterdir())
+    with Checkpointer(_every_config(shm, disk)) as ckpt:
+        ckpt.wait_sync()  # no save in this process: the flushes are of what the killed one left
+        # RAM had kept all three for the disk (keep: last 2 yields); every one goes down, oldest first.
+        assert [i.step for i in ckpt.versions() if i.tier == "nvme"] == [1, 2, 3]
+    shutil.rmtree(disk)
+    with Checkpointer(_every_config(shm, disk, newest_only=True)) as ckpt:
+        ckpt.wait_sync()
+        assert sorted(i.step for i in ckpt.versions() if i.tier == "ram") == [2, 3]
+        assert [i.step for i in ckpt.versions() if i.tier == "nvme"] == [3]  # newest_only: the newest
+    disk_only = {"tiers": [{"name": "nvme", "type": "filesystem", "path": str(disk)}]}
+    with Checkpointer(disk_only) as ckpt:
+        restored = ckpt.restore_latest_sync()
+    assert restored is not None and (restored.step, restored.tier) == (3, "nvme")
+    assert_state(restored.state, 3)
+
+
+def test_a_damaged_leftover_is_not_flushed_and_fails_nothing(shm: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from tierckpt.errors import FlushError
+    from tierckpt.testing import faulty
+
+    disk = tmp_path / "nvme"
+    ckpt = Checkpointer(_every_config(shm, disk), tier_factory=faulty({"nvme": lambda step: True}))
+    for step in (1, 2):
+        ckpt.save_sync(step, state(step))
+    with pytest.raises(FlushError):
+        ckpt.close_sync()  # the disk failed every write; RAM kept both
+    manifest = Manifest.decode((shm / version_dirname(2) / MANIFEST_FILE).read_bytes(), step=2)
+    chunk = next(r for r in manifest.records if r.key == "['w']").chunks[0]
+    flip_bits(shm / POOL_FILE, chunk.offset + 777, 0x04)
+    with caplog.at_level(logging.WARNING, logger="tierckpt"), Checkpointer(_every_config(shm, disk)) as ckpt:
+        ckpt.wait_sync()  # does not raise: the damaged leftover is left out, step 1 goes down
+        assert [i.step for i in ckpt.versions() if i.tier == "nvme"] == [1]
+    assert "step 2 on tier 'ram'" in caplog.text and "not flushed to 'nvme'" in caplog.text

@@ -92,7 +92,8 @@ class FlushState:
 
     queue: tuple[Candidate, ...] = ()
     fallback: Candidate | None = None
-    newest_token: int = 0
+    # Below every token: snapshots a previous process left in RAM are numbered up to 0 (MemoryTier).
+    newest_token: int = -(1 << 62)
     last_start: float | None = None
     last_ok_start: float = 0.0
 
@@ -128,7 +129,7 @@ def offer(state: FlushState, policy: FlushPolicy, candidate: Candidate) -> Updat
             passed, fallback = passed + (fallback,), None
         newest = max(state.newest_token, candidate.token)
         return Update(replace(state, queue=queue, fallback=fallback, newest_token=newest), passed)
-    newest_waiting = max((c.token for c in state.waiting()), default=0)
+    newest_waiting = max((c.token for c in state.waiting()), default=state.newest_token)
     if policy.max_staleness_s is None or candidate.token < max(state.newest_token, newest_waiting):
         return Update(state, (candidate,))
     passed = (state.fallback,) if state.fallback is not None else ()

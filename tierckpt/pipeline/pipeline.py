@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from tierckpt.capture import Copier, HostPool
 from tierckpt.capture.views import SaveMoment
 from tierckpt.config import Config
-from tierckpt.errors import FlushError
+from tierckpt.errors import CorruptCheckpointError, FlushError
 from tierckpt.pipeline.flusher import Flusher
 from tierckpt.policy import Candidate
 from tierckpt.snapshot import Entry, Snapshot, SnapshotState
 from tierckpt.state import Leaf
-from tierckpt.tiers.base import Tier, VersionInfo
+from tierckpt.tiers.base import Lease, Tier, VersionInfo
 from tierckpt.tiers.encoding import CompressionStats
 from tierckpt.tiers.memory import MemoryTier
 
@@ -115,7 +115,8 @@ class Pipeline:
         self._wall: Callable[[], float] = lambda: clock() + epoch
         self._seq = 0
         self._trackers: dict[int, SaveTracker] = {}
-        self._tasks: set[asyncio.Task[None]] = set()  # snapshots being written to a RAM file system
+        self._tasks: set[asyncio.Task[None]] = set()  # snapshots being written to (or adopted from) a RAM file system
+        self._single = group is None
         self._capture_errors: list[FlushError] = []  # raised once by the next save, wait or close
         self._unresolved: dict[str, FlushError] = {}  # per tier, its newest failed flush with no commit since
         self._failing: dict[str, int] = {}  # per tier, failed flushes since its last commit (for the log)
@@ -170,6 +171,38 @@ class Pipeline:
             await tier.open()
         for flusher in self.flushers:
             flusher.start()
+        if self._single and self.memory.adopted():
+            self._tasks.add(task := asyncio.get_running_loop().create_task(self._flush_adopted()))
+            task.add_done_callback(self._tasks.discard)
+
+    async def _flush_adopted(self) -> None:
+        """Snapshots a killed process left in RAM go on down, as they would have gone: each to the tiers
+        fed by host memory that hold nothing as new, after it verified (a damaged one stays out).
+
+        Not for several ranks yet: there, every rank would have to have kept the same steps.
+        """
+        checked: list[tuple[Snapshot, list[Flusher], Lease]] = []
+        try:
+            for snapshot in self.memory.adopted():
+                flushers = [f for f in self._fed_by(0) if snapshot.step > max((v.step for v in f.tier.versions()), default=-1)]
+                if not flushers:
+                    continue
+                lease = self.memory.hold(snapshot)  # retention must not drop it before the flushers want it
+                try:
+                    await self.memory.verify(snapshot)
+                except CorruptCheckpointError as exc:
+                    lease.release()
+                    log.warning("%s; it is not flushed to %s", exc, ", ".join(repr(f.tier.name) for f in flushers))
+                    continue
+                checked.append((snapshot, flushers, lease))
+            # All at once, oldest first, as their saves came: a newest_only tier then takes the newest.
+            for snapshot, flushers, _ in checked:
+                for flusher in flushers:
+                    # Arrival 0: every `every` counts it (the count starts again with this process).
+                    flusher.offer(snapshot.step, snapshot.seq, arrival=0)
+        finally:
+            for _, _, lease in checked:
+                lease.release()
 
     # -- errors ----------------------------------------------------------------------------------
 

@@ -313,13 +313,26 @@ class MemoryTier(Tier):
         snapshot = self._find(step)
         if snapshot is None:
             raise KeyError(f"tier {self.name!r} holds no step {step}")
+        await self.verify(snapshot)
+        return MemorySource(self.name, snapshot, self.pool)
+
+    def adopted(self) -> list[Snapshot]:
+        """The snapshots a previous process left here, still held, oldest save first."""
+        return [s for s in self._snapshots.values() if s.restored and s.state is SnapshotState.CAPTURED]
+
+    async def verify(self, snapshot: Snapshot) -> None:
+        """Check every chunk of a snapshot a previous process left, once (captured ones need not be).
+
+        Done before anything is copied out, so a restore may then copy straight into a template as
+        from a snapshot captured here, and a tier below never takes damaged bytes.
+
+        Raises:
+            CorruptCheckpointError: a chunk does not match its checksum (names the key).
+        """
         if snapshot.restored and not snapshot.verified:
-            # Left by a previous process: every chunk is checked once, before anything is copied out,
-            # so a restore may then copy straight into a template as from a snapshot captured here.
             loop = asyncio.get_running_loop()
             await asyncio.gather(*(loop.run_in_executor(self.executor, self._verify, snapshot, i) for i in range(len(snapshot.entries))))
             snapshot.verified = True
-        return MemorySource(self.name, snapshot, self.pool)
 
     def _verify(self, snapshot: Snapshot, i: int) -> None:
         entry, sums = snapshot.entries[i], snapshot.checksums[i] if snapshot.checksums else ()
