@@ -54,7 +54,8 @@ class HostPool:
             # A fork()ed child (a DataLoader worker) never uses the pool. Without this, Linux copies
             # every page of a pinned pool into each child at fork (pinned pages cannot be shared
             # copy-on-write), and every page the parent writes while a child lives otherwise.
-            self._memory.madvise(mmap.MADV_DONTFORK)
+            if hasattr(mmap, "MADV_DONTFORK"):  # Linux only
+                self._memory.madvise(mmap.MADV_DONTFORK)
         self._bytes = torch.frombuffer(self._memory, dtype=torch.uint8)
         self.slots = tuple(Slot(i, i * slot_size, slot_size) for i in range(snapshots))
         view = memoryview(self._memory)
