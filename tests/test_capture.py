@@ -353,3 +353,23 @@ def test_inference_tensors_have_no_version_counter_and_round_trip(tmp_path: Path
     restored = ckpt.restore_latest_sync()
     assert restored is not None and restored.tier == "ram"
     assert_same(restored.state["ema"], ema.clone())
+
+
+def test_a_state_whose_layout_changes_between_saves_is_laid_out_anew(tmp_path: Path, checkpointers: list[Checkpointer]) -> None:
+    # save() reuses the previous slot layout while the state keeps it: every change must be seen.
+    ckpt = Checkpointer(make_config(tmp_path))
+    checkpointers.append(ckpt)
+    states = [
+        {"a": torch.arange(4.0), "b": torch.ones(3, dtype=torch.int8)},
+        {"a": torch.arange(4.0), "b": torch.ones(3, dtype=torch.int8)},  # same layout, new tensors
+        {"a": torch.arange(8.0), "b": torch.ones(3, dtype=torch.int8)},  # a shape changed
+        {"a": torch.arange(8.0), "b": torch.ones(3, dtype=torch.int16)},  # a dtype changed
+        {"b": torch.ones(3, dtype=torch.int16), "a": torch.arange(8.0)},  # the order changed
+        {"a": torch.arange(8.0), "c": torch.ones(3, dtype=torch.int16)},  # a key changed
+        {"a": torch.arange(8.0).reshape(2, 4), "c": torch.ones(3, dtype=torch.int16)},  # same bytes, new shape
+    ]
+    for step, state in enumerate(states, start=1):
+        assert ckpt.save_sync(step, state).captured_sync(DEADLINE_S) is True
+        restored = ckpt.restore_latest_sync()
+        assert restored is not None and restored.step == step
+        assert_same(restored.state, state)

@@ -137,6 +137,7 @@ class Checkpointer:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = Config.coerce(config)
+        self._last_layout: tuple[tuple[Any, ...], tuple[tuple[Any, ...], int]] | None = None
         peer = any(t.type == "peer" for t in self.config.tiers)
         self._group = RankGroup.discover(group, self.config.distributed.timeout_s, bulk=peer, nodes=self.config.distributed.nodes)
         try:
@@ -376,7 +377,7 @@ class Checkpointer:
         except (TypeError, ValueError, OverflowError) as exc:
             raise TypeError(f"metadata must hold only msgpack types (str, int, float, bool, None, bytes, lists, dicts): {exc}") from exc
         skeleton, leaves = flatten(state)
-        entries, nbytes = plan_entries(leaves, _sharing(replicated, leaves, self._group.ranks if self._group else (0,)))
+        entries, nbytes = self._layout(leaves, replicated)
         slot = self._pool.slot_size
         if nbytes > slot:
             host = self.config.host
@@ -389,6 +390,20 @@ class Checkpointer:
                 key="host.capacity",
             )
         return step, leaves, entries, nbytes, skeleton, meta, moment(leaves)
+
+    def _layout(self, leaves: list[Any], replicated: Sequence[Any]) -> tuple[tuple[Any, ...], int]:
+        """Where each leaf goes in a slot: :func:`plan_entries`, reused while the state keeps its
+        layout, as a training loop's does (~2 µs a tensor saved; the comparison costs ~0.4)."""
+        ranks = self._group.ranks if self._group else (0,)
+        if replicated:
+            return plan_entries(leaves, _sharing(replicated, leaves, ranks))
+        signature = tuple((leaf.path, leaf.dtype, leaf.shape, leaf.region, leaf.replicas) for leaf in leaves)
+        last = self._last_layout
+        if last is not None and last[0] == signature:
+            return last[1]
+        planned = plan_entries(leaves, _sharing((), leaves, ranks))
+        self._last_layout = (signature, planned)
+        return planned
 
     # -- wait, restore, list -----------------------------------------------------------------------
 
