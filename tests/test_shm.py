@@ -264,8 +264,8 @@ _STALLED_DISK_CHILD = textwrap.dedent(
 )
 
 
-def test_snapshots_a_killed_process_left_in_ram_are_flushed_by_the_next_one(shm: Path, tmp_path: Path) -> None:
-    disk = tmp_path / "nvme"
+def _killed_before_the_disk(shm: Path, disk: Path) -> None:
+    """Steps 1-3 in the RAM tier at shm, none on the disk, and the process that saved them SIGKILLed."""
     child = subprocess.run(
         [sys.executable, "-c", _STALLED_DISK_CHILD, str(shm), str(disk), str(Path(__file__).parent)],
         capture_output=True, text=True, timeout=120,
@@ -273,6 +273,11 @@ def test_snapshots_a_killed_process_left_in_ram_are_flushed_by_the_next_one(shm:
     assert child.returncode == -signal.SIGKILL, child.stderr
     assert child.stdout.split() == ["1", "2", "3"]
     assert not disk.exists() or not any(p.name.startswith("step-") for p in disk.iterdir())
+
+
+def test_snapshots_a_killed_process_left_in_ram_are_flushed_by_the_next_one(shm: Path, tmp_path: Path) -> None:
+    disk = tmp_path / "nvme"
+    _killed_before_the_disk(shm, disk)
     with Checkpointer(_every_config(shm, disk)) as ckpt:
         ckpt.wait_sync()  # no save in this process: the flushes are of what the killed one left
         # RAM had kept all three for the disk (keep: last 2 yields); every one goes down, oldest first.
@@ -306,3 +311,38 @@ def test_a_damaged_leftover_is_not_flushed_and_fails_nothing(shm: Path, tmp_path
         ckpt.wait_sync()  # does not raise: the damaged leftover is left out, step 1 goes down
         assert [i.step for i in ckpt.versions() if i.tier == "nvme"] == [1]
     assert "step 2 on tier 'ram'" in caplog.text and "not flushed to 'nvme'" in caplog.text
+
+
+def test_a_leftover_is_checked_once_by_a_restore_and_its_flush(shm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierckpt.tiers.memory import MemoryTier
+
+    disk = tmp_path / "nvme"
+    _killed_before_the_disk(shm, disk)
+    import threading
+
+    checked: dict[tuple[int, int], int] = {}
+    lock, again = threading.Lock(), threading.Event()
+    verify = MemoryTier._verify
+
+    def counting(self: MemoryTier, snapshot: Any, i: int) -> None:
+        with lock:
+            checked[snapshot.step, i] = n = checked.get((snapshot.step, i), 0) + 1
+        if (snapshot.step, i) == (3, 0):
+            if n > 1:
+                again.set()
+            else:
+                # Hold the first check of step 3 open a while: a second check started meanwhile
+                # (the restore's and the flush's not shared) would show here.
+                again.wait(1.0)
+        verify(self, snapshot, i)
+
+    monkeypatch.setattr(MemoryTier, "_verify", counting)
+    with Checkpointer(_every_config(shm, disk)) as ckpt:
+        restored = ckpt.restore_latest_sync()  # while the flush of the leftovers checks them too
+        ckpt.wait_sync()
+        assert [i.step for i in ckpt.versions() if i.tier == "nvme"] == [1, 2, 3]
+    assert restored is not None and (restored.step, restored.tier) == (3, "ram")
+    assert_state(restored.state, 3)
+    assert {step for step, _ in checked} == {1, 2, 3}
+    assert set(checked.values()) == {1}, checked  # each chunk hashed once
+

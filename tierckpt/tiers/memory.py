@@ -55,6 +55,7 @@ class MemoryTier(Tier):
         self.lent: list[Slot] = []  # slots lent by borrow(), not free until they come back
         self.loans = 0  # borrow() calls that got slots, so far
         self._snapshots: dict[int, Snapshot] = {}  # by seq, in save order
+        self._verifying: dict[int, asyncio.Future[None]] = {}  # by seq: one check, however many wait for it
         self._changed: asyncio.Condition | None = None
 
     async def open(self) -> None:
@@ -329,10 +330,19 @@ class MemoryTier(Tier):
         Raises:
             CorruptCheckpointError: a chunk does not match its checksum (names the key).
         """
-        if snapshot.restored and not snapshot.verified:
-            loop = asyncio.get_running_loop()
-            await asyncio.gather(*(loop.run_in_executor(self.executor, self._verify, snapshot, i) for i in range(len(snapshot.entries))))
-            snapshot.verified = True
+        if not snapshot.restored or snapshot.verified:
+            return
+        # A restore and the flush of the same leftover (at start) may ask at once: hash it once.
+        check = self._verifying.get(snapshot.seq)
+        if check is None:
+            check = self._verifying[snapshot.seq] = asyncio.ensure_future(self._verify_all(snapshot))
+            check.add_done_callback(lambda _: self._verifying.pop(snapshot.seq, None))
+        await asyncio.shield(check)
+
+    async def _verify_all(self, snapshot: Snapshot) -> None:
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(self.executor, self._verify, snapshot, i) for i in range(len(snapshot.entries))))
+        snapshot.verified = True
 
     def _verify(self, snapshot: Snapshot, i: int) -> None:
         entry, sums = snapshot.entries[i], snapshot.checksums[i] if snapshot.checksums else ()
