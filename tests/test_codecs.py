@@ -469,17 +469,19 @@ def test_promotion_copies_chunks_between_tiers_with_the_same_codec(opened: _Open
         _config(_tier("nvme", nvme, "zstd", **shuffle), _tier("pfs", pfs, "zstd", **shuffle), _tier("archive", archive), capacity="24MiB")
     )
     state = _model_state()
-    assert ckpt.save_sync(1, state).committed_sync("archive", timeout=60)
+    handle = ckpt.save_sync(1, state)
+    assert all(handle.committed_sync(name, timeout=60) for name in ("nvme", "pfs", "archive"))
     stats = ckpt.counters.compression
     ckpt.close_sync()
     first, second = _manifest(nvme, 1), _manifest(pfs, 1)
-    # Same codecs: the stored chunks move as they are (raw fallbacks included), nothing is re-encoded.
+    # Same codecs: pfs waited for nvme's write of the same save and copied its stored chunks as they
+    # are (raw fallbacks included), rather than compress the bytes in host memory a second time.
     assert [(r.codec, [(c.stored, c.checksum, c.codec) for c in r.chunks]) for r in first.records] == [
         (r.codec, [(c.stored, c.checksum, c.codec) for c in r.chunks]) for r in second.records
     ]
     assert stats["pfs"].compress_bytes_per_s == 0.0 and stats["nvme"].compress_bytes_per_s > 0
     assert stats["pfs"].stored_bytes == stats["nvme"].stored_bytes
-    # To an uncompressed tier every chunk is decoded.
+    # An uncompressed tier copies host memory as it is (had it read a compressed tier, it would decode).
     assert {r.codec for r in _manifest(archive, 1).records} == {"none"}
     for name, path, codec in (("pfs", pfs, "zstd"), ("archive", archive, "none")):
         _assert_bitwise(state, _restore_from(opened, name, path, codec).state)

@@ -254,7 +254,9 @@ def test_captures_finishing_out_of_order_still_flush_the_newest(tmp_path: Path, 
 # -- flush policies ------------------------------------------------------------------------------------
 
 
-def test_flush_every_n_then_every_steps_select_the_right_versions(tmp_path: Path, checkpointers: list[Any]) -> None:
+def test_flush_every_n_and_every_steps_select_on_the_stream_of_saves(tmp_path: Path, checkpointers: list[Any]) -> None:
+    """Each tier's rules apply to the saves, not to what the tier above took: pfs's every_steps 3 picks
+    105 and 111 too, which nvme's every 2 passed over."""
     ckpt = Checkpointer(
         config(
             tier("ram", keep={"last": 1}),
@@ -263,19 +265,21 @@ def test_flush_every_n_then_every_steps_select_the_right_versions(tmp_path: Path
         )
     )
     checkpointers.append(ckpt)
-    steps = list(range(101, 113))  # arrivals 1..12 at nvme; steps chosen so that arrival != step
+    steps = list(range(101, 113))  # saves 1..12; steps chosen so that a save's number != its step
     results = {}
     for step in steps:
         handle = ckpt.save_sync(step, state_for(step))
         ckpt.wait_sync()  # one at a time: nothing is superseded, only the policies decide
         results[step] = (handle.committed_sync("nvme", 0), handle.committed_sync("pfs", 0))
-    nvme_steps = [s for s in steps if (s - 100) % 2 == 0]  # every 2nd arrival
-    pfs_steps = [s for s in nvme_steps if s % 3 == 0]  # of those, steps divisible by 3
-    assert nvme_steps == [102, 104, 106, 108, 110, 112] and pfs_steps == [102, 108]
+    nvme_steps = [s for s in steps if (s - 100) % 2 == 0]  # every 2nd save
+    pfs_steps = [s for s in steps if s % 3 == 0]  # steps divisible by 3, whatever nvme took
+    assert nvme_steps == [102, 104, 106, 108, 110, 112] and pfs_steps == [102, 105, 108, 111]
     assert results == {s: (s in nvme_steps, s in pfs_steps) for s in steps}
     assert step_dirs(tmp_path / "nvme") == names(*nvme_steps)
     assert step_dirs(tmp_path / "pfs") == names(*pfs_steps)
-    assert ckpt.counters.passed_over == {"nvme": 6, "pfs": 4}
+    assert ckpt.counters.passed_over == {"nvme": 6, "pfs": 8}
+    for step in (105, 111):  # taken from host memory, never from nvme: each holds its own step
+        assert_state(restore_version_dir(tmp_path / "pfs" / names(step)[0], tmp_path).state, step)
 
 
 def test_flush_every_steps_directly_below_memory(tmp_path: Path, checkpointers: list[Any]) -> None:
@@ -359,13 +363,13 @@ def test_retention_keeps_the_version_a_downstream_flusher_is_reading(tmp_path: P
     )
     checkpointers.append(ckpt)
     h1 = ckpt.save_sync(1, state_for(1))
-    assert gates["pfs"].started.wait(DEADLINE_S)  # pfs holds a lease on nvme's step 1 while it copies it
+    assert gates["pfs"].started.wait(DEADLINE_S)  # pfs is writing step 1 (read from host memory)
     h2 = ckpt.save_sync(2, state_for(2))
     assert h2.committed_sync("nvme", DEADLINE_S) is True
-    assert held(ckpt, "nvme") == [1, 2]  # keep last 1, but step 1 is leased
+    assert held(ckpt, "nvme") == [1, 2]  # keep last 1, but pfs is writing step 1
     h3 = ckpt.save_sync(3, state_for(3))
     assert h3.committed_sync("nvme", DEADLINE_S) is True
-    assert held(ckpt, "nvme") == [1, 3]  # 2 was nobody's: pruned; 1 is still leased
+    assert held(ckpt, "nvme") == [1, 3]  # 2 was nobody's: pruned; pfs is still writing 1
     assert (tmp_path / "nvme" / names(1)[0] / "manifest.msgpack").exists()
     assert h2.committed_sync("pfs", DEADLINE_S) is False  # superseded by 3 while pfs was busy
 
@@ -374,20 +378,21 @@ def test_retention_keeps_the_version_a_downstream_flusher_is_reading(tmp_path: P
     assert h3.committed_sync("pfs", DEADLINE_S) is True
     ckpt.wait_sync()
     assert step_dirs(tmp_path / "pfs") == names(1, 3)
-    # The lease is gone: the next prune on nvme lets step 1 go.
+    # pfs is done with it: the next prune on nvme lets step 1 go.
     ckpt.save_sync(4, state_for(4))
     ckpt.wait_sync()
     assert step_dirs(tmp_path / "nvme") == names(4)
     assert step_dirs(tmp_path / "pfs") == names(1, 3, 4)
-    # pfs's copy of step 1, read from nvme while retention wanted it gone, is whole.
+    # pfs's copy of step 1, written while nvme's retention wanted it gone, is whole.
     restored = restore_version_dir(tmp_path / "pfs" / names(1)[0], tmp_path)
     assert restored.step == 1
     assert_state(restored.state, 1)
 
 
 def test_retention_keeps_the_version_a_downstream_flusher_is_waiting_to_take(tmp_path: Path, checkpointers: list[Any]) -> None:
-    """pfs is busy with step 2 when step 4 (eligible for pfs) and step 5 (not eligible) reach nvme, which
-    keeps the last 1. Step 4 is pfs's pending version: nvme must keep it until pfs has taken it."""
+    """pfs is busy with step 2 when step 4 (eligible for pfs) and step 5 (not eligible) are saved; nvme
+    keeps the last 1. Step 5 needs step 4's host slot (2 slots, step 2's being read): nvme holds step 4,
+    so host memory lets it go and pfs reads it from nvme, which must keep it until pfs has taken it."""
     gates = Gates("pfs")
     checkpointers.append(gates)
     ckpt = Checkpointer(
@@ -413,6 +418,7 @@ def test_retention_keeps_the_version_a_downstream_flusher_is_waiting_to_take(tmp
     assert h4.committed_sync("pfs", DEADLINE_S) is True
     ckpt.wait_sync()  # raises if a flush failed
     assert step_dirs(tmp_path / "pfs") == names(2, 4)
+    assert gates["pfs"].sources == ["ram", "nvme"]
     restored = restore_version_dir(tmp_path / "pfs" / names(4)[0], tmp_path)
     assert_state(restored.state, 4)
 

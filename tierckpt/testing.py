@@ -70,24 +70,68 @@ class SlowTier(FilesystemTier):
         return await super().write(source)
 
 
+class _Gate(threading.Event):
+    """An event that also wakes the writes waiting on its tier's condition when it is set."""
+
+    def __init__(self, changed: threading.Condition) -> None:
+        super().__init__()
+        self._changed = changed
+
+    def set(self) -> None:
+        super().set()
+        with self._changed:
+            self._changed.notify_all()
+
+
 class GatedTier(FilesystemTier):
     """A filesystem tier whose writes wait until ``gate`` is set: a tier as slow as the test wants.
 
-    ``started`` is set when a write begins; ``steps`` lists the steps whose write began, in order. A
-    write still waiting after ``deadline_s`` fails (a guard against a test that never opens the gate).
+    ``allow(n)`` lets the next ``n`` writes through while the gate stays closed, so a test decides when
+    each write ends. ``started`` is set when a write begins; ``steps`` lists the steps whose write
+    began, in order, and ``sources`` the tier each of them was read from; ``waiting`` counts the writes
+    at the gate now (read it on the engine thread). A write still waiting after ``deadline_s`` fails (a
+    guard against a test that never opens the gate).
     """
 
     def __init__(self, config: TierConfig, deadline_s: float = 60.0) -> None:
         super().__init__(config)
-        self.gate = threading.Event()
+        self._changed = threading.Condition()
+        self._permits = 0
+        self.gate: threading.Event = _Gate(self._changed)
         self.started = threading.Event()
         self.steps: list[int] = []
+        self.sources: list[str] = []
+        self.waiting = 0
         self.deadline_s = deadline_s
+
+    def allow(self, writes: int = 1) -> None:
+        """Let the next ``writes`` writes through (those waiting first), the gate staying as it is."""
+        with self._changed:
+            self._permits += writes
+            self._changed.notify_all()
+
+    def _pass(self) -> bool:
+        deadline = time.monotonic() + self.deadline_s
+        with self._changed:
+            while not self.gate.is_set():
+                if self._permits:
+                    self._permits -= 1
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(left)
+        return True
 
     async def write(self, source: VersionSource) -> Staged:
         self.steps.append(source.step)
+        self.sources.append(source.tier)
         self.started.set()
-        opened = await asyncio.get_running_loop().run_in_executor(None, self.gate.wait, self.deadline_s)
+        self.waiting += 1
+        try:
+            opened = await asyncio.get_running_loop().run_in_executor(None, self._pass)
+        finally:
+            self.waiting -= 1
         if not opened:
             raise TimeoutError(f"tier {self.name!r}: the test never opened the gate")
         return await super().write(source)

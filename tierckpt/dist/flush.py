@@ -13,7 +13,10 @@ handle resolves from that outcome, so all of them say the same thing.
 
 So flush and retention decisions are made once, by the leader, and no rank can take another: a
 follower keeps each eligible snapshot until a decision takes it or a newer one (or the leader's
-published *horizon*, the newest step it has dealt with) passes it over. A follower whose leader is
+published *horizon*, the newest step it has dealt with) passes it over. As on one process, every
+tier selects on the stream of saves, and each rank reads its part of a decided version from its own
+host memory, or else from a filesystem tier above that holds it (the leader's retention spares what
+a tier below waits for, on every rank). A follower whose leader is
 gone (the store cannot be reached) fails what waits and what comes, naming rank 0.
 """
 
@@ -29,8 +32,9 @@ from tierckpt.dist.group import CoordinationLost, RankGroup
 from tierckpt.errors import RankFailureError
 from tierckpt.format import version_dirname
 from tierckpt.pipeline.flusher import Flusher
+from tierckpt.pipeline.sources import Located
 from tierckpt.policy import Candidate, Update, finished, take
-from tierckpt.tiers.base import Lease, Staged, VersionInfo
+from tierckpt.tiers.base import Staged, VersionInfo
 
 log = logging.getLogger("tierckpt")
 
@@ -91,7 +95,7 @@ class LeaderFlusher(Flusher):
         self._newest = -1  # the newest step offered here
         self._published = -1
 
-    def offer(self, step: int, token: int, arrival: int | None = None) -> None:
+    def offer(self, step: int, token: int, arrival: int) -> None:
         self._newest = max(self._newest, step)
         super().offer(step, token, arrival)
 
@@ -108,14 +112,14 @@ class LeaderFlusher(Flusher):
                 return  # woken while publishing (a capture ended, a version arrived): decide again first
         await super()._sleep(timeout)
 
-    async def _store(self, candidate: Candidate) -> VersionInfo:
+    async def _store(self, candidate: Candidate, located: Located) -> VersionInfo:
         channel = self.channel
         self._decisions += 1
         n = self._decisions
         await channel.group.put(channel.key("decision", n), candidate.step)
         staged: Staged | None = None
         try:
-            source = await self.upstream.read(candidate.step)
+            source = await located.open()
             try:
                 staged = await self.tier.write(source, channel.staging(candidate.step, n))
             finally:
@@ -201,30 +205,27 @@ class FollowerFlusher(Flusher):
         self._pass_over(step, inclusive=False)
         candidate = await self._await_snapshot(step)
         if candidate is None:
-            error = f"rank {channel.group.rank} holds no step {step} on tier {self.upstream.name!r} (it skipped, evicted or never made that save)"
+            error = f"rank {channel.group.rank} holds no step {step} for tier {self.tier.name!r} (it skipped, evicted or never made that save)"
             await channel.group.put(channel.key("report", n, channel.group.rank), {"error": error})
             await self._outcome(n)  # stay in step with the leader's decisions
             return
         self._apply(take(self.state, self.policy, candidate, now=self._clock()))
         self.in_flight = candidate
         started = self._clock()
+        located = self.upstream.locate(self.tier.name, candidate)
         try:
-            lease = self.upstream.lease(step)
-        except KeyError:
-            lease = None
-        try:
-            await self._write_part(n, candidate, lease, started)
+            await self._write_part(n, candidate, located, started)
         finally:
             self.in_flight = None
 
-    async def _write_part(self, n: int, candidate: Candidate, lease: Lease | None, started: float) -> None:
+    async def _write_part(self, n: int, candidate: Candidate, located: Located | None, started: float) -> None:
         channel = self.channel
         me = channel.group.rank
         staged: Staged | None = None
         try:
-            if lease is None:
-                raise KeyError(f"rank {me} holds no step {candidate.step} on tier {self.upstream.name!r} any more")
-            source = await self.upstream.read(candidate.step)
+            if located is None:
+                raise KeyError(f"rank {me} holds step {candidate.step} nowhere above tier {self.tier.name!r} any more (evicted from host memory)")
+            source = await located.open()
             try:
                 staged = await self.tier.write(source, channel.staging(candidate.step, n))
             finally:
@@ -232,13 +233,14 @@ class FollowerFlusher(Flusher):
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            if lease is not None:
-                lease.release()
+            if located is not None:
+                located.lease.release()
             await channel.group.put(channel.key("report", n, me), {"error": f"{type(exc).__name__}: {exc}"})
             await self._outcome(n)  # stay in step with the leader's decisions; this rank's error is the one to raise
             self._events.failed(self.tier.name, candidate, exc)
             return
-        lease.release()
+        assert located is not None
+        located.lease.release()
         await channel.group.put(channel.key("report", n, me), {"part": list(staged.part or ())})
         outcome = await self._outcome(n)
         if outcome is None or "error" in outcome:
@@ -277,7 +279,7 @@ class FollowerFlusher(Flusher):
                 return None
             await self._sleep(min(left, _FOLLOW_POLL_S))
 
-    def offer(self, step: int, token: int, arrival: int | None = None) -> None:
+    def offer(self, step: int, token: int, arrival: int) -> None:
         self._newest_offered = max(self._newest_offered, step)
         super().offer(step, token, arrival)
         if self._lost is not None:

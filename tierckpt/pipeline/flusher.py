@@ -1,13 +1,14 @@
-"""A flusher moves versions from one tier to the next, one at a time, applying the tier's flush policy.
+"""A flusher moves the versions its tier selects into that tier, one at a time.
 
-It is offered each version the tier above commits, and keeps a :class:`~tierckpt.policy.FlushState`
-that the pure functions of :mod:`tierckpt.policy` update: which versions wait (the newest eligible one
-under ``newest_only``, a FIFO queue otherwise, and with ``max_staleness`` a fallback), and when the
-last flushes started. The flusher only applies those decisions: it leases the version above, writes,
-commits, tells the pipeline, and prunes its tier. The tier above keeps every version that waits here
-(``wanted_below`` for a filesystem tier, ``still_wanted`` for host memory). Reading from the memory
-tier waits while a host copy is running, unless the tier is overdue: training waits for the copy,
-never for the disk, and on few cores a write beside the copy slows it.
+It is offered every captured save and keeps a :class:`~tierckpt.policy.FlushState` that the pure
+functions of :mod:`tierckpt.policy` update: which versions wait (the newest selected one under
+``newest_only``, a FIFO queue otherwise, and with ``max_staleness`` a fallback), and when the last
+flushes started. Selection is on the stream of saves, so no other tier's choices or speed decide
+what this tier can get. The flusher only applies those decisions: it leases the version where it is
+read fastest (host memory, else a filesystem tier above that holds it: :mod:`tierckpt.pipeline.sources`),
+writes, commits, tells the pipeline, and prunes its tier. A flush starts only while no host copy is
+running, unless the tier is overdue: training waits for the copy, never for the disk, and on few
+cores a write beside the copy slows it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import asyncio
 import logging
 import time
 from dataclasses import replace
-from typing import Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from tierckpt.config import FlushPolicy
 from tierckpt.policy import (
@@ -32,7 +33,10 @@ from tierckpt.policy import (
     still_wanted,
     take,
 )
-from tierckpt.tiers.base import Lease, Tier, VersionInfo
+from tierckpt.tiers.base import Tier, VersionInfo
+
+if TYPE_CHECKING:
+    from tierckpt.pipeline.sources import Located
 
 log = logging.getLogger("tierckpt")
 
@@ -51,14 +55,24 @@ class FlushEvents(Protocol):
     def delete_failed(self, tier: str, step: int, error: BaseException) -> None: ...
 
 
+class Upstream(Protocol):
+    """Where a flusher reads what it takes, and what the tiers above keep for it (:class:`~tierckpt.pipeline.sources.Sources`)."""
+
+    def locate(self, tier: str, candidate: Candidate) -> Located | None: ...
+
+    def defer(self, tier: str, candidate: Candidate) -> bool: ...
+
+    def spared(self, tier: str, step: int) -> bool: ...
+
+
 class Flusher:
     def __init__(
         self,
-        upstream: Tier,
         tier: Tier,
         policy: FlushPolicy,
         events: FlushEvents,
         *,
+        upstream: Upstream,
         clock: Callable[[], float],
         wall_clock: Callable[[], float] = time.time,
         copy_running: Callable[[], bool] = lambda: False,
@@ -72,9 +86,6 @@ class Flusher:
         self._copy_running = copy_running
         self.state = FlushState()
         self.in_flight: Candidate | None = None
-        # Whether the next tier's flusher is waiting to take a step of this tier (retention spares it).
-        self.wanted_below: Callable[[int], bool] = lambda step: False
-        self._arrivals = 0
         self._drains = 0
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -97,16 +108,15 @@ class Flusher:
         """Whether version ``token`` must stay above, given ``newer`` versions that will be offered."""
         return still_wanted(self.state, self.policy, token, newer)
 
-    def offer(self, step: int, token: int, arrival: int | None = None) -> None:
-        """A version was committed above; ``arrival`` defaults to this flusher's own count."""
-        self._arrivals += 1
-        arrival = self._arrivals if arrival is None else arrival
+    def offer(self, step: int, token: int, arrival: int) -> None:
+        """Save ``token`` of ``step`` was captured; ``arrival``: how many saves there were, this one
+        included (what ``every`` counts)."""
         self._apply(offer(self.state, self.policy, Candidate(step, arrival, token)))
         self._idle.clear()
         self._wake.set()
 
     def forget(self, token: int) -> None:
-        """The tier above lost version ``token`` (evicted): it will not go down."""
+        """Nothing above holds version ``token`` any more (evicted): it will not go down."""
         self._apply(forget(self.state, token))
         self._wake.set()
 
@@ -176,10 +186,12 @@ class Flusher:
                 self._idle.set()
             await self._sleep(choice.wait_s)
             return
-        try:
-            lease = self.upstream.lease(candidate.step)
-        except KeyError:
-            # Gone from the tier above before it could be read: this tier will not get it.
+        if not choice.forced and self.upstream.defer(self.tier.name, candidate):
+            await self._sleep(None)  # a tier above is writing it, encoded as here: woken when it ends
+            return
+        located = self.upstream.locate(self.tier.name, candidate)
+        if located is None:
+            # Gone from above before it could be read (evicted from host memory): this tier will not get it.
             self._apply(forget(self.state, candidate.token))
             return
         self._apply(take(self.state, self.policy, candidate, now=now))
@@ -187,27 +199,27 @@ class Flusher:
             self._events.forced(self.tier.name, candidate)
         self.in_flight = candidate
         try:
-            await self._flush(candidate, lease, started=now)
+            await self._flush(candidate, located, started=now)
         finally:
             self.in_flight = None
 
-    async def _flush(self, candidate: Candidate, lease: Lease, *, started: float) -> None:
+    async def _flush(self, candidate: Candidate, located: Located, *, started: float) -> None:
         try:
-            info = await self._store(candidate)
+            info = await self._store(candidate, located)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the pipeline logs it, and the handle raises it; the next flush tries again
             self._events.failed(self.tier.name, candidate, exc)
             return
         finally:
-            lease.release()
+            located.lease.release()
         self.state = finished(self.state, started=started, ok=True)
         self._events.committed(self.tier.name, candidate, info)
         await self.prune(committed=candidate.step)
 
-    async def _store(self, candidate: Candidate) -> VersionInfo:
-        """Read ``candidate`` from the tier above, write it here and commit it (the caller leased it)."""
-        source = await self.upstream.read(candidate.step)
+    async def _store(self, candidate: Candidate, located: Located) -> VersionInfo:
+        """Read ``candidate`` where it was located, write it here and commit it (the caller holds the lease)."""
+        source = await located.open()
         try:
             staged = await self.tier.write(source)
         finally:
@@ -236,7 +248,7 @@ class Flusher:
         return [
             info.step
             for info in infos
-            if not (info.step in keep or self.tier.leased(info.step) or self.wanted_below(info.step))
+            if not (info.step in keep or self.tier.leased(info.step) or self.upstream.spared(self.tier.name, info.step))
         ]
 
     async def delete(self, steps: list[int]) -> None:

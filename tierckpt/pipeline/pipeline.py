@@ -1,7 +1,12 @@
-"""The pipeline: host slots → memory tier → flushers down the tiers, with backpressure and drain.
+"""The pipeline: host slots → memory tier → a flusher per tier below, with backpressure and drain.
 
 Everything here runs on the engine thread; the only other threads it talks to are the copy threads
 (through each snapshot's capture future) and the tiers' I/O threads.
+
+Every captured save is offered to every tier's flusher, and each tier selects on that stream with its
+own policy; a tier reads what it takes from host memory, or from a filesystem tier above that holds it
+(:mod:`tierckpt.pipeline.sources`, which also says what the tiers above keep for it). So one tier's
+speed or policy never decides which versions another tier can get.
 
 Failures. A failed flush (a full disk, a quota, EIO, EACCES on any write, fsync, rename or delete)
 raises from that save's ``handle.committed(tier)`` (tiers below resolve False), is counted
@@ -31,6 +36,7 @@ from tierckpt.capture.views import SaveMoment
 from tierckpt.config import Config
 from tierckpt.errors import CorruptCheckpointError, FlushError
 from tierckpt.pipeline.flusher import Flusher
+from tierckpt.pipeline.sources import Sources
 from tierckpt.policy import Candidate
 from tierckpt.snapshot import Entry, Snapshot, SnapshotState
 from tierckpt.state import Leaf
@@ -126,45 +132,25 @@ class Pipeline:
             from tierckpt.dist.flush import FollowerFlusher, LeaderFlusher
 
             kind = functools.partial(LeaderFlusher if group.leader else FollowerFlusher, group=group)
-        # Each tier is fed by the one above it, except below a peer tier: that tier only copies snapshots
-        # into other nodes' RAM, so the tier below it is fed by the tier above it (a disk write never
-        # waits on the network, and nothing reads a version back from the peers while training runs).
-        self._above: list[int] = [0] * len(self.tiers)
-        for i in range(1, len(self.tiers)):
-            j = i - 1
-            while j > 0 and self.tiers[j].config.type == "peer":
-                j -= 1
-            self._above[i] = j
+        self.sources = Sources(memory, self.tiers)
+        # A flush waits for running host copies unless its tier is overdue, whichever tier it reads:
+        # on a host with few cores any flush slows the copy that training waits for.
         self.flushers = [
             kind(
-                self.tiers[self._above[i]],
                 tier,
                 tier.config.flush,
                 self,
+                upstream=self.sources,
                 clock=clock,
                 wall_clock=self._wall,
-                copy_running=(lambda: bool(self.memory.capturing())) if self._above[i] == 0 else (lambda: False),
+                copy_running=lambda: bool(self.memory.capturing()),
             )
-            for i, tier in enumerate(self.tiers[1:], start=1)
+            for tier in self.tiers[1:]
         ]
-        memory.needed = self._needed_below_memory
+        self.sources.watch(self.flushers)
+        memory.wanted = self.sources.wanted
         memory.evicted = self._evicted
         memory.wall_clock = self._wall
-        for i, flusher in enumerate(self.flushers, start=1):
-            below = self._fed_by(i)
-            flusher.wanted_below = lambda step, below=below: any(f.wants(step) for f in below)
-
-    def _fed_by(self, i: int) -> list[Flusher]:
-        """The flushers reading from tier ``i``."""
-        return [f for j, f in enumerate(self.flushers, start=1) if self._above[j] == i]
-
-    def _downstream(self, i: int) -> list[Tier]:
-        """Tier ``i`` and every tier that gets versions only through it."""
-        found = [i]
-        for j in range(i + 1, len(self.tiers)):
-            if self._above[j] in found:
-                found.append(j)
-        return [self.tiers[j] for j in found]
 
     async def start(self) -> None:
         for tier in self.tiers:
@@ -177,14 +163,14 @@ class Pipeline:
 
     async def _flush_adopted(self) -> None:
         """Snapshots a killed process left in RAM go on down, as they would have gone: each to the tiers
-        fed by host memory that hold nothing as new, after it verified (a damaged one stays out).
+        that hold nothing as new, after it verified (a damaged one stays out).
 
         Not for several ranks yet: there, every rank would have to have kept the same steps.
         """
         checked: list[tuple[Snapshot, list[Flusher], Lease]] = []
         try:
             for snapshot in self.memory.adopted():
-                flushers = [f for f in self._fed_by(0) if snapshot.step > max((v.step for v in f.tier.versions()), default=-1)]
+                flushers = [f for f in self.flushers if snapshot.step > max((v.step for v in f.tier.versions()), default=-1)]
                 if not flushers:
                     continue
                 lease = self.memory.hold(snapshot)  # retention must not drop it before the flushers want it
@@ -295,13 +281,13 @@ class Pipeline:
                     tracker.resolve(self.memory.name, True)
             if self.memory.persistent:
                 self._persist(snapshot, tracker)
-            for flusher in self._fed_by(0):
+            for flusher in self.flushers:
                 flusher.offer(snapshot.step, snapshot.seq, arrival=snapshot.seq)
             if not self.flushers and tracker is not None:
                 self._forget(tracker)
             self.memory.prune()
-        for flusher in self._fed_by(0):
-            flusher.wake()
+        for flusher in self.flushers:
+            flusher.wake()  # a copy ended: a flush held back by it may start
         self.memory.notify()
 
     def _persist(self, snapshot: Snapshot, tracker: SaveTracker | None) -> None:
@@ -327,20 +313,13 @@ class Pipeline:
         self._tasks.add(task := asyncio.get_running_loop().create_task(persist()))
         task.add_done_callback(self._tasks.discard)
 
-    def _needed_below_memory(self, snapshot: Snapshot, incoming: tuple[int, int] | None) -> bool:
-        """Whether a flusher fed by host memory still wants ``snapshot``, given newer saves (see MemoryTier)."""
-        newer = [Candidate(s.step, s.seq, s.seq) for s in self.memory.capturing() if s.seq > snapshot.seq]
-        if incoming is not None:
-            newer.append(Candidate(incoming[0], incoming[1], incoming[1]))
-        return any(f.still_wanted(snapshot.seq, newer) for f in self._fed_by(0))
-
     def _evicted(self, snapshot: Snapshot) -> None:
-        """A save took the slot of a snapshot a flusher fed by host memory still wanted (on_full: evict)."""
+        """A save took the slot of a snapshot a tier below could get from nowhere else (on_full: evict)."""
         self.counters.evicted_saves += 1
-        below = self._fed_by(0)
-        names = ", ".join(repr(f.tier.name) for f in below)
+        lost = self.sources.lost(snapshot)
+        names = ", ".join(repr(f.tier.name) for f in lost)
         log.info("step %d evicted from host memory before tier(s) %s took it (host.on_full: evict)", snapshot.step, names)
-        for flusher in below:
+        for flusher in lost:
             flusher.forget(snapshot.seq)
 
     # -- flusher events (FlushEvents) --------------------------------------------------------------
@@ -354,8 +333,7 @@ class Pipeline:
         if tracker is None:
             self.memory.notify()
             return
-        for t in self._downstream(self._index(tier)):
-            tracker.resolve(t.name, False)
+        tracker.resolve(tier, False)  # only this tier: every other tier selects on its own
         self._forget(tracker)
         self.memory.prune()
         self.memory.notify()
@@ -370,14 +348,17 @@ class Pipeline:
         failures = self._failing.pop(tier, 0)
         if failures:
             log.warning("tier %r: step %d committed; the tier works again after %d failed flush(es)", tier, candidate.step, failures)
-        i = self._index(tier)
+        self.sources.committed(tier, candidate)  # the tiers below may read it from here now
         tracker = self._trackers.get(candidate.token)
         if tracker is not None:
             tracker.resolve(tier, True)
-        for flusher in self._fed_by(i):
-            flusher.offer(candidate.step, candidate.token)
-        if tracker is not None:
             self._forget(tracker)
+        self._flush_ended()
+
+    def _flush_ended(self) -> None:
+        """A flush ended: a slot may be free, and a tier waiting for this one (Sources.defer) may go."""
+        for flusher in self.flushers:
+            flusher.wake()
         self.memory.prune()
         self.memory.notify()
 
@@ -391,12 +372,9 @@ class Pipeline:
         if candidate is not None:
             tracker = self._trackers.get(candidate.token)
             if tracker is not None:
-                tracker.resolve(tier, failure)
-                for t in self._downstream(self._index(tier))[1:]:
-                    tracker.resolve(t.name, False)
+                tracker.resolve(tier, failure)  # the other tiers go on: this one failure is theirs to ignore
                 self._forget(tracker)
-        self.memory.prune()
-        self.memory.notify()
+        self._flush_ended()
 
     def delete_failed(self, tier: str, step: int, error: BaseException) -> None:
         failure = _failure(tier, step, f"deleting step {step}", error)

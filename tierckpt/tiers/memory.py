@@ -1,11 +1,13 @@
 """The memory tier: captured snapshots held in host-pool slots (PCheck-style, several at once).
 
 Every save lands here first. A slot is reused only when its snapshot is no longer needed: not being
-read (leased), not a version the next tier's flusher is waiting to take, and not kept by this tier's
-retention; when a save needs a slot and none is free, the oldest snapshot nobody needs gives way to
-it, even one retention keeps. Under ``host.on_full: evict`` a save may also take the slot of the
-oldest snapshot the next tier was still waiting for (the pipeline counts it and tells that flusher);
-a snapshot being copied into or read is never dropped. :func:`tierckpt.policy.choose_slot` decides.
+read (leased), not a version a tier below is waiting to take, and not kept by this tier's retention;
+when a save needs a slot and none is free, the oldest snapshot nobody needs gives way to it, even one
+retention keeps, or one a tier below waits for that a filesystem tier above it already holds (that
+tier reads it from there: :class:`Want`). Under ``host.on_full: evict`` a save may also take the slot
+of the oldest snapshot a tier below was still waiting for (the pipeline counts it and tells those
+flushers); a snapshot being copied into or read is never dropped. :func:`tierckpt.policy.choose_slot`
+decides.
 In a new process this tier is empty, and restore looks further down; unless the tier has a ``path``
 on a RAM-backed file system: then the pool is a shared file there, each captured snapshot is also
 written as a version directory (manifest and checksums, its data a hard link to the pool, see
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import enum
 import time
 from typing import Callable, Iterator
 
@@ -36,9 +39,20 @@ from tierckpt.snapshot import Entry, Snapshot, SnapshotState
 from tierckpt.tiers.base import Lease, Tier, VersionInfo, VersionSource
 from tierckpt.tiers.shm import ShmStore, chunk_checksums, slot_manifest, slot_records
 
-# needed(snapshot, incoming): whether the tier below still wants ``snapshot``, given a save of
+
+
+class Want(enum.Enum):
+    """Whether the tiers below still want a captured snapshot from host memory."""
+
+    NO = "no"  # no tier waits for it: retention may drop it
+    ELSEWHERE = "elsewhere"  # a tier waits for it, and a filesystem tier above that one holds it too:
+    # kept while its slot is not needed (a read from RAM is fastest), given way to a save that needs one
+    ONLY_HERE = "only here"  # a tier waits for it and nothing else holds it: kept (on_full: evict excepted)
+
+
+# wanted(snapshot, incoming): how much the tiers below still want ``snapshot``, given a save of
 # (step, seq) that is about to take a slot (or None).
-Needed = Callable[[Snapshot, "tuple[int, int] | None"], bool]
+Wanted = Callable[[Snapshot, "tuple[int, int] | None"], Want]
 
 
 class MemoryTier(Tier):
@@ -47,13 +61,14 @@ class MemoryTier(Tier):
         self.pool = pool
         self.store = store  # the directory that makes snapshots outlive the process, if any
         self.executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"tierckpt-mem-{config.name}")
-        self.needed: Needed = lambda snapshot, incoming: False
-        # Called with a snapshot dropped under on_full: evict although the next tier wanted it.
+        self.wanted: Wanted = lambda snapshot, incoming: Want.NO
+        # Called with a snapshot dropped under on_full: evict although a tier below wanted it from here.
         self.evicted: Callable[[Snapshot], None] = lambda snapshot: None
         self.wall_clock: Callable[[], float] = time.time  # unix seconds, for keep.within
         self._free: list[Slot] = list(pool.slots)
         self.lent: list[Slot] = []  # slots lent by borrow(), not free until they come back
         self.loans = 0  # borrow() calls that got slots, so far
+        self.waiting_saves = 0  # saves waiting for a slot now (on_full: block, or evict while copies run)
         self._snapshots: dict[int, Snapshot] = {}  # by seq, in save order
         self._verifying: dict[int, asyncio.Future[None]] = {}  # by seq: one check, however many wait for it
         self._changed: asyncio.Condition | None = None
@@ -151,7 +166,11 @@ class MemoryTier(Tier):
                 slot, wait = self._choose(step, seq, on_full)
                 if slot is not None or not wait:
                     return slot
-                await self._changed.wait()
+                self.waiting_saves += 1
+                try:
+                    await self._changed.wait()
+                finally:
+                    self.waiting_saves -= 1
 
     def _choose(self, step: int, seq: int, on_full: str) -> tuple[Slot | None, bool]:
         held = [
@@ -159,7 +178,7 @@ class MemoryTier(Tier):
                 s.seq,
                 copying=s.state is SnapshotState.CAPTURING,
                 leased=s.leases > 0,
-                wanted=s.state is SnapshotState.CAPTURED and self.needed(s, (step, seq)),
+                wanted=s.state is SnapshotState.CAPTURED and self.wanted(s, (step, seq)) is Want.ONLY_HERE,
             )
             for s in self._snapshots.values()
         ]
@@ -179,7 +198,7 @@ class MemoryTier(Tier):
     def _evictable(self, snapshot: Snapshot, incoming: tuple[int, int] | None) -> bool:
         if snapshot.state is SnapshotState.CAPTURING or snapshot.leases:
             return False
-        return snapshot.state is not SnapshotState.CAPTURED or not self.needed(snapshot, incoming)
+        return snapshot.state is not SnapshotState.CAPTURED or self.wanted(snapshot, incoming) is Want.NO
 
     def notify(self) -> None:
         """Something changed that may free a slot: wake blocked saves."""
@@ -282,6 +301,17 @@ class MemoryTier(Tier):
                 if self._evictable(s, None):
                     self.drop(s)
 
+    def captured(self, seq: int) -> Snapshot | None:
+        """The captured snapshot of save ``seq``, if this tier still holds it."""
+        snapshot = self._snapshots.get(seq)
+        return snapshot if snapshot is not None and snapshot.state is SnapshotState.CAPTURED else None
+
+    async def read_snapshot(self, snapshot: Snapshot) -> VersionSource:
+        """As :meth:`read`, of this very snapshot (a later save of the same step may be held too);
+        the caller holds it (:meth:`hold`)."""
+        await self.verify(snapshot)
+        return MemorySource(self.name, snapshot, self.pool)
+
     def _find(self, step: int) -> Snapshot | None:
         found = None
         for s in self._snapshots.values():
@@ -314,8 +344,7 @@ class MemoryTier(Tier):
         snapshot = self._find(step)
         if snapshot is None:
             raise KeyError(f"tier {self.name!r} holds no step {step}")
-        await self.verify(snapshot)
-        return MemorySource(self.name, snapshot, self.pool)
+        return await self.read_snapshot(snapshot)
 
     def adopted(self) -> list[Snapshot]:
         """The snapshots a previous process left here, still held, oldest save first."""
