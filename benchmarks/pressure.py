@@ -10,7 +10,8 @@ each in-place update of the state, then the loop sleeps until the next tick. One
 and evicted, ``save()`` call times against the host copy time, peak RSS over the baseline against
 ``host.capacity``, and how long after the last save that happened (not skipped) its version reached
 pfs, against ``max_staleness`` (the last step is not a pfs step, so only ``max_staleness`` sends it
-down, through nvme). Appends a table to RESULTS.md.
+down; each tier is offered every save, so pfs takes it from host memory without waiting for nvme).
+Appends a table to RESULTS.md.
 
     .venv/bin/python benchmarks/pressure.py --saves 200 --mib 32 --interval-ms 10
 """
@@ -295,9 +296,10 @@ def main() -> None:
         "host pool allocated and pre-faulted), and the peak (VmHWM"
         f"{', reset then' if results[0]['peak_reset'] else ''}) during the run, both over VmRSS before the "
         "Checkpointer was made; the rest of the peak is the tiers' write buffers and threads. Skipped and evicted saves "
-        "are counted by `ckpt.counters`; under block, save() waits for nvme instead. The newest save reaches pfs "
-        "through nvme (it is a step neither selects): nvme first writes the eligible versions queued before it, "
-        "then it is overdue; pfs then takes it once overdue, after the write it may be busy with. Times run from "
+        "are counted by `ckpt.counters`; under block, save() waits for a slot instead. The newest save is a step "
+        "neither tier selects: each tier takes it once overdue (max_staleness), after the write it may be busy "
+        "with; nvme first writes the eligible versions queued before it. Every tier is offered every save, so pfs "
+        "does not wait for nvme. Times run from "
         f"the save() call to the commit on each tier. Objects made before the run were {'left to the GC' if args.no_gc_freeze else 'frozen (gc.freeze())'}.",
         "",
     ]

@@ -6,6 +6,7 @@ group on localhost, runs the scenario, and writes what it saw to ``<dir>/result-
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -86,6 +87,32 @@ class KilledMidWrite(FilesystemTier):
         return await super().write(source, staging)
 
 
+class SlowWrites(FilesystemTier):
+    """A filesystem tier of several ranks whose every write takes ``delay_s`` longer (nvme kept busy)."""
+
+    delay_s = 0.0
+
+    async def write(self, source: Any, staging: str | None = None) -> Any:
+        await asyncio.sleep(self.delay_s)
+        return await super().write(source, staging)
+
+
+def remember_groups() -> list[Any]:
+    """The RankGroup each Checkpointer made from now on (a tier_factory needs it for a tier of several ranks)."""
+    from tierckpt.dist import RankGroup
+
+    made: list[Any] = []
+    original = RankGroup.discover
+
+    def remember(group: Any, timeout_s: float, **kwargs: Any) -> Any:
+        found = original(group, timeout_s, **kwargs)
+        made.append(found)
+        return found
+
+    RankGroup.discover = staticmethod(remember)  # type: ignore[method-assign]
+    return made
+
+
 def main() -> None:
     scenario, root = sys.argv[1], Path(sys.argv[2])
     if os.environ.get("DUMP_AFTER"):
@@ -105,6 +132,40 @@ def main() -> None:
             for step in steps:
                 handle = ckpt.save_sync(step, state(step, rank), replicated=replicated)
                 out.setdefault("committed", []).append(handle.committed_sync("disk", timeout=120))
+    elif scenario == "selection":
+        # ram -> nvme (every save, each write 0.4 s slower) -> pfs (every_steps 5): pfs must get every
+        # version it selects on every rank although nvme is busy with older saves. The loop saves the
+        # next pfs step only once pfs is done with the previous one. pfs is the "disk" tier that the
+        # restore scenario reads.
+        SlowWrites.delay_s = float(os.environ.get("NVME_DELAY", "0.4"))
+        groups = remember_groups()
+        cfg = {
+            "host": {"capacity": "64MiB", "snapshots": 4},
+            "tiers": [
+                {"name": "ram", "type": "memory", "keep": {"last": 1}},
+                {"name": "nvme", "type": "filesystem", "path": str(root / "nvme"), "flush": {"every": 1}, "keep": {"last": 2}},
+                {"name": "disk", "type": "filesystem", "path": str(root / "disk"), "flush": {"every_steps": 5}, "keep": {"last": 10}},
+            ],
+            "distributed": {"timeout": f"{timeout}s"},
+        }
+
+        def slow(tier: TierConfig) -> FilesystemTier | None:
+            return SlowWrites(tier, groups[-1]) if tier.name == "nvme" else None
+
+        results: dict[int, Any] = {}
+        with Checkpointer(cfg, tier_factory=slow) as ckpt:
+            pending = None
+            for step in range(1, 21):
+                ckpt.wait_captured()
+                if step % 5 == 0 and pending is not None:
+                    results[pending.step] = pending.committed_sync("disk", timeout=120)
+                handle = ckpt.save_sync(step, state(step, rank), replicated=["model"])
+                if step % 5 == 0:
+                    pending = handle
+            assert pending is not None
+            results[pending.step] = pending.committed_sync("disk", timeout=120)
+            out["disk_versions"] = [v.step for v in ckpt.versions() if v.tier == "disk"]
+        out["committed"] = {str(k): v for k, v in results.items()}
     elif scenario == "restore":
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -139,17 +200,7 @@ def main() -> None:
         def factory(cfg: TierConfig) -> FilesystemTier | None:
             return KilledMidWrite(cfg, ckpt_group[0]) if cfg.type == "filesystem" else None
 
-        ckpt_group: list[Any] = []
-        from tierckpt.dist import RankGroup
-
-        original = RankGroup.discover
-
-        def remember(group: Any, timeout_s: float, **kwargs: Any) -> Any:
-            found = original(group, timeout_s, **kwargs)
-            ckpt_group.append(found)
-            return found
-
-        RankGroup.discover = staticmethod(remember)  # type: ignore[method-assign]
+        ckpt_group = remember_groups()
         ckpt = Checkpointer(config(root, timeout), tier_factory=factory)
         for step in range(1, at):
             assert ckpt.save_sync(step, state(step, rank)).committed_sync("disk", timeout=120)

@@ -1,4 +1,4 @@
-"""One rank of a peer-tier test (tests/test_peer.py): ``python peer_worker.py <save|restore|misplaced> <dir>``.
+"""One rank of a peer-tier test (tests/test_peer.py): ``python peer_worker.py <save|restore|misplaced|selection> <dir>``.
 
 Started once per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and:
     STEPS       save: the steps to save, "1,2,3"
@@ -15,6 +15,7 @@ peer tier keeps COPIES copies (default 1); each node's RAM tier is ``<dir>/node-
 save: saves STEPS, waits until the last is committed on the peer tier, and, with KILL=1, dies by
 SIGKILL after every rank got there (as a node lost mid-training would, leaving RAM files behind).
 restore: restores into a template; both write ``<dir>/<mode>-<rank>.json``.
+selection (with DISK_FIRST=1): ram -> a slow nvme (every save) -> the peer tier (every 2nd step).
 """
 
 from __future__ import annotations
@@ -45,6 +46,16 @@ def config(root: Path, rank: int, world: int) -> dict[str, Any]:
     peer: dict[str, Any] = {"name": "peer", "type": "peer", "copies": int(os.environ.get("COPIES", "1")), "keep": {"last": 2}}
     if os.environ.get("BANDWIDTH"):
         peer["bandwidth"] = os.environ["BANDWIDTH"]
+    if os.environ.get("DISK_FIRST") == "1":  # selection: the peer tier below a busy nvme, every 2nd step
+        return {
+            "host": {"capacity": "64MiB", "snapshots": 5},
+            "tiers": [
+                {"name": "ram", "type": "memory", "path": str(root / f"node-{node}"), "keep": {"last": 1}},
+                {"name": "nvme", "type": "filesystem", "path": str(root / "nvme"), "keep": {"last": 2}},
+                peer | {"flush": {"every_steps": 2}},
+            ],
+            "distributed": {"timeout": os.environ.get("TIMEOUT", "30s"), "nodes": nodes()},
+        }
     return {
         "host": {"capacity": "64MiB", "snapshots": 2},
         "tiers": [
@@ -93,6 +104,31 @@ def main() -> None:
         plain["tiers"] = [t for t in plain["tiers"] if t["type"] != "peer"]
         Checkpointer(plain).close_sync()  # the same RAM directory: its lock was given back
         (root / f"{mode}-{rank}.json").write_text(json.dumps(out))
+        dist.destroy_process_group()
+        return
+    if mode == "selection":
+        # nvme takes every save, each write 0.4 s slower, so it is always busy with an older one; the
+        # peer tier (every_steps 2) must still get every even step on every rank. The next even step is
+        # saved only once the peer tier is done with the previous one.
+        from dist_worker import SlowWrites, remember_groups
+
+        SlowWrites.delay_s = 0.4
+        groups = remember_groups()
+        ckpt = Checkpointer(config(root, rank, world), tier_factory=lambda t: SlowWrites(t, groups[-1]) if t.name == "nvme" else None)
+        pending = None
+        for step in range(1, 13):
+            ckpt.wait_captured()
+            if step % 2 == 0 and pending is not None:
+                out[str(pending.step)] = pending.committed_sync("peer", 120)
+            handle = ckpt.save_sync(step, state(rank, step))
+            if step % 2 == 0:
+                pending = handle
+        assert pending is not None
+        out[str(pending.step)] = pending.committed_sync("peer", 120)
+        ckpt.wait_sync()
+        out["versions"] = {t: [v.step for v in ckpt.versions() if v.tier == t] for t in ckpt.tiers}
+        (root / f"{mode}-{rank}.json").write_text(json.dumps(out))
+        ckpt.close_sync()
         dist.destroy_process_group()
         return
     ckpt = Checkpointer(config(root, rank, world))

@@ -170,7 +170,7 @@ def test_readme_examples_load_as_written(tmp_path: Path) -> None:
     assert load(tmp_path, blocks[0]) == load(tmp_path, EXAMPLE)
     realistic = load(tmp_path, blocks[1])
     ram, nvme, pfs = realistic.tiers
-    assert (realistic.host.snapshots, realistic.host.on_full) == (4, "evict")
+    assert (realistic.host.snapshots, realistic.host.on_full) == (5, "evict")  # 2 tiers below host memory: 2 × 2 + 1
     assert ram.keep == KeepPolicy(last=1)
     assert (nvme.flush, nvme.keep) == (FlushPolicy(every_steps=10), KeepPolicy(last=3))
     assert pfs.flush == FlushPolicy(every_steps=500, max_staleness_s=1800.0)

@@ -165,3 +165,12 @@ def test_a_holder_out_of_ram_fails_that_version_and_the_next_copies_arrive_whole
     # Rank 3 took the refused copy off the wire: the copies after it are whole, on every rank.
     assert all(s[str(step)]["peer"] is True for s in saved for step in (2, 3)), saved
     assert saved[3]["held"] == [[1, 2], [1, 3]]
+
+
+def test_a_peer_tier_below_a_busy_tier_gets_every_version_it_selects(root: Path) -> None:
+    """Selection per tier with a peer tier: listed below an nvme tier that is always busy writing older
+    saves, the peer tier (every_steps 2) commits every even step on every rank, from host memory."""
+    results = run("selection", root, DISK_FIRST="1", MB="1")
+    for r in results:
+        assert [r[str(step)] for step in range(2, 13, 2)] == [True] * 6, r
+        assert r["versions"]["peer"] == [10, 12], r  # keep: {last: 2}

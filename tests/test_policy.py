@@ -498,13 +498,14 @@ class SimTier:
     seconds_per_byte: float
     state: FlushState = field(default_factory=FlushState)
     stored: dict[int, V] = field(default_factory=dict)
-    in_flight: tuple[Candidate, float] | None = None
-    arrivals: int = 0
+    tokens: dict[int, int] = field(default_factory=dict)  # step -> the save it stores under that step
+    in_flight: tuple[Candidate, float, int] | None = None  # (version, start, source: -1 host memory, else a tier)
     offered: list[int] = field(default_factory=list)  # tokens
     flushed: list[int] = field(default_factory=list)  # tokens, in commit order
     passed_over: list[int] = field(default_factory=list)
     committed_at: dict[int, float] = field(default_factory=dict)  # token -> time
     committed_steps: set[int] = field(default_factory=set)
+    busy_at: dict[int, bool] = field(default_factory=dict)  # token -> writing, or held back by min_interval, when it was saved
 
 
 @dataclass
@@ -519,8 +520,10 @@ class SimHost:
 
 
 class Sim:
-    """Saves into host memory (captured at once, into ``host.slots`` slots), flushed down ``tiers`` by
-    the policy functions alone, each write lasting its bytes times the tier's seconds per byte."""
+    """Saves into host memory (captured at once, into ``host.slots`` slots), each offered to every tier
+    and flushed by the policy functions alone, each write lasting its bytes times the tier's seconds per
+    byte. A tier reads what it takes from host memory, else from the first tier above that stores that
+    save (as :mod:`tierckpt.pipeline.sources` does)."""
 
     def __init__(self, tiers: list[SimTier], host: SimHost) -> None:
         self.tiers = tiers
@@ -557,32 +560,43 @@ class Sim:
                 self.decide(i)
         assert not self.host.blocked
 
+    def on_disk_above(self, i: int, token: int) -> int | None:
+        """The first tier above tier ``i`` that stores save ``token``."""
+        step = self.saves[token].step
+        return next((j for j in range(i) if self.tiers[j].tokens.get(step) == token and step in self.tiers[j].stored), None)
+
+    def read_from_host(self) -> set[int]:
+        return {t.in_flight[0].token for t in self.tiers if t.in_flight is not None and t.in_flight[2] < 0}
+
+    def wanted_here(self, token: int, newer: list[Candidate]) -> bool:
+        """A tier still wants save ``token`` and no tier above it stores it: host memory must keep it."""
+        return any(still_wanted(t.state, t.flush, token, newer) and self.on_disk_above(i, token) is None for i, t in enumerate(self.tiers))
+
     def save(self, version: V) -> bool:
         """A save takes a host slot (True), or is skipped (True), or waits for one (False)."""
-        host, first = self.host, self.tiers[0]
+        host = self.host
         if host.slots is not None and len(host.held) >= host.slots:
             incoming = Candidate(version.step, self.seq + 1, self.seq + 1)
-            leased = first.in_flight[0].token if first.in_flight else None
-            held = [
-                Held(token, copying=False, leased=token == leased, wanted=still_wanted(first.state, first.flush, token, [incoming]))
-                for token in host.held
-            ]
+            reading = self.read_from_host()
+            held = [Held(token, copying=False, leased=token in reading, wanted=self.wanted_here(token, [incoming])) for token in host.held]
             choice = choose_slot(held, free=0, on_full=host.on_full)
             if choice.action == "wait":
                 assert host.on_full == "block"  # skip and evict never wait when no copy is running
                 return False
             if choice.action == "skip":
-                # evict skips only when every slot is being read (here: the first tier's one read)
+                # evict skips only when every slot is being read
                 assert host.on_full == "skip" or (host.on_full == "evict" and all(h.leased for h in held))
                 host.skipped += 1
                 return True
             victim = choice.token
-            assert victim is not None and victim != leased
-            del host.held[victim]
+            assert victim is not None and victim not in reading
             if choice.action == "evict":
                 assert host.on_full == "evict"
                 host.evicted += 1
-                self.apply(first, forget(first.state, victim))
+                for i, tier in enumerate(self.tiers):
+                    if self.on_disk_above(i, victim) is None:
+                        self.apply(tier, forget(tier.state, victim))
+            del host.held[victim]
             dropped = victim
         else:
             dropped = None
@@ -591,34 +605,33 @@ class Sim:
         self.host_at[self.seq] = self.now
         self.host.held[self.seq] = version
         assert host.slots is None or len(host.held) <= host.slots  # host memory: the slots, no more
-        self.offer(0, version.step, self.seq)
-        # A snapshot that gave way is nothing the first tier waits for once the new save is offered.
-        assert dropped is None or first.state.find(dropped) is None
+        for tier in self.tiers:
+            started = tier.state.last_start
+            held_back = started is not None and started + tier.flush.min_interval_s > self.now
+            tier.busy_at[self.seq] = tier.in_flight is not None or held_back
+            self.offer(tier, version.step, self.seq)
+        # A snapshot that gave way is nothing a tier waits for from host memory once the new save is offered.
+        assert dropped is None or not self.wanted_here(dropped, [])
         return True
 
     def prune_host(self) -> None:
-        """Host retention: what keep lets go and neither the first tier waits for nor reads."""
-        first = self.tiers[0]
+        """Host retention: what keep lets go, nobody reads from host memory and no tier waits for."""
         kept = retain(list(self.host.held.values()), self.host.keep, now=self.now)
-        leased = first.in_flight[0].token if first.in_flight else None
+        reading = self.read_from_host()
         for token, version in list(self.host.held.items()):
-            if version.step not in kept and token != leased and not still_wanted(first.state, first.flush, token, []):
+            if version.step in kept or token in reading:
+                continue
+            if not any(still_wanted(t.state, t.flush, token, []) for t in self.tiers):
                 del self.host.held[token]
 
-    def offer(self, i: int, step: int, token: int) -> None:
-        tier = self.tiers[i]
-        tier.arrivals += 1
+    def offer(self, tier: SimTier, step: int, token: int) -> None:
         tier.offered.append(token)
-        # Below host memory the arrival number is the save's seq, as in the pipeline.
-        arrival = token if i == 0 else tier.arrivals
-        self.apply(tier, offer(tier.state, tier.flush, Candidate(step, arrival, token)))
+        # Every tier counts the saves: the arrival number is the save's seq, as in the pipeline.
+        self.apply(tier, offer(tier.state, tier.flush, Candidate(step, token, token)))
 
     def apply(self, tier: SimTier, update) -> None:  # type: ignore[no-untyped-def]
         tier.state = update.state
         tier.passed_over.extend(x.token for x in update.passed_over)
-
-    def above(self, i: int, candidate: Candidate) -> bool:
-        return candidate.token in self.host.held if i == 0 else candidate.step in self.tiers[i - 1].stored
 
     def decide(self, i: int) -> None:
         tier = self.tiers[i]
@@ -631,17 +644,19 @@ class Sim:
                 # Look again when told to (never earlier than the next representable instant).
                 self.push(max(self.now + choice.wait_s, math.nextafter(self.now, math.inf)), "timer", i)
             return
-        # Retention above spared it: a flusher never finds the version it waits for gone.
-        assert self.above(i, choice.take), (i, choice.take)
+        token = choice.take.token
+        above = self.on_disk_above(i, token)
+        # Host memory or retention above kept it: a flusher never finds the version it waits for gone.
+        assert token in self.host.held or above is not None, (i, choice.take)
         self.apply(tier, take(tier.state, tier.flush, choice.take, now=self.now))
-        tier.in_flight = (choice.take, self.now)
-        nbytes = self.saves[choice.take.token].nbytes
+        tier.in_flight = (choice.take, self.now, -1 if token in self.host.held else above)
+        nbytes = self.saves[token].nbytes
         self.push(self.now + nbytes * tier.seconds_per_byte, "done", i)
 
     def done(self, i: int) -> None:
         tier = self.tiers[i]
         assert tier.in_flight is not None
-        candidate, started = tier.in_flight
+        candidate, started, _ = tier.in_flight
         tier.in_flight = None
         if tier.flushed:
             assert candidate.token > tier.flushed[-1], "a tier went backwards"
@@ -649,19 +664,17 @@ class Sim:
         tier.committed_at[candidate.token] = self.now
         tier.committed_steps.add(candidate.step)
         tier.stored[candidate.step] = self.saves[candidate.token]
+        tier.tokens[candidate.step] = candidate.token
         tier.state = finished(tier.state, started=started, ok=True)
-        if i + 1 < len(self.tiers):
-            self.offer(i + 1, candidate.step, candidate.token)
         self.prune(i, committed=candidate.step)
 
     def pinned(self, i: int) -> set[int]:
-        """Steps of tier ``i`` that the tier below waits for or reads."""
-        if i + 1 >= len(self.tiers):
-            return set()
-        below = self.tiers[i + 1]
-        steps = {x.step for x in below.state.waiting()}
-        if below.in_flight is not None:
-            steps.add(below.in_flight[0].step)
+        """Steps of tier ``i`` that a tier below waits for or reads."""
+        steps = set()
+        for below in self.tiers[i + 1 :]:
+            steps |= {x.step for x in below.state.waiting()}
+            if below.in_flight is not None:
+                steps.add(below.in_flight[0].step)
         return steps
 
     def prune(self, i: int, committed: int) -> None:
@@ -671,7 +684,7 @@ class Sim:
         pinned = self.pinned(i)
         tier.stored = {s: v for s, v in tier.stored.items() if s in by_rule or s == committed or s in pinned}
         assert newest in tier.stored  # the newest committed version is always kept
-        # Nothing is kept that no rule keeps, beyond what the tier below still needs.
+        # Nothing is kept that no rule keeps, beyond what a tier below still needs.
         assert set(tier.stored) <= by_rule | {committed} | pinned
         # An every_steps milestone, once committed, is never pruned.
         if tier.keep.every_steps is not None:
@@ -719,26 +732,34 @@ def test_property_tier_chains(chain: tuple[SimHost, list[SimTier], list[tuple[fl
     assert sim.seq + host.skipped == len(saves)  # every save happened or was skipped, none lost
     assert host.skipped == 0 or host.on_full in ("skip", "evict")
     assert host.evicted == 0 or host.on_full == "evict"
-    for i, tier in enumerate(tiers):
-        # Every version offered to a tier was either flushed or passed over, once (a fallback still
-        # waiting at the end is what a close() would pass over).
+    for tier in tiers:
+        # Every save was offered to every tier, and either flushed or passed over, once (a fallback
+        # still waiting at the end is what a close() would pass over).
+        assert tier.offered == sorted(sim.saves)
         leftover = [x.token for x in tier.state.waiting()]
         assert sorted(tier.flushed + tier.passed_over + leftover) == sorted(tier.offered)
         assert not tier.state.queue  # every eligible version went down or was replaced
+        # Selection per tier: every version the tier's own rules select is flushed, unless it was
+        # evicted from host memory, or (newest_only) a newer one they select came while the tier was
+        # busy with a write or held back by min_interval. Another tier never decides it.
+        selected = [t for t, v in sorted(sim.saves.items()) if flush_eligible(tier.flush, v.step, t)]
+        for k, token in enumerate(selected):
+            if token in tier.flushed or host.evicted:
+                continue
+            assert tier.flush.newest_only, f"newest_only: false lost save {token}"
+            newer = selected[k + 1 :]
+            assert newer and tier.busy_at[newer[0]], f"save {token} was replaced while the tier was free"
         if tier.flush.newest_only:
             assert tier.flushed == sorted(tier.flushed)
-        # max_staleness: the newest version the tier above got reaches this tier too. An older
-        # eligible version queued ahead of it may still start (after min_interval or the write in
-        # flight) and restart the staleness clock, since that is a successful flush; the newest then
-        # goes down once overdue: within max(min_interval, write) + max(max_staleness, write) + a
-        # write, plus the write in flight.
-        if tier.flush.max_staleness_s is not None:
-            source = tiers[i - 1].flushed if i else sorted(sim.saves)
-            if source:
-                newest = source[-1]
-                assert tier.flushed and tier.flushed[-1] == newest
-                if tier.flush.newest_only:
-                    reached_above = tiers[i - 1].committed_at[newest] if i else sim.host_at[newest]
-                    write = max(v.nbytes for v in sim.saves.values()) * tier.seconds_per_byte
-                    bound = max(tier.flush.min_interval_s, write) + max(tier.flush.max_staleness_s, write) + 2 * write
-                    assert tier.committed_at[newest] - reached_above <= bound + 1e-6
+        # max_staleness: the newest save reaches this tier too. An older eligible version queued ahead
+        # of it may still start (after min_interval or the write in flight) and restart the staleness
+        # clock, since that is a successful flush; the newest then goes down once overdue: within
+        # max(min_interval, write) + max(max_staleness, write) + a write, plus the write in flight,
+        # counted from when it was saved (no tier above delays it any more).
+        if tier.flush.max_staleness_s is not None and not host.evicted:
+            newest = max(sim.saves)
+            assert tier.flushed and tier.flushed[-1] == newest
+            if tier.flush.newest_only:
+                write = max(v.nbytes for v in sim.saves.values()) * tier.seconds_per_byte
+                bound = max(tier.flush.min_interval_s, write) + max(tier.flush.max_staleness_s, write) + 2 * write
+                assert tier.committed_at[newest] - sim.host_at[newest] <= bound + 1e-6

@@ -164,14 +164,15 @@ class DistributedConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FlushPolicy:
-    """Which versions arriving from the tier above a tier writes (YAML section ``flush``).
+    """Which saves a tier writes (YAML section ``flush``): every tier selects on the stream of saves,
+    whatever the other tiers take.
 
     A version is eligible when it meets ``every`` and ``every_steps``; ``min_interval`` spaces the
     starts of flushes; ``max_staleness`` sends the newest version down when the tier has gone that
     long without a successful flush, eligible or not. :mod:`tierckpt.policy` applies these rules.
 
     Attributes:
-        every: flush every N-th version that arrives from the tier above (>= 1).
+        every: flush every N-th save (>= 1), counted over the saves that took a host slot.
         every_steps: flush only versions whose step is divisible by N (>= 1), or ``None``.
         min_interval_s: at least this many seconds between the starts of two flushes to this tier
             (YAML ``min_interval``: seconds or ``"500ms"``, ``"30s"``, ``"10m"``, ``"2h"``, ``"1d"``).
@@ -181,7 +182,7 @@ class FlushPolicy:
             shorter than ``min_interval_s``, or ``None`` for no limit.
         newest_only: ``True`` (PCheck): a version waiting while the tier is busy is replaced by a newer
             eligible one; ``False``: every eligible version is queued and goes down, oldest first, and
-            the tier above keeps each until it is taken.
+            host memory (or a filesystem tier above that holds it) keeps each until it is taken.
 
     Raises:
         ConfigError: a value is of the wrong type or out of range, or ``max_staleness`` is shorter
@@ -319,7 +320,7 @@ class TierConfig:
             as a ``Path`` with ``~`` expanded, a relative path stays relative. On a memory tier (optional):
             a directory on a RAM-backed file system (``/dev/shm/...``) holding the host pool, so that
             its snapshots outlive the process. Not on a peer tier.
-        flush: which versions from the tier above this tier writes. Not on a memory tier: it is first
+        flush: which saves this tier writes. Not on a memory tier: it is first
             and receives every save. (A filesystem tier listed first is fed by the host tier that the
             Checkpointer puts in front of it, so it may have one.)
         keep: which committed versions this tier keeps.

@@ -6,7 +6,8 @@ injected clock, so ranks that save the same steps make the same decisions.
 
 Flushing (one :class:`FlushState` per tier below the first, held by its flusher):
 
-- :func:`offer`: the tier above committed a version. ``every``/``every_steps`` make it *eligible*
+- :func:`offer`: a save was captured (every tier is offered every save: each selects on the stream
+  of saves, whatever the other tiers took). ``every``/``every_steps`` make it *eligible*
   (:func:`flush_eligible`). Under ``newest_only`` an eligible version waiting while the tier is busy
   is replaced by a newer eligible one, and a version older than one already taken is passed over
   (PCheck). With ``newest_only: false`` eligible versions queue, oldest save first, and each goes down.
@@ -22,7 +23,7 @@ Flushing (one :class:`FlushState` per tier below the first, held by its flusher)
   Why staleness is timed from the *start* of the last successful flush: that flush took the newest
   version there was when it started, so the tier's newest data is about as old as that moment. Timed
   from the start, the tier's newest data is never older than ``max_staleness`` plus one write (plus
-  the lag of the tiers above); timed from the commit it could be older by a second write, and a
+  nothing else: no other tier delays what this one is offered); timed from the commit it could be older by a second write, and a
   failed flush must not count (nothing new reached the tier). Before any flush succeeds, the clock
   runs from when the flusher started.
 
@@ -62,15 +63,15 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Candidate:
-    """A version offered to a flusher by the tier above."""
+    """A save offered to a flusher (every captured save is offered to every tier)."""
 
     step: int
-    arrival: int  # 1, 2, ...: how many versions the tier above had offered, this one included
+    arrival: int  # 1, 2, ...: how many saves there were, this one included (what ``every`` counts)
     token: int  # identifies the save this version came from (its snapshot's seq): larger is newer
 
 
 def flush_eligible(policy: FlushPolicy, step: int, arrival: int) -> bool:
-    """Whether ``every`` N-th arrival and ``every_steps`` both select a version."""
+    """Whether ``every`` N-th save and ``every_steps`` both select a version."""
     if arrival % policy.every:
         return False
     return policy.every_steps is None or step % policy.every_steps == 0
@@ -98,7 +99,7 @@ class FlushState:
     last_ok_start: float = 0.0
 
     def waiting(self) -> tuple[Candidate, ...]:
-        """Every version the tier above must keep for this tier: the queue and the fallback."""
+        """Every version that must stay held above this tier for it: the queue and the fallback."""
         return self.queue + ((self.fallback,) if self.fallback is not None else ())
 
     def find(self, token: int) -> Candidate | None:
@@ -114,7 +115,7 @@ class Update:
 
 
 def offer(state: FlushState, policy: FlushPolicy, candidate: Candidate) -> Update:
-    """The tier above committed ``candidate``: queue it, hold it as the fallback, or pass it over."""
+    """Save ``candidate`` was captured: queue it, hold it as the fallback, or pass it over."""
     if flush_eligible(policy, candidate.step, candidate.arrival):
         if policy.newest_only:
             if candidate.token < state.newest_token:
@@ -137,7 +138,7 @@ def offer(state: FlushState, policy: FlushPolicy, candidate: Candidate) -> Updat
 
 
 def forget(state: FlushState, token: int) -> Update:
-    """The tier above lost version ``token`` (evicted from host memory): this tier will not take it."""
+    """Nothing above holds version ``token`` any more (evicted from host memory): this tier will not take it."""
     lost = state.find(token)
     if lost is None:
         return Update(state)
@@ -226,7 +227,8 @@ def finished(state: FlushState, *, started: float, ok: bool) -> FlushState:
 
 
 def still_wanted(state: FlushState, policy: FlushPolicy, token: int, newer: Sequence[Candidate]) -> bool:
-    """Whether the tier above must keep version ``token`` for this tier.
+    """Whether version ``token`` must stay held above this tier (in host memory, or on a filesystem
+    tier above that holds it) for this tier.
 
     ``newer`` are versions that will be offered after it (saves being captured, or a save about to
     take a host slot): a newer eligible version replaces a waiting one under ``newest_only``, and any

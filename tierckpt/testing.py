@@ -89,8 +89,9 @@ class GatedTier(FilesystemTier):
     ``allow(n)`` lets the next ``n`` writes through while the gate stays closed, so a test decides when
     each write ends. ``started`` is set when a write begins; ``steps`` lists the steps whose write
     began, in order, and ``sources`` the tier each of them was read from; ``waiting`` counts the writes
-    at the gate now (read it on the engine thread). A write still waiting after ``deadline_s`` fails (a
-    guard against a test that never opens the gate).
+    at the gate now (a write is counted off the moment it passes), ``parked()`` those of them no permit
+    lets through yet. A write still waiting after ``deadline_s`` fails (a guard against a test that
+    never opens the gate).
     """
 
     def __init__(self, config: TierConfig, deadline_s: float = 60.0) -> None:
@@ -110,28 +111,36 @@ class GatedTier(FilesystemTier):
             self._permits += writes
             self._changed.notify_all()
 
+    def parked(self) -> int:
+        """Writes waiting at the gate that no permit lets through yet (0 while the gate is open)."""
+        with self._changed:
+            return 0 if self.gate.is_set() else max(0, self.waiting - self._permits)
+
     def _pass(self) -> bool:
         deadline = time.monotonic() + self.deadline_s
         with self._changed:
-            while not self.gate.is_set():
-                if self._permits:
-                    self._permits -= 1
-                    return True
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._changed.wait(left)
-        return True
+            try:
+                while not self.gate.is_set():
+                    if self._permits:
+                        self._permits -= 1
+                        return True
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._changed.wait(left)
+                return True
+            finally:
+                # Here, the moment it passes: counted down later (on the engine loop), a write already
+                # through would still look parked, and a test would give it a second permit.
+                self.waiting -= 1
 
     async def write(self, source: VersionSource) -> Staged:
         self.steps.append(source.step)
         self.sources.append(source.tier)
         self.started.set()
-        self.waiting += 1
-        try:
-            opened = await asyncio.get_running_loop().run_in_executor(None, self._pass)
-        finally:
-            self.waiting -= 1
+        with self._changed:
+            self.waiting += 1
+        opened = await asyncio.get_running_loop().run_in_executor(None, self._pass)
         if not opened:
             raise TimeoutError(f"tier {self.name!r}: the test never opened the gate")
         return await super().write(source)

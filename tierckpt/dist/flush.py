@@ -268,7 +268,7 @@ class FollowerFlusher(Flusher):
         return await channel.group.get(key)
 
     async def _await_snapshot(self, step: int) -> Candidate | None:
-        """This rank's version of ``step`` from the tier above; waits for it while this rank is behind."""
+        """This rank's save of ``step`` offered here; waits for it while this rank is behind."""
         deadline = time.monotonic() + self.channel.group.timeout_s
         while True:
             found = next((c for c in self.state.waiting() if c.step == step), None)

@@ -26,7 +26,6 @@ from tierckpt.policy import (
     Update,
     choose_flush,
     finished,
-    flush_eligible,
     forget,
     offer,
     retain,
@@ -96,11 +95,8 @@ class Flusher:
         self.state = replace(self.state, last_ok_start=self._clock())  # max_staleness runs from here
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"tierckpt-flush-{self.tier.name}")
 
-    def eligible(self, step: int, arrival: int) -> bool:
-        return flush_eligible(self.policy, step, arrival)
-
     def wants(self, step: int) -> bool:
-        """Whether a version of ``step`` waits here to be taken or is being written (the tier above must
+        """Whether a version of ``step`` waits here to be taken or is being written (the tiers above must
         keep it: of several ranks, the others may still be reading their parts)."""
         return any(c.step == step for c in self.state.waiting()) or (self.in_flight is not None and self.in_flight.step == step)
 

@@ -89,7 +89,7 @@ class Counters:
     flushed: dict[str, int] = field(default_factory=dict)  # versions committed, per tier
     passed_over: dict[str, int] = field(default_factory=dict)  # versions a tier did not take, per tier
     flush_errors: int = 0  # failed flushes and deletions, all tiers
-    evicted_saves: int = 0  # captured snapshots dropped from host memory before the next tier took them (on_full: evict)
+    evicted_saves: int = 0  # captured snapshots dropped from host memory before a tier that could get them nowhere else took them (on_full: evict)
     forced: dict[str, int] = field(default_factory=dict)  # versions a tier took only because max_staleness had passed
     # Per filesystem tier: bytes before/after compression, chunks kept raw, measured throughputs.
     compression: dict[str, CompressionStats] = field(default_factory=dict)

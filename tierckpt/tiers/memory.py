@@ -34,7 +34,7 @@ from tierckpt.config import TierConfig
 from tierckpt._buffers import align_up
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import CHUNK_BYTES, DATA_FILE, Manifest, TensorRecord, version_dirname
-from tierckpt.policy import Held, choose_slot, retain
+from tierckpt.policy import Held, SlotChoice, choose_slot, retain
 from tierckpt.snapshot import Entry, Snapshot, SnapshotState
 from tierckpt.tiers.base import Lease, Tier, VersionInfo, VersionSource
 from tierckpt.tiers.shm import ShmStore, chunk_checksums, slot_manifest, slot_records
@@ -172,7 +172,8 @@ class MemoryTier(Tier):
                 finally:
                     self.waiting_saves -= 1
 
-    def _choose(self, step: int, seq: int, on_full: str) -> tuple[Slot | None, bool]:
+    def slot_choice(self, step: int, seq: int, on_full: str) -> SlotChoice:
+        """What the save (step, seq) would do for a slot now (no side effects: :meth:`acquire` acts on it)."""
         held = [
             Held(
                 s.seq,
@@ -182,7 +183,10 @@ class MemoryTier(Tier):
             )
             for s in self._snapshots.values()
         ]
-        choice = choose_slot(held, free=len(self._free), on_full=on_full)
+        return choose_slot(held, free=len(self._free), on_full=on_full)
+
+    def _choose(self, step: int, seq: int, on_full: str) -> tuple[Slot | None, bool]:
+        choice = self.slot_choice(step, seq, on_full)
         if choice.action in ("drop", "evict"):
             assert choice.token is not None
             victim = self._snapshots[choice.token]
