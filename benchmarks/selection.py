@@ -84,12 +84,15 @@ def run(args: argparse.Namespace, step_s: float, directory: Path, state: dict[st
     seq = 0
     selected: dict[str, list[int]] = {name: [] for name in TIERS}
     save_s: list[float] = []
+    barrier_s: list[float] = []
     started = time.perf_counter()
     for step in range(1, args.steps + 1):
         delay = started + (step - 1) * step_s - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
+        t = time.perf_counter()
         ckpt.wait_captured()  # the optimizer step's lazy barrier
+        barrier_s.append(time.perf_counter() - t)
         first[:1024] = float(step)  # the "optimizer" updates the state in place
         state["step"] = step
         t = time.perf_counter()
@@ -126,6 +129,7 @@ def run(args: argparse.Namespace, step_s: float, directory: Path, state: dict[st
         "pfs_longest_wait_s": max(waits, default=float("nan")),
         "skipped": counters.skipped_saves,
         "save_ms_max": max(save_s) * 1e3,
+        "blocked_s": sum(save_s) + sum(barrier_s),  # training held: save() calls and the lazy barrier
     }
 
 
@@ -142,14 +146,14 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]], nbytes: int)
         f"disk: `{disk}`. host: {args.snapshots} slots, on_full block; nvme keep last 3, pfs keep last 100; both real filesystem tiers "
         f"(O_DIRECT, fsync). Code: {args.label}. Command: `python benchmarks/selection.py --steps {args.steps} --mib {args.mib:g} --step-ms {args.step_ms}`.",
         "",
-        "| step time | loop s | nvme: selected → received in loop / after wait() | pfs: selected → received in loop / after wait() | pfs held when the loop ended | pfs: longest wait of a selected version, s | save() max ms |",
-        "| ---: | ---: | --- | --- | --- | ---: | ---: |",
+        "| step time | loop s | training held (save + barrier) s | nvme: selected → received in loop / after wait() | pfs: selected → received in loop / after wait() | pfs held when the loop ended | pfs: longest wait of a selected version, s | save() max ms |",
+        "| ---: | ---: | ---: | --- | --- | --- | ---: | ---: |",
     ]
     for r in results:
         sel, inl, rec = r["selected"], r["received_in_loop"], r["received"]
         held = r["held_at_end"]["pfs"]
         lines.append(
-            f"| {r['step_ms']:g} ms | {r['elapsed_s']:.1f} | {got(sel['nvme'], inl['nvme'])} / {got(sel['nvme'], rec['nvme'])} "
+            f"| {r['step_ms']:g} ms | {r['elapsed_s']:.1f} | {r['blocked_s']:.2f} | {got(sel['nvme'], inl['nvme'])} / {got(sel['nvme'], rec['nvme'])} "
             f"| {got(sel['pfs'], inl['pfs'])} / {got(sel['pfs'], rec['pfs'])} | {held if held else 'nothing'} "
             f"| {r['pfs_longest_wait_s']:.2f} | {r['save_ms_max']:.1f} |"
         )
@@ -158,7 +162,9 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]], nbytes: int)
         "Selected: the saves the tier's own policy picks (`every` counts saves, `every_steps` divides the step). "
         "Received: versions committed on the tier. nvme cannot write a version per step at these step times, so under "
         "`newest_only` it takes the newest save each time it is free (it is meant to skip). pfs writes one version per "
-        f"{args.pfs_every} steps, far below what the disk takes: it should receive every one it selects.",
+        f"{args.pfs_every} steps, far below what the disk takes: it should receive every one it selects. Loop s: the "
+        f"{args.steps} steps' wall time, at least steps × step time; training held: the time the loop spent in save() and "
+        "in the lazy barrier (waiting for the host copy, or for a slot).",
         "",
     ]
     return "\n".join(lines)

@@ -162,6 +162,21 @@ def test_with_max_staleness_the_newest_ineligible_version_is_held_as_the_fallbac
     assert offer(eligible.state, policy, c(19, token=19)).passed_over == (c(19),)  # older than 20
 
 
+def test_a_newer_save_of_the_same_step_takes_the_waiting_ones_place_selected_or_not() -> None:
+    fifo = FlushPolicy(every=2, newest_only=False)
+    state = offer(FlushState(), fifo, c(4, token=4, arrival=4)).state  # selected: every 2nd save
+    update = offer(state, fifo, c(4, token=5, arrival=5))  # save 5: not selected, but step 4 again
+    assert update.passed_over == (c(4, token=4, arrival=4),)
+    assert update.state.queue == (c(4, token=5, arrival=5),)
+    staleness = FlushPolicy(every_steps=10, max_staleness_s=5.0)
+    state = offer(FlushState(), staleness, c(7, token=1, arrival=1)).state
+    assert state.fallback == c(7, token=1, arrival=1)
+    update = offer(state, staleness, c(7, token=2, arrival=2))
+    assert update.passed_over == (c(7, token=1, arrival=1),) and update.state.fallback == c(7, token=2, arrival=2)
+    other = offer(FlushState(), fifo, c(4, token=4, arrival=4)).state
+    assert offer(other, fifo, c(6, token=5, arrival=5)).state.queue == (c(4, token=4, arrival=4),)  # another step: kept
+
+
 def test_forget_removes_a_waiting_version_and_passes_it_over() -> None:
     policy = FlushPolicy(newest_only=False, every_steps=2, max_staleness_s=5)
     state = FlushState()

@@ -244,8 +244,79 @@ def test_every_selected_version_reaches_pfs_on_real_disks_while_nvme_is_busy(tmp
                 pending = handle
         assert pending is not None
         results[pending.step] = pending.committed_sync("pfs", DEADLINE_S)
+        # Which save nvme holds under each step is remembered only for what it still holds (keep last 3,
+        # plus what pfs waits for or reads, plus the version just committed): not one entry per save.
+        assert len(ckpt._pipeline.sources._tokens["nvme"]) <= 6
     assert results == {s: True for s in range(50, 401, 50)}
     assert sorted(p.name for p in (tmp_path / "pfs").iterdir()) == [f"step-{s:012d}" for s in range(50, 401, 50)]
     for step in range(50, 401, 50):
         want = {"w": torch.full((256 * 1024,), float(step)), "b": torch.arange(step, step + 64)}
         assert_holds(tmp_path / "pfs", step, tmp_path, want)
+
+
+ZSTD = {"codec": "zstd", "level": 1}
+
+
+def test_a_tier_waiting_for_a_same_encoding_tier_above_copies_its_chunks_once_it_commits(tmp_path: Path, opened: Callable[..., Checkpointer]) -> None:
+    """pfs compresses as nvme does: while nvme writes a save, pfs waits and then copies nvme's stored
+    chunks (no second compression). nvme's retention (keep last 1) deletes after each commit; pfs must
+    not miss the wake-up while nvme prunes."""
+    g = Gates("nvme")
+    cfg = config(fs("nvme", tmp_path / "nvme", keep={"last": 1}, compression=ZSTD), fs("pfs", tmp_path / "pfs", compression=ZSTD), snapshots=3)
+    ckpt = opened(cfg, g)
+    for step in (1, 2, 3):
+        handle = ckpt.save_sync(step, state_for(step))
+        assert handle.captured_sync(DEADLINE_S)
+        g["nvme"].allow(1)
+        assert handle.committed_sync("nvme", DEADLINE_S) is True
+        assert handle.committed_sync("pfs", DEADLINE_S) is True, step
+    assert ckpt.counters.compression["pfs"].compress_bytes_per_s == 0.0  # pfs never compressed
+    ckpt.close_sync()
+    for step in (1, 2, 3):
+        assert_holds(tmp_path / "pfs", step, tmp_path)
+
+
+@pytest.mark.parametrize("newest_only", [True, False])
+def test_a_stuck_same_encoding_tier_above_holds_a_tier_below_up_only_briefly(tmp_path: Path, opened: Callable[..., Checkpointer], newest_only: bool) -> None:
+    """nvme (zstd) is stuck writing save 1. pfs (zstd alike) waits for it a bounded time
+    (DEFER_FLOOR_S: it has no write of its own to measure yet), then compresses save 1 from host
+    memory itself; saves 2-4, which nvme is not writing, it takes at once. Before the bound, pfs waited
+    as long as nvme was stuck, and every queued save held a host slot meanwhile."""
+    g = Gates("nvme")
+    pfs = fs("pfs", tmp_path / "pfs", compression=ZSTD, flush={"newest_only": newest_only})
+    ckpt = opened(config(fs("nvme", tmp_path / "nvme", compression=ZSTD), pfs, snapshots=4, on_full="skip"), g)
+    handles = {1: ckpt.save_sync(1, state_for(1))}
+    assert g["nvme"].started.wait(DEADLINE_S)
+    assert handles[1].committed_sync("pfs", DEADLINE_S) is True  # after at most the bound, nvme still stuck
+    for step in (2, 3, 4):
+        ckpt.wait_captured()
+        handles[step] = ckpt.save_sync(step, state_for(step))
+        assert handles[step].committed_sync("pfs", DEADLINE_S) is True, step
+    assert g["nvme"].steps == [1] and ckpt.counters.skipped_saves == 0
+    assert [v.step for v in ckpt.versions() if v.tier == "pfs"] == [1, 2, 3, 4]
+
+
+def test_a_newer_save_of_a_step_replaces_the_older_one_a_tier_waits_for(tmp_path: Path, opened: Callable[..., Checkpointer]) -> None:
+    """Saving a step again replaces it. pfs (every 2nd save, queued) is busy when save 4 of step 4 (its
+    pick) and then save 5, step 4 again (not its pick), arrive; nvme commits both in turn. pfs takes the
+    newer save of step 4 in the older one's place, with its own bytes, rather than lose step 4 when
+    nvme's copy of the older save is replaced."""
+    g = Gates("pfs")
+    cfg = config(fs("nvme", tmp_path / "nvme", keep={"last": 1}), fs("pfs", tmp_path / "pfs", flush={"every": 2, "newest_only": False}), snapshots=2)
+    ckpt = opened(cfg, g)
+    ckpt.save_sync(1, state_for(1))
+    ckpt.wait_captured()
+    h2 = ckpt.save_sync(2, state_for(2))
+    assert g["pfs"].started.wait(DEADLINE_S)
+    assert ckpt.save_sync(3, state_for(3)).committed_sync("nvme", DEADLINE_S) is True
+    first = ckpt.save_sync(4, state_for(4))
+    assert first.committed_sync("nvme", DEADLINE_S) is True
+    again = ckpt.save_sync(4, state_for(40) | {"step": 4})
+    assert again.committed_sync("nvme", DEADLINE_S) is True
+    assert first.committed_sync("pfs", DEADLINE_S) is False  # replaced by the newer save of step 4
+    g["pfs"].gate.set()
+    assert h2.committed_sync("pfs", DEADLINE_S) is True
+    assert again.committed_sync("pfs", DEADLINE_S) is True
+    ckpt.close_sync()
+    assert sorted(p.name for p in (tmp_path / "pfs").iterdir()) == ["step-000000000002", "step-000000000004"]
+    assert_holds(tmp_path / "pfs", 4, tmp_path, state_for(40))

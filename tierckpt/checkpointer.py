@@ -70,8 +70,9 @@ class SaveHandle:
     async def committed(self, tier: str) -> bool:
         """Wait until the version is committed on ``tier`` (True) or will never be (False).
 
-        False means the tier's flush policy passed it over, a newer version replaced it, or a tier
-        above it failed to take it.
+        False means the tier's flush policy passed it over, a newer version it selected (or a newer
+        save of the same step) replaced it, it was evicted from host memory before the tier could
+        take it (``host.on_full: evict``), or the Checkpointer closed before it was due.
 
         Raises:
             FlushError: writing it to ``tier`` failed (a full disk, a quota, EIO, EACCES, ...): names

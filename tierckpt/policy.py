@@ -7,7 +7,8 @@ injected clock, so ranks that save the same steps make the same decisions.
 Flushing (one :class:`FlushState` per tier below the first, held by its flusher):
 
 - :func:`offer`: a save was captured (every tier is offered every save: each selects on the stream
-  of saves, whatever the other tiers took). ``every``/``every_steps`` make it *eligible*
+  of saves, whatever the other tiers took; a newer save of a step replaces a waiting older save of
+  that step, since saving a step again replaces it). ``every``/``every_steps`` make it *eligible*
   (:func:`flush_eligible`). Under ``newest_only`` an eligible version waiting while the tier is busy
   is replaced by a newer eligible one, and a version older than one already taken is passed over
   (PCheck). With ``newest_only: false`` eligible versions queue, oldest save first, and each goes down.
@@ -22,10 +23,10 @@ Flushing (one :class:`FlushState` per tier below the first, held by its flusher)
 
   Why staleness is timed from the *start* of the last successful flush: that flush took the newest
   version there was when it started, so the tier's newest data is about as old as that moment. Timed
-  from the start, the tier's newest data is never older than ``max_staleness`` plus one write (plus
-  nothing else: no other tier delays what this one is offered); timed from the commit it could be older by a second write, and a
-  failed flush must not count (nothing new reached the tier). Before any flush succeeds, the clock
-  runs from when the flusher started.
+  from the start, the tier's newest data is never older than ``max_staleness`` plus one write (every
+  tier is offered every save, and an overdue tier waits for no other); timed from the commit it could
+  be older by a second write, and a failed flush must not count (nothing new reached the tier).
+  Before any flush succeeds, the clock runs from when the flusher started.
 
 Retention: :func:`retain`, applied after each commit. Host slots: :func:`choose_slot`.
 """
@@ -115,8 +116,25 @@ class Update:
 
 
 def offer(state: FlushState, policy: FlushPolicy, candidate: Candidate) -> Update:
-    """Save ``candidate`` was captured: queue it, hold it as the fallback, or pass it over."""
-    if flush_eligible(policy, candidate.step, candidate.arrival):
+    """Save ``candidate`` was captured: queue it, hold it as the fallback, or pass it over.
+
+    A newer save of a step replaces that step (saving a step again replaces it), so a version of the
+    same step waiting here is replaced by ``candidate``, which takes its place in the queue whether or
+    not the rules select it (or becomes the fallback in its place).
+    """
+    replaced = tuple(c for c in state.waiting() if c.step == candidate.step and c.token < candidate.token)
+    eligible = flush_eligible(policy, candidate.step, candidate.arrival)
+    if replaced:
+        eligible = eligible or any(c in state.queue for c in replaced)
+        queue = tuple(c for c in state.queue if c not in replaced)
+        state = replace(state, queue=queue, fallback=None if state.fallback in replaced else state.fallback)
+        update = _offer(state, policy, candidate, eligible)
+        return Update(update.state, replaced + update.passed_over)
+    return _offer(state, policy, candidate, eligible)
+
+
+def _offer(state: FlushState, policy: FlushPolicy, candidate: Candidate, eligible: bool) -> Update:
+    if eligible:
         if policy.newest_only:
             if candidate.token < state.newest_token:
                 # Older than a version this tier already has or will take (captures may finish out

@@ -29,6 +29,7 @@ from tierckpt.policy import (
     forget,
     offer,
     retain,
+    stale_at,
     still_wanted,
     take,
 )
@@ -38,6 +39,11 @@ if TYPE_CHECKING:
     from tierckpt.pipeline.sources import Located
 
 log = logging.getLogger("tierckpt")
+
+# A tier waits for a tier above that is writing, encoded alike, the save it is about to take (no
+# compressor runs twice), but never longer than its own last write took, nor less than this: waiting
+# longer than doing the work itself never pays, and a stuck tier above must not hold this one.
+DEFER_FLOOR_S = 1.0
 
 
 class FlushEvents(Protocol):
@@ -85,6 +91,8 @@ class Flusher:
         self._copy_running = copy_running
         self.state = FlushState()
         self.in_flight: Candidate | None = None
+        self._last_write_s = 0.0  # seconds the last successful flush took (bounds a deferral)
+        self._deferring: tuple[int, float] | None = None  # (token, since when, monotonic) while deferring
         self._drains = 0
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -182,9 +190,11 @@ class Flusher:
                 self._idle.set()
             await self._sleep(choice.wait_s)
             return
-        if not choice.forced and self.upstream.defer(self.tier.name, candidate):
-            await self._sleep(None)  # a tier above is writing it, encoded as here: woken when it ends
+        wait = self._deferral(candidate, now)
+        if wait is not None:
+            await self._sleep(wait)  # a tier above is writing it, encoded as here: woken when it ends
             return
+        self._deferring = None
         located = self.upstream.locate(self.tier.name, candidate)
         if located is None:
             # Gone from above before it could be read (evicted from host memory): this tier will not get it.
@@ -199,7 +209,20 @@ class Flusher:
         finally:
             self.in_flight = None
 
+    def _deferral(self, candidate: Candidate, now: float) -> float | None:
+        """How long to wait for a tier above writing ``candidate`` encoded as here, or None to go now:
+        not when overdue (``max_staleness``), and at most ``max(last write, DEFER_FLOOR_S)`` in all."""
+        due = stale_at(self.state, self.policy)
+        if (due is not None and now >= due) or not self.upstream.defer(self.tier.name, candidate):
+            return None
+        clock = time.monotonic()
+        if self._deferring is None or self._deferring[0] != candidate.token:
+            self._deferring = (candidate.token, clock)
+        left = self._deferring[1] + max(self._last_write_s, DEFER_FLOOR_S) - clock
+        return left if left > 0 else None
+
     async def _flush(self, candidate: Candidate, located: Located, *, started: float) -> None:
+        began = time.monotonic()
         try:
             info = await self._store(candidate, located)
         except asyncio.CancelledError:
@@ -209,6 +232,7 @@ class Flusher:
             return
         finally:
             located.lease.release()
+        self._last_write_s = time.monotonic() - began
         self.state = finished(self.state, started=started, ok=True)
         self._events.committed(self.tier.name, candidate, info)
         await self.prune(committed=candidate.step)

@@ -9,7 +9,7 @@ own policy; a tier reads what it takes from host memory, or from a filesystem ti
 speed or policy never decides which versions another tier can get.
 
 Failures. A failed flush (a full disk, a quota, EIO, EACCES on any write, fsync, rename or delete)
-raises from that save's ``handle.committed(tier)`` (tiers below resolve False), is counted
+raises from that save's ``handle.committed(tier)`` (the other tiers go on with that save), is counted
 (``flush_errors``, ``failed[tier]``), kept as ``last_error[tier]`` and logged, with what the tier
 still holds. It never makes a later ``save()`` raise: training goes on, and the tier's next flush
 tries again. ``wait()``/``close()`` raise it once if that tier has committed nothing since: they are
@@ -151,6 +151,7 @@ class Pipeline:
         memory.wanted = self.sources.wanted
         memory.evicted = self._evicted
         memory.wall_clock = self._wall
+        memory.save_waits = self._wake_flushers
 
     async def start(self) -> None:
         for tier in self.tiers:
@@ -355,10 +356,13 @@ class Pipeline:
             self._forget(tracker)
         self._flush_ended()
 
-    def _flush_ended(self) -> None:
-        """A flush ended: a slot may be free, and a tier waiting for this one (Sources.defer) may go."""
+    def _wake_flushers(self) -> None:
         for flusher in self.flushers:
             flusher.wake()
+
+    def _flush_ended(self) -> None:
+        """A flush ended: a slot may be free, and a tier waiting for this one (Sources.defer) may go."""
+        self._wake_flushers()
         self.memory.prune()
         self.memory.notify()
 

@@ -8,7 +8,10 @@ version a tier takes is read from wherever it is still held, cheapest first:
    compressing tier only): its stored chunks are copied as they are, and no compressor runs (zstd
    encodes at ~0.8 GB/s per thread here, an O_DIRECT read runs at 2-6 GB/s, and on few cores the
    compressor's CPU is taken from training). While such a tier is writing that very save, the tier
-   waits for it (:meth:`Sources.defer`) rather than compress the same bytes a second time;
+   waits for it (:meth:`Sources.defer`) rather than compress the same bytes a second time: not while
+   a save waits for a host slot, not once the tier is overdue, and never longer than the tier's own
+   last write took (:class:`~tierckpt.pipeline.flusher.Flusher`), so a stuck tier above costs it at
+   most that;
 2. host memory, while a slot still holds that very save;
 3. else the first filesystem tier above it (tiers are listed fastest first) that committed it.
    A peer tier is never read back while training runs.
@@ -69,6 +72,9 @@ class Sources:
         tokens = self._tokens.get(tier)
         if tokens is not None:
             tokens[candidate.step] = candidate.token
+            held = {v.step for v in self.tiers[self._index[tier]].versions()}
+            for step in [s for s in tokens if s not in held]:  # deleted by retention since: forget them
+                del tokens[step]
 
     def _holds(self, tier: Tier, step: int, token: int) -> bool:
         tokens = self._tokens.get(tier.name)
@@ -91,13 +97,17 @@ class Sources:
         return [(j, t) for j, t in enumerate(self.tiers[1:i], start=1) if t.name in self._tokens and t.config.compression == compression]
 
     def defer(self, tier: str, candidate: Candidate) -> bool:
-        """Whether ``tier`` should wait before taking ``candidate``: a tier above that compresses the same
-        way is writing that very save now, and ``tier`` will copy its stored chunks once it commits
-        (or read host memory if it fails). The pipeline wakes every flusher when a flush ends."""
-        return any(
-            (f := self._flushers[j - 1]).in_flight is not None and f.in_flight.token == candidate.token
-            for j, _ in self._same_encoding(self._index[tier])
-        )
+        """Whether ``tier`` may wait before taking ``candidate``: a tier above that compresses the same
+        way is writing that very save now (and does not hold it yet), and ``tier`` will copy its stored
+        chunks once it commits (or read host memory if it fails). Never while a save waits for a host
+        slot. The pipeline wakes every flusher when a flush ends or a save starts waiting; the flusher
+        bounds the wait."""
+        if self.memory.waiting_saves:
+            return False
+        same = self._same_encoding(self._index[tier])
+        if any(self._holds(t, candidate.step, candidate.token) for _, t in same):
+            return False  # committed already: take it from there now
+        return any((f := self._flushers[j - 1]).in_flight is not None and f.in_flight.token == candidate.token for j, _ in same)
 
     def locate(self, tier: str, candidate: Candidate) -> Located | None:
         """Lease the version ``tier`` is about to take where it is read cheapest (see the module
@@ -145,6 +155,9 @@ class Sources:
         ]
 
     def spared(self, tier: str, step: int) -> bool:
-        """Whether retention on ``tier`` must keep ``step``: a tier below waits for it or is writing it."""
+        """Whether retention on filesystem tier ``tier`` must keep ``step``: a tier below waits for it or
+        is writing it. A peer tier spares nothing: no tier reads from it."""
+        if tier not in self._tokens:
+            return False
         i = self._index[tier]
         return any(f.wants(step) for f in self._flushers[i:])

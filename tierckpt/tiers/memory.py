@@ -65,6 +65,8 @@ class MemoryTier(Tier):
         # Called with a snapshot dropped under on_full: evict although a tier below wanted it from here.
         self.evicted: Callable[[Snapshot], None] = lambda snapshot: None
         self.wall_clock: Callable[[], float] = time.time  # unix seconds, for keep.within
+        # Called when a save starts waiting for a slot (a flusher deferring to a tier above goes now).
+        self.save_waits: Callable[[], None] = lambda: None
         self._free: list[Slot] = list(pool.slots)
         self.lent: list[Slot] = []  # slots lent by borrow(), not free until they come back
         self.loans = 0  # borrow() calls that got slots, so far
@@ -167,6 +169,7 @@ class MemoryTier(Tier):
                 if slot is not None or not wait:
                     return slot
                 self.waiting_saves += 1
+                self.save_waits()
                 try:
                     await self._changed.wait()
                 finally:

@@ -5,8 +5,8 @@ Flushing a version to this tier (the leader decides, as for every tier of severa
 (:func:`~tierckpt.dist.nodes.placement`: never on its own node, each copy on another node) and
 waits until each peer says it holds the copy verified; the version is committed once every rank's
 copies are. So a committed version that the owners' RAM tiers still hold survives the loss of any
-``copies`` nodes from memory alone. A tier below this one is fed by the tier above it: a disk flush
-never waits for the network.
+``copies`` nodes from memory alone. Like every tier it selects on the stream of saves and copies
+from host memory; no tier reads from it, so a disk flush never waits for the network.
 
 Each transfer is announced in the group's store (what the copy looks like), its bytes go over the
 group's bulk gloo group (:mod:`tierckpt.tiers.peer.wire`) at most at ``bandwidth``, and the manifest
