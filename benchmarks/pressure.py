@@ -182,7 +182,8 @@ def run(args: argparse.Namespace, on_full: str, directory: Path, state: dict[str
     handle, saved_at = newest
     reached = handle.committed_sync("pfs", 120)
     reached_s = tiers["pfs"].committed_at[handle.step] - saved_at if reached else float("nan")
-    nvme_s = tiers["nvme"].committed_at.get(handle.step, float("nan")) - saved_at
+    on_nvme = handle.committed_sync("nvme", 120)  # pfs does not wait for nvme: it may come later
+    nvme_s = tiers["nvme"].committed_at[handle.step] - saved_at if on_nvme else float("nan")
     counters = ckpt.counters
     peak_rss = status_kib("VmHWM") * 1024
     ckpt.close_sync()

@@ -21,31 +21,9 @@ import pytest
 import torch
 
 from tierckpt import Checkpointer, FlushError
-from tierckpt.config import TierConfig
-from tierckpt.testing import GatedTier, ManualClock, SlowTier, faulty, slow
+from tierckpt.testing import Gates, ManualClock, SlowTier, faulty, slow
 
 DEADLINE_S = 30.0  # a deadlock guard only: every wait below ends on an event long before it
-
-
-class Gates:
-    """A tier_factory that makes the named tiers gated and remembers them."""
-
-    def __init__(self, *names: str) -> None:
-        self.names = names
-        self.tiers: dict[str, GatedTier] = {}
-
-    def __call__(self, config: TierConfig) -> GatedTier | None:
-        if config.name not in self.names:
-            return None
-        tier = self.tiers[config.name] = GatedTier(config, deadline_s=DEADLINE_S)
-        return tier
-
-    def __getitem__(self, name: str) -> GatedTier:
-        return self.tiers[name]
-
-    def open_all(self) -> None:
-        for tier in self.tiers.values():
-            tier.gate.set()
 
 
 @pytest.fixture
@@ -144,7 +122,7 @@ def test_on_full_block_returns_only_once_the_flush_freed_the_slot(tmp_path: Path
 
 
 def test_saves_do_not_wait_for_disk_while_a_slot_can_be_had(tmp_path: Path, checkpointers: list[Any]) -> None:
-    gates = Gates("nvme")
+    gates = Gates("nvme", deadline_s=DEADLINE_S)
     checkpointers.append(gates)
     ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme"), snapshots=2), tier_factory=gates)
     checkpointers.append(ckpt)
@@ -172,7 +150,7 @@ def test_saves_do_not_wait_for_disk_while_a_slot_can_be_had(tmp_path: Path, chec
 
 
 async def test_on_full_skip_drops_the_save_while_the_slow_flush_holds_the_slot(tmp_path: Path, checkpointers: list[Any]) -> None:
-    gates = Gates("nvme")
+    gates = Gates("nvme", deadline_s=DEADLINE_S)
     checkpointers.append(gates)
     ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme"), snapshots=1, on_full="skip"), tier_factory=gates)
     checkpointers.append(ckpt)
@@ -207,7 +185,7 @@ async def test_on_full_skip_drops_the_save_while_the_slow_flush_holds_the_slot(t
 
 
 def test_a_busy_flusher_takes_the_newest_and_the_superseded_resolve_false(tmp_path: Path, checkpointers: list[Any]) -> None:
-    gates = Gates("nvme")
+    gates = Gates("nvme", deadline_s=DEADLINE_S)
     checkpointers.append(gates)
     ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme"), snapshots=3), tier_factory=gates)
     checkpointers.append(ckpt)
@@ -351,7 +329,7 @@ def test_keep_every_steps_keeps_those_forever(tmp_path: Path, checkpointers: lis
 
 
 def test_retention_keeps_the_version_a_downstream_flusher_is_reading(tmp_path: Path, checkpointers: list[Any]) -> None:
-    gates = Gates("pfs")
+    gates = Gates("pfs", deadline_s=DEADLINE_S)
     checkpointers.append(gates)
     ckpt = Checkpointer(
         config(
@@ -393,7 +371,7 @@ def test_retention_keeps_the_version_a_downstream_flusher_is_waiting_to_take(tmp
     """pfs is busy with step 2 when step 4 (eligible for pfs) and step 5 (not eligible) are saved; nvme
     keeps the last 1. Step 5 needs step 4's host slot (2 slots, step 2's being read): nvme holds step 4,
     so host memory lets it go and pfs reads it from nvme, which must keep it until pfs has taken it."""
-    gates = Gates("pfs")
+    gates = Gates("pfs", deadline_s=DEADLINE_S)
     checkpointers.append(gates)
     ckpt = Checkpointer(
         config(
@@ -582,7 +560,7 @@ def test_a_failed_capture_is_reported_and_frees_its_slot(tmp_path: Path, checkpo
 def test_on_full_evict_drops_the_waiting_snapshot_and_counts_it(tmp_path: Path, checkpointers: list[Any]) -> None:
     """nvme is busy with step 2 and waits for step 4 (eligible); step 5 is not eligible, so it does
     not replace 4. With both slots taken, block would wait and skip would drop step 5: evict drops 4."""
-    gates = Gates("nvme")
+    gates = Gates("nvme", deadline_s=DEADLINE_S)
     checkpointers.append(gates)
     ckpt = Checkpointer(
         config(tier("ram"), tier("nvme", tmp_path / "nvme", flush={"every_steps": 2}), snapshots=2, on_full="evict"),
@@ -613,7 +591,7 @@ def test_on_full_evict_drops_the_waiting_snapshot_and_counts_it(tmp_path: Path, 
 
 
 def test_on_full_evict_skips_when_only_reads_hold_the_slots(tmp_path: Path, checkpointers: list[Any]) -> None:
-    gates = Gates("nvme")
+    gates = Gates("nvme", deadline_s=DEADLINE_S)
     checkpointers.append(gates)
     ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme"), snapshots=1, on_full="evict"), tier_factory=gates)
     checkpointers.append(ckpt)
@@ -627,7 +605,7 @@ def test_on_full_evict_skips_when_only_reads_hold_the_slots(tmp_path: Path, chec
 
 
 def test_newest_only_false_flushes_every_eligible_version_in_order(tmp_path: Path, checkpointers: list[Any]) -> None:
-    gates = Gates("nvme")
+    gates = Gates("nvme", deadline_s=DEADLINE_S)
     checkpointers.append(gates)
     ckpt = Checkpointer(
         config(tier("ram", keep={"last": 1}), tier("nvme", tmp_path / "nvme", flush={"newest_only": False}), snapshots=3),
@@ -657,7 +635,7 @@ def test_newest_only_false_flushes_every_eligible_version_in_order(tmp_path: Pat
 
 
 def test_newest_only_false_under_evict_loses_the_oldest_queued_version(tmp_path: Path, checkpointers: list[Any]) -> None:
-    gates = Gates("nvme")
+    gates = Gates("nvme", deadline_s=DEADLINE_S)
     checkpointers.append(gates)
     ckpt = Checkpointer(
         config(tier("ram"), tier("nvme", tmp_path / "nvme", flush={"newest_only": False}), snapshots=3, on_full="evict"),
@@ -721,7 +699,7 @@ def test_max_staleness_sends_the_newest_version_down_when_the_tier_is_overdue(tm
 def test_max_staleness_starts_a_flush_beside_a_running_host_copy(tmp_path: Path, checkpointers: list[Any], staleness: str | None) -> None:
     """Step 2 waits for nvme while step 3 is being copied. A flush from host memory waits for the copy,
     unless nvme is overdue."""
-    gates = Gates("nvme")
+    gates = Gates("nvme", deadline_s=DEADLINE_S)
     checkpointers.append(gates)
     clock = ManualClock()
     flush = {} if staleness is None else {"max_staleness": staleness}

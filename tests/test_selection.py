@@ -17,9 +17,8 @@ import pytest
 import torch
 
 from tierckpt import Checkpointer, FlushError
-from tierckpt.config import TierConfig
 from tierckpt.policy import flush_eligible
-from tierckpt.testing import GatedTier, faulty
+from tierckpt.testing import Gates, faulty
 
 DEADLINE_S = 60.0  # a deadlock guard only
 
@@ -61,23 +60,6 @@ def outcome(handle: Any, tier: str) -> bool | str:
         return "failed"
 
 
-class Gates:
-    """A tier_factory that makes the named tiers gated (closed) and keeps them."""
-
-    def __init__(self, *names: str) -> None:
-        self.names = names
-        self.tiers: dict[str, GatedTier] = {}
-
-    def __call__(self, config: TierConfig) -> GatedTier | None:
-        if config.name not in self.names:
-            return None
-        self.tiers[config.name] = GatedTier(config, deadline_s=DEADLINE_S)
-        return self.tiers[config.name]
-
-    def __getitem__(self, name: str) -> GatedTier:
-        return self.tiers[name]
-
-
 @pytest.fixture
 def opened() -> Iterator[Callable[..., Checkpointer]]:
     """Makes Checkpointers; at the end of the test opens every gate first, then closes them (a failed
@@ -91,8 +73,8 @@ def opened() -> Iterator[Callable[..., Checkpointer]]:
 
     yield make
     for _, gates in made:
-        for tier in (gates.tiers.values() if isinstance(gates, Gates) else ()):
-            tier.gate.set()
+        if isinstance(gates, Gates):
+            gates.open_all()
     for ckpt, _ in made:
         if not ckpt._closed:
             try:
@@ -104,7 +86,7 @@ def opened() -> Iterator[Callable[..., Checkpointer]]:
 def test_a_tier_below_gets_what_it_selects_while_the_tier_above_is_stuck(tmp_path: Path, opened: Callable[..., Checkpointer]) -> None:
     """nvme is stuck on its first write for the whole run; pfs (every_steps 5) still receives every
     version it selects, read from host memory. Before, pfs received nothing: nvme committed nothing."""
-    g = Gates("nvme")
+    g = Gates("nvme", deadline_s=DEADLINE_S)
     cfg = config(fs("nvme", tmp_path / "nvme"), fs("pfs", tmp_path / "pfs", flush={"every_steps": 5}), snapshots=3, on_full="skip")
     ckpt = opened(cfg, g)
     handles = {1: ckpt.save_sync(1, state_for(1))}
@@ -154,7 +136,7 @@ def test_a_selected_version_only_host_memory_holds_is_kept_for_its_tier(tmp_path
     """pfs (every_steps 2) is busy writing step 2 when step 4 arrives; nvme (every_steps 3) never takes
     4, so only host memory holds it. With 2 slots (step 2's being read, step 4's) the next save is
     skipped rather than lose step 4 for pfs; pfs then writes it, with its own bytes."""
-    g = Gates("pfs")
+    g = Gates("pfs", deadline_s=DEADLINE_S)
     cfg = config(
         fs("nvme", tmp_path / "nvme", flush={"every_steps": 3}),
         fs("pfs", tmp_path / "pfs", flush={"every_steps": 2}),
@@ -184,7 +166,7 @@ def test_a_version_a_tier_above_holds_gives_its_slot_to_a_new_save(tmp_path: Pat
     """Like the test above, but nvme (every 1) committed step 4: host memory lets step 4 go for the next
     save instead of skipping it, and pfs reads step 4 from nvme, whose retention (keep last 1) spares
     it until pfs has it."""
-    g = Gates("pfs")
+    g = Gates("pfs", deadline_s=DEADLINE_S)
     cfg = config(
         fs("nvme", tmp_path / "nvme", keep={"last": 1}),
         fs("pfs", tmp_path / "pfs", flush={"every_steps": 2}),
@@ -261,7 +243,7 @@ def test_a_tier_waiting_for_a_same_encoding_tier_above_copies_its_chunks_once_it
     """pfs compresses as nvme does: while nvme writes a save, pfs waits and then copies nvme's stored
     chunks (no second compression). nvme's retention (keep last 1) deletes after each commit; pfs must
     not miss the wake-up while nvme prunes."""
-    g = Gates("nvme")
+    g = Gates("nvme", deadline_s=DEADLINE_S)
     cfg = config(fs("nvme", tmp_path / "nvme", keep={"last": 1}, compression=ZSTD), fs("pfs", tmp_path / "pfs", compression=ZSTD), snapshots=3)
     ckpt = opened(cfg, g)
     for step in (1, 2, 3):
@@ -282,7 +264,7 @@ def test_a_stuck_same_encoding_tier_above_holds_a_tier_below_up_only_briefly(tmp
     (DEFER_FLOOR_S: it has no write of its own to measure yet), then compresses save 1 from host
     memory itself; saves 2-4, which nvme is not writing, it takes at once. Before the bound, pfs waited
     as long as nvme was stuck, and every queued save held a host slot meanwhile."""
-    g = Gates("nvme")
+    g = Gates("nvme", deadline_s=DEADLINE_S)
     pfs = fs("pfs", tmp_path / "pfs", compression=ZSTD, flush={"newest_only": newest_only})
     ckpt = opened(config(fs("nvme", tmp_path / "nvme", compression=ZSTD), pfs, snapshots=4, on_full="skip"), g)
     handles = {1: ckpt.save_sync(1, state_for(1))}
@@ -301,7 +283,7 @@ def test_a_newer_save_of_a_step_replaces_the_older_one_a_tier_waits_for(tmp_path
     pick) and then save 5, step 4 again (not its pick), arrive; nvme commits both in turn. pfs takes the
     newer save of step 4 in the older one's place, with its own bytes, rather than lose step 4 when
     nvme's copy of the older save is replaced."""
-    g = Gates("pfs")
+    g = Gates("pfs", deadline_s=DEADLINE_S)
     cfg = config(fs("nvme", tmp_path / "nvme", keep={"last": 1}), fs("pfs", tmp_path / "pfs", flush={"every": 2, "newest_only": False}), snapshots=2)
     ckpt = opened(cfg, g)
     ckpt.save_sync(1, state_for(1))

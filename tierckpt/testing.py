@@ -188,6 +188,37 @@ class FaultyTier(FilesystemTier):
         return await super().commit(staged)
 
 
+class Gates:
+    """A ``tier_factory`` making the named tiers :class:`GatedTier`: ``gates[name]`` is the tier made,
+    ``open_all()`` opens every gate (do that before closing the Checkpointer, or its close waits on a
+    closed gate)::
+
+        gates = Gates("pfs")
+        ckpt = Checkpointer(config, tier_factory=gates)
+        handle = ckpt.save_sync(1, state)
+        gates["pfs"].started.wait()      # pfs is writing step 1, and stays so
+        gates["pfs"].allow(1)            # ... until now
+    """
+
+    def __init__(self, *names: str, deadline_s: float = 60.0) -> None:
+        self.names = names
+        self.deadline_s = deadline_s
+        self.tiers: dict[str, GatedTier] = {}
+
+    def __call__(self, config: TierConfig) -> GatedTier | None:
+        if config.name not in self.names:
+            return None
+        self.tiers[config.name] = GatedTier(config, deadline_s=self.deadline_s)
+        return self.tiers[config.name]
+
+    def __getitem__(self, name: str) -> GatedTier:
+        return self.tiers[name]
+
+    def open_all(self) -> None:
+        for tier in self.tiers.values():
+            tier.gate.set()
+
+
 def slow(delays: Mapping[str, float], *, bytes_per_s: Mapping[str, float] | None = None) -> Callable[[TierConfig], Tier | None]:
     """A ``tier_factory`` making the named filesystem tiers slow: a delay per write, and a bandwidth."""
     rates = dict(bytes_per_s or {})
