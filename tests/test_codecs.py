@@ -21,7 +21,7 @@ from tierckpt.codecs import NoneCodec, ShuffleCodec, ZstdCodec, decoder, get_cod
 from tierckpt.config import CompressionConfig
 from tierckpt.errors import ConfigError, CorruptCheckpointError
 from tierckpt.format import ALIGN, MANIFEST_FILE, Manifest, checksum, version_dirname
-from tierckpt.testing import flip_bits
+from tierckpt.testing import Gates, flip_bits
 
 # -- chunk codecs -------------------------------------------------------------------------------------
 
@@ -349,11 +349,11 @@ def _data_size(path: Path, step: int) -> int:
 
 def test_a_zstd_tier_stores_fewer_bytes_and_restores_bitwise(opened: _Opened, tmp_path: Path) -> None:
     raw, packed = tmp_path / "raw", tmp_path / "zstd"
-    # Two independent filesystem tiers below ram: raw receives from ram, zstd from raw.
+    # Two filesystem tiers below ram, each taking the save from host memory (different codecs).
     ckpt = opened(_config(_tier("raw", raw), _tier("packed", packed, "zstd")))
     state = _state()
     handle = ckpt.save_sync(5, state)
-    assert handle.committed_sync("packed", timeout=60)
+    assert handle.committed_sync("raw", timeout=60) and handle.committed_sync("packed", timeout=60)
 
     raw_manifest, zstd_manifest = _manifest(raw, 5), _manifest(packed, 5)
     assert {r.codec for r in raw_manifest.records} == {"none"}
@@ -378,7 +378,7 @@ def test_promotion_raw_to_zstd_to_raw_restores_bitwise_on_every_tier(opened: _Op
         assert ckpt.save_sync(step, state).committed_sync("archive", timeout=60)
     ckpt.close_sync()
 
-    # pfs (zstd) was written from nvme's raw files, archive (raw) from pfs's zstd frames.
+    # Each tier took the saves from host memory (raw); pfs compressed them, archive did not.
     assert {r.codec for r in _manifest(pfs, 2).records} == {"zstd"}
     archived = _manifest(archive, 2)
     assert {r.codec for r in archived.records} == {"none"}
@@ -460,6 +460,42 @@ def test_a_shuffle_tier_picks_a_codec_per_dtype_and_restores_bitwise(opened: _Op
     assert stats.stored_bytes == _manifest(pfs, 3).stored_bytes < stats.logical_bytes
     assert stats.ratio > 1.0 and stats.compress_bytes_per_s > 0
     _assert_bitwise(state, _restore_from(opened, "pfs", pfs, "zstd").state)
+
+
+def test_a_raw_tier_decodes_a_compressed_tier_above_once_host_memory_let_the_save_go(tmp_path: Path) -> None:
+    """archive (raw, every 3rd step) is busy with step 3 when step 9, its next pick, arrives; pfs (zstd)
+    commits step 9, nvme (even steps) never takes it. Step 10 needs step 9's host slot (2 slots, step
+    3's being read): pfs holds step 9, so host memory lets it go, and archive reads pfs's zstd frames,
+    decodes them and stores them raw, bitwise."""
+    gates = Gates("archive", deadline_s=60)
+    config = _config(
+        _tier("nvme", tmp_path / "nvme") | {"flush": {"every_steps": 2}},
+        _tier("pfs", tmp_path / "pfs", "zstd"),
+        _tier("archive", tmp_path / "archive") | {"flush": {"every_steps": 3}},
+        capacity="40MiB",
+    )
+    states = {step: _state(step) for step in (3, 9, 10)}
+    ckpt = Checkpointer(config, tier_factory=gates)
+    try:
+        ckpt.save_sync(3, states[3])
+        assert gates["archive"].started.wait(60)
+        h9 = ckpt.save_sync(9, states[9])
+        assert h9.committed_sync("pfs", timeout=60) is True
+        h10 = ckpt.save_sync(10, states[10])
+        assert not h10.skipped and h10.committed_sync("nvme", timeout=60) is True
+        gates.open_all()
+        assert h9.committed_sync("archive", timeout=60) is True
+        assert gates["archive"].sources == ["ram", "pfs"]
+    finally:
+        gates.open_all()
+        ckpt.close_sync()
+    archived = _manifest(tmp_path / "archive", 9)
+    assert {r.codec for r in archived.records} == {"none"}
+    assert archived.stored_bytes == sum(r.nbytes for r in archived.records)
+    with Checkpointer(_config(_tier("archive", tmp_path / "archive"), capacity="40MiB")) as reader:
+        restored = reader.restore_latest_sync()
+    assert restored is not None and restored.step == 9
+    _assert_bitwise(states[9], restored.state)
 
 
 def test_promotion_copies_chunks_between_tiers_with_the_same_codec(opened: _Opened, tmp_path: Path) -> None:

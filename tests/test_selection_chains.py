@@ -8,7 +8,10 @@ tier. After each event the test waits until the pipeline has settled: no host co
 flusher is either writing (parked at its gate) or has nothing it may take now, and a save is either
 done or waiting for a slot it cannot have. It predicts those decisions with the pipeline's own pure
 rules on the engine thread, so it never sleeps on a guess, and a flusher that should take a version
-but does not (it waits for another tier, say) makes the settle time out, naming it.
+but does not (it waits for another tier, say) makes the settle time out, naming it. The tiers are
+uncompressed: the one wait on real time, a tier waiting (bounded) for a tier above that compresses
+alike and is writing the same save, would let a write begin with no event; ``test_selection.py``
+tests that wait.
 
 Checked as it goes and at the end, per tier:
 - each write is of a version its own policy selected (or forced by ``max_staleness``, counted), read
