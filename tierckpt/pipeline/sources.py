@@ -77,13 +77,10 @@ class Sources:
                 del tokens[step]
 
     def _holds(self, tier: Tier, step: int, token: int) -> bool:
+        """Whether ``tier`` holds save ``token`` of ``step`` now (retention may have deleted it since
+        :meth:`committed` last trimmed the index)."""
         tokens = self._tokens.get(tier.name)
-        if tokens is None or tokens.get(step) != token:
-            return False
-        if any(v.step == step for v in tier.versions()):
-            return True
-        del tokens[step]  # deleted (retention, or a replacement that failed half-way): not there any more
-        return False
+        return tokens is not None and tokens.get(step) == token and any(v.step == step for v in tier.versions())
 
     def _on_disk_above(self, i: int, step: int, token: int) -> Tier | None:
         """The first filesystem tier above tier ``i`` that holds save ``token`` of ``step``, if any."""

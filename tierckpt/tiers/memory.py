@@ -202,10 +202,11 @@ class MemoryTier(Tier):
             return self._free.pop(0), False
         return None, choice.action == "wait"
 
-    def _evictable(self, snapshot: Snapshot, incoming: tuple[int, int] | None) -> bool:
+    def _evictable(self, snapshot: Snapshot) -> bool:
+        """Whether retention may drop it: not being copied into or read, and no tier below wants it."""
         if snapshot.state is SnapshotState.CAPTURING or snapshot.leases:
             return False
-        return snapshot.state is not SnapshotState.CAPTURED or self.wanted(snapshot, incoming) is Want.NO
+        return snapshot.state is not SnapshotState.CAPTURED or self.wanted(snapshot, None) is Want.NO
 
     def notify(self) -> None:
         """Something changed that may free a slot: wake blocked saves."""
@@ -305,7 +306,7 @@ class MemoryTier(Tier):
             if s.state is SnapshotState.FAILED and not s.leases:
                 self.drop(s)
             elif s.state is SnapshotState.CAPTURED and (s.step not in keep or newest[s.step] is not s):
-                if self._evictable(s, None):
+                if self._evictable(s):
                     self.drop(s)
 
     def captured(self, seq: int) -> Snapshot | None:
