@@ -99,7 +99,7 @@ class SlowWrites(FilesystemTier):
 
 def remember_groups() -> list[Any]:
     """The RankGroup each Checkpointer made from now on (a tier_factory needs it for a tier of several ranks)."""
-    from tierckpt.dist import RankGroup
+    from tierckpt.ranks import RankGroup
 
     made: list[Any] = []
     original = RankGroup.discover

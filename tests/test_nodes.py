@@ -1,4 +1,4 @@
-"""tierckpt.dist.nodes: splitting ranks into nodes, and placing a peer tier's copies across them."""
+"""tierckpt.ranks.nodes: splitting ranks into nodes, and placing a peer tier's copies across them."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tierckpt.dist import nodes as nodes_module
-from tierckpt.dist.nodes import group_nodes, node_identity, placement, senders, split_nodes
+from tierckpt.ranks import nodes as nodes_module
+from tierckpt.ranks.nodes import group_nodes, node_identity, placement, senders, split_nodes
 from tierckpt.errors import ConfigError
 
 

@@ -97,6 +97,14 @@ def prefault(view: memoryview) -> bool:
     return True
 
 
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 def owned_tensor(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
     """A new contiguous tensor on page-aligned memory of its own, and the mapping behind it.
 
@@ -106,4 +114,4 @@ def owned_tensor(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int) -> tup
     """
     buf = aligned_buffer(nbytes)
     storage = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).untyped_storage()
-    return torch.empty(0, dtype=dtype).set_(storage, 0, shape), buf
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape, _contiguous_strides(shape)), buf

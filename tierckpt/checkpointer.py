@@ -20,8 +20,8 @@ import torch
 from tierckpt.capture import Copier, HostPool
 from tierckpt.capture.views import moment
 from tierckpt.config import Config, TierConfig
-from tierckpt.dist import RankGroup
-from tierckpt.dist.restore import restore_agreed
+from tierckpt.ranks import RankGroup
+from tierckpt.ranks.restore import restore_agreed
 from tierckpt.errors import CapacityError, ClosedError, ConfigError
 from tierckpt.pipeline import Counters, Engine, Pipeline, SaveTracker
 from tierckpt.restore import Restored, restore_latest

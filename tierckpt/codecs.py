@@ -136,9 +136,9 @@ class ShuffleCodec:
         compressor = self._zstd.compressor()
         if plane.nbytes > 2 * _SAMPLE:
             mid = (plane.nbytes - _SAMPLE) // 2
-            if len(compressor.compress(plane[mid : mid + _SAMPLE])) * self.min_ratio > _SAMPLE:
+            if len(compressor.compress(plane[mid : mid + _SAMPLE].data)) * self.min_ratio > _SAMPLE:
                 return None
-        packed = compressor.compress(plane)
+        packed = compressor.compress(plane.data)
         return packed if len(packed) * self.min_ratio <= plane.nbytes else None
 
     def encode(self, data: memoryview, itemsize: int = 1) -> memoryview:
@@ -176,8 +176,8 @@ class ShuffleCodec:
         if _ZSTD not in modes or cursor + tail >= n:
             return data
         frame[cursor : cursor + tail] = src[m * k :]
-        header.pack_into(frame, 0, _MAGIC, k, tail, 0, *modes, *lengths)
-        return memoryview(frame)[: cursor + tail]
+        header.pack_into(frame.data, 0, _MAGIC, k, tail, 0, *modes, *lengths)
+        return frame.data[: cursor + tail]
 
     def decode_into(self, data: memoryview, out: memoryview) -> None:
         if data.nbytes < 8 or bytes(data[:4]) != _MAGIC:
@@ -209,7 +209,7 @@ class ShuffleCodec:
             if mode == _ZSTD:
                 if plane_buf is None:
                     plane_buf = self._buffer(m)[:m]
-                self._zstd.decompress_into(memoryview(stored), memoryview(plane_buf))
+                self._zstd.decompress_into(stored.data, plane_buf.data)
                 stored = plane_buf
             np.copyto(columns[:, j], stored)
             offset += length

@@ -139,7 +139,7 @@ class DistributedConfig:
             rank's part of a version before it is abandoned, and for each other at construction,
             restore and close. A rank that died or hangs fails the versions in flight after this long.
         nodes: how many nodes the job's ranks are on, overriding what the ranks find out themselves
-            (:mod:`tierckpt.dist.nodes`), for tests and trials on one host: the ranks are split into
+            (:mod:`tierckpt.ranks.nodes`), for tests and trials on one host: the ranks are split into
             this many nodes of consecutive ranks (>= 1), which a peer tier places its copies across.
             The world size must be divisible by it; that is checked when the ranks start, not here.
             ``None`` (the default): ranks on the same node are those with the same ``GROUP_RANK``

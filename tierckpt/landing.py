@@ -51,7 +51,7 @@ def new_array(kind: str, dtype: Any, shape: tuple[int, ...], nbytes: int) -> tup
         array = np.frombuffer(buf, dtype=np.uint8, count=nbytes).view(dtype).reshape(shape)
         return array, memoryview(buf)[:nbytes], True
     array = np.empty(shape, dtype=dtype)
-    return array, memoryview(array.reshape(-1).view(np.uint8)), False
+    return array, array.reshape(-1).view(np.uint8).data, False
 
 
 def finish(source: Any, targets: list[Target]) -> Any:

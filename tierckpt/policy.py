@@ -134,6 +134,7 @@ def offer(state: FlushState, policy: FlushPolicy, candidate: Candidate) -> Updat
 
 
 def _offer(state: FlushState, policy: FlushPolicy, candidate: Candidate, eligible: bool) -> Update:
+    queue: tuple[Candidate, ...]
     if eligible:
         if policy.newest_only:
             if candidate.token < state.newest_token:

@@ -272,7 +272,7 @@ def _in_place(source: VersionSource, record: TensorRecord, value: Any) -> memory
     """
     if not isinstance(source, MemorySource) or record.codec != "none" or record.nbytes == 0:
         return None
-    if any(c.checksum >= 0 for c in record.chunks):
+    if any(c.checksum >= 0 for c in record.all_chunks()):
         return None
     if isinstance(value, torch.Tensor):
         if value.device.type == "cpu" and value.is_contiguous() and not value.is_conj() and not value.is_neg():

@@ -8,7 +8,7 @@ bytes come from disk and are treated as untrusted (no pickle, no eval, bounded s
 Version 2 added a per-chunk codec: a chunk of a compressed tensor that did not compress is stored
 raw, and its entry says so. Version 1 manifests (every chunk in its tensor's codec) are still read.
 
-Version 3 is a version saved by several ranks (:mod:`tierckpt.dist`): each rank writes its data file and
+Version 3 is a version saved by several ranks (:mod:`tierckpt.ranks`): each rank writes its data file and
 its rank manifest ``manifest-r<rank>.msgpack`` (a :class:`Manifest` with ``rank`` and ``world_size``),
 and ``manifest.msgpack`` is the :class:`CommitMarker`, written last, once every rank's part was durable:
 it names each rank manifest with its checksum. A record of a value every rank holds alike (saved with
@@ -120,13 +120,24 @@ class TensorRecord:
         """The rank storing chunk ``i`` of a shared record; None for a record of one rank's own."""
         return None if self.shared is None else self.shared[i % len(self.shared)]
 
+    def chunk(self, i: int) -> Chunk:
+        """Chunk ``i``, which this record must hold (a shared chunk is resolved before it is read)."""
+        c = self.chunks[i]
+        if c is None:
+            raise ValueError(f"{self.key}: chunk {i} is stored by rank {self.owner(i)} and was not resolved")
+        return c
+
+    def all_chunks(self) -> tuple[Chunk, ...]:
+        """Every chunk, each of which this record must hold (as :meth:`chunk`)."""
+        return tuple(self.chunk(i) for i in range(len(self.chunks)))
+
     def chunk_file(self, i: int) -> str:
         chunk = self.chunks[i]
         return self.file if chunk is None or chunk.file is None else chunk.file
 
     def chunk_codec(self, i: int) -> str:
         """The codec chunk ``i`` is stored with."""
-        return self.chunks[i].codec or self.codec
+        return self.chunk(i).codec or self.codec
 
     def chunk_span(self, i: int) -> tuple[int, int]:
         """Logical (start, length) of chunk ``i`` in the decoded tensor bytes."""

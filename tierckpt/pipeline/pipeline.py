@@ -45,7 +45,7 @@ from tierckpt.tiers.encoding import CompressionStats
 from tierckpt.tiers.memory import MemoryTier
 
 if TYPE_CHECKING:
-    from tierckpt.dist import RankGroup
+    from tierckpt.ranks import RankGroup
 
 log = logging.getLogger("tierckpt")
 
@@ -126,10 +126,10 @@ class Pipeline:
         self._capture_errors: list[FlushError] = []  # raised once by the next save, wait or close
         self._unresolved: dict[str, FlushError] = {}  # per tier, its newest failed flush with no commit since
         self._failing: dict[str, int] = {}  # per tier, failed flushes since its last commit (for the log)
-        # Of several ranks, the leader's flushers decide and the others follow (tierckpt.dist.flush).
+        # Of several ranks, the leader's flushers decide and the others follow (tierckpt.ranks.flush).
         kind: Callable[..., Flusher] = Flusher
         if group is not None:
-            from tierckpt.dist.flush import FollowerFlusher, LeaderFlusher
+            from tierckpt.ranks.flush import FollowerFlusher, LeaderFlusher
 
             kind = functools.partial(LeaderFlusher if group.leader else FollowerFlusher, group=group)
         self.sources = Sources(memory, self.tiers)

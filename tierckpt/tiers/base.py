@@ -64,7 +64,7 @@ class VersionSource(abc.ABC):
 
     def checksum_of(self, record: TensorRecord, chunk: int) -> int | None:
         """The verified checksum of a stored chunk, when the source has one (saves hashing it again)."""
-        value = record.chunks[chunk].checksum
+        value = record.chunk(chunk).checksum
         return value if value >= 0 else None
 
     def read_logical(self, record: TensorRecord, chunk: int, out: memoryview, scratch: memoryview) -> None:

@@ -18,7 +18,7 @@ symlinks, and records are checked against the files before anything is allocated
 Any write, fsync, rename or removal may fail (a full disk, a quota, EIO, EACCES): see the comment above
 :meth:`FilesystemTier.write` for what a failure leaves behind.
 
-Several ranks (a :class:`~tierckpt.dist.RankGroup`) share the tier's directory. Every rank writes its
+Several ranks (a :class:`~tierckpt.ranks.RankGroup`) share the tier's directory. Every rank writes its
 data file and its rank manifest into one staging directory whose name the leader's decision fixes;
 once every rank reported its part durable, the leader writes the commit marker there (:meth:`seal`)
 and renames the directory into place (:meth:`commit`); the other ranks only index it (:meth:`adopt`).
@@ -75,7 +75,7 @@ _REPLACED = ".replaced-"  # + the step directory's name + "-<random>": a committ
 _MEMBER = ".member-"  # + run id: the leader's sign that a follower sees the directory the leader sees
 
 if TYPE_CHECKING:
-    from tierckpt.dist import RankGroup
+    from tierckpt.ranks import RankGroup
 
 
 class FilesystemTier(Tier):

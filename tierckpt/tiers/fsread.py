@@ -356,7 +356,7 @@ class FilesystemSource(VersionSource):
         return CorruptCheckpointError(message, tier=self.tier, step=self.step, key=record.key)
 
     def _verify(self, record: TensorRecord, chunk: int, data: memoryview) -> None:
-        c = record.chunks[chunk]
+        c = record.chunk(chunk)
         if checksum(data) != c.checksum:
             raise self._corrupt(
                 record,
@@ -370,7 +370,7 @@ class FilesystemSource(VersionSource):
         return bool(self._direct_fds)
 
     def read_stored(self, record: TensorRecord, chunk: int, scratch: memoryview) -> memoryview:
-        c = record.chunks[chunk]
+        c = record.chunk(chunk)
         what = self._where(record, chunk)
         file = record.chunk_file(chunk)
         fd, direct_fd = self._fds[file], self._direct_fds.get(file)
@@ -384,7 +384,7 @@ class FilesystemSource(VersionSource):
         return out
 
     def read_logical(self, record: TensorRecord, chunk: int, out: memoryview, scratch: memoryview) -> None:
-        c = record.chunks[chunk]
+        c = record.chunk(chunk)
         codec = record.chunk_codec(chunk)
         if codec != "none":
             try:

@@ -97,7 +97,7 @@ class MemoryTier(Tier):
                     dtype=r.dtype,
                     shape=r.shape,
                     nbytes=r.nbytes,
-                    offset=r.chunks[0].offset - slot.offset if r.chunks else 0,
+                    offset=r.chunk(0).offset - slot.offset if r.chunks else 0,
                 )
                 for r in manifest.records
             )
@@ -111,7 +111,7 @@ class MemoryTier(Tier):
                 created=manifest.created,
                 slot=slot,
                 state=SnapshotState.CAPTURED,
-                checksums=tuple(tuple(c.checksum for c in r.chunks) for r in manifest.records),
+                checksums=tuple(tuple(c.checksum for c in r.all_chunks()) for r in manifest.records),
                 persisted=self.store.root / version_dirname(manifest.step) if self.store else None,
                 restored=True,
             )
@@ -422,7 +422,7 @@ class MemorySource(VersionSource):
         self.records = slot_records(snapshot.entries, offset=0, checksums=None, file="", shared=True)
 
     def read_stored(self, record: TensorRecord, chunk: int, scratch: memoryview) -> memoryview:
-        c = record.chunks[chunk]
+        c = record.chunk(chunk)
         return self._pool.view(self._snapshot.slot, c.offset, c.stored)
 
     def checksum_of(self, record: TensorRecord, chunk: int) -> int | None:

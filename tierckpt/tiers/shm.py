@@ -172,8 +172,8 @@ class ShmStore:
         return found
 
     def _slot_of(self, manifest: Manifest) -> int | None:
-        slots = {c.offset // self.slot_size for r in manifest.records for c in r.chunks}
-        ends = {(c.offset + c.stored - 1) // self.slot_size for r in manifest.records for c in r.chunks if c.stored}
+        slots = {c.offset // self.slot_size for r in manifest.records for c in r.all_chunks()}
+        ends = {(c.offset + c.stored - 1) // self.slot_size for r in manifest.records for c in r.all_chunks() if c.stored}
         if len(slots | ends) > 1 or any(s >= self.slots for s in slots):
             raise CorruptCheckpointError("its records do not lie in one slot")
         if any(r.codec != "none" or r.file != DATA_FILE.format(rank=0) for r in manifest.records):

@@ -1,8 +1,8 @@
 """The peer tier: each rank's snapshot copied into the RAM of ``copies`` ranks on other nodes.
 
 Flushing a version to this tier (the leader decides, as for every tier of several ranks:
-:mod:`tierckpt.dist.flush`) means: every rank sends its own part to its peers
-(:func:`~tierckpt.dist.nodes.placement`: never on its own node, each copy on another node) and
+:mod:`tierckpt.ranks.flush`) means: every rank sends its own part to its peers
+(:func:`~tierckpt.ranks.nodes.placement`: never on its own node, each copy on another node) and
 waits until each peer says it holds the copy verified; the version is committed once every rank's
 copies are. So a committed version that the owners' RAM tiers still hold survives the loss of any
 ``copies`` nodes from memory alone. Like every tier it selects on the stream of saves and copies
@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any, Coroutine
 
 from tierckpt.config import TierConfig
-from tierckpt.dist.group import CoordinationLost, RankGroup
-from tierckpt.dist.nodes import placement, senders
+from tierckpt.ranks.group import CoordinationLost, RankGroup
+from tierckpt.ranks.nodes import placement, senders
 from tierckpt.errors import ConfigError, CorruptCheckpointError
 from tierckpt.format import CHUNK_BYTES, Manifest
 from tierckpt.tiers.base import Staged, Tier, VersionInfo, VersionSource
@@ -116,7 +116,7 @@ class PeerTier(Tier):
         self._sent += 1
         n = self._sent
         records, nbytes = wire.relocate(source.records)
-        announce = {"step": source.step, "world": group.world, "nbytes": nbytes, "layout": [[c.offset, c.stored] for r in records for c in r.chunks]}
+        announce = {"step": source.step, "world": group.world, "nbytes": nbytes, "layout": [[c.offset, c.stored] for r in records for c in r.all_chunks()]}
         for peer in self.peers:
             await group.put(self._key("copy", peer, group.rank, n), announce)
         started = time.monotonic()
@@ -256,7 +256,7 @@ class PeerTier(Tier):
         held = incoming.held
         manifest = Manifest.decode(encoded, tier=self.name, step=held.step)
         check_records(manifest.records, {wire.COPY_FILE: incoming.nbytes}, tier=self.name, step=held.step)
-        if [(c.offset, c.stored) for r in manifest.records for c in r.chunks] != layout or manifest.step != held.step:
+        if [(c.offset, c.stored) for r in manifest.records for c in r.all_chunks()] != layout or manifest.step != held.step:
             raise CorruptCheckpointError(f"tier {self.name!r}: rank {held.owner}'s manifest of step {held.step} does not describe the bytes it sent")
         bad = wire.first_mismatch(incoming.data, manifest.records)
         if bad is not None:

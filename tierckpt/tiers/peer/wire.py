@@ -86,7 +86,7 @@ def relocate(records: Sequence[TensorRecord]) -> tuple[tuple[TensorRecord, ...],
 def with_checksums(records: Sequence[TensorRecord], sums: Sequence[int]) -> tuple[TensorRecord, ...]:
     """``records`` with the checksums :func:`send_copy` returned, in chunk order."""
     it = iter(sums)
-    return tuple(dataclasses.replace(r, chunks=tuple(dataclasses.replace(c, checksum=next(it)) for c in r.chunks)) for r in records)
+    return tuple(dataclasses.replace(r, chunks=tuple(dataclasses.replace(c, checksum=next(it)) for c in r.all_chunks())) for r in records)
 
 
 def _bytes_tensor(view: memoryview) -> torch.Tensor:

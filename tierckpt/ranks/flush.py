@@ -28,7 +28,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from tierckpt.dist.group import CoordinationLost, RankGroup
+from tierckpt.ranks.group import CoordinationLost, RankGroup
 from tierckpt.errors import RankFailureError
 from tierckpt.format import version_dirname
 from tierckpt.pipeline.flusher import Flusher

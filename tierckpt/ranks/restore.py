@@ -24,7 +24,7 @@ import logging
 import warnings
 from typing import Any, Sequence
 
-from tierckpt.dist.group import RankGroup
+from tierckpt.ranks.group import RankGroup
 from tierckpt.errors import CorruptCheckpointError, RestoreError
 from tierckpt.landing import finish
 from tierckpt.reshard.layout import NotHere

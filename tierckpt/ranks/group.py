@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import msgpack
 import torch.distributed as dist
 
-from tierckpt.dist.nodes import group_nodes, node_identity, split_nodes
+from tierckpt.ranks.nodes import group_nodes, node_identity, split_nodes
 from tierckpt.errors import ConfigError
 
 log = logging.getLogger("tierckpt")
@@ -81,7 +81,7 @@ class RankGroup:
         A group of one process is None too: it saves as a single process does. With ``bulk`` (a peer
         tier is configured), also makes the bulk group and finds which ranks share a node
         (:attr:`nodes`): ``nodes`` consecutive blocks of ranks if given, else by each rank's
-        :func:`~tierckpt.dist.nodes.node_identity`.
+        :func:`~tierckpt.ranks.nodes.node_identity`.
         """
         if not (dist.is_available() and dist.is_initialized()):
             if group is not None:
