@@ -18,7 +18,7 @@ import abc
 import collections
 import concurrent.futures
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from tierckpt.codecs import decoder
 from tierckpt.config import TierConfig
@@ -75,6 +75,14 @@ class VersionSource(abc.ABC):
         """Release files or leases the source holds."""
 
 
+class Part(NamedTuple):
+    """One rank's durable part of a version several ranks save, as it reports it to the leader."""
+
+    manifest: str  # the rank manifest's name (a peer tier: the tier's name)
+    checksum: int  # of that manifest's bytes, which the commit marker records (0: none)
+    nbytes: int  # stored bytes of the part
+
+
 @dataclass
 class Staged:
     """A version written under a temporary name: durable, not yet visible."""
@@ -83,8 +91,7 @@ class Staged:
     location: Any
     nbytes: int
     created: float
-    # Of a version several ranks save: this rank's manifest file, its checksum, and its stored bytes.
-    part: tuple[str, int, int] | None = None
+    part: Part | None = None  # of a version several ranks save: this rank's part
 
 
 class Lease:
@@ -170,8 +177,9 @@ class Tier(abc.ABC):
         """
         return source_layout(await self.read_whole(step), complete=False)
 
-    async def write(self, source: VersionSource) -> Staged:
-        """Store ``source`` durably under a temporary name."""
+    async def write(self, source: VersionSource, staging: str | None = None) -> Staged:
+        """Store ``source`` durably under a temporary name: ``staging`` when the ranks of a group agreed
+        on one (:class:`GroupTier`), else a name of the tier's choosing."""
         raise NotImplementedError(f"tier {self.name!r} is not written by flushes")
 
     async def commit(self, staged: Staged) -> VersionInfo:
@@ -188,3 +196,55 @@ class Tier(abc.ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release threads and files."""
+
+
+class GroupTier(Tier):
+    """A tier the ranks of a job write together: each rank stores its part of a version, and the
+    version becomes visible on every rank at once, when the leader (rank 0) commits it.
+
+    :mod:`tierckpt.pipeline.ranked` drives it through these steps, on the engine thread of each rank, for
+    decision ``n`` of the leader (flush step S), with ``staging`` the name the decision gives:
+
+    Leader (rank 0):
+        1. ``staged = await write(source, staging)``: its own part, durable, not visible.
+        2. Waits for every follower's report (a :class:`Part`, or a failure), up to
+           ``distributed.timeout``.
+        3. All parts durable: ``await seal(staged, parts, metadata)`` (the commit marker naming each
+           rank's part, in rank order), then ``info = await commit(staged)`` makes the version
+           visible; else, or if either raises, ``await abort(staged)``.
+        4. Publishes the outcome, with the steps its retention deletes (``delete`` on this rank).
+
+    Follower (every other rank):
+        1. ``staged = await write(source, staging)`` (the same ``staging``), reports ``staged.part``
+           (or its failure).
+        2. Waits for the leader's outcome: committed: ``await adopt(staged, nbytes)`` indexes the
+           version; abandoned or no outcome in time: ``await abort(staged)``.
+        3. ``await forget(step)`` for each step the leader's retention deleted.
+
+    A follower never commits, seals or deletes: the leader's decisions are the only ones, so every
+    rank says the same thing of every version.
+    """
+
+    @abc.abstractmethod
+    async def write(self, source: VersionSource, staging: str | None = None) -> Staged:
+        """Store this rank's part of ``source`` durably under ``staging``; ``staged.part`` reports it."""
+
+    @abc.abstractmethod
+    async def seal(self, staged: Staged, parts: list[Part], metadata: dict[str, Any]) -> None:
+        """The leader, once every rank's part is durable: record ``parts`` (rank order) with the staged version."""
+
+    @abc.abstractmethod
+    async def commit(self, staged: Staged) -> VersionInfo:
+        """The leader: make the sealed version visible atomically."""
+
+    @abc.abstractmethod
+    async def abort(self, staged: Staged) -> None:
+        """Either role: give back what this rank staged of a version that will not be committed."""
+
+    @abc.abstractmethod
+    async def adopt(self, staged: Staged, nbytes: int) -> VersionInfo:
+        """A follower: the leader committed the version this rank staged a part of (``nbytes`` in all)."""
+
+    @abc.abstractmethod
+    async def forget(self, step: int) -> None:
+        """A follower: the leader deleted ``step``; drop it from this rank's index."""

@@ -221,7 +221,8 @@ def slot_records(
     With ``shared``, an entry other ranks hold alike is cut into its shared chunks and says which ranks
     store them (for a flush); else every record is whole, in CHUNK_BYTES chunks (what this rank holds).
     """
-    return tuple(_slot_record(e, offset, sums, file, e.chunk_bytes if shared else CHUNK_BYTES, e.shared if shared else None) for e, sums in zip(entries, checksums or [None] * len(entries)))
+    per_entry: Sequence[Sequence[int] | None] = checksums if checksums is not None else [None] * len(entries)
+    return tuple(_slot_record(e, offset, sums, file, e.chunk_bytes if shared else CHUNK_BYTES, e.shared if shared else None) for e, sums in zip(entries, per_entry))
 
 
 def _slot_record(e: Any, offset: int, sums: Sequence[int] | None, file: str, size: int, shared: tuple[int, ...] | None) -> TensorRecord:
