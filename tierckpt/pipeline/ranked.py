@@ -85,23 +85,27 @@ def rank_failure(tier: str, step: int, failures: dict[int, str]) -> RankFailureE
     )
 
 
-def _group_tier(tier: Tier) -> GroupTier:
-    if not isinstance(tier, GroupTier):
-        raise TypeError(f"tier {tier.name!r} ({type(tier).__name__}) cannot be written by several ranks: it is no GroupTier")
-    return tier
+class _GroupFlusher(Flusher):
+    """A flusher of a tier the ranks write together: it depends on :class:`~tierckpt.tiers.base.GroupTier`
+    alone, and talks to the other ranks through the tier's channel."""
+
+    tier: GroupTier
+
+    def __init__(self, tier: Tier, policy: FlushPolicy, events: FlushEvents, *, group: RankGroup, **kwargs: Any) -> None:
+        if not isinstance(tier, GroupTier):
+            raise TypeError(f"tier {tier.name!r} ({type(tier).__name__}) cannot be written by several ranks: it is no GroupTier")
+        super().__init__(tier, policy, events, **kwargs)
+        self.channel = TierChannel(group, tier.name)
 
 
-class LeaderFlusher(Flusher):
+class LeaderFlusher(_GroupFlusher):
     """Rank 0's flusher: the tier's policy decides; every decision and its outcome go to the store.
 
     It drives its tier through the leader's steps of :class:`~tierckpt.tiers.base.GroupTier`.
     """
 
-    tier: GroupTier
-
     def __init__(self, tier: Tier, policy: FlushPolicy, events: FlushEvents, *, group: RankGroup, **kwargs: Any) -> None:
-        super().__init__(_group_tier(tier), policy, events, **kwargs)
-        self.channel = TierChannel(group, self.tier.name)
+        super().__init__(tier, policy, events, group=group, **kwargs)
         self._decisions = 0
         self._doomed: list[int] = []
         self._newest = -1  # the newest step offered here
@@ -164,17 +168,14 @@ class LeaderFlusher(Flusher):
         await self.delete(doomed)
 
 
-class FollowerFlusher(Flusher):
+class FollowerFlusher(_GroupFlusher):
     """A follower's flusher: writes its part of each version the leader decides to flush, in order.
 
     It drives its tier through the follower's steps of :class:`~tierckpt.tiers.base.GroupTier`.
     """
 
-    tier: GroupTier
-
     def __init__(self, tier: Tier, policy: FlushPolicy, events: FlushEvents, *, group: RankGroup, **kwargs: Any) -> None:
-        super().__init__(_group_tier(tier), policy, events, **kwargs)
-        self.channel = TierChannel(group, self.tier.name)
+        super().__init__(tier, policy, events, group=group, **kwargs)
         # Keep every eligible version until a decision takes it or passes it over: queue, never replace.
         self.policy = replace(self.policy, newest_only=False, min_interval_s=0.0)
         self._next = 1  # the next decision to follow
