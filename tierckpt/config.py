@@ -20,7 +20,7 @@ import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 
@@ -47,7 +47,7 @@ from tierckpt._config_schema import (
 from tierckpt.errors import ConfigError
 from tierckpt.units import format_size
 
-__all__ = ["Config", "HostConfig", "TierConfig", "FlushPolicy", "KeepPolicy", "CompressionConfig", "DistributedConfig"]
+__all__ = ["Config", "HostConfig", "TierConfig", "FlushPolicy", "KeepPolicy", "CompressionConfig", "DistributedConfig", "check_disjoint_paths"]
 
 _ON_FULL = ("block", "skip", "evict")
 _TIER_TYPES = ("memory", "filesystem", "peer")
@@ -504,6 +504,24 @@ class Config:
     def to_yaml(self) -> str:
         """The config as YAML text; ``Config.from_yaml`` of a file holding it gives an equal config."""
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def check_disjoint_paths(tiers: Sequence[TierConfig]) -> None:
+    """Two tiers in one directory (or one inside the other) would prune each other's versions."""
+    seen: list[tuple[str, Path]] = []
+    for tier in tiers:
+        if tier.path is None:
+            continue
+        path = Path(tier.path).expanduser().absolute().resolve()
+        for name, other in seen:
+            if path == other or path in other.parents or other in path.parents:
+                raise ConfigError(
+                    f"tiers {name!r} and {tier.name!r} share a directory ({other} and {path}); "
+                    "each tier needs a directory of its own",
+                    tier=tier.name,
+                    key=f"tiers.{tier.name}.path",
+                )
+        seen.append((tier.name, path))
 
 
 def _check_keys_for_type(at: Site, tier_type: str, keys: Collection[str]) -> None:
