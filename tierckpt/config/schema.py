@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
@@ -272,7 +272,7 @@ def _to_python(loader: yaml.SafeLoader, node: yaml.Node, at: Site) -> Any:
                 lines[at.path + (key,)] = line
                 raise at.error(key, problem=f"given twice, first on line {seen[key]}", hint="keep one")
             seen[key] = line
-    loader.flatten_mapping(node)  # resolves "<<: *alias" merge keys; keys written here win
+    loader.flatten_mapping(cast(yaml.MappingNode, node))  # resolves "<<: *alias" merge keys; keys written here win
     mapping: dict[Any, Any] = {}
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node)
