@@ -30,13 +30,13 @@ class SlowTier(FilesystemTier):
         self.bytes_per_s = bytes_per_s
         self.writes_started = 0
 
-    async def write(self, source: VersionSource) -> Staged:
+    async def write(self, source: VersionSource, staging: str | None = None) -> Staged:
         self.writes_started += 1
         delay = self.delay_s
         if self.bytes_per_s:
             delay += sum(record.nbytes for record in source.records) / self.bytes_per_s
         await asyncio.sleep(delay)
-        return await super().write(source)
+        return await super().write(source, staging)
 
 
 class _Gate(threading.Event):
@@ -103,7 +103,7 @@ class GatedTier(FilesystemTier):
                 # through would still look parked, and a test would give it a second permit.
                 self.waiting -= 1
 
-    async def write(self, source: VersionSource) -> Staged:
+    async def write(self, source: VersionSource, staging: str | None = None) -> Staged:
         self.steps.append(source.step)
         self.sources.append(source.tier)
         self.started.set()
@@ -112,7 +112,7 @@ class GatedTier(FilesystemTier):
         opened = await asyncio.get_running_loop().run_in_executor(None, self._pass)
         if not opened:
             raise TimeoutError(f"tier {self.name!r}: the test never opened the gate")
-        return await super().write(source)
+        return await super().write(source, staging)
 
 
 class FaultyTier(FilesystemTier):
