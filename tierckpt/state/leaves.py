@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from tierckpt.errors import UnsupportedStateError
-from tierckpt.format.manifest import Region
+from tierckpt.format.records import Region
 from tierckpt.state.dtypes import _STORABLE_TORCH_DTYPES, _TORCH_DTYPE_NAMES, _numpy_problem
 from tierckpt.state.skeleton import MAX_SKELETON_DEPTH, MAX_SKELETON_NODES, format_path
 
