@@ -2,8 +2,8 @@
 
 :class:`HostConfig` (YAML ``host``), :class:`DistributedConfig` (``distributed``), and the sections a tier
 holds: :class:`FlushPolicy` (``flush``), :class:`KeepPolicy` (``keep``) and :class:`CompressionConfig`
-(``compression``). Each is followed by its table of YAML keys (:class:`~tierckpt.config.schema.Key`
-rows), which :mod:`tierckpt.config.tier` and :mod:`tierckpt.config.document` turn into readers and
+(``compression``). Their tables of YAML keys (:class:`~tierckpt.config.schema.Key` rows) close the
+module; :mod:`tierckpt.config.tier` and :mod:`tierckpt.config.document` turn them into readers and
 writers. They live apart from the tier and the whole document so that each module stays small, and
 import only :mod:`tierckpt.config.schema` (schema <- sections <- tier <- document).
 """
