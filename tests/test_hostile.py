@@ -37,7 +37,8 @@ import tierckpt._buffers
 import tierckpt.landing
 import tierckpt.reshard.load
 import tierckpt.restore
-import tierckpt.state
+import tierckpt.state.leaves
+import tierckpt.state.skeleton
 import tierckpt.tiers.fsio
 from tierckpt import Checkpointer
 from tierckpt.errors import CorruptCheckpointError, UnsupportedStateError
@@ -559,7 +560,9 @@ def test_restore_moves_on_past_a_symlinked_or_fifo_data_file(tmp_path: Path) -> 
 
 
 def test_the_skeleton_node_limit_holds_for_saving_and_reading(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tierckpt.state, "MAX_SKELETON_NODES", 100)
+    # flattening (state.leaves) and decoding (state.skeleton) each hold the limit
+    monkeypatch.setattr(tierckpt.state.leaves, "MAX_SKELETON_NODES", 100)
+    monkeypatch.setattr(tierckpt.state.skeleton, "MAX_SKELETON_NODES", 100)
     fits = {"xs": list(range(97))}  # root dict 1 + key and value 2 + 97 items = 100
     skeleton, leaves = flatten(fits)
     assert unflatten(skeleton, []) == fits and skeleton_leaf_count(skeleton) == 0
