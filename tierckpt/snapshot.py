@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from tierckpt._buffers import align_up
-from tierckpt.format import ALIGN, CHUNK_BYTES, Region
+from tierckpt.format import ALIGN, CHUNK_BYTES
+from tierckpt.format.records import TensorInfo
 from tierckpt.state import Leaf, format_path
 
 if TYPE_CHECKING:
@@ -25,19 +26,11 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class Entry:
-    """Where one array leaf lives inside a slot."""
+class Entry(TensorInfo):
+    """Where one array leaf lives inside a slot. Its ``shared``: a value every rank holds alike
+    (``save(replicated=...)``), whose chunks these ranks store in turn."""
 
-    index: int
-    key: str
-    kind: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
     offset: int
-    # A value every rank holds alike (``save(replicated=...)``): these ranks store its chunks in turn.
-    shared: tuple[int, ...] | None = None
-    region: Region | None = None  # a DTensor's piece: where it lies in the global tensor
 
     @property
     def chunk_bytes(self) -> int:

@@ -14,7 +14,7 @@ from tierckpt.format.layout import (
     version_dirname,
 )
 from tierckpt.format.manifest import CommitMarker, Manifest, decode_document
-from tierckpt.format.records import Chunk, Region, TensorRecord
+from tierckpt.format.records import Chunk, Region, TensorInfo, TensorRecord
 
 __all__ = [
     "ALIGN",
@@ -29,6 +29,7 @@ __all__ = [
     "CommitMarker",
     "Manifest",
     "Region",
+    "TensorInfo",
     "TensorRecord",
     "checksum",
     "decode_document",

@@ -8,7 +8,7 @@ disk; :mod:`tierckpt.format.manifest` uses them for the rest of a manifest too.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tierckpt.codecs import CODECS
@@ -39,8 +39,10 @@ class Region:
 
 
 @dataclass(frozen=True)
-class TensorRecord:
-    """Where one array leaf of the state lives and how to check and decode it."""
+class TensorInfo:
+    """What one array leaf of the state is, wherever it is held. A host slot's
+    :class:`~tierckpt.snapshot.Entry` adds where in the slot; a stored :class:`TensorRecord` adds its
+    file, codec and chunks. Both derive from this, so no field is declared twice."""
 
     index: int  # the leaf index the skeleton refers to
     key: str  # readable key path, for messages
@@ -48,12 +50,23 @@ class TensorRecord:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int  # logical (decoded) length
+    # Keyword-only, so that each subclass's own fields follow ``nbytes`` positionally.
+    shared: tuple[int, ...] | None = field(default=None, kw_only=True)  # the ranks storing this value's chunks in turn (replicated)
+    region: Region | None = field(default=None, kw_only=True)  # a DTensor's local piece: where it lies in the global tensor
+
+    def identity(self) -> dict[str, Any]:
+        """index, key, kind, dtype, shape and nbytes: what one kind of record takes from the other."""
+        return {"index": self.index, "key": self.key, "kind": self.kind, "dtype": self.dtype, "shape": self.shape, "nbytes": self.nbytes}
+
+
+@dataclass(frozen=True)
+class TensorRecord(TensorInfo):
+    """Where one array leaf of the state lives and how to check and decode it."""
+
     file: str
     codec: str
     chunk_bytes: int  # logical bytes per chunk; the last one may be shorter
     chunks: tuple[Chunk | None, ...]  # None: a shared chunk another rank stores
-    shared: tuple[int, ...] | None = None  # the ranks storing this value's chunks in turn (replicated)
-    region: Region | None = None  # a DTensor's local piece: where it lies in the global tensor
 
     @property
     def stored(self) -> int:

@@ -73,15 +73,7 @@ class MemoryTier(Tier):
         for seq, (manifest, slot) in enumerate(sorted(placed, key=lambda p: p[0].step), start=1 - len(placed)):
             self._free.remove(slot)
             entries = tuple(
-                Entry(
-                    index=r.index,
-                    key=r.key,
-                    kind=r.kind,
-                    dtype=r.dtype,
-                    shape=r.shape,
-                    nbytes=r.nbytes,
-                    offset=r.chunk(0).offset - slot.offset if r.chunks else 0,
-                )
+                Entry(**r.identity(), offset=r.chunk(0).offset - slot.offset if r.chunks else 0)
                 for r in manifest.records
             )
             snapshot = Snapshot(
