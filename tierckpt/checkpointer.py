@@ -21,10 +21,9 @@ from tierckpt.capture import Copier, HostPool
 from tierckpt.capture.views import moment
 from tierckpt.config import Config, TierConfig
 from tierckpt.ranks import RankGroup
-from tierckpt.ranks.restore import restore_agreed
 from tierckpt.errors import CapacityError, ClosedError, ConfigError
 from tierckpt.pipeline import Counters, Engine, Pipeline, SaveTracker
-from tierckpt.restore import Restored, restore_latest
+from tierckpt.restore import Restored, restore_agreed, restore_latest
 from tierckpt.snapshot import plan_entries
 from tierckpt.state import flatten, format_path
 from tierckpt.tiers.base import Tier, VersionInfo

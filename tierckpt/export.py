@@ -44,11 +44,12 @@ import torch
 from tierckpt._buffers import align_up, tensor_bytes
 from tierckpt.errors import CorruptCheckpointError, NoCheckpointError, UnsupportedStateError
 from tierckpt.format import MANIFEST_FILE, TensorRecord, parse_version_dirname
+from tierckpt.format.layout import SavedLayout, global_shape
 from tierckpt.format.manifest import where
-from tierckpt.landing import Target
-from tierckpt.reshard import load as reshard
-from tierckpt.reshard.layout import SavedLayout, filesystem_layout, global_shape
+from tierckpt.restore.landing import Target
+from tierckpt.restore.plan import plan as plan_load
 from tierckpt.state import Leaf, format_path, numpy_dtype, skeleton_leaf_count, torch_dtype, unflatten
+from tierckpt.tiers.fsread import filesystem_layout
 
 __all__ = ["FORMATS", "ExportProgress", "ExportSummary", "export", "format_for"]
 
@@ -234,7 +235,7 @@ class _Reader:
         if into is not None:
             shape = global_shape(record)
             templates[record.key] = Leaf(record.index, (), record.kind, None, record.dtype, shape, _nbytes(record))
-        plan = reshard.plan(self.layout, templates, into, records=[record])
+        plan = plan_load(self.layout, templates, into, records=[record])
         (target,) = plan.run(self._source, self._pool, self._threads)
         return target
 

@@ -20,10 +20,9 @@ import concurrent.futures
 from dataclasses import dataclass
 from typing import Any
 
-from tierckpt.codecs import decoder
 from tierckpt.config import TierConfig
-from tierckpt.format import TensorRecord
-from tierckpt.reshard.layout import SavedLayout, source_layout
+from tierckpt.format.layout import SavedLayout, source_layout
+from tierckpt.format.source import VersionSource as VersionSource  # re-exported: it was defined here
 
 
 @dataclass(frozen=True)
@@ -39,40 +38,6 @@ class VersionInfo:
     # (and warns); retention neither counts nor deletes it, so a damaged newer version can never
     # push good ones out.
     valid: bool = True
-
-
-class VersionSource(abc.ABC):
-    """Read access to one version's bytes, for a flusher writing it further down or a restore.
-
-    ``read_stored`` and ``read_logical`` block and are called from worker threads, concurrently for
-    different chunks. ``close`` is called once by whoever opened the source.
-    """
-
-    tier: str
-    step: int
-    created: float
-    skeleton: Any
-    metadata: dict[str, Any]
-    records: tuple[TensorRecord, ...]
-
-    @abc.abstractmethod
-    def read_stored(self, record: TensorRecord, chunk: int, scratch: memoryview) -> memoryview:
-        """Chunk ``chunk`` of ``record`` as stored (encoded), verified against its checksum if it has one.
-
-        May return a view of ``scratch`` (large enough for one stored chunk) or of memory the source owns.
-        """
-
-    def checksum_of(self, record: TensorRecord, chunk: int) -> int | None:
-        """The verified checksum of a stored chunk, when the source has one (saves hashing it again)."""
-        value = record.chunk(chunk).checksum
-        return value if value >= 0 else None
-
-    def read_logical(self, record: TensorRecord, chunk: int, out: memoryview, scratch: memoryview) -> None:
-        """Decode chunk ``chunk`` of ``record`` into ``out`` (exactly its logical length), verified."""
-        decoder(record.chunk_codec(chunk)).decode_into(self.read_stored(record, chunk, scratch), out)
-
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Release files or leases the source holds."""
 
 
 @dataclass
