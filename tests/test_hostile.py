@@ -5,7 +5,7 @@ without opening anything outside the version directory.
 The fuzz test takes the manifest of a real saved version (uncompressed, and compressed), mutates its
 fields and structure, and wraps it again with a correct checksum, so that only the checks behind the
 checksum can refuse it. Then it reads it as restore does: :func:`read_manifest`, :func:`open_source`
-(the skeleton, the files, the records against the files), :func:`tierckpt.restore.load` (allocate,
+(the skeleton, the files, the records against the files), :func:`tierckpt.restore.plan.load` (allocate,
 read, verify, decode, rebuild). Meanwhile ``os.open`` is watched (every file opened must be the
 version directory or a plain name inside it, and must turn out to be inside it once open: a followed
 symlink would show), and so are the allocation helpers (no buffer larger than the bytes on disk can
@@ -34,9 +34,8 @@ from hypothesis import HealthCheck, event, given, reject, settings
 from hypothesis import strategies as st
 
 import tierckpt._buffers
-import tierckpt.landing
-import tierckpt.reshard.load
-import tierckpt.restore
+import tierckpt.restore.landing
+import tierckpt.restore.plan
 import tierckpt.state.leaves
 import tierckpt.state.skeleton
 import tierckpt.tiers.fsio
@@ -179,12 +178,12 @@ class _Guards:
 
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(os, "open", self._open(os.open))
-            for module in (tierckpt._buffers, tierckpt.restore, tierckpt.landing, tierckpt.reshard.load, tierckpt.tiers.fsio):
+            for module in (tierckpt._buffers, tierckpt.restore.landing, tierckpt.tiers.fsio):
                 patch.setattr(module, "aligned_buffer", self._sized(module.aligned_buffer, lambda n, **_: n, "aligned_buffer"))
             patch.setattr(
-                tierckpt.landing,
+                tierckpt.restore.landing,
                 "owned_tensor",
-                self._sized(tierckpt.landing.owned_tensor, lambda dtype, shape, n: n, "owned_tensor"),
+                self._sized(tierckpt.restore.landing.owned_tensor, lambda dtype, shape, n: n, "owned_tensor"),
             )
             patch.setattr(torch, "empty", self._sized(torch.empty, numel_bytes, "torch.empty"))
             patch.setattr(np, "empty", self._sized(np.empty, numel_bytes, "np.empty"))
@@ -206,7 +205,7 @@ def _read(version: _Version, executor: concurrent.futures.Executor) -> Any:
     manifest = read_manifest(version.dir, tier="fuzz", step=STEP)
     source = open_source("fuzz", version.dir, manifest)
     try:
-        return tierckpt.restore.load(source, {}, executor, threads=1)
+        return tierckpt.restore.plan.load(source, {}, executor, threads=1)
     finally:
         source.close()
 

@@ -18,8 +18,7 @@ from tierckpt.errors import CapacityError, ClosedError, ConfigError
 from tierckpt.handle import SaveHandle
 from tierckpt.pipeline import Counters, SaveRequest
 from tierckpt.ranks import RankGroup
-from tierckpt.ranks.restore import restore_agreed
-from tierckpt.restore import Restored, restore_latest
+from tierckpt.restore import Restored, restore_agreed, restore_latest
 from tierckpt.runtime import TierFactory, assemble
 from tierckpt.snapshot import LayoutCache
 from tierckpt.state import flatten

@@ -120,7 +120,7 @@ class LayoutError(TierckptError, ValueError):
     """A stored version was saved by another number of ranks than the job reading it has.
 
     ``restore_latest`` does not raise it: it reads such a version through its saved layout
-    (:mod:`tierckpt.reshard`). Reading one rank's part as it is (a flush) does.
+    (:mod:`tierckpt.restore.reshard`). Reading one rank's part as it is (a flush) does.
     """
 
 

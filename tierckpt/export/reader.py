@@ -18,9 +18,10 @@ import numpy as np
 from tierckpt.errors import CorruptCheckpointError, NoCheckpointError
 from tierckpt.format import MANIFEST_FILE, TensorRecord, parse_version_dirname
 from tierckpt.format.manifest import where
-from tierckpt.landing import Target
-from tierckpt.reshard import load as reshard
-from tierckpt.reshard.layout import SavedLayout, filesystem_layout, global_shape
+from tierckpt.format.saved_layout import SavedLayout, global_shape
+from tierckpt.restore.landing import Target
+from tierckpt.restore.plan import plan as plan_load
+from tierckpt.tiers.fsread import filesystem_layout
 from tierckpt.state import Leaf, numpy_dtype, skeleton_leaf_count, torch_dtype
 
 
@@ -82,7 +83,7 @@ class _Reader:
         if into is not None:
             shape = global_shape(record)
             templates[record.key] = Leaf(record.index, (), record.kind, None, record.dtype, shape, _nbytes(record))
-        plan = reshard.plan(self.layout, templates, into, records=[record])
+        plan = plan_load(self.layout, templates, into, records=[record])
         (target,) = plan.run(self._source, self._pool, self._threads)
         return target
 

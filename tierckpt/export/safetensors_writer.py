@@ -16,7 +16,7 @@ from typing import Any, BinaryIO
 from tierckpt.errors import UnsupportedStateError
 from tierckpt.export.reader import _little_endian, _nbytes, _Reader, _Writer
 from tierckpt.format import TensorRecord
-from tierckpt.reshard.layout import SavedLayout, global_shape
+from tierckpt.format.saved_layout import SavedLayout, global_shape
 from tierckpt.state import format_path, numpy_dtype
 
 # Torch dtype name -> safetensors dtype, as safetensors 0.8 reads them back. complex128, complex32,

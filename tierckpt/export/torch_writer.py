@@ -21,7 +21,7 @@ from tierckpt._buffers import align_up, tensor_bytes
 from tierckpt.errors import UnsupportedStateError
 from tierckpt.export.reader import _little_endian, _nbytes, _Reader, _Writer
 from tierckpt.format import TensorRecord
-from tierckpt.reshard.layout import SavedLayout, global_shape
+from tierckpt.format.saved_layout import SavedLayout, global_shape
 from tierckpt.state import numpy_dtype, torch_dtype, unflatten
 
 # torch.load(weights_only=True) does not recognise these (torch 2.13): "dtype torch.uint3 is not recognized".

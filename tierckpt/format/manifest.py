@@ -18,7 +18,7 @@ by one process is still written as version 2.
 
 A record of a DTensor also has a ``region``: the global shape of the whole tensor and the offset of the
 stored piece (the record's ``shape``) in it, so that a job with another parallel layout can find the
-bytes it needs (:mod:`tierckpt.reshard`). A reader that ignores it reads the same local shards it wrote.
+bytes it needs (:mod:`tierckpt.restore.reshard`). A reader that ignores it reads the same local shards it wrote.
 
 Decoding checks types and structure only (every message names the manifest file): whether the records
 fit the data files on disk, their dtypes and their shapes is checked by the reader that has the files

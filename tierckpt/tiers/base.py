@@ -1,4 +1,4 @@
-"""The tier interface, and the version source every flush and restore reads from.
+"""The tier interfaces: :class:`Tier`, and :class:`GroupTier` for a tier several ranks write together.
 
 Call order for a :class:`Tier` (all on the engine thread, the library's event loop):
 
@@ -7,6 +7,9 @@ Call order for a :class:`Tier` (all on the engine thread, the library's event lo
    ``await write(source)`` followed by ``await commit(staged)`` (or ``await abort(staged)``) stores a
    version: one write at a time per tier (its flusher's), concurrent with reads of other versions.
 3. ``await close()`` once, after the tier's flusher has stopped.
+
+A tier's ``read`` returns a :class:`~tierckpt.format.source.VersionSource`, the version's bytes as
+every flush and restore reads them.
 
 Bulk bytes never move on the event loop: ``write`` and ``read``'s sources run their byte work in the
 tier's own threads. A leased version is never deleted; ``delete`` of a leased step raises.
@@ -20,10 +23,9 @@ import concurrent.futures
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from tierckpt.codecs import decoder
 from tierckpt.config import TierConfig
-from tierckpt.format import TensorRecord
-from tierckpt.reshard.layout import SavedLayout, source_layout
+from tierckpt.format.saved_layout import SavedLayout, source_layout
+from tierckpt.format.source import VersionSource as VersionSource  # re-exported: it was defined here
 
 
 @dataclass(frozen=True)
@@ -39,40 +41,6 @@ class VersionInfo:
     # (and warns); retention neither counts nor deletes it, so a damaged newer version can never
     # push good ones out.
     valid: bool = True
-
-
-class VersionSource(abc.ABC):
-    """Read access to one version's bytes, for a flusher writing it further down or a restore.
-
-    ``read_stored`` and ``read_logical`` block and are called from worker threads, concurrently for
-    different chunks. ``close`` is called once by whoever opened the source.
-    """
-
-    tier: str
-    step: int
-    created: float
-    skeleton: Any
-    metadata: dict[str, Any]
-    records: tuple[TensorRecord, ...]
-
-    @abc.abstractmethod
-    def read_stored(self, record: TensorRecord, chunk: int, scratch: memoryview) -> memoryview:
-        """Chunk ``chunk`` of ``record`` as stored (encoded), verified against its checksum if it has one.
-
-        May return a view of ``scratch`` (large enough for one stored chunk) or of memory the source owns.
-        """
-
-    def checksum_of(self, record: TensorRecord, chunk: int) -> int | None:
-        """The verified checksum of a stored chunk, when the source has one (saves hashing it again)."""
-        value = record.chunk(chunk).checksum
-        return value if value >= 0 else None
-
-    def read_logical(self, record: TensorRecord, chunk: int, out: memoryview, scratch: memoryview) -> None:
-        """Decode chunk ``chunk`` of ``record`` into ``out`` (exactly its logical length), verified."""
-        decoder(record.chunk_codec(chunk)).decode_into(self.read_stored(record, chunk, scratch), out)
-
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Release files or leases the source holds."""
 
 
 class Part(NamedTuple):
@@ -172,7 +140,7 @@ class Tier(abc.ABC):
         """The saved layout of a committed version, for rank ``rank`` of a job with another layout.
 
         This default holds one process's snapshot: only the part this process saved (not
-        :attr:`~tierckpt.reshard.layout.SavedLayout.complete`); a tier holding every rank's part
+        :attr:`~tierckpt.format.saved_layout.SavedLayout.complete`); a tier holding every rank's part
         overrides it.
         """
         return source_layout(await self.read_whole(step), complete=False)

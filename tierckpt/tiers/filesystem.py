@@ -57,8 +57,8 @@ from tierckpt.format import (
 from tierckpt.tiers.base import GroupTier, Part, Staged, VersionInfo, VersionSource
 from tierckpt.tiers.encoding import TierEncoding
 from tierckpt.tiers.fsio import fsync_dir, makedirs_durable, probe_direct_io, remove_tree, write_file
-from tierckpt.reshard.layout import SavedLayout, filesystem_layout
-from tierckpt.tiers.fsread import FilesystemSource, open_source, read_head, read_manifest, resolve_shared  # noqa: F401 - FilesystemSource lived here
+from tierckpt.format.saved_layout import SavedLayout
+from tierckpt.tiers.fsread import FilesystemSource, filesystem_layout, open_source, read_head, read_manifest, resolve_shared  # noqa: F401 - FilesystemSource lived here
 from tierckpt.tiers.fswrite import write_data_file
 from tierckpt.tiers.lock import DirectoryLock
 
