@@ -14,15 +14,12 @@ import enum
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from tierckpt._buffers import align_up
 from tierckpt.format import ALIGN, CHUNK_BYTES
 from tierckpt.format.records import TensorInfo
 from tierckpt.state import Leaf, format_path
-
-if TYPE_CHECKING:
-    from tierckpt.capture.pool import Slot
 
 
 @dataclass(frozen=True)
@@ -136,6 +133,15 @@ class LayoutCache:
         planned = plan_entries(leaves, sharing((), leaves, self._ranks))
         self._last = (signature, planned)
         return planned
+
+
+@dataclass(eq=False)
+class Slot:
+    """One of the host pool's equal parts (:class:`~tierckpt.capture.pool.HostPool`): a snapshot's home."""
+
+    index: int
+    offset: int  # in the pool
+    size: int
 
 
 class SnapshotState(enum.Enum):
