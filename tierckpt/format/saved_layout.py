@@ -76,7 +76,7 @@ class SavedLayout:
     def __init__(
         self,
         *,
-        tier: str,
+        tier: str | None,
         step: int,
         created: float,
         metadata: dict[str, Any],

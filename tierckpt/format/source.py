@@ -23,7 +23,7 @@ class VersionSource(abc.ABC):
     different chunks. ``close`` is called once by whoever opened the source.
     """
 
-    tier: str
+    tier: str | None  # None for a directory read outside any configured tier (the CLI, an export)
     step: int
     created: float
     skeleton: Any

@@ -70,7 +70,7 @@ class GatedTier(FilesystemTier):
         self.gate: threading.Event = _Gate(self._changed)
         self.started = threading.Event()
         self.steps: list[int] = []
-        self.sources: list[str] = []
+        self.sources: list[str | None] = []
         self.waiting = 0
         self.deadline_s = deadline_s
 
