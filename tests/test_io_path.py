@@ -172,7 +172,7 @@ def test_a_damaged_small_tensor_falls_back_to_the_previous_step(opened: list[Che
 
 @pytest.fixture
 def no_direct(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("tierckpt.tiers.filesystem.probe_direct_io", lambda path: False)
+    monkeypatch.setattr("tierckpt.storage.local.probe_direct_io", lambda path: False)
 
 
 def test_the_buffered_path_stores_and_restores_the_same(opened: list[Checkpointer], tmp_path: Path, no_direct: None) -> None:
