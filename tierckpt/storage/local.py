@@ -150,10 +150,8 @@ class LocalStore(ByteStore):
         return await asyncio.get_running_loop().run_in_executor(self.executor, function, *args)  # type: ignore[arg-type]
 
     async def open(self, *, exclusive: bool = False) -> None:
-        """Create the root; lock it (``exclusive``); probe O_DIRECT. Raises OSError, or ConfigError
-        when another process holds the lock."""
+        """Create the root (each level made durable), lock it (``exclusive``), probe O_DIRECT."""
         await self._run(makedirs_durable, self.root)
-        # Before anything is swept: the .tmp- directories of a job still writing here are not leftovers.
         if exclusive:
             await self._run(self._lock.acquire)
         self.direct = bool(await self._run(probe_direct_io, self.root))

@@ -75,7 +75,12 @@ class DataWriter(abc.ABC):
 
 
 class ObjectReader(abc.ABC):
-    """Byte ranges of one object, read from several threads at once (blocking)."""
+    """Byte ranges of one object, read from several threads at once (blocking).
+
+    The tier's source opens them: :class:`~tierckpt.tiers.fsread.FilesystemSource` relative to the
+    version directory's descriptor, refusing symlinks and anything but regular files; on an object
+    store, a HEAD for the size and ranged GETs.
+    """
 
     size: int
 
@@ -105,8 +110,13 @@ class ByteStore(abc.ABC):
     direct: bool = False
 
     @abc.abstractmethod
-    async def open(self) -> None:
-        """Create the root durably (its own name included) and learn the medium's capabilities."""
+    async def open(self, *, exclusive: bool = False) -> None:
+        """Create the root durably (its own name included) and learn the medium's capabilities.
+
+        ``exclusive``: hold the root against other jobs until :meth:`close` (before anything is swept,
+        so a job still writing here keeps its staged versions). Raises OSError when the root cannot
+        be used, ConfigError when another job holds it.
+        """
 
     @abc.abstractmethod
     async def list(self) -> list[Entry]:
