@@ -23,7 +23,7 @@ from tierckpt.format import MANIFEST_FILE, Chunk, Manifest, TensorRecord, checks
 from tierckpt.storage import local
 from tierckpt.tiers import fswrite
 from tierckpt.tiers.filesystem import FilesystemSource, FilesystemTier
-from tierckpt.tiers.fsio import probe_direct_io
+from tierckpt.storage.posix import probe_direct_io
 
 
 def _config(path: Path, *, capacity: str = "8MiB", name: str = "nvme", **tier: Any) -> dict[str, Any]:

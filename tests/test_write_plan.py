@@ -14,7 +14,7 @@ _NONE = Chunk(0, 0, -1)
 
 def _record(index: int, nbytes: int, chunk_bytes: int, *, shared: tuple[int, ...] | None = None, dtype: str = "<f4") -> TensorRecord:
     chunks = -(-nbytes // chunk_bytes)
-    return TensorRecord(index, f"['t{index}']", "numpy", dtype, (nbytes // 4,), nbytes, "data", "none", chunk_bytes, (_NONE,) * chunks, shared)
+    return TensorRecord(index, f"['t{index}']", "numpy", dtype, (nbytes // 4,), nbytes, "data", "none", chunk_bytes, (_NONE,) * chunks, shared=shared)
 
 
 def test_raw_layout_keeps_the_slot_offsets_each_record_aligned() -> None:

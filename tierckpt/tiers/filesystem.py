@@ -40,7 +40,7 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import aiofiles.os
 
@@ -55,10 +55,11 @@ from tierckpt.format import (
     checksum,
     version_dirname,
 )
-from tierckpt.reshard.layout import SavedLayout, filesystem_layout
+from tierckpt.format.saved_layout import SavedLayout
 from tierckpt.storage.local import LocalStore
-from tierckpt.tiers.base import Staged, Tier, VersionInfo, VersionSource
+from tierckpt.tiers.base import GroupTier, Part, Staged, VersionInfo, VersionSource
 from tierckpt.tiers.encoding import TierEncoding
+from tierckpt.tiers.fslayout import filesystem_layout
 from tierckpt.tiers.fsread import FilesystemSource, open_source, read_head, read_manifest, resolve_shared  # noqa: F401 - FilesystemSource lived here
 from tierckpt.tiers.fssweep import MEMBER, REPLACED, sweep
 from tierckpt.tiers.fswrite import write_data_file
@@ -73,7 +74,7 @@ if TYPE_CHECKING:
     from tierckpt.ranks import RankGroup
 
 
-class FilesystemTier(Tier):
+class FilesystemTier(GroupTier):
     """Versions as directories under ``config.path`` (relative paths resolve against the working directory)."""
 
     def __init__(self, config: TierConfig, group: RankGroup | None = None) -> None:
@@ -207,10 +208,10 @@ class FilesystemTier(Tier):
             else:
                 await self._discard(tmp)
             raise
-        part = (manifest_key.rsplit("/", 1)[1], checksum(encoded), manifest.stored_bytes) if ranked else None
+        part = Part(manifest_key.rsplit("/", 1)[1], checksum(encoded), manifest.stored_bytes) if ranked else None
         return Staged(source.step, tmp, manifest.stored_bytes, source.created, part)
 
-    async def seal(self, staged: Staged, parts: list[tuple[str, int, int]], metadata: dict) -> None:
+    async def seal(self, staged: Staged, parts: list[Part], metadata: dict[str, Any]) -> None:
         """The leader, once every rank's part is durable: write the commit marker into the staged version."""
         marker = CommitMarker(step=staged.step, created=staged.created, world_size=len(parts), ranks=tuple(parts), metadata=metadata)
         await self.store.write_small(f"{staged.location}/{MANIFEST_FILE}", marker.encode())

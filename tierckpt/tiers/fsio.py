@@ -1,44 +1,23 @@
-"""Low-level file I/O for filesystem tiers: full positional reads, per-thread aligned scratch, the
-chunk job runner, and the fallocate(2) hook.
+"""The tier's worker-thread helpers for bulk I/O: per-thread aligned scratch and the chunk job runner.
 
-The write side (O_DIRECT detection, ``pwritev``, preallocation, fsync, durable mkdir, removal) lives
-with the local byte store, :mod:`tierckpt.storage.local`; its functions can still be imported from
-here by their old names. ``_fallocate`` stays here: :class:`tierckpt.testing.IOFaults` and the tests'
-recorder patch it by this module's name.
-
-Bulk bytes go through ``os.pwritev``/``os.preadv`` in the tier's own threads. O_DIRECT skips the page
-cache (2.5-3.0 GB/s durable here, against ~0.8 GB/s buffered + fsync; reads land in the destination
-without a copy out of the cache) but needs aligned addresses, offsets and lengths (4 KiB here; the
-disk refuses memory 64 bytes past a page, where ``torch.empty`` puts it). An unaligned tail goes
-through a one-page bounce buffer in the same vectored call; an unaligned destination is read through
-the thread's aligned scratch buffer and copied. Some file systems (ramfs, FUSE; tmpfs before Linux
-6.6) refuse O_DIRECT: probed once per path, and everything then goes through the page cache.
+The system calls themselves (O_DIRECT reads and writes, fsync, removal) are in
+:mod:`tierckpt.storage.posix`; what a tier stores and reads through them, in :mod:`tierckpt.storage`.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
-import ctypes
-import os
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
+from typing import Callable, Generic, TypeVar
 
-from tierckpt._buffers import PAGE, address, align_up, aligned_buffer, copy_bytes
-from tierckpt.errors import CorruptCheckpointError
+from tierckpt._buffers import aligned_buffer
 
-O_DIRECT = getattr(os, "O_DIRECT", 0)
+__all__ = ["ChunkJobs", "scratch", "scratch2"]
+
 T = TypeVar("T")
 
-
 _local = threading.local()
-
-
-def _tail_page() -> memoryview:
-    page = getattr(_local, "page", None)
-    if page is None:
-        page = _local.page = aligned_buffer(PAGE)
-    return memoryview(page)
 
 
 def scratch(nbytes: int) -> memoryview:
@@ -55,101 +34,6 @@ def scratch2(nbytes: int) -> memoryview:
     if buf is None or len(buf) < nbytes:
         buf = _local.scratch2 = aligned_buffer(nbytes)
     return memoryview(buf)
-
-
-def _is_aligned(data: memoryview) -> bool:
-    if data.readonly:
-        return False
-    try:
-        return address(data) % PAGE == 0
-    except (TypeError, ValueError):
-        return False
-
-
-def _advance(buffers: list[memoryview], n: int) -> list[memoryview]:
-    """What is left of ``buffers`` after the first ``n`` bytes."""
-    while buffers and n >= buffers[0].nbytes:
-        n -= buffers[0].nbytes
-        buffers = buffers[1:]
-    if n:
-        buffers = [buffers[0][n:], *buffers[1:]]
-    return buffers
-
-
-def _read_loop(fd: int, buffers: list[memoryview], offset: int) -> int:
-    """Fill ``buffers`` from ``offset`` until they are full or the file ends; returns bytes read."""
-    total = 0
-    while buffers:
-        n = os.preadv(fd, buffers, offset)
-        if n == 0:
-            break
-        buffers = _advance(buffers, n)
-        offset += n
-        total += n
-    return total
-
-
-def _short(what: str, missing: int) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"{what}: file ends {missing} bytes early")
-
-
-def pread_exact(fd: int, out: memoryview, offset: int, *, what: str) -> None:
-    """Fill ``out`` from ``offset`` through the page cache; a short file is corruption, not an I/O error."""
-    got = _read_loop(fd, [out], offset)
-    if got < out.nbytes:
-        raise _short(what, out.nbytes - got)
-
-
-def read_into(out: memoryview, offset: int, fd: int, direct_fd: int | None, scratch: memoryview, *, what: str) -> None:
-    """Fill ``out`` with the file's bytes at ``offset``, by the cheapest safe route.
-
-    O_DIRECT straight into ``out`` when it and ``offset`` are page-aligned (the unaligned tail lands
-    in a bounce page, read in the same ``preadv``); otherwise O_DIRECT into ``scratch`` and a copy;
-    through the page cache when there is no ``direct_fd``.
-    """
-    if direct_fd is None or not out.nbytes:
-        pread_exact(fd, out, offset, what=what)
-        return
-    if offset % PAGE == 0 and _is_aligned(out):
-        body = out.nbytes // PAGE * PAGE
-        tail = out.nbytes - body
-        buffers = [out[:body]] if body else []
-        page = _tail_page()
-        if tail:
-            buffers.append(page)
-        # The file may end inside the tail page (a version written through the page cache).
-        got = _read_loop(direct_fd, buffers, offset)
-        if got < out.nbytes:
-            raise _short(what, out.nbytes - got)
-        if tail:
-            out[body:] = page[:tail]
-        return
-    if scratch.nbytes < 4 * PAGE:
-        pread_exact(fd, out, offset, what=what)
-        return
-    filled = 0
-    while filled < out.nbytes:
-        # Small or unaligned destinations (restore aligns the large ones): the copy is cheap.
-        length = min(out.nbytes - filled, scratch.nbytes - 2 * PAGE)
-        piece = read_span(offset + filled, length, scratch, fd, direct_fd, what=what)
-        copy_bytes(out[filled : filled + length], piece)
-        filled += length
-
-
-def read_span(offset: int, length: int, scratch: memoryview, fd: int, direct_fd: int | None, *, what: str) -> memoryview:
-    """The file's bytes ``[offset, offset + length)`` as a view of ``scratch`` (or of a new buffer
-    when ``scratch`` is too small). With ``direct_fd``, the covering pages are read with O_DIRECT.
-    """
-    start = offset // PAGE * PAGE
-    end = align_up(offset + length)
-    if direct_fd is not None and length and end - start <= scratch.nbytes and _is_aligned(scratch):
-        got = _read_loop(direct_fd, [scratch[: end - start]], start)
-        if got < offset + length - start:
-            raise _short(what, offset + length - start - got)
-        return scratch[offset - start : offset - start + length]
-    out = scratch[:length] if scratch.nbytes >= length else memoryview(bytearray(length))
-    pread_exact(fd, out, offset, what=what)
-    return out
 
 
 class ChunkJobs(Generic[T]):
@@ -201,42 +85,3 @@ class ChunkJobs(Generic[T]):
         if self.error is not None:
             raise self.error
         return self.results
-
-
-# The write side moved to tierckpt.storage.local (which imports this module): resolved on first use.
-if TYPE_CHECKING:
-    from tierckpt.storage.local import (  # noqa: F401 - the old import paths
-        fsync_dir as fsync_dir,
-        makedirs_durable as makedirs_durable,
-        preallocate as preallocate,
-        probe_direct_io as probe_direct_io,
-        pwrite_all as pwrite_all,
-        raise_named as raise_named,
-        remove_out_of_sight as remove_out_of_sight,
-        remove_tree as remove_tree,
-        write_file as write_file,
-    )
-
-_MOVED = frozenset({
-    "fsync_dir", "makedirs_durable", "preallocate", "probe_direct_io", "pwrite_all", "raise_named",
-    "remove_out_of_sight", "remove_tree", "write_file",
-})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        from tierckpt.storage import local
-
-        return getattr(local, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
-
-
-def _fallocate(fd: int, nbytes: int) -> int:
-    """fallocate(2): 0, or the errno (a module-level hook: :class:`tierckpt.testing.IOFaults` replaces it)."""
-    if _libc.fallocate(fd, 0, 0, nbytes) != 0:
-        return ctypes.get_errno()
-    return 0

@@ -41,7 +41,7 @@ from tierckpt.tiers.base import VersionSource
 from tierckpt.storage.local import LocalReader
 from tierckpt.storage.store import ObjectReader
 from tierckpt.tiers.fscheck import MAX_CHUNK_BYTES, ZSTD_MAX_EXPANSION, check_records
-from tierckpt.tiers.fsio import O_DIRECT
+from tierckpt.storage.posix import O_DIRECT
 
 # MAX_CHUNK_BYTES, ZSTD_MAX_EXPANSION and check_records live in fscheck; imported from here too.
 __all__ = [

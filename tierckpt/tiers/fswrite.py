@@ -28,6 +28,7 @@ from pathlib import Path
 from tierckpt._buffers import align_up
 from tierckpt.codecs import decoder
 from tierckpt.format import Chunk, TensorRecord, checksum
+from tierckpt.storage.local import LocalDataWriter
 from tierckpt.storage.plan import WriteItem, WritePlan, plan_write
 from tierckpt.storage.store import ByteStore, DataWriter
 from tierckpt.tiers.base import VersionSource
@@ -61,8 +62,6 @@ def write_data_file(
     codecs = [encoding.codec_for(r) for r in source.records]
     plan = plan_write(source.records, codecs, rank=rank, raw_layout=encoding.raw_layout)
     if store is None:
-        from tierckpt.storage.local import LocalDataWriter  # here: tierckpt.storage.local imports tiers
-
         writer: DataWriter = LocalDataWriter(Path(path), plan, direct=direct)
     else:
         writer = store.open_data(str(path), plan)
