@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tierckpt.tiers.fsio import O_DIRECT, fsync_dir, probe_direct_io
+from tierckpt.storage.posix import O_DIRECT, fsync_dir, probe_direct_io
 
 CHUNK = 16 << 20
 

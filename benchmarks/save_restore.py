@@ -31,7 +31,7 @@ import xxhash
 
 from machine_limits import drop_caches, fault_in, limits, machine
 from tierckpt import Checkpointer
-from tierckpt.tiers.fsio import fsync_dir
+from tierckpt.storage.posix import fsync_dir
 LAYERS = 24  # 8 tensors each, plus a few: ~200 tensors
 
 

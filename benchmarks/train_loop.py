@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from gpt import GPT, ModelSize
 from machine_limits import limits, machine
 from tierckpt import Checkpointer
-from tierckpt.tiers.fsio import fsync_dir
+from tierckpt.storage.posix import fsync_dir
 
 HERE = Path(__file__).resolve().parent
 VARIANTS = ("tierckpt", "dcp.async_save", "torch.save", "dcp.save")

@@ -87,11 +87,12 @@ def install_pause(point: str, step: int) -> None:
     import aiofiles.os
 
     from tierckpt.format import version_dirname
-    from tierckpt.tiers import filesystem, fswrite
+    from tierckpt.storage import local
+    from tierckpt.tiers import filesystem
 
     if point == "data":
         armed = threading.Event()
-        write_data_file, pwrite_all = filesystem.write_data_file, fswrite.pwrite_all
+        write_data_file, pwrite_all = filesystem.write_data_file, local.pwrite_all
 
         def arming_write(source: Any, *args: Any, **kwargs: Any) -> Any:
             if source.step == step:
@@ -105,7 +106,7 @@ def install_pause(point: str, step: int) -> None:
                 hang()
 
         filesystem.write_data_file = arming_write
-        fswrite.pwrite_all = pausing_pwrite
+        local.pwrite_all = pausing_pwrite
     elif point == "staged":
         commit = filesystem.FilesystemTier.commit
 

@@ -5,7 +5,7 @@ by ``crash_child.py``.
 
 :class:`Interposer` patches the ``os`` calls a filesystem tier makes (``open``, ``write``, ``pwrite``,
 ``pwritev``, ``fsync``, ``fdatasync``, ``ftruncate``, ``mkdir``, ``rename``, ``replace``, ``unlink``,
-``remove``, ``rmdir``, fallocate(2) through ``tierckpt.tiers.fsio._fallocate``), the ``aiofiles.os``
+``remove``, ``rmdir``, fallocate(2) through ``tierckpt.storage.posix._fallocate``), the ``aiofiles.os``
 wrappers of them, and any module global of ``tierckpt`` bound to one of them or to a wrapper of one,
 and calls hooks around each call on a path under a root. ``shutil.rmtree`` goes through ``os.unlink``
 and ``os.rmdir``, so a removal is seen file by file. The library looks every ``os`` function up at call
@@ -142,9 +142,9 @@ class Interposer:
             self._set(os, name, patched[id(original)])
             if hasattr(aiofiles.os, name):
                 self._set(aiofiles.os, name, aiofiles.os.wrap(patched[id(original)]))
-        fsio = sys.modules.get("tierckpt.tiers.fsio")
-        if fsio is not None and hasattr(fsio, "_fallocate"):
-            self._set(fsio, "_fallocate", self._wrap("fallocate", fsio._fallocate))
+        posix = sys.modules.get("tierckpt.storage.posix")
+        if posix is not None and hasattr(posix, "_fallocate"):
+            self._set(posix, "_fallocate", self._wrap("fallocate", posix._fallocate))
         # Globals bound at import to an os function, or to an aiofiles wrapper of one.
         for module_name, module in list(sys.modules.items()):
             if module is None or not module_name.startswith("tierckpt"):

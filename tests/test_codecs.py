@@ -570,15 +570,15 @@ def test_when_faster_keeps_compressing_a_compressor_faster_than_the_disk(
 ) -> None:
     # A 5 MB/s disk: every write takes its bytes' time first (inside the timed write, as a slow
     # disk would). zstd level 1 (hundreds of MB/s) keeps up with that.
-    from tierckpt.tiers import fswrite
+    from tierckpt.storage import local
 
-    write = fswrite.pwrite_all
+    write = local.pwrite_all
 
     def slow_disk(data: memoryview, offset: int, fd: int, direct_fd: int | None) -> None:
         time.sleep(data.nbytes / 5e6)
         write(data, offset, fd, direct_fd)
 
-    monkeypatch.setattr(fswrite, "pwrite_all", slow_disk)
+    monkeypatch.setattr(local, "pwrite_all", slow_disk)
     pfs = tmp_path / "pfs"
     ckpt = opened(_config(_tier("pfs", pfs, "zstd", level=1, shuffle=True, when="faster"), capacity="8MiB"))
     state = {"w": _weights(250_000, torch.float32)}

@@ -20,9 +20,10 @@ from tierckpt.config import CompressionConfig
 from tierckpt.tiers.encoding import TierEncoding
 from tierckpt.errors import ConfigError, FlushError
 from tierckpt.format import MANIFEST_FILE, Chunk, Manifest, TensorRecord, checksum, version_dirname
+from tierckpt.storage import local
 from tierckpt.tiers import fswrite
 from tierckpt.tiers.filesystem import FilesystemSource, FilesystemTier
-from tierckpt.tiers.fsio import probe_direct_io
+from tierckpt.storage.posix import probe_direct_io
 
 
 def _config(path: Path, *, capacity: str = "8MiB", name: str = "nvme", **tier: Any) -> dict[str, Any]:
@@ -243,7 +244,7 @@ def test_buffered_and_direct_writes_store_the_same_bytes(opened: _Opened, tmp_pa
     state = {"a": torch.randn(100_003), "b": torch.arange(5000, dtype=torch.int16)}
     direct = opened(_config(tmp_path / "direct"))
     _save_committed(direct, 1, state)
-    monkeypatch.setattr("tierckpt.tiers.filesystem.probe_direct_io", lambda path: False)
+    monkeypatch.setattr("tierckpt.storage.local.probe_direct_io", lambda path: False)
     buffered = opened(_config(tmp_path / "buffered"))
     assert _fs_tier(buffered).direct is False
     _save_committed(buffered, 1, state)
@@ -275,7 +276,7 @@ def test_packed_raw_chunks_are_not_clobbered_by_direct_io_padding(tmp_path: Path
     source = FilesystemSource("src", src, Manifest(step=1, created=0.0, skeleton=["leaf", 0], records=(record,)))
 
     # A legal schedule on two threads: the chunk given the page-aligned offset writes last.
-    write, other_wrote = fswrite.pwrite_all, threading.Event()
+    write, other_wrote = local.pwrite_all, threading.Event()
 
     def ordered(data: memoryview, offset: int, fd: int, direct_fd: int | None) -> None:
         if offset % 4096 == 0:
@@ -284,7 +285,7 @@ def test_packed_raw_chunks_are_not_clobbered_by_direct_io_padding(tmp_path: Path
         if offset % 4096:
             other_wrote.set()
 
-    monkeypatch.setattr(fswrite, "pwrite_all", ordered)
+    monkeypatch.setattr(local, "pwrite_all", ordered)
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as executor:
             records = fswrite.write_data_file(source, tmp_path / "out.bin", _raw(), executor, direct=True)

@@ -38,6 +38,7 @@ import tierckpt.restore.landing
 import tierckpt.restore.plan
 import tierckpt.state.leaves
 import tierckpt.state.skeleton
+import tierckpt.storage.posix
 import tierckpt.tiers.fsio
 from tierckpt import Checkpointer
 from tierckpt.errors import CorruptCheckpointError, UnsupportedStateError
@@ -178,7 +179,7 @@ class _Guards:
 
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(os, "open", self._open(os.open))
-            for module in (tierckpt._buffers, tierckpt.restore.landing, tierckpt.tiers.fsio):
+            for module in (tierckpt._buffers, tierckpt.restore.landing, tierckpt.tiers.fsio, tierckpt.storage.posix):
                 patch.setattr(module, "aligned_buffer", self._sized(module.aligned_buffer, lambda n, **_: n, "aligned_buffer"))
             patch.setattr(
                 tierckpt.restore.landing,
@@ -188,7 +189,7 @@ class _Guards:
             patch.setattr(torch, "empty", self._sized(torch.empty, numel_bytes, "torch.empty"))
             patch.setattr(np, "empty", self._sized(np.empty, numel_bytes, "np.empty"))
             patch.setattr(
-                tierckpt.tiers.fsio, "bytearray", self._sized(bytearray, lambda n=0: n if isinstance(n, int) else 0, "bytearray"), raising=False
+                tierckpt.storage.posix, "bytearray", self._sized(bytearray, lambda n=0: n if isinstance(n, int) else 0, "bytearray"), raising=False
             )
             tracemalloc.start()
             try:

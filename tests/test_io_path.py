@@ -24,9 +24,11 @@ from tierckpt.config import CompressionConfig
 from tierckpt.tiers.encoding import TierEncoding
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import CHUNK_BYTES, MANIFEST_FILE, Manifest, checksum, version_dirname
-from tierckpt.tiers import fsio, fswrite
+from tierckpt.storage import posix
+from tierckpt.tiers import fswrite
 from tierckpt.tiers.filesystem import FilesystemSource, FilesystemTier
-from tierckpt.tiers.fsio import ChunkJobs, preallocate, probe_direct_io, pwrite_all, read_into, read_span
+from tierckpt.storage.posix import preallocate, probe_direct_io, pwrite_all, read_into, read_span
+from tierckpt.tiers.fsio import ChunkJobs
 from tierckpt.testing import flip_bits
 
 
@@ -172,7 +174,7 @@ def test_a_damaged_small_tensor_falls_back_to_the_previous_step(opened: list[Che
 
 @pytest.fixture
 def no_direct(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("tierckpt.tiers.filesystem.probe_direct_io", lambda path: False)
+    monkeypatch.setattr("tierckpt.storage.local.probe_direct_io", lambda path: False)
 
 
 def test_the_buffered_path_stores_and_restores_the_same(opened: list[Checkpointer], tmp_path: Path, no_direct: None) -> None:
@@ -270,7 +272,7 @@ def data_file(tmp_path: Path) -> tuple[Path, bytes]:
 
 def _fds(path: Path) -> tuple[int, int | None]:
     fd = os.open(path, os.O_RDONLY)
-    direct = os.open(path, os.O_RDONLY | fsio.O_DIRECT) if probe_direct_io(path.parent) else None
+    direct = os.open(path, os.O_RDONLY | posix.O_DIRECT) if probe_direct_io(path.parent) else None
     return fd, direct
 
 
@@ -346,7 +348,7 @@ def test_an_unaligned_tail_is_written_with_the_body_in_one_vectored_call(tmp_pat
     pwritev = os.pwritev
     monkeypatch.setattr(os, "pwritev", lambda fd, buffers, offset: calls.append(len(buffers)) or pwritev(fd, buffers, offset))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT)
-    direct = os.open(path, os.O_WRONLY | fsio.O_DIRECT)
+    direct = os.open(path, os.O_WRONLY | posix.O_DIRECT)
     try:
         pwrite_all(memoryview(src)[: len(data)], PAGE, fd, direct)
     finally:

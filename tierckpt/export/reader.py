@@ -21,7 +21,7 @@ from tierckpt.format.manifest import where
 from tierckpt.format.saved_layout import SavedLayout, global_shape
 from tierckpt.restore.landing import Target
 from tierckpt.restore.plan import plan as plan_load
-from tierckpt.tiers.fsread import filesystem_layout
+from tierckpt.tiers.fslayout import filesystem_layout
 from tierckpt.state import Leaf, numpy_dtype, skeleton_leaf_count, torch_dtype
 
 

@@ -3,7 +3,7 @@ filesystem tier fail with an errno, for the errors a real disk cannot be made to
 :func:`flip_bits` damages a byte of a file; :func:`fd_path` and :func:`path_of` name the file a call is on.
 
 IOFaults patches the functions where the tier looks them up (``os``, ``aiofiles.os``, and
-``tierckpt.tiers.fsio._fallocate``), never names in this module.
+``tierckpt.storage.posix._fallocate``), never names in this module.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import Any, Callable
 
 import aiofiles.os
 
-from tierckpt.tiers import fsio
+from tierckpt.storage import posix
 
 # What each kind of call patches: functions of ``os`` (and ``aiofiles.os``, whose wrappers hold the
-# function they wrapped at import), plus fallocate, which fsio calls through libc.
+# function they wrapped at import), plus fallocate, which posix calls through libc.
 _FD_CALLS = {"pwritev", "pwrite", "write", "fsync", "fdatasync", "_fallocate"}
 IO_OPS: dict[str, tuple[str, ...]] = {
     "open": ("open",),
@@ -106,7 +106,7 @@ class IOFaults:
             paths = self._resolve(name, args, kwargs)
             if paths and self._fails(name, paths) is not None:
                 if name == "_fallocate":
-                    return self.code  # fsio's hook returns the errno, as fallocate(2) sets it
+                    return self.code  # posix._fallocate returns the errno, as fallocate(2) sets it
                 if name in _FD_CALLS:
                     raise OSError(self.code, os.strerror(self.code))
                 if len(paths) > 1:
@@ -121,7 +121,7 @@ class IOFaults:
 
     def __enter__(self) -> IOFaults:
         for name in IO_OPS[self.op]:
-            owner: Any = fsio if name == "_fallocate" else os
+            owner: Any = posix if name == "_fallocate" else os
             original = getattr(owner, name)
             patched = self._wrap(name, original)
             self._saved.append((owner, name, original))

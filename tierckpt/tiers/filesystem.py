@@ -10,7 +10,12 @@ is damaged is kept (never delete what may be someone's only copy) and fails veri
 Replacing a committed version of the same step takes two renames (a non-empty directory cannot be
 renamed over): the old one goes to ``.replaced-step-...``, then the new one into place. A crash between
 the two leaves no ``step-...`` directory, so open renames the ``.replaced-`` copy back instead of
-sweeping it: the step keeps its old, committed content rather than vanishing.
+sweeping it: the step keeps its old, committed content rather than vanishing (:mod:`~tierckpt.tiers.fssweep`).
+
+This class decides what is stored and in which order it becomes durable and visible; every byte,
+rename and removal goes through :attr:`FilesystemTier.store`, a :class:`~tierckpt.storage.store.ByteStore`
+(the local file system, :class:`~tierckpt.storage.local.LocalStore`): a rename into place is its
+``publish``, a rename aside its ``withdraw``, an fsync of a directory its ``sync``.
 
 Reading (:mod:`tierckpt.tiers.fsread`) trusts nothing a manifest says: files are opened without following
 symlinks, and records are checked against the files before anything is allocated or read.
@@ -32,15 +37,12 @@ import asyncio
 import concurrent.futures
 import logging
 import os
-import shutil
 import time
 import uuid
 from pathlib import Path
-
-import aiofiles
-import aiofiles.os
-
 from typing import TYPE_CHECKING, Any
+
+import aiofiles.os
 
 from tierckpt.config import TierConfig
 from tierckpt.errors import ConfigError, CorruptCheckpointError
@@ -51,28 +53,22 @@ from tierckpt.format import (
     CommitMarker,
     Manifest,
     checksum,
-    parse_version_dirname,
     version_dirname,
 )
+from tierckpt.format.saved_layout import SavedLayout
+from tierckpt.storage.local import LocalStore
 from tierckpt.tiers.base import GroupTier, Part, Staged, VersionInfo, VersionSource
 from tierckpt.tiers.encoding import TierEncoding
-from tierckpt.tiers.fsio import fsync_dir, makedirs_durable, probe_direct_io, remove_tree, write_file
-from tierckpt.format.saved_layout import SavedLayout
-from tierckpt.tiers.fsread import FilesystemSource, filesystem_layout, open_source, read_head, read_manifest, resolve_shared  # noqa: F401 - FilesystemSource lived here
+from tierckpt.tiers.fslayout import filesystem_layout
+from tierckpt.tiers.fsread import FilesystemSource, open_source, read_head, read_manifest, resolve_shared  # noqa: F401 - FilesystemSource lived here
+from tierckpt.tiers.fssweep import MEMBER, REPLACED, sweep
 from tierckpt.tiers.fswrite import write_data_file
-from tierckpt.tiers.lock import DirectoryLock
 
 log = logging.getLogger("tierckpt")
 
-_fsync_dir = aiofiles.os.wrap(fsync_dir)
-_rmtree = aiofiles.os.wrap(shutil.rmtree)
-_remove_tree = aiofiles.os.wrap(remove_tree)
-_write_file = aiofiles.os.wrap(write_file)
 _read_manifest = aiofiles.os.wrap(read_manifest)
 _read_head = aiofiles.os.wrap(read_head)
 _lstat = aiofiles.os.wrap(os.lstat)
-_REPLACED = ".replaced-"  # + the step directory's name + "-<random>": a committed version being replaced
-_MEMBER = ".member-"  # + run id: the leader's sign that a follower sees the directory the leader sees
 
 if TYPE_CHECKING:
     from tierckpt.ranks import RankGroup
@@ -91,10 +87,14 @@ class FilesystemTier(GroupTier):
         self.executor = concurrent.futures.ThreadPoolExecutor(
             config.io_threads, thread_name_prefix=f"tierckpt-io-{config.name}"
         )
-        self.direct = False
+        self.store = LocalStore(self.root, self.executor, tier=config.name)
         self._index: dict[int, VersionInfo] = {}
-        self._leftovers: set[Path] = set()  # directories a failed removal left: retried before each write
-        self._lock = DirectoryLock(self.root, config.name)
+        self._leftovers: set[str] = set()  # containers a failed removal left: retried before each write
+
+    @property
+    def direct(self) -> bool:
+        """Whether data files are written and read with O_DIRECT (probed when the tier opens)."""
+        return self.store.direct
 
     async def open(self) -> None:
         if self.group is None:
@@ -102,11 +102,11 @@ class FilesystemTier(GroupTier):
             return
         # The leader opens (locks, sweeps, indexes) first; the others only index what it left, and
         # check that they see the same directory.
-        key, member = f"open/{self.name}", self.root / f"{_MEMBER}{self.group.run}"
+        key, member = f"open/{self.name}", f"{MEMBER}{self.group.run}"
         if self.group.leader:
             try:
                 await self._open()
-                await _write_file(member, b"")
+                await self.store.write_small(member, b"")
             except BaseException as exc:
                 await self.group.put(key, f"{type(exc).__name__}: {exc}")
                 raise
@@ -117,7 +117,7 @@ class FilesystemTier(GroupTier):
         problem = await self.group.get(key)
         if problem:
             raise ConfigError(f"tier {self.name!r}: rank 0 could not open it: {problem}", tier=self.name, key=f"tiers.{self.name}.path")
-        if not await aiofiles.os.path.exists(member):
+        if not await self.store.exists(member):
             raise ConfigError(
                 f"tier {self.name!r}: {str(self.root)!r} is not the directory rank 0 opened: every rank must "
                 "see the same directory (a shared file system, or one node's disk for all its ranks)",
@@ -129,11 +129,7 @@ class FilesystemTier(GroupTier):
     async def _open(self) -> None:
         leader = self.group is None or self.group.leader
         try:
-            await asyncio.get_running_loop().run_in_executor(self.executor, makedirs_durable, self.root)
-            # Before anything is swept: the .tmp- directories of a job still writing here are not leftovers.
-            if leader:
-                await asyncio.get_running_loop().run_in_executor(self.executor, self._lock.acquire)
-            self.direct = await asyncio.get_running_loop().run_in_executor(self.executor, probe_direct_io, self.root)
+            await self.store.open(exclusive=leader)
         except OSError as exc:
             raise ConfigError(
                 f"tier {self.name!r}: cannot use {str(self.root)!r} as a checkpoint directory ({exc.strerror or exc})",
@@ -142,57 +138,10 @@ class FilesystemTier(GroupTier):
             ) from exc
         if not self.direct:
             log.info("tier %r: %s refuses O_DIRECT; writing through the page cache", self.name, self.root)
-        replaced = []
-        for entry in await aiofiles.os.scandir(self.root):
-            if not leader:
-                step = parse_version_dirname(entry.name)
-                if step is not None and entry.is_dir() and await aiofiles.os.path.exists(Path(entry.path) / MANIFEST_FILE):
-                    self._index[step] = await self._describe(step, Path(entry.path))
-                continue
-            if entry.name.startswith(_MEMBER) and entry.is_file():
-                await aiofiles.os.remove(entry.path)  # left by an earlier run's leader
-                continue
-            if entry.name.startswith(_REPLACED):
-                replaced.append(entry)
-                continue
-            if entry.name.startswith(".direct-probe-") and entry.is_file():
-                await aiofiles.os.remove(entry.path)  # a probe file from a crash mid-probe
-                continue
-            if entry.name.startswith((".tmp-", ".trash-")):
-                log.info("tier %r: sweeping %s left by an interrupted write or delete", self.name, entry.name)
-                await _rmtree(entry.path, ignore_errors=True)
-                continue
-            step = parse_version_dirname(entry.name)
-            if step is None or not entry.is_dir():
-                continue
-            manifest_path = Path(entry.path) / MANIFEST_FILE
-            if not await aiofiles.os.path.exists(manifest_path):
-                log.warning("tier %r: sweeping %s: no manifest, so it was never committed", self.name, entry.name)
-                await _rmtree(entry.path, ignore_errors=True)
-                continue
-            self._index[step] = await self._describe(step, Path(entry.path))
-        for entry in replaced:
-            await self._recover_replaced(Path(entry.path))
+        self._index.update(await sweep(self.store, self.name, leader=leader, describe=self._describe))
 
-    async def _recover_replaced(self, path: Path) -> None:
-        """A committed version moved aside by an interrupted replacement: put it back if it is the only copy."""
-        step = parse_version_dirname(path.name[len(_REPLACED) :].rsplit("-", 1)[0])
-        final = self.root / version_dirname(step if step is not None else 0)
-        if (
-            step is not None
-            and step not in self._index
-            and not await aiofiles.os.path.exists(final)
-            and await aiofiles.os.path.exists(path / MANIFEST_FILE)
-        ):
-            log.warning("tier %r: restoring %s: its replacement was interrupted before it was committed", self.name, final.name)
-            await aiofiles.os.rename(path, final)
-            await _fsync_dir(self.root)
-            self._index[step] = await self._describe(step, final)
-            return
-        log.info("tier %r: sweeping %s left by an interrupted replacement", self.name, path.name)
-        await _rmtree(path, ignore_errors=True)
-
-    async def _describe(self, step: int, path: Path) -> VersionInfo:
+    async def _describe(self, step: int, name: str) -> VersionInfo:
+        path = self.root / name
         try:
             head = await _read_head(path, tier=self.name, step=step)
             return VersionInfo(self.name, step, head.stored_bytes, head.created, str(path))
@@ -221,14 +170,11 @@ class FilesystemTier(GroupTier):
         """Write ``source`` under a temporary name: ``staging`` when several ranks share it (each writes
         its own files there; see the module docstring), else a name of its own."""
         await self._sweep()
-        tmp = self.root / (staging or f".tmp-{version_dirname(source.step)}-{uuid.uuid4().hex[:12]}")
+        tmp = staging or f".tmp-{version_dirname(source.step)}-{uuid.uuid4().hex[:12]}"
         ranked = self.group is not None
-        data = tmp / DATA_FILE.format(rank=self.rank)
-        manifest_path = tmp / (RANK_MANIFEST_FILE.format(rank=self.rank) if ranked else MANIFEST_FILE)
-        if ranked:
-            await aiofiles.os.makedirs(tmp, exist_ok=True)
-        else:
-            await aiofiles.os.mkdir(tmp)
+        data = f"{tmp}/{DATA_FILE.format(rank=self.rank)}"
+        manifest_key = f"{tmp}/{RANK_MANIFEST_FILE.format(rank=self.rank) if ranked else MANIFEST_FILE}"
+        await self.store.stage(tmp, shared=ranked)
         try:
             encoding = self.encoding.begin()
             started = time.perf_counter()
@@ -241,6 +187,7 @@ class FilesystemTier(GroupTier):
                 direct=self.direct,
                 threads=self.config.io_threads,
                 rank=self.rank,
+                store=self.store,
             )
             self.encoding.finish(encoding, time.perf_counter() - started)
             manifest = Manifest(
@@ -253,22 +200,22 @@ class FilesystemTier(GroupTier):
                 rank=self.rank,
             )
             encoded = manifest.encode()
-            await _write_file(manifest_path, encoded)
-            await _fsync_dir(tmp)
+            await self.store.write_small(manifest_key, encoded)
+            await self.store.sync(tmp)
         except BaseException:
             if ranked:
-                await self._discard_part(data, manifest_path)
+                await self._discard_part(data, manifest_key)
             else:
                 await self._discard(tmp)
             raise
-        part = Part(manifest_path.name, checksum(encoded), manifest.stored_bytes) if ranked else None
+        part = Part(manifest_key.rsplit("/", 1)[1], checksum(encoded), manifest.stored_bytes) if ranked else None
         return Staged(source.step, tmp, manifest.stored_bytes, source.created, part)
 
     async def seal(self, staged: Staged, parts: list[Part], metadata: dict[str, Any]) -> None:
         """The leader, once every rank's part is durable: write the commit marker into the staged version."""
         marker = CommitMarker(step=staged.step, created=staged.created, world_size=len(parts), ranks=tuple(parts), metadata=metadata)
-        await _write_file(staged.location / MANIFEST_FILE, marker.encode())
-        await _fsync_dir(staged.location)
+        await self.store.write_small(f"{staged.location}/{MANIFEST_FILE}", marker.encode())
+        await self.store.sync(staged.location)
         staged.nbytes = marker.stored_bytes
 
     async def adopt(self, staged: Staged, nbytes: int) -> VersionInfo:
@@ -281,37 +228,37 @@ class FilesystemTier(GroupTier):
         """A follower: the leader deleted ``step``."""
         self._index.pop(step, None)
 
-    async def _discard_part(self, *files: Path) -> None:
+    async def _discard_part(self, *keys: str) -> None:
         """A follower's files of a version that will not be committed (the leader removes the directory)."""
-        for path in files:
+        for key in keys:
             try:
-                await aiofiles.os.remove(path)
+                await self.store.remove_object(key)
             except FileNotFoundError:
                 pass
             except OSError as exc:
-                log.warning("tier %r: could not remove %s (%s); the leader sweeps it", self.name, path, exc)
+                log.warning("tier %r: could not remove %s (%s); the leader sweeps it", self.name, self.root / key, exc)
 
     async def commit(self, staged: Staged) -> VersionInfo:
-        final = self.root / version_dirname(staged.step)
+        final = version_dirname(staged.step)
         old = None
-        if await aiofiles.os.path.exists(final):
-            old = self.root / f"{_REPLACED}{final.name}-{uuid.uuid4().hex[:12]}"
-            await aiofiles.os.rename(final, old)  # if this fails, nothing moved
+        if await self.store.exists(final):
+            old = f"{REPLACED}{final}-{uuid.uuid4().hex[:12]}"
+            await self.store.withdraw(final, old)  # if this fails, nothing moved
         moved = False
         try:
-            await aiofiles.os.rename(staged.location, final)
+            await self.store.publish(staged.location, final)
             moved = True
-            await _fsync_dir(self.root)
+            await self.store.sync()
         except BaseException:
             await self._undo_commit(staged, final, old, moved=moved)
             raise
         if old is not None:
             await self._discard(old)
-        info = VersionInfo(self.name, staged.step, staged.nbytes, staged.created, str(final))
+        info = VersionInfo(self.name, staged.step, staged.nbytes, staged.created, str(self.root / final))
         self._index[staged.step] = info
         return info
 
-    async def _undo_commit(self, staged: Staged, final: Path, old: Path | None, *, moved: bool) -> None:
+    async def _undo_commit(self, staged: Staged, final: str, old: str | None, *, moved: bool) -> None:
         """Put the directory back as it was before a commit that failed part way, as far as the disk allows.
 
         A failed commit leaves the step as it was. If the disk refuses even that, nothing committed is
@@ -320,15 +267,15 @@ class FilesystemTier(GroupTier):
         """
         try:
             if moved:
-                await aiofiles.os.rename(final, staged.location)
+                await self.store.withdraw(final, staged.location)
                 moved = False
             if old is not None:
-                await aiofiles.os.rename(old, final)
+                await self.store.publish(old, final)
                 old = None
-            await _fsync_dir(self.root)
+            await self.store.sync()
         except OSError as exc:
             if moved:
-                self._index[staged.step] = VersionInfo(self.name, staged.step, staged.nbytes, staged.created, str(final))
+                self._index[staged.step] = VersionInfo(self.name, staged.step, staged.nbytes, staged.created, str(self.root / final))
                 if old is not None:
                     self._leftovers.add(old)  # the step is in place: the old copy goes once the directory syncs
                 log.error(
@@ -340,30 +287,32 @@ class FilesystemTier(GroupTier):
                 log.error(
                     "tier %r: step %d's committed version could not be put back from %s (%s); "
                     "the tier puts it back when it next opens",
-                    self.name, staged.step, old.name, exc,
+                    self.name, staged.step, old, exc,
                 )
             else:
                 log.warning("tier %r: fsync of %s failed after a commit was taken back: %s", self.name, self.root, exc)
 
     async def abort(self, staged: Staged) -> None:
         if self.group is not None and not self.group.leader:
-            await self._discard_part(staged.location / DATA_FILE.format(rank=self.rank), staged.location / RANK_MANIFEST_FILE.format(rank=self.rank))
+            await self._discard_part(
+                f"{staged.location}/{DATA_FILE.format(rank=self.rank)}", f"{staged.location}/{RANK_MANIFEST_FILE.format(rank=self.rank)}"
+            )
             return
         await self._discard(staged.location)
 
-    async def _discard(self, path: Path) -> OSError | None:
+    async def _discard(self, name: str) -> OSError | None:
         """Remove a temporary, trashed or moved-aside directory; what will not go is retried later.
 
-        Never raises: returns the first error when part of ``path`` is left.
+        Never raises: returns the first error when part of ``name`` is left.
         """
-        error = await _remove_tree(path)
+        error = await self.store.remove(name)
         if error is None:
-            self._leftovers.discard(path)
+            self._leftovers.discard(name)
             return None
-        self._leftovers.add(path)
+        self._leftovers.add(name)
         log.warning(
             "tier %r: could not remove all of %s (%s); retried before the next write, and swept when the tier next opens",
-            self.name, path.name, error,
+            self.name, name, error,
         )
         return error
 
@@ -376,14 +325,14 @@ class FilesystemTier(GroupTier):
         if not self._leftovers:
             return
         try:
-            await _fsync_dir(self.root)
+            await self.store.sync()
         except OSError as exc:
             log.warning("tier %r: leftovers not swept: %s", self.name, exc)
             return
-        for path in sorted(self._leftovers):
-            if await _remove_tree(path) is None:
-                self._leftovers.discard(path)
-                log.info("tier %r: swept %s, left by an earlier failure", self.name, path.name)
+        for name in sorted(self._leftovers):
+            if await self.store.remove(name) is None:
+                self._leftovers.discard(name)
+                log.info("tier %r: swept %s, left by an earlier failure", self.name, name)
 
     async def read(self, step: int) -> VersionSource:
         path = self.root / version_dirname(step)
@@ -416,10 +365,10 @@ class FilesystemTier(GroupTier):
         if self.leased(step):
             raise RuntimeError(f"tier {self.name!r}: step {step} is leased and cannot be deleted")
         info = self._index.pop(step, None)
-        final = self.root / version_dirname(step)
-        trash = self.root / f".trash-{final.name}-{uuid.uuid4().hex[:12]}"
+        final = version_dirname(step)
+        trash = f".trash-{final}-{uuid.uuid4().hex[:12]}"
         try:
-            await aiofiles.os.rename(final, trash)
+            await self.store.withdraw(final, trash)
         except FileNotFoundError:
             return
         except BaseException:
@@ -428,7 +377,7 @@ class FilesystemTier(GroupTier):
             raise
         # The version is gone from the tier now; a failure below only leaves its bytes under .trash-.
         try:
-            await _fsync_dir(self.root)
+            await self.store.sync()
         except OSError:
             self._leftovers.add(trash)  # removed once the rename is durable, or at the next open
             raise
@@ -439,9 +388,8 @@ class FilesystemTier(GroupTier):
     async def close(self) -> None:
         if self.group is not None and self.group.leader:
             try:
-                await aiofiles.os.remove(self.root / f"{_MEMBER}{self.group.run}")
+                await self.store.remove_object(f"{MEMBER}{self.group.run}")
             except OSError:
                 pass  # swept at the next open
         self.executor.shutdown(wait=True)
-        self._lock.release()
-
+        await self.store.close()

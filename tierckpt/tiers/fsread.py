@@ -10,14 +10,8 @@ Before a byte of tensor data is allocated or read (:class:`FilesystemSource`, :f
 - data file names are plain names (:meth:`Manifest.decode` refuses ``..``, ``/``, absolute paths, NUL);
 - the manifest file is at most :data:`~tierckpt.format.manifest.MAX_MANIFEST_BYTES`, checked on its
   size before it is read;
-- every record (:func:`check_records`) has a dtype this release can create and a known codec, a shape
-  whose element count times the item size is its logical length and whose strides fit 64 bits, and
-  chunks of at most :data:`MAX_CHUNK_BYTES`; every chunk lies inside its data file, no two chunks
-  overlap, a raw chunk's stored length is its logical length, and a compressed chunk's logical length
-  is at most what zstd can expand its stored bytes into (:data:`ZSTD_MAX_EXPANSION`). So what restore
-  allocates is backed by bytes on disk: the data file's size for raw versions, at most
-  ``ZSTD_MAX_EXPANSION`` times it for compressed ones (a tensor of zeros legitimately compresses that
-  far; only decoding could tell it from a bomb, and decoding fails on the first frame that lies).
+- every record has a dtype, a shape and chunks that the data files back (:func:`check_records`, in
+  :mod:`tierckpt.tiers.fscheck`), so what restore allocates is backed by bytes on disk.
 
 Every failure is a :class:`CorruptCheckpointError` naming tier, step, the file and (for a record) its
 key, so restore warns and moves on to the next candidate. Bytes no chunk covers (the zero padding
@@ -34,34 +28,26 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import math
 import os
 import stat
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping, cast
 
 from tierckpt.errors import CorruptCheckpointError, LayoutError
-from tierckpt.format import CHUNK_BYTES, MANIFEST_FILE, CommitMarker, Manifest, TensorRecord, checksum, decode_document
-from tierckpt.format.saved_layout import SavedLayout, home_rank
+from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, TensorRecord, checksum, decode_document
 from tierckpt.format.manifest import MAX_MANIFEST_BYTES, where
-from tierckpt.state import numpy_dtype, skeleton_leaf_count, torch_dtype
+from tierckpt.state import skeleton_leaf_count
 from tierckpt.tiers.base import VersionSource
-from tierckpt.tiers.fsio import O_DIRECT, read_into, read_span
-from tierckpt.tiers.fswrite import scratch_bytes
+from tierckpt.storage.local import LocalReader
+from tierckpt.storage.store import ObjectReader
+from tierckpt.tiers.fscheck import MAX_CHUNK_BYTES, ZSTD_MAX_EXPANSION, check_records
+from tierckpt.storage.posix import O_DIRECT
 
+# MAX_CHUNK_BYTES, ZSTD_MAX_EXPANSION and check_records live in fscheck; imported from here too.
 __all__ = [
     "MAX_CHUNK_BYTES", "ZSTD_MAX_EXPANSION", "FilesystemSource", "check_records", "open_source", "read_head",
     "read_manifest", "read_rank_manifest", "resolve_shared",
 ]
-
-# Readers keep a scratch buffer of one stored chunk per thread; every writer uses CHUNK_BYTES.
-MAX_CHUNK_BYTES = 4 * CHUNK_BYTES
-# A zstd block decodes to at most 128 KiB and takes at least 4 stored bytes (3 of header and the byte
-# of an RLE block); a byte-shuffle frame is zstd frames and raw planes. Nothing stored expands further.
-ZSTD_MAX_EXPANSION = (128 << 10) // 4
-_MAX_OFFSET = 2**63 - 1  # off_t, and torch's and numpy's strides
-_NUMPY_MAX_DIMS = 64
-
 
 def _open_at(dir_fd: int | None, name: str | Path, flags: int) -> tuple[int, os.stat_result]:
     """Open without following a symlink in the last component, and without blocking on a FIFO."""
@@ -175,14 +161,17 @@ def resolve_shared(
     Raises CorruptCheckpointError when the owner's manifest does not verify or does not hold the same
     value (key, dtype, shape, chunking) with that chunk.
     """
-    needed = sorted({r.owner(i) for r in manifest.records for i, c in enumerate(r.chunks) if c is None})
+    step = manifest.step
+    needed: set[int] = set()
+    for r in manifest.records:
+        for q in {r.owner(i) for i, c in enumerate(r.chunks) if c is None}:
+            if q is None or not 0 <= q < marker.world_size or q == manifest.rank:
+                raise CorruptCheckpointError(f"{where(tier, step)}: a shared chunk names rank {q}", tier=tier, step=step)
+            needed.add(q)
     if not needed:
         return manifest
-    step = manifest.step
     theirs: dict[int, dict[str, TensorRecord]] = {}
-    for q in needed:
-        if q is None or not 0 <= q < marker.world_size or q == manifest.rank:
-            raise CorruptCheckpointError(f"{where(tier, step)}: a shared chunk names rank {q}", tier=tier, step=step)
+    for q in sorted(needed):
         known = manifests.get(q) if manifests is not None else None
         theirs[q] = {r.key: r for r in (known or read_rank_manifest(path, marker, q, tier=tier)).records}
     records = []
@@ -194,19 +183,20 @@ def resolve_shared(
         for i, c in enumerate(r.chunks):
             if c is not None:
                 continue
-            q = r.owner(i)
+            q = cast(int, r.owner(i))  # checked above: a rank of the version, not this one
             other = theirs[q].get(r.key)
+            theirs_i = other.chunks[i] if other is not None else None
             same = other is not None and (other.kind, other.dtype, other.shape, other.nbytes, other.chunk_bytes, other.shared) == (
                 r.kind, r.dtype, r.shape, r.nbytes, r.chunk_bytes, r.shared
             )
-            if not same or other.chunks[i] is None:
+            if other is None or theirs_i is None or not same:
                 raise CorruptCheckpointError(
                     f"{where(tier, step)}: {r.key} chunk {i} should be in rank {q}'s {marker.ranks[q][0]}, which does not hold it",
                     tier=tier,
                     step=step,
                     key=r.key,
                 )
-            chunks[i] = dataclasses.replace(other.chunks[i], file=other.file)
+            chunks[i] = dataclasses.replace(theirs_i, file=other.file)
         records.append(dataclasses.replace(r, chunks=tuple(chunks)))
     return dataclasses.replace(manifest, records=tuple(records))
 
@@ -243,112 +233,23 @@ def _read_small(path: Path, name: str, *, tier: str | None, step: int | None) ->
     return b"".join(parts)
 
 
-def check_records(records: tuple[TensorRecord, ...], sizes: dict[str, int], *, tier: str | None, step: int | None) -> None:
-    """Check that ``records`` can be allocated and read from data files of these ``sizes`` (by name).
+class StoredSource(VersionSource):
+    """A committed version's data objects, open for reading through a store's readers (by file name);
+    verifies every chunk it returns. Store-neutral: how the objects were opened is the subclass's.
 
-    Raises:
-        CorruptCheckpointError: see the module docstring for what is checked; names the file and key.
-    """
-    extents: dict[str, list[tuple[int, int, str, int]]] = {}
-    for r in records:
-
-        def bad(why: str) -> CorruptCheckpointError:
-            text = f"{where(tier, step)}: {MANIFEST_FILE}: {r.key}: {why}"
-            return CorruptCheckpointError(text, tier=tier, step=step, key=r.key)
-
-        try:
-            itemsize = torch_dtype(r.dtype).itemsize if r.kind == "torch" else numpy_dtype(r.dtype).itemsize
-        except CorruptCheckpointError as exc:
-            raise bad(str(exc)) from None
-        if r.kind == "numpy" and len(r.shape) > _NUMPY_MAX_DIMS:
-            raise bad(f"{len(r.shape)} dimensions (numpy has at most {_NUMPY_MAX_DIMS})")
-        span = max(itemsize, 1)
-        for d in r.shape:
-            span *= max(d, 1)
-            if span > _MAX_OFFSET:
-                raise bad(f"shape {_dims(r.shape)} does not fit 64-bit strides")
-        if math.prod(r.shape) * itemsize != r.nbytes:
-            raise bad(f"{r.nbytes} bytes cannot hold {r.dtype}{_dims(r.shape)}")
-        if r.chunk_bytes > MAX_CHUNK_BYTES:
-            raise bad(f"chunks of {r.chunk_bytes} bytes, more than the {MAX_CHUNK_BYTES} a reader takes")
-        for i, c in enumerate(r.chunks):
-            if c is None:  # stored by another rank: checked when resolved, by that rank's files
-                continue
-            file = r.chunk_file(i)
-            size = sizes[file]
-            _, length = r.chunk_span(i)
-            if r.chunk_codec(i) == "none":
-                if c.stored != length:
-                    raise bad(f"chunk {i} is stored raw in {c.stored} bytes, but holds {length}")
-            elif not 0 < c.stored <= scratch_bytes(r.chunk_bytes) or length > c.stored * ZSTD_MAX_EXPANSION:
-                raise bad(f"chunk {i} cannot decode {c.stored} stored bytes into {length}")
-            if c.offset + c.stored > size:
-                raise CorruptCheckpointError(
-                    f"{where(tier, step)}: {file}: {r.key} chunk {i} (bytes {c.offset}..{c.offset + c.stored}) lies past "
-                    f"the end of the file ({size} bytes): truncated?",
-                    tier=tier,
-                    step=step,
-                    key=r.key,
-                )
-            if c.stored:
-                extents.setdefault(file, []).append((c.offset, c.offset + c.stored, r.key, i))
-    for name, spans in extents.items():
-        spans.sort()
-        for (_, end, key, i), (start, _, other, j) in zip(spans, spans[1:]):
-            if start < end:
-                raise CorruptCheckpointError(
-                    f"{where(tier, step)}: {MANIFEST_FILE}: {key} chunk {i} and {other} chunk {j} overlap in {name}",
-                    tier=tier,
-                    step=step,
-                    key=other,
-                )
-
-
-def _dims(shape: tuple[int, ...]) -> str:
-    text = str(list(shape))
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-class FilesystemSource(VersionSource):
-    """A committed version's files, opened for reading; verifies every chunk it returns.
-
-    Opening checks the records against the files (:func:`check_records`): a source that opened reads
-    only inside its files and into what they back. With ``direct``, every file is also opened with
-    O_DIRECT and bulk reads bypass the page cache: chunks land straight in page-aligned destinations,
-    and a promotion to a slower tier reads into the writer thread's aligned scratch, which the next
-    tier then writes with O_DIRECT as it is. Each chunk is hashed right after its read, in the reading
-    thread, while it is still in cache. Every error names the tier, the step, the file and the key.
+    Each chunk is hashed right after its read, in the reading thread, while it is still in cache.
+    Every error names the tier, the step, the file and the key; a chunk that cannot be read is
+    reported as damaged (restore moves on to the next candidate).
     """
 
-    def __init__(self, tier: str | None, path: Path, manifest: Manifest, *, direct: bool = False) -> None:
-        self.tier = tier
+    def __init__(self, tier: str | None, manifest: Manifest) -> None:
+        self.tier = tier  # type: ignore[assignment]  # None: a version read outside any tier (the CLI)
         self.step = manifest.step
         self.created = manifest.created
         self.skeleton = manifest.skeleton
         self.metadata = manifest.metadata
         self.records = manifest.records
-        self._fds: dict[str, int] = {}
-        self._direct_fds: dict[str, int] = {}
-        try:
-            dir_fd = open_version(path, tier=tier, step=self.step)
-            try:
-                sizes = {}
-                files = {r.chunk_file(i) for r in manifest.records for i, c in enumerate(r.chunks) if c is not None}
-                for name in sorted(files):
-                    self._fds[name], sizes[name] = open_file(dir_fd, name, tier=tier, step=self.step)
-                    if direct:
-                        try:
-                            self._direct_fds[name] = _open_at(dir_fd, name, O_DIRECT)[0]
-                        except OSError as exc:
-                            if exc.errno != errno.EINVAL:  # refused after all: read through the page cache
-                                text = f"{where(tier, self.step)}: {_refused(exc, f'data file {name}')}"
-                                raise CorruptCheckpointError(text, tier=tier, step=self.step) from exc
-            finally:
-                os.close(dir_fd)
-            check_records(manifest.records, sizes, tier=tier, step=self.step)
-        except BaseException:
-            self.close()
-            raise
+        self.readers: dict[str, ObjectReader] = {}
 
     def _where(self, record: TensorRecord, chunk: int) -> str:
         return f"{where(self.tier, self.step)}: {record.chunk_file(chunk)}: {record.key} chunk {chunk}"
@@ -368,15 +269,13 @@ class FilesystemSource(VersionSource):
     @property
     def direct(self) -> bool:
         """Whether bulk reads bypass the page cache (O_DIRECT)."""
-        return bool(self._direct_fds)
+        return any(reader.direct for reader in self.readers.values())
 
     def read_stored(self, record: TensorRecord, chunk: int, scratch: memoryview) -> memoryview:
         c = record.chunk(chunk)
         what = self._where(record, chunk)
-        file = record.chunk_file(chunk)
-        fd, direct_fd = self._fds[file], self._direct_fds.get(file)
         try:
-            out = read_span(c.offset, c.stored, scratch, fd, direct_fd, what=what)
+            out = self.readers[record.chunk_file(chunk)].read_span(c.offset, c.stored, scratch, what=what)
         except CorruptCheckpointError as exc:
             raise self._corrupt(record, str(exc)) from None
         except OSError as exc:  # a copy that cannot be read is as good as a damaged one: restore moves on
@@ -400,10 +299,8 @@ class FilesystemSource(VersionSource):
         # Raw chunks land straight in the destination (DMA when both are page-aligned), and are
         # hashed right away while they are in cache: no bounce buffer, no second pass later.
         what = self._where(record, chunk)
-        file = record.chunk_file(chunk)
-        fd, direct_fd = self._fds[file], self._direct_fds.get(file)
         try:
-            read_into(out, c.offset, fd, direct_fd, scratch, what=what)
+            self.readers[record.chunk_file(chunk)].read_into(out, c.offset, scratch, what=what)
         except CorruptCheckpointError as exc:
             raise self._corrupt(record, str(exc)) from None
         except OSError as exc:
@@ -411,10 +308,44 @@ class FilesystemSource(VersionSource):
         self._verify(record, chunk, out)
 
     def close(self) -> None:
-        fds = [*self._fds.values(), *self._direct_fds.values()]
-        self._fds, self._direct_fds = {}, {}
-        for fd in fds:
-            os.close(fd)
+        readers, self.readers = list(self.readers.values()), {}
+        for reader in readers:
+            reader.close()
+
+
+class FilesystemSource(StoredSource):
+    """A committed version's files in the directory ``path``, opened for reading.
+
+    Opening checks the records against the files (:func:`check_records`): a source that opened reads
+    only inside its files and into what they back. With ``direct``, every file is also opened with
+    O_DIRECT and bulk reads bypass the page cache: chunks land straight in page-aligned destinations,
+    and a promotion to a slower tier reads into the writer thread's aligned scratch, which the next
+    tier then writes with O_DIRECT as it is.
+    """
+
+    def __init__(self, tier: str | None, path: Path, manifest: Manifest, *, direct: bool = False) -> None:
+        super().__init__(tier, manifest)
+        try:
+            dir_fd = open_version(path, tier=tier, step=self.step)
+            try:
+                sizes = {}
+                files = {r.chunk_file(i) for r in manifest.records for i, c in enumerate(r.chunks) if c is not None}
+                for name in sorted(files):
+                    fd, sizes[name] = open_file(dir_fd, name, tier=tier, step=self.step)
+                    self.readers[name] = reader = LocalReader(fd, sizes[name])
+                    if direct:
+                        try:
+                            reader.direct_fd = _open_at(dir_fd, name, O_DIRECT)[0]
+                        except OSError as exc:
+                            if exc.errno != errno.EINVAL:  # refused after all: read through the page cache
+                                text = f"{where(tier, self.step)}: {_refused(exc, f'data file {name}')}"
+                                raise CorruptCheckpointError(text, tier=tier, step=self.step) from exc
+            finally:
+                os.close(dir_fd)
+            check_records(manifest.records, sizes, tier=tier, step=self.step)
+        except BaseException:
+            self.close()
+            raise
 
 
 def open_source(tier: str | None, path: Path, manifest: Manifest, *, direct: bool = False) -> FilesystemSource:
@@ -438,34 +369,3 @@ def open_source(tier: str | None, path: Path, manifest: Manifest, *, direct: boo
             step=manifest.step,
         )
     return FilesystemSource(tier, path, manifest, direct=direct)
-
-
-def filesystem_layout(tier: str, path: Path, rank: int, *, direct: bool) -> SavedLayout:
-    """The layout of the committed version at ``path`` of a filesystem tier (blocking).
-
-    Raises CorruptCheckpointError when a manifest does not verify or the pieces do not add up.
-    """
-    head = read_head(path, tier=tier, step=None)
-    step = head.step
-    if isinstance(head, Manifest):
-        parts: dict[int, Manifest] = {0: head}
-    else:
-        parts = {q: read_rank_manifest(path, head, q, tier=tier) for q in range(head.world_size)}
-        parts = {q: resolve_shared(path, head, m, tier=tier, manifests=parts) for q, m in parts.items()}
-    home = home_rank(rank, len(parts))
-
-    def open_pieces(records: Sequence[TensorRecord], shared: bool) -> VersionSource:
-        manifest = Manifest(step, head.created, parts[home].skeleton, tuple(records), head.metadata)
-        return FilesystemSource(tier, path, manifest, direct=direct and not shared)
-
-    return SavedLayout(
-        tier=tier,
-        step=step,
-        created=head.created,
-        metadata=dict(head.metadata),
-        world=len(parts),
-        parts=parts,
-        home=home,
-        complete=True,
-        open=open_pieces,
-    )

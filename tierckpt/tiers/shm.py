@@ -32,8 +32,8 @@ from tierckpt.errors import ConfigError, CorruptCheckpointError
 from tierckpt.format import CHUNK_BYTES, DATA_FILE, MANIFEST_FILE, Chunk, Manifest, TensorRecord, checksum, parse_version_dirname, version_dirname
 from tierckpt.format.manifest import chunk_count
 from tierckpt.snapshot import Entry
-from tierckpt.tiers.fsio import remove_out_of_sight, write_file
-from tierckpt.tiers.lock import DirectoryLock
+from tierckpt.storage.posix import remove_out_of_sight, write_file
+from tierckpt.storage.lock import DirectoryLock
 
 log = logging.getLogger("tierckpt")
 

@@ -1,0 +1,174 @@
+"""The byte store under a tier: where a version's objects live and how their bytes move.
+
+A tier decides *what* it stores (the format, the write plan, codecs, checksums, the commit protocol,
+retention and the sweep: :mod:`tierckpt.tiers.filesystem`, :mod:`~tierckpt.tiers.fswrite`,
+:mod:`~tierckpt.tiers.fsread`); a :class:`ByteStore` does *how* bytes get there. The local file
+system (:class:`tierckpt.storage.local.LocalStore`: O_DIRECT, ``pwritev``, ``fsync``, renames) is the
+first implementation; an object store (multipart uploads, ranged GETs) or a node-local directory can
+take its place under the same tier code.
+
+Names are ``/``-separated keys relative to the store's root: a *container* per version (``step-…``,
+or a staging name such as ``.tmp-step-…``) holding *objects* (``step-…/manifest.msgpack``, data files).
+
+A version's lifecycle, and the contract of each operation (in call order):
+
+1. :meth:`ByteStore.open` once: create the root durably, learn what the medium can do.
+2. :meth:`ByteStore.stage` a container under a temporary name, invisible to readers; several ranks
+   may stage into one (``shared=True``).
+3. :meth:`ByteStore.open_data` per data object: a :class:`DataWriter` executing a
+   :class:`~tierckpt.storage.plan.WritePlan`'s items from several threads at once (large, positioned
+   writes or parts); :meth:`DataWriter.finish` makes the object durable (one fsync; completing the
+   multipart upload).
+4. :meth:`ByteStore.write_small` a manifest: created new, durable when it returns.
+5. :meth:`ByteStore.sync` a container: names created, renamed or removed in it are durable (an fsync
+   of the directory; nothing to do where each write is durable on its own).
+6. :meth:`ByteStore.publish` the staged container under its final name, atomically: a reader sees the
+   whole version or none (a rename on a file system; on an object store, the manifest object written
+   last, under the final key). :meth:`ByteStore.withdraw` is the reverse: the version stops being
+   visible atomically (a rename aside; the manifest object deleted first).
+7. :meth:`ByteStore.remove` a container and all of it (after a withdraw, or a staged one never
+   published), going on past failures; :meth:`ByteStore.list` names what is there, committed
+   versions and leftovers alike, for the tier's sweep.
+
+Reads go through :class:`ObjectReader`: a byte range of one object, into a caller's buffer.
+Blocking methods (``open_data`` and the writer's, the reader's) run in the tier's threads; the
+``async`` ones run on the engine loop and move no bulk bytes.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+from tierckpt.storage.plan import WriteItem, WritePlan
+
+__all__ = ["ByteStore", "DataWriter", "Entry", "ObjectReader"]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A name at the store's root: a container (a version, a staging area) or a single object."""
+
+    name: str
+    container: bool
+
+
+class DataWriter(abc.ABC):
+    """One data object being written from a plan; :meth:`write` is called from several threads at once.
+
+    Call order: :meth:`write` once per item of the plan (any order, concurrently), :meth:`finish`
+    once they all returned, :meth:`close` always (also after a failure; the caller then removes the
+    staged container). Every OSError names the object and what was being done.
+    """
+
+    @abc.abstractmethod
+    def write(self, item: WriteItem, data: memoryview) -> None:
+        """Store ``data`` (the item's stored bytes): at ``item.offset``, or packed when it has none."""
+
+    @abc.abstractmethod
+    def finish(self) -> tuple[int, ...]:
+        """Make the object durable; returns where each item landed, by ``item.index``."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release what the writer holds (descriptors, an unfinished upload)."""
+
+
+class ObjectReader(abc.ABC):
+    """Byte ranges of one object, read from several threads at once (blocking).
+
+    The tier's source opens them: :class:`~tierckpt.tiers.fsread.FilesystemSource` relative to the
+    version directory's descriptor, refusing symlinks and anything but regular files; on an object
+    store, a HEAD for the size and ranged GETs.
+    """
+
+    size: int
+
+    @property
+    @abc.abstractmethod
+    def direct(self) -> bool:
+        """Whether reads bypass a cache (O_DIRECT): aligned destinations are filled without a copy."""
+
+    @abc.abstractmethod
+    def read_span(self, offset: int, length: int, scratch: memoryview, *, what: str) -> memoryview:
+        """Bytes ``[offset, offset + length)``, as a view of ``scratch`` (or of a new buffer if it is
+        too small). Raises CorruptCheckpointError naming ``what`` when the object ends early."""
+
+    @abc.abstractmethod
+    def read_into(self, out: memoryview, offset: int, scratch: memoryview, *, what: str) -> None:
+        """Fill ``out`` with the bytes at ``offset`` (``scratch``: room for a bounce when needed)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the object."""
+
+
+class ByteStore(abc.ABC):
+    """Where a tier's objects live; see the module docstring for the operations' order and contract."""
+
+    #: Whether data objects are written and read bypassing a cache (known after :meth:`open`).
+    direct: bool = False
+
+    @abc.abstractmethod
+    async def open(self, *, exclusive: bool = False) -> None:
+        """Create the root durably (its own name included) and learn the medium's capabilities.
+
+        ``exclusive``: hold the root against other jobs until :meth:`close` (before anything is swept,
+        so a job still writing here keeps its staged versions). Raises OSError when the root cannot
+        be used, ConfigError when another job holds it.
+        """
+
+    @abc.abstractmethod
+    async def list(self) -> list[Entry]:
+        """What the root holds: committed versions and leftovers of interrupted writes alike."""
+
+    @abc.abstractmethod
+    async def exists(self, key: str) -> bool:
+        """Whether ``key`` (a container or an object) is there."""
+
+    @abc.abstractmethod
+    async def stage(self, name: str, *, shared: bool = False) -> None:
+        """Create the staging container ``name``; ``shared``: other ranks may have created it already.
+
+        Raises FileExistsError when it exists and is not ``shared``.
+        """
+
+    @abc.abstractmethod
+    def open_data(self, key: str, plan: WritePlan) -> DataWriter:
+        """Start writing data object ``key`` (new, or replacing a partial one) for ``plan`` (blocking)."""
+
+    @abc.abstractmethod
+    async def write_small(self, key: str, data: bytes) -> None:
+        """Create object ``key`` (it must not exist) holding ``data``; durable when this returns."""
+
+    @abc.abstractmethod
+    async def sync(self, name: str = "") -> None:
+        """Make the names in container ``name`` (the root: ``""``) durable."""
+
+    @abc.abstractmethod
+    async def publish(self, staging: str, final: str) -> None:
+        """Make the staged container visible as ``final`` at once (``final`` must not exist).
+
+        Durable after :meth:`sync` of the root. Nothing moved if it raises.
+        """
+
+    @abc.abstractmethod
+    async def withdraw(self, final: str, aside: str) -> None:
+        """Make the version ``final`` invisible at once, its objects kept under ``aside`` until removed.
+
+        Raises FileNotFoundError when there is no ``final``; nothing moved if it raises.
+        """
+
+    @abc.abstractmethod
+    async def remove(self, name: str) -> OSError | None:
+        """Remove container ``name`` and everything in it, going on past entries that fail.
+
+        Never raises: returns None once it is gone (or was never there), else the first error met.
+        """
+
+    @abc.abstractmethod
+    async def remove_object(self, key: str) -> None:
+        """Remove one object; raises FileNotFoundError when it is not there."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what the store holds."""

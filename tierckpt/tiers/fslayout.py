@@ -1,0 +1,48 @@
+"""A committed version of a filesystem tier as a saved layout: what each rank stored, by its manifests.
+
+The restore planner (:func:`tierckpt.restore.plan.plan`) reads any parallel layout from this; the
+manifests are read and verified as :mod:`tierckpt.tiers.fsread` reads them, shared chunks resolved.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from tierckpt.format import Manifest, TensorRecord
+from tierckpt.format.saved_layout import SavedLayout, home_rank
+from tierckpt.format.source import VersionSource
+from tierckpt.tiers.fsread import FilesystemSource, read_head, read_rank_manifest, resolve_shared
+
+__all__ = ["filesystem_layout"]
+
+
+def filesystem_layout(tier: str, path: Path, rank: int, *, direct: bool) -> SavedLayout:
+    """The layout of the committed version at ``path`` of a filesystem tier (blocking).
+
+    Raises CorruptCheckpointError when a manifest does not verify or the pieces do not add up.
+    """
+    head = read_head(path, tier=tier, step=None)
+    step = head.step
+    if isinstance(head, Manifest):
+        parts: dict[int, Manifest] = {0: head}
+    else:
+        parts = {q: read_rank_manifest(path, head, q, tier=tier) for q in range(head.world_size)}
+        parts = {q: resolve_shared(path, head, m, tier=tier, manifests=parts) for q, m in parts.items()}
+    home = home_rank(rank, len(parts))
+
+    def open_pieces(records: Sequence[TensorRecord], shared: bool) -> VersionSource:
+        manifest = Manifest(step, head.created, parts[home].skeleton, tuple(records), head.metadata)
+        return FilesystemSource(tier, path, manifest, direct=direct and not shared)
+
+    return SavedLayout(
+        tier=tier,
+        step=step,
+        created=head.created,
+        metadata=dict(head.metadata),
+        world=len(parts),
+        parts=parts,
+        home=home,
+        complete=True,
+        open=open_pieces,
+    )
