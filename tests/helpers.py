@@ -1,0 +1,118 @@
+"""Helpers shared by the tests and by the scripts they run as subprocesses (dist_worker.py, peer_worker.py, …).
+
+A plain module rather than conftest.py: a worker started with ``python tests/x_worker.py`` imports it from
+its own folder, where no conftest is loaded. conftest.py re-exports the fixtures built on it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tierckpt import Checkpointer
+
+# -- configurations ------------------------------------------------------------------------------------
+
+
+def memory_tier(name: str = "ram", **settings: Any) -> dict[str, Any]:
+    return {"name": name, "type": "memory", **settings}
+
+
+def fs_tier(name: str, path: Path | str, **settings: Any) -> dict[str, Any]:
+    return {"name": name, "type": "filesystem", "path": str(path), **settings}
+
+
+def config(*tiers: dict[str, Any], capacity: str | int = "8MiB", snapshots: int = 2,
+           ram: dict[str, Any] | None = None, **host: Any) -> dict[str, Any]:
+    """A host section and ``tiers`` below a memory tier (``ram``: its settings; a plain "ram" when None)."""
+    return {"host": {"capacity": capacity, "snapshots": snapshots, **host}, "tiers": [ram or memory_tier(), *tiers]}
+
+
+def ram_nvme(path: Path | str, *, capacity: str | int = "8MiB", snapshots: int = 2, **tier: Any) -> dict[str, Any]:
+    """The most common shape: host memory above one filesystem tier "nvme" at ``path`` (``tier``: its settings)."""
+    return config(fs_tier("nvme", path, **tier), capacity=capacity, snapshots=snapshots)
+
+
+# -- comparing states ------------------------------------------------------------------------------------
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's values as bytes on the host: a lazy conj/neg bit applied, any layout made contiguous."""
+    return t.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_bitwise(got: Any, want: Any, path: str = "<root>") -> None:
+    """Values, types, dtypes, shapes and devices equal; tensors and arrays compared bit for bit (NaNs, -0.0)."""
+    if isinstance(want, torch.Tensor):
+        assert type(got) is torch.Tensor, f"{path}: {type(got)}"  # a Parameter comes back as a tensor
+        assert (got.dtype, tuple(got.shape), got.device) == (want.dtype, tuple(want.shape), want.device), path
+        assert torch.equal(raw_bytes(got), raw_bytes(want)), f"{path}: bytes differ"
+        return
+    assert type(got) is type(want), f"{path}: {type(got)} is not {type(want)}"
+    if isinstance(want, np.ndarray):
+        assert (got.dtype, got.shape) == (want.dtype, want.shape), path
+        assert np.ascontiguousarray(got).tobytes() == np.ascontiguousarray(want).tobytes(), f"{path}: bytes differ"
+    elif isinstance(want, np.generic):
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), path
+    elif isinstance(want, dict):
+        assert list(got) == list(want), f"{path}: keys {list(got)} != {list(want)}"
+        for key in want:
+            assert_bitwise(got[key], want[key], f"{path}[{key!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), path
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_bitwise(g, w, f"{path}[{i}]")
+    else:
+        assert got == want, f"{path}: {got!r} != {want!r}"
+
+
+def bitwise_equal(got: Any, want: Any) -> bool:
+    """assert_bitwise as a yes or no, for the workers that report their checks to the test rather than raise."""
+    try:
+        assert_bitwise(got, want)
+    except AssertionError:
+        return False
+    return True
+
+
+def zeroed(like: Any) -> Any:
+    """A state of the same structure with every array zeroed (a fresh model and optimizer to restore into)."""
+    if isinstance(like, dict):
+        return {key: zeroed(value) for key, value in like.items()}
+    if isinstance(like, (list, tuple)):
+        return type(like)(zeroed(value) for value in like)
+    if isinstance(like, torch.Tensor):
+        return torch.zeros_like(like)
+    if isinstance(like, np.ndarray):
+        return np.zeros_like(like)
+    return like
+
+
+# -- checkpointers a test opens ------------------------------------------------------------------------
+
+
+class Opened:
+    """Opens Checkpointers for a test (``opened(config)``) and closes them all at teardown, even after a failure.
+
+    ``tolerate``: errors that closing may raise because the test provoked them (and asserted on them already).
+    """
+
+    def __init__(self, tolerate: tuple[type[BaseException], ...] = ()) -> None:
+        self.all: list[Checkpointer] = []
+        self.tolerate = tolerate
+
+    def __call__(self, config: dict[str, Any], **kwargs: Any) -> Checkpointer:
+        c = Checkpointer(config, **kwargs)
+        self.all.append(c)
+        return c
+
+    def close(self) -> None:
+        for c in self.all:
+            try:
+                c.close_sync()
+            except self.tolerate:
+                pass
+
