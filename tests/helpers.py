@@ -6,6 +6,7 @@ its own folder, where no conftest is loaded. conftest.py re-exports the fixtures
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ def fs_tier(name: str, path: Path | str, **settings: Any) -> dict[str, Any]:
     return {"name": name, "type": "filesystem", "path": str(path), **settings}
 
 
-def config(*tiers: dict[str, Any], capacity: str | int = "8MiB", snapshots: int = 2,
+def tier_config(*tiers: dict[str, Any], capacity: str | int = "8MiB", snapshots: int = 2,
            ram: dict[str, Any] | None = None, **host: Any) -> dict[str, Any]:
     """A host section and ``tiers`` below a memory tier (``ram``: its settings; a plain "ram" when None)."""
     return {"host": {"capacity": capacity, "snapshots": snapshots, **host}, "tiers": [ram or memory_tier(), *tiers]}
@@ -33,7 +34,7 @@ def config(*tiers: dict[str, Any], capacity: str | int = "8MiB", snapshots: int 
 
 def ram_nvme(path: Path | str, *, capacity: str | int = "8MiB", snapshots: int = 2, **tier: Any) -> dict[str, Any]:
     """The most common shape: host memory above one filesystem tier "nvme" at ``path`` (``tier``: its settings)."""
-    return config(fs_tier("nvme", path, **tier), capacity=capacity, snapshots=snapshots)
+    return tier_config(fs_tier("nvme", path, **tier), capacity=capacity, snapshots=snapshots)
 
 
 # -- comparing states ------------------------------------------------------------------------------------
@@ -103,6 +104,7 @@ class Opened:
     def __init__(self, tolerate: tuple[type[BaseException], ...] = ()) -> None:
         self.all: list[Checkpointer] = []
         self.tolerate = tolerate
+        self.gates: list[threading.Event] = []  # opened before closing, should a test fail with one shut
 
     def __call__(self, config: dict[str, Any], **kwargs: Any) -> Checkpointer:
         c = Checkpointer(config, **kwargs)
@@ -110,6 +112,8 @@ class Opened:
         return c
 
     def close(self) -> None:
+        for gate in self.gates:
+            gate.set()
         for c in self.all:
             try:
                 c.close_sync()

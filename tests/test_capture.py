@@ -19,7 +19,7 @@ import torch
 from tierckpt import CapacityError, Checkpointer
 from tierckpt.capture.copier import _PIECE_BYTES
 
-from helpers import assert_bitwise, config, fs_tier
+from helpers import assert_bitwise, fs_tier, tier_config
 
 DEADLINE_S = 30.0  # a deadlock guard only: every wait below ends on an event long before it
 
@@ -28,7 +28,7 @@ def make_config(tmp_path: Path, *, capacity: str = "8MiB", snapshots: int = 2, c
     tiers = [fs_tier("nvme", tmp_path / "nvme")]
     if compressed:
         tiers.append(fs_tier("pfs", tmp_path / "pfs", compression={"codec": "zstd", "level": 3}))
-    return config(*tiers, capacity=capacity, snapshots=snapshots, copy_threads=copy_threads)
+    return tier_config(*tiers, capacity=capacity, snapshots=snapshots, copy_threads=copy_threads)
 
 
 def fs_only_config(path: Path) -> dict[str, Any]:

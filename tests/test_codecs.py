@@ -23,7 +23,7 @@ from tierckpt.errors import ConfigError, CorruptCheckpointError
 from tierckpt.format import ALIGN, MANIFEST_FILE, Manifest, checksum, version_dirname
 from tierckpt.testing import Gates, flip_bits
 
-from helpers import Opened, assert_bitwise, config, fs_tier
+from helpers import Opened, assert_bitwise, fs_tier, tier_config
 
 # -- chunk codecs -------------------------------------------------------------------------------------
 
@@ -274,7 +274,7 @@ def _tier(name: str, path: Path, codec: str = "none", **compression: Any) -> dic
 
 
 def _config(*tiers: dict[str, Any], capacity: str = "16MiB") -> dict[str, Any]:
-    return config(*tiers, capacity=capacity)
+    return tier_config(*tiers, capacity=capacity)
 
 
 def _state(seed: int = 0) -> dict[str, Any]:

@@ -19,13 +19,13 @@ from tierckpt import Checkpointer, TierckptError
 from tierckpt.errors import ClosedError
 from tierckpt.testing import slow
 
-from helpers import assert_bitwise, config, fs_tier
+from helpers import assert_bitwise, fs_tier, tier_config
 
 DEADLINE_S = 30.0  # a deadlock guard only: every wait below ends on an event long before it
 
 
 def make_config(tmp_path: Path, **host: Any) -> dict[str, Any]:
-    return config(fs_tier("nvme", tmp_path / "nvme"), **host)
+    return tier_config(fs_tier("nvme", tmp_path / "nvme"), **host)
 
 
 def manifest_of(tmp_path: Path, step: int, tier: str = "nvme") -> Path:
