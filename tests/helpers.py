@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from tierckpt import Checkpointer
+from tierckpt.tiers.filesystem import FilesystemTier
 
 # -- configurations ------------------------------------------------------------------------------------
 
@@ -32,9 +33,17 @@ def tier_config(*tiers: dict[str, Any], capacity: str | int = "8MiB", snapshots:
     return {"host": {"capacity": capacity, "snapshots": snapshots, **host}, "tiers": [ram or memory_tier(), *tiers]}
 
 
-def ram_nvme(path: Path | str, *, capacity: str | int = "8MiB", snapshots: int = 2, **tier: Any) -> dict[str, Any]:
-    """The most common shape: host memory above one filesystem tier "nvme" at ``path`` (``tier``: its settings)."""
-    return tier_config(fs_tier("nvme", path, **tier), capacity=capacity, snapshots=snapshots)
+def ram_fs(path: Path | str, *, name: str = "nvme", capacity: str | int = "8MiB", snapshots: int = 2,
+           **tier: Any) -> dict[str, Any]:
+    """The most common shape: host memory above one filesystem tier at ``path`` (``tier``: its settings)."""
+    return tier_config(fs_tier(name, path, **tier), capacity=capacity, snapshots=snapshots)
+
+
+def fs_tier_of(ckpt: Checkpointer, name: str = "nvme") -> FilesystemTier:
+    """The open filesystem tier ``name`` of a Checkpointer, to look at how it does its I/O."""
+    tier = next(t for t in ckpt._pipeline.tiers if t.name == name)
+    assert isinstance(tier, FilesystemTier)
+    return tier
 
 
 # -- comparing states ------------------------------------------------------------------------------------
