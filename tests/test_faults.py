@@ -17,7 +17,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import aiofiles.os
 import pytest
@@ -28,32 +28,23 @@ from tierckpt.format import version_dirname
 from tierckpt.testing import IOFaults
 from tierckpt.tiers import fsio
 
+from helpers import Opened, assert_bitwise, fs_tier, memory_tier, tier_config
+
+
 DEADLINE_S = 60.0
 ERRNOS = [errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EACCES]
 ERRNO_IDS = [errno.errorcode[e] for e in ERRNOS]
 
+CLOSE_TOLERATES = (FlushError,)  # for the opened fixture: closing raises again what a test provoked
+
 
 def _config(root: Path, **nvme: Any) -> dict[str, Any]:
-    return {
-        "host": {"capacity": "8MiB", "snapshots": 2},
-        "tiers": [
-            {"name": "ram", "type": "memory", "keep": {"last": 1}},
-            {"name": "nvme", "type": "filesystem", "path": str(root), "keep": {"last": 1}, **nvme},
-        ],
-    }
+    return tier_config(fs_tier("nvme", root, keep={"last": 1}, **nvme), ram=memory_tier(keep={"last": 1}))
 
 
 def _state(step: int, seed: int | None = None) -> dict[str, Any]:
     g = torch.Generator().manual_seed(step if seed is None else seed)
     return {"w": torch.randn(30_000, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16), "step": step}
-
-
-def _assert_state(got: Any, step: int, seed: int | None = None) -> None:
-    want = _state(step, seed)
-    assert got["step"] == want["step"]
-    for key in ("w", "b"):
-        assert (got[key].dtype, got[key].shape) == (want[key].dtype, want[key].shape)
-        assert torch.equal(got[key].view(torch.uint8), want[key].view(torch.uint8)), key  # bit for bit
 
 
 def _held(ckpt: Checkpointer) -> list[int]:
@@ -78,22 +69,8 @@ def _restore_copy(version: Path, scratch: Path) -> Any:
     return restored
 
 
-@pytest.fixture
-def opened() -> Iterator[list[Checkpointer]]:
-    made: list[Checkpointer] = []
-    yield made
-    for ckpt in made:
-        if not ckpt._closed:
-            try:
-                ckpt.close_sync()
-            except FlushError:
-                pass  # asserted on by the test
-
-
-def _open(made: list[Checkpointer], root: Path, **nvme: Any) -> Checkpointer:
-    ckpt = Checkpointer(_config(root, **nvme))
-    made.append(ckpt)
-    return ckpt
+def _open(opened: Opened, root: Path, **nvme: Any) -> Checkpointer:
+    return opened(_config(root, **nvme))
 
 
 def _check_failure(failure: FlushError, *, step: int, code: int, pattern: str) -> None:
@@ -127,7 +104,7 @@ WRITE_SITES = {
 @pytest.mark.parametrize("code", ERRNOS, ids=ERRNO_IDS)
 @pytest.mark.parametrize("site", list(WRITE_SITES))
 def test_a_failing_call_fails_that_save_only(
-    opened: list[Checkpointer], tmp_path: Path, site: str, code: int, caplog: pytest.LogCaptureFixture
+    opened: Opened, tmp_path: Path, site: str, code: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     root = tmp_path / "nvme"
     ckpt = _open(opened, root)
@@ -154,7 +131,7 @@ def test_a_failing_call_fails_that_save_only(
     assert any(str(info.value) in m and "holds steps [1]" in m for m in logged), logged
     first = _restore_copy(root / version_dirname(1), tmp_path)
     assert first.step == 1
-    _assert_state(first.state, 1)
+    assert_bitwise(first.state, _state(1))
 
     # Training goes on: the next save does not raise, and commits.
     later = ckpt.save_sync(3, _state(3))
@@ -166,13 +143,13 @@ def test_a_failing_call_fails_that_save_only(
     ckpt.close_sync()
     restored = _open(opened, root).restore_latest_sync()
     assert restored is not None and restored.step == 3
-    _assert_state(restored.state, 3)
+    assert_bitwise(restored.state, _state(3))
 
 
 @pytest.mark.parametrize("code", ERRNOS, ids=ERRNO_IDS)
 @pytest.mark.parametrize("site", ["rename-aside", "rename-into-place", "fsync-tier-dir"])
 def test_a_failed_replacement_keeps_the_committed_version_of_that_step(
-    opened: list[Checkpointer], tmp_path: Path, site: str, code: int
+    opened: Opened, tmp_path: Path, site: str, code: int
 ) -> None:
     """Saving a committed step again moves the old version aside, renames the new one in and syncs the
     directory: whichever of the three fails, the step keeps its old content."""
@@ -195,15 +172,15 @@ def test_a_failed_replacement_keeps_the_committed_version_of_that_step(
     assert _steps(root) == [version_dirname(1)]
     assert _leftovers(root) == []
     old = _restore_copy(root / version_dirname(1), tmp_path)
-    _assert_state(old.state, 1)  # the old content, not seed 100
+    assert_bitwise(old.state, _state(1))  # the old content, not seed 100
 
     assert ckpt.save_sync(1, _state(1, seed=200)).committed_sync("nvme", DEADLINE_S) is True
     ckpt.wait_sync()
     assert _leftovers(root) == []
-    _assert_state(_restore_copy(root / version_dirname(1), tmp_path).state, 1, seed=200)
+    assert_bitwise(_restore_copy(root / version_dirname(1), tmp_path).state, _state(1, seed=200))
 
 
-def test_an_undo_that_fails_too_leaves_the_new_version_whole_in_place(opened: list[Checkpointer], tmp_path: Path) -> None:
+def test_an_undo_that_fails_too_leaves_the_new_version_whole_in_place(opened: Opened, tmp_path: Path) -> None:
     """The directory fsync after the commit rename fails, and so does renaming the version back: it stays."""
     root = tmp_path / "nvme"
     ckpt = _open(opened, root)
@@ -220,15 +197,15 @@ def test_an_undo_that_fails_too_leaves_the_new_version_whole_in_place(opened: li
     assert [Path(p).name for _, p in undo.failed] == [version_dirname(2)]
     assert _held(ckpt) == [1, 2]  # what the directory shows: retention did not run
     assert _steps(root) == [version_dirname(1), version_dirname(2)]
-    _assert_state(_restore_copy(root / version_dirname(1), tmp_path).state, 1)
-    _assert_state(_restore_copy(root / version_dirname(2), tmp_path).state, 2)
+    assert_bitwise(_restore_copy(root / version_dirname(1), tmp_path).state, _state(1))
+    assert_bitwise(_restore_copy(root / version_dirname(2), tmp_path).state, _state(2))
     assert ckpt.save_sync(3, _state(3)).committed_sync("nvme", DEADLINE_S) is True
     ckpt.wait_sync()
     assert _held(ckpt) == [3] and _leftovers(root) == []
 
 
 def test_an_old_version_that_cannot_be_put_back_returns_at_the_next_open(
-    opened: list[Checkpointer], tmp_path: Path, caplog: pytest.LogCaptureFixture
+    opened: Opened, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     root = tmp_path / "nvme"
     ckpt = _open(opened, root)
@@ -251,7 +228,7 @@ def test_an_old_version_that_cannot_be_put_back_returns_at_the_next_open(
     assert _held(again) == [1] and _leftovers(root) == []
     restored = again.restore_latest_sync()
     assert restored is not None and restored.step == 1
-    _assert_state(restored.state, 1)
+    assert_bitwise(restored.state, _state(1))
 
 
 # -- a failing delete ----------------------------------------------------------------------------------------
@@ -269,7 +246,7 @@ DELETE_SITES = {
 @pytest.mark.parametrize("code", ERRNOS, ids=ERRNO_IDS)
 @pytest.mark.parametrize("site", list(DELETE_SITES))
 def test_a_failing_delete_keeps_the_version_or_trashes_it_whole(
-    opened: list[Checkpointer], tmp_path: Path, site: str, code: int, caplog: pytest.LogCaptureFixture
+    opened: Opened, tmp_path: Path, site: str, code: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     root = tmp_path / "nvme"
     ckpt = _open(opened, root)
@@ -294,12 +271,12 @@ def test_a_failing_delete_keeps_the_version_or_trashes_it_whole(
     if site == "rename-to-trash":
         assert _held(ckpt) == [1, 2]
         assert _steps(root) == [version_dirname(1), version_dirname(2)] and _leftovers(root) == []
-        _assert_state(_restore_copy(root / version_dirname(1), tmp_path).state, 1)
+        assert_bitwise(_restore_copy(root / version_dirname(1), tmp_path).state, _state(1))
     else:
         assert _held(ckpt) == [2]
         assert _steps(root) == [version_dirname(2)]
         assert [n[: len(".trash-step-000000000001")] for n in _leftovers(root)] == [".trash-step-000000000001"]
-    _assert_state(_restore_copy(before, tmp_path).state, 1)  # what was deleted was whole up to then
+    assert_bitwise(_restore_copy(before, tmp_path).state, _state(1))  # what was deleted was whole up to then
 
     # The next save commits; retention deletes what it could not, and the leftovers are swept.
     assert ckpt.save_sync(3, _state(3)).committed_sync("nvme", DEADLINE_S) is True
@@ -314,7 +291,7 @@ def test_a_failing_delete_keeps_the_version_or_trashes_it_whole(
 
 @pytest.mark.parametrize("code", [errno.EIO, errno.EACCES], ids=["EIO", "EACCES"])
 def test_a_temporary_directory_that_will_not_go_is_swept_before_the_next_write(
-    opened: list[Checkpointer], tmp_path: Path, code: int, caplog: pytest.LogCaptureFixture
+    opened: Opened, tmp_path: Path, code: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     root = tmp_path / "nvme"
     ckpt = _open(opened, root)
@@ -341,7 +318,7 @@ def test_a_temporary_directory_that_will_not_go_is_swept_before_the_next_write(
     assert _leftovers(root) == [] and _held(ckpt) == [4]
 
 
-def test_leftovers_a_failed_removal_left_are_swept_when_the_tier_next_opens(opened: list[Checkpointer], tmp_path: Path) -> None:
+def test_leftovers_a_failed_removal_left_are_swept_when_the_tier_next_opens(opened: Opened, tmp_path: Path) -> None:
     root = tmp_path / "nvme"
     ckpt = _open(opened, root)
     assert ckpt.save_sync(1, _state(1)).committed_sync("nvme", DEADLINE_S) is True
@@ -359,24 +336,17 @@ def test_leftovers_a_failed_removal_left_are_swept_when_the_tier_next_opens(open
     assert _leftovers(root) == [] and _held(again) == [1]
     restored = again.restore_latest_sync()
     assert restored is not None and restored.step == 1
-    _assert_state(restored.state, 1)
+    assert_bitwise(restored.state, _state(1))
 
 
 # -- several tiers, a failing tier for a while ------------------------------------------------------------
 
 
-def test_a_failing_lower_tier_does_not_stop_the_others(opened: list[Checkpointer], tmp_path: Path) -> None:
+def test_a_failing_lower_tier_does_not_stop_the_others(opened: Opened, tmp_path: Path) -> None:
     nvme, pfs = tmp_path / "nvme", tmp_path / "pfs"
-    config = {
-        "host": {"capacity": "8MiB", "snapshots": 2},
-        "tiers": [
-            {"name": "ram", "type": "memory"},
-            {"name": "nvme", "type": "filesystem", "path": str(nvme), "keep": {"last": 1}},
-            {"name": "pfs", "type": "filesystem", "path": str(pfs), "keep": {"last": 1}, "compression": {"codec": "zstd"}},
-        ],
-    }
-    ckpt = Checkpointer(config)
-    opened.append(ckpt)
+    ckpt = opened(tier_config(
+        fs_tier("nvme", nvme, keep={"last": 1}), fs_tier("pfs", pfs, keep={"last": 1}, compression={"codec": "zstd"})
+    ))
     h1 = ckpt.save_sync(1, _state(1))
     assert h1.committed_sync("pfs", DEADLINE_S) is True
     with IOFaults(errno.EDQUOT, "write", under=pfs, path="*/.tmp-*/data-*", times=None):
@@ -408,7 +378,7 @@ def test_a_failing_lower_tier_does_not_stop_the_others(opened: list[Checkpointer
     assert _leftovers(nvme) == [] and _leftovers(pfs) == []
 
 
-async def test_the_async_save_after_a_failed_flush_does_not_raise(opened: list[Checkpointer], tmp_path: Path) -> None:
+async def test_the_async_save_after_a_failed_flush_does_not_raise(opened: Opened, tmp_path: Path) -> None:
     root = tmp_path / "nvme"
     ckpt = _open(opened, root)
     with IOFaults(errno.EIO, "fsync", under=root, path="*/.tmp-*/data-*"):
@@ -456,7 +426,7 @@ def test_io_faults_fail_only_the_chosen_calls_and_put_everything_back(tmp_path: 
     assert (aiofiles.os.rename, fsio._fallocate) == (aio_rename, fallocate)
 
 
-def test_a_kept_failure_holds_no_view_of_host_memory(opened: list[Checkpointer], tmp_path: Path) -> None:
+def test_a_kept_failure_holds_no_view_of_host_memory(opened: Opened, tmp_path: Path) -> None:
     """``counters.last_error`` lives as long as the Checkpointer: its tracebacks must not keep the
     writer thread's locals (views of a host slot) alive."""
     root = tmp_path / "nvme"
