@@ -6,7 +6,6 @@ its own folder, where no conftest is loaded. conftest.py re-exports the fixtures
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -107,25 +106,37 @@ def zeroed(like: Any) -> Any:
 class Opened:
     """Opens Checkpointers for a test (``opened(config)``) and closes them all at teardown, even after a failure.
 
+    Gates a test holds shut (``gates``: Events, GatedTiers, testing.Gates, a Gates passed as ``tier_factory``)
+    are opened first: a failed assertion must not leave close() waiting on a shut gate, hiding the failure.
     ``tolerate``: errors that closing may raise because the test provoked them (and asserted on them already).
     """
 
     def __init__(self, tolerate: tuple[type[BaseException], ...] = ()) -> None:
         self.all: list[Checkpointer] = []
         self.tolerate = tolerate
-        self.gates: list[threading.Event] = []  # opened before closing, should a test fail with one shut
+        self.gates: list[Any] = []
 
     def __call__(self, config: dict[str, Any], **kwargs: Any) -> Checkpointer:
         c = Checkpointer(config, **kwargs)
         self.all.append(c)
+        if hasattr(kwargs.get("tier_factory"), "open_all"):
+            self.gates.append(kwargs["tier_factory"])
         return c
+
+    def append(self, item: Any) -> None:
+        """Also close a Checkpointer the test opened itself, or open a gate (anything else) before closing."""
+        (self.all if isinstance(item, Checkpointer) else self.gates).append(item)
 
     def close(self) -> None:
         for gate in self.gates:
-            gate.set()
+            if hasattr(gate, "open_all"):  # testing.Gates
+                gate.open_all()
+            elif hasattr(gate, "gate"):  # a GatedTier
+                gate.gate.set()
+            else:
+                gate.set()
         for c in self.all:
             try:
                 c.close_sync()
             except self.tolerate:
                 pass
-
