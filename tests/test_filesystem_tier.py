@@ -21,7 +21,7 @@ from tierckpt.tiers.encoding import TierEncoding
 from tierckpt.errors import ConfigError, FlushError
 from tierckpt.format import MANIFEST_FILE, Chunk, Manifest, TensorRecord, checksum, version_dirname
 from tierckpt.tiers import fswrite
-from tierckpt.tiers.filesystem import FilesystemSource, FilesystemTier
+from tierckpt.tiers.filesystem import FilesystemSource
 from tierckpt.tiers.fsio import probe_direct_io
 
 from helpers import Opened, assert_bitwise, fs_tier_of, ram_fs
