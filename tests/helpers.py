@@ -38,6 +38,14 @@ def ram_fs(path: Path | str, *, name: str = "nvme", capacity: str | int = "8MiB"
     return tier_config(fs_tier(name, path, **tier), capacity=capacity, snapshots=snapshots)
 
 
+SHUFFLED_ZSTD = {"codec": "zstd", "level": 1, "shuffle": True}  # the compression most tests put on a lower tier
+
+
+def nvme_and_pfs(root: Path, **host: Any) -> dict[str, Any]:
+    """Host memory above a raw "nvme" and a compressed "pfs" (zstd + shuffle), in ``root``'s nvme/ and pfs/."""
+    return tier_config(fs_tier("nvme", root / "nvme"), fs_tier("pfs", root / "pfs", compression=SHUFFLED_ZSTD), **host)
+
+
 def fs_tier_of(ckpt: Checkpointer, name: str = "nvme") -> FilesystemTier:
     """The open filesystem tier ``name`` of a Checkpointer, to look at how it does its I/O."""
     tier = next(t for t in ckpt._pipeline.tiers if t.name == name)

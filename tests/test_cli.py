@@ -18,6 +18,8 @@ from tierckpt.cli import main
 from tierckpt.format import CHECKSUM_ALGORITHM, DATA_FILE, MANIFEST_FILE, Manifest, checksum, version_dirname
 from tierckpt.testing import flip_bits
 
+from helpers import nvme_and_pfs
+
 DATA = DATA_FILE.format(rank=0)
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,19 +38,7 @@ def _state(step: int) -> dict[str, Any]:
 @pytest.fixture
 def tiers(tmp_path: Path) -> Path:
     """Steps 1 and 2 on nvme (raw) and pfs (zstd + shuffle)."""
-    config = {
-        "host": {"capacity": "8MiB", "snapshots": 2},
-        "tiers": [
-            {"name": "ram", "type": "memory"},
-            {"name": "nvme", "type": "filesystem", "path": str(tmp_path / "nvme")},
-            {
-                "name": "pfs",
-                "type": "filesystem",
-                "path": str(tmp_path / "pfs"),
-                "compression": {"codec": "zstd", "level": 1, "shuffle": True},
-            },
-        ],
-    }
+    config = nvme_and_pfs(tmp_path)
     with Checkpointer(config) as ckpt:
         for step in (1, 2):
             assert ckpt.save_sync(step, _state(step)).committed_sync("pfs", timeout=60)

@@ -44,7 +44,7 @@ from tierckpt.cli import main as cli
 from tierckpt.format import CHUNK_BYTES, DATA_FILE, MANIFEST_FILE, Manifest, TensorRecord, version_dirname
 from tierckpt.testing import flip_bits
 
-from helpers import assert_bitwise, fs_tier, tier_config, zeroed
+from helpers import assert_bitwise, nvme_and_pfs, zeroed
 
 SEED = 11
 TRIALS = int(os.environ.get("TIERCKPT_CORRUPTION_TRIALS", "64"))
@@ -54,8 +54,7 @@ TIERS = ("nvme", "pfs")
 
 
 def _config(root: Path, capacity: str = "160MiB", snapshots: int = 2) -> dict[str, Any]:
-    pfs = fs_tier("pfs", root / "pfs", compression={"codec": "zstd", "level": 1, "shuffle": True})
-    return tier_config(fs_tier("nvme", root / "nvme"), pfs, capacity=capacity, snapshots=snapshots)
+    return nvme_and_pfs(root, capacity=capacity, snapshots=snapshots)
 
 
 def _state(step: int) -> dict[str, Any]:
