@@ -6,6 +6,7 @@ its own folder, where no conftest is loaded. conftest.py re-exports the fixtures
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,16 @@ def fs_tier_of(ckpt: Checkpointer, name: str = "nvme") -> FilesystemTier:
     tier = next(t for t in ckpt._pipeline.tiers if t.name == name)
     assert isinstance(tier, FilesystemTier)
     return tier
+
+
+def held(ckpt: Checkpointer, tier: str) -> list[int]:
+    """The steps ``ckpt`` lists on ``tier``, oldest first."""
+    return [v.step for v in ckpt.versions() if v.tier == tier]
+
+
+def leftovers(root: Path) -> list[str]:
+    """What a filesystem tier's directory holds of unfinished writes, trash and moved-aside versions."""
+    return sorted(n for n in os.listdir(root) if n.startswith((".tmp-", ".trash-", ".replaced-")))
 
 
 # -- comparing states ------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from tierckpt.format import version_dirname
 from tierckpt.testing import IOFaults
 from tierckpt.tiers import fsio
 
-from helpers import Opened, assert_bitwise, fs_tier, memory_tier, tier_config
+from helpers import Opened, assert_bitwise, fs_tier, held, leftovers, memory_tier, tier_config
 
 
 DEADLINE_S = 60.0
@@ -47,16 +47,8 @@ def _state(step: int, seed: int | None = None) -> dict[str, Any]:
     return {"w": torch.randn(30_000, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16), "step": step}
 
 
-def _held(ckpt: Checkpointer) -> list[int]:
-    return [v.step for v in ckpt.versions() if v.tier == "nvme"]
-
-
 def _steps(root: Path) -> list[str]:
     return sorted(n for n in os.listdir(root) if n.startswith("step-"))
-
-
-def _leftovers(root: Path) -> list[str]:
-    return sorted(n for n in os.listdir(root) if n.startswith((".tmp-", ".trash-", ".replaced-")))
 
 
 def _restore_copy(version: Path, scratch: Path) -> Any:
@@ -121,9 +113,9 @@ def test_a_failing_call_fails_that_save_only(
     assert handle.committed_sync("ram", 0) is True
 
     # Nothing committed was touched, and the failed attempt left nothing behind.
-    assert _held(ckpt) == [1]
+    assert held(ckpt, "nvme") == [1]
     assert _steps(root) == [version_dirname(1)]
-    assert _leftovers(root) == []
+    assert leftovers(root) == []
     counters = ckpt.counters
     assert (counters.flush_errors, counters.failed) == (1, {"nvme": 1})
     assert counters.last_error["nvme"] is info.value
@@ -137,9 +129,9 @@ def test_a_failing_call_fails_that_save_only(
     later = ckpt.save_sync(3, _state(3))
     assert later.committed_sync("nvme", DEADLINE_S) is True
     ckpt.wait_sync()  # the tier committed since its failure: nothing to raise
-    assert _held(ckpt) == [3]  # retention ran only now, after a commit
+    assert held(ckpt, "nvme") == [3]  # retention ran only now, after a commit
     assert _steps(root) == [version_dirname(3)]
-    assert _leftovers(root) == []
+    assert leftovers(root) == []
     ckpt.close_sync()
     restored = _open(opened, root).restore_latest_sync()
     assert restored is not None and restored.step == 3
@@ -168,15 +160,15 @@ def test_a_failed_replacement_keeps_the_committed_version_of_that_step(
             handle.committed_sync("nvme", DEADLINE_S)
     assert len(faults.failed) == 1
     _check_failure(info.value, step=1, code=code, pattern=pattern)
-    assert _held(ckpt) == [1]
+    assert held(ckpt, "nvme") == [1]
     assert _steps(root) == [version_dirname(1)]
-    assert _leftovers(root) == []
+    assert leftovers(root) == []
     old = _restore_copy(root / version_dirname(1), tmp_path)
     assert_bitwise(old.state, _state(1))  # the old content, not seed 100
 
     assert ckpt.save_sync(1, _state(1, seed=200)).committed_sync("nvme", DEADLINE_S) is True
     ckpt.wait_sync()
-    assert _leftovers(root) == []
+    assert leftovers(root) == []
     assert_bitwise(_restore_copy(root / version_dirname(1), tmp_path).state, _state(1, seed=200))
 
 
@@ -195,13 +187,13 @@ def test_an_undo_that_fails_too_leaves_the_new_version_whole_in_place(opened: Op
             handle.committed_sync("nvme", DEADLINE_S)
     assert (info.value.step, info.value.errno, info.value.filename) == (2, errno.EIO, str(root))
     assert [Path(p).name for _, p in undo.failed] == [version_dirname(2)]
-    assert _held(ckpt) == [1, 2]  # what the directory shows: retention did not run
+    assert held(ckpt, "nvme") == [1, 2]  # what the directory shows: retention did not run
     assert _steps(root) == [version_dirname(1), version_dirname(2)]
     assert_bitwise(_restore_copy(root / version_dirname(1), tmp_path).state, _state(1))
     assert_bitwise(_restore_copy(root / version_dirname(2), tmp_path).state, _state(2))
     assert ckpt.save_sync(3, _state(3)).committed_sync("nvme", DEADLINE_S) is True
     ckpt.wait_sync()
-    assert _held(ckpt) == [3] and _leftovers(root) == []
+    assert held(ckpt, "nvme") == [3] and leftovers(root) == []
 
 
 def test_an_old_version_that_cannot_be_put_back_returns_at_the_next_open(
@@ -218,14 +210,14 @@ def test_an_old_version_that_cannot_be_put_back_returns_at_the_next_open(
     with faults[0], faults[1]:
         with pytest.raises(FlushError):
             ckpt.save_sync(1, _state(1, seed=100)).committed_sync("nvme", DEADLINE_S)
-    assert _held(ckpt) == []  # the tier no longer shows it...
-    assert [n[: len(".replaced-step-000000000001")] for n in _leftovers(root)] == [".replaced-step-000000000001"]
+    assert held(ckpt, "nvme") == []  # the tier no longer shows it...
+    assert [n[: len(".replaced-step-000000000001")] for n in leftovers(root)] == [".replaced-step-000000000001"]
     assert any("could not be put back" in r.getMessage() for r in caplog.records)
     with pytest.raises(FlushError):  # the tier has committed nothing since
         ckpt.close_sync()
 
     again = _open(opened, root)  # ...and puts it back when it opens
-    assert _held(again) == [1] and _leftovers(root) == []
+    assert held(again, "nvme") == [1] and leftovers(root) == []
     restored = again.restore_latest_sync()
     assert restored is not None and restored.step == 1
     assert_bitwise(restored.state, _state(1))
@@ -269,20 +261,20 @@ def test_a_failing_delete_keeps_the_version_or_trashes_it_whole(
     assert any(str(failure) in m for m in logged), logged
 
     if site == "rename-to-trash":
-        assert _held(ckpt) == [1, 2]
-        assert _steps(root) == [version_dirname(1), version_dirname(2)] and _leftovers(root) == []
+        assert held(ckpt, "nvme") == [1, 2]
+        assert _steps(root) == [version_dirname(1), version_dirname(2)] and leftovers(root) == []
         assert_bitwise(_restore_copy(root / version_dirname(1), tmp_path).state, _state(1))
     else:
-        assert _held(ckpt) == [2]
+        assert held(ckpt, "nvme") == [2]
         assert _steps(root) == [version_dirname(2)]
-        assert [n[: len(".trash-step-000000000001")] for n in _leftovers(root)] == [".trash-step-000000000001"]
+        assert [n[: len(".trash-step-000000000001")] for n in leftovers(root)] == [".trash-step-000000000001"]
     assert_bitwise(_restore_copy(before, tmp_path).state, _state(1))  # what was deleted was whole up to then
 
     # The next save commits; retention deletes what it could not, and the leftovers are swept.
     assert ckpt.save_sync(3, _state(3)).committed_sync("nvme", DEADLINE_S) is True
     ckpt.wait_sync()
-    assert _held(ckpt) == [3]
-    assert _steps(root) == [version_dirname(3)] and _leftovers(root) == []
+    assert held(ckpt, "nvme") == [3]
+    assert _steps(root) == [version_dirname(3)] and leftovers(root) == []
     assert ckpt.counters.flush_errors == 1
 
 
@@ -304,18 +296,18 @@ def test_a_temporary_directory_that_will_not_go_is_swept_before_the_next_write(
             ckpt.save_sync(2, _state(2)).committed_sync("nvme", DEADLINE_S)
         # The save's own failure is what is raised; the failed cleanup is logged.
         assert info.value.errno == errno.ENOSPC and info.value.filename.endswith("manifest.msgpack")
-        left = _leftovers(root)
+        left = leftovers(root)
         assert [n[: len(".tmp-step-000000000002")] for n in left] == [".tmp-step-000000000002"]
         assert os.listdir(root / left[0]) == ["data-r00000.bin"]  # the rest of it was removed anyway
         assert any("could not remove all of" in r.getMessage() and left[0] in r.getMessage() for r in caplog.records)
         # Still stuck: the next save commits all the same, and the retry fails quietly.
         assert ckpt.save_sync(3, _state(3)).committed_sync("nvme", DEADLINE_S) is True
         ckpt.wait_sync()
-        assert len(stuck.failed) >= 2 and _leftovers(root) == left
+        assert len(stuck.failed) >= 2 and leftovers(root) == left
     # Unstuck: retried before the next write.
     assert ckpt.save_sync(4, _state(4)).committed_sync("nvme", DEADLINE_S) is True
     ckpt.wait_sync()
-    assert _leftovers(root) == [] and _held(ckpt) == [4]
+    assert leftovers(root) == [] and held(ckpt, "nvme") == [4]
 
 
 def test_leftovers_a_failed_removal_left_are_swept_when_the_tier_next_opens(opened: Opened, tmp_path: Path) -> None:
@@ -328,12 +320,12 @@ def test_leftovers_a_failed_removal_left_are_swept_when_the_tier_next_opens(open
     ):
         with pytest.raises(FlushError):
             ckpt.save_sync(2, _state(2)).committed_sync("nvme", DEADLINE_S)
-        assert len(_leftovers(root)) == 1
+        assert len(leftovers(root)) == 1
         with pytest.raises(FlushError):  # close() promises durability: the tier committed nothing since
             ckpt.close_sync()
-    assert len(_leftovers(root)) == 1
+    assert len(leftovers(root)) == 1
     again = _open(opened, root)
-    assert _leftovers(root) == [] and _held(again) == [1]
+    assert leftovers(root) == [] and held(again, "nvme") == [1]
     restored = again.restore_latest_sync()
     assert restored is not None and restored.step == 1
     assert_bitwise(restored.state, _state(1))
@@ -375,7 +367,7 @@ def test_a_failing_lower_tier_does_not_stop_the_others(opened: Opened, tmp_path:
     assert h5.committed_sync("pfs", DEADLINE_S) is True
     ckpt.wait_sync()
     assert [(v.tier, v.step) for v in ckpt.versions() if v.tier != "ram"] == [("nvme", 5), ("pfs", 5)]
-    assert _leftovers(nvme) == [] and _leftovers(pfs) == []
+    assert leftovers(nvme) == [] and leftovers(pfs) == []
 
 
 async def test_the_async_save_after_a_failed_flush_does_not_raise(opened: Opened, tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from tierckpt.tiers import fswrite
 from tierckpt.tiers.filesystem import FilesystemSource
 from tierckpt.tiers.fsio import probe_direct_io
 
-from helpers import Opened, assert_bitwise, fs_tier_of, ram_fs
+from helpers import Opened, assert_bitwise, fs_tier_of, leftovers, ram_fs
 
 
 CLOSE_TOLERATES = (FlushError,)  # for the opened fixture: closing raises again what a test provoked
@@ -357,10 +357,6 @@ def _errnos(exc: BaseException | None) -> list[int | None]:
     return seen
 
 
-def _leftovers(root: Path) -> list[str]:
-    return sorted(n for n in os.listdir(root) if n.startswith((".tmp-", ".trash-", ".replaced-")))
-
-
 def _free_bytes(path: Path) -> int:
     os.sync()  # ext4 counts freed blocks once their transaction commits
     st = os.statvfs(path)
@@ -417,7 +413,7 @@ def test_a_disk_that_fills_up_fails_flushes_until_space_is_freed(
         assert errno.ENOSPC in _errnos(failure.__cause__)
         assert handle.committed_sync("ram", timeout=1) is True
         # The failed attempt gave its space back, and left nothing behind.
-        assert _leftovers(root) == []
+        assert leftovers(root) == []
         assert _free_bytes(small_fs) >= free - (64 << 10)
         # Retention never ran: the last good version is still there, and still the tier's only one.
         assert [v.step for v in ckpt.versions() if v.tier == "nvme"] == [1]
@@ -437,7 +433,7 @@ def test_a_disk_that_fills_up_fails_flushes_until_space_is_freed(
     assert handle.committed_sync("nvme", timeout=60) is True
     ckpt.wait_sync()  # the tier has committed since its failures: wait() has nothing to raise
     assert [v.step for v in ckpt.versions() if v.tier == "nvme"] == [4]  # step 1 goes only now
-    assert _leftovers(root) == []
+    assert leftovers(root) == []
     opened.close()
 
     restored = _restore_fresh(opened, root, capacity="16MiB")

@@ -23,7 +23,7 @@ import torch
 from tierckpt import Checkpointer, FlushError
 from tierckpt.testing import Gates, ManualClock, SlowTier, faulty, slow
 
-from helpers import Opened, assert_bitwise
+from helpers import Opened, assert_bitwise, held
 
 DEADLINE_S = 30.0  # a deadlock guard only: every wait below ends on an event long before it
 
@@ -53,10 +53,6 @@ def step_dirs(path: Path) -> list[str]:
 
 def names(*steps: int) -> list[str]:
     return [f"step-{s:012d}" for s in steps]
-
-
-def held(ckpt: Checkpointer, tier_name: str) -> list[int]:
-    return [v.step for v in ckpt.versions() if v.tier == tier_name]
 
 
 _isolated = itertools.count()
