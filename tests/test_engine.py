@@ -19,7 +19,7 @@ from tierckpt import Checkpointer, TierckptError
 from tierckpt.errors import ClosedError
 from tierckpt.testing import slow
 
-from helpers import assert_bitwise, fs_tier, tier_config
+from helpers import assert_bitwise, fs_tier, held, tier_config
 
 DEADLINE_S = 30.0  # a deadlock guard only: every wait below ends on an event long before it
 
@@ -241,7 +241,7 @@ def test_calls_from_two_threads_in_turn(tmp_path: Path) -> None:
         assert committed_b is True
         assert restored.step == 2
         assert_bitwise(restored.state, small_state(2))
-        assert sorted(v.step for v in ckpt.versions() if v.tier == "nvme") == [1, 2]
+        assert sorted(held(ckpt, "nvme")) == [1, 2]
     finally:
         ckpt.close_sync()
 
@@ -271,12 +271,12 @@ def test_saves_from_two_threads_at_once(tmp_path: Path) -> None:
         for handle in handles.values():
             assert handle.captured_sync(0) is True
             assert handle._tracker.done()  # every tier decided: no save left hanging
-        assert sorted(v.step for v in ckpt.versions() if v.tier == "ram") == [10, 20]
+        assert sorted(held(ckpt, "ram")) == [10, 20]
         restored = ckpt.restore_latest_sync()
         assert restored is not None and restored.step == 20
         assert_bitwise(restored.state, small_state(20))
         # nvme holds the save that came last (whichever thread that was), intact.
-        on_nvme = [v.step for v in ckpt.versions() if v.tier == "nvme"]
+        on_nvme = held(ckpt, "nvme")
         assert len(on_nvme) >= 1 and set(on_nvme) <= {10, 20}
         newest = max(handles.values(), key=lambda h: h._tracker.token)
         assert newest.committed_sync("nvme", 0) is True
