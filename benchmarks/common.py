@@ -60,6 +60,17 @@ def io_counters() -> tuple[int, int]:
     return int(fields["read_bytes"]), int(fields["rchar"])
 
 
+# -- the report ----------------------------------------------------------------------------------------
+
+
+def show_report(lines: list[str], markdown: Path, results: Path, total_s: float) -> None:
+    """Print the markdown section, write it to ``markdown``, and say where the results went."""
+    text = "\n".join(lines)
+    print("\n" + text)
+    markdown.write_text(text + "\n")
+    print(f"results: {results}, {markdown} ({total_s:.0f} s)")
+
+
 # -- ranks ---------------------------------------------------------------------------------------------
 
 

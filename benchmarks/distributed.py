@@ -334,10 +334,7 @@ def main() -> None:
         *table(report),
         "",
     ]
-    text = "\n".join(lines)
-    print("\n" + text)
-    args.markdown.write_text(text + "\n")
-    print(f"results: {args.json}, {args.markdown} ({report['total_s']:.0f} s)")
+    common.show_report(lines, args.markdown, args.json, report["total_s"])
 
 
 if __name__ == "__main__":

@@ -554,10 +554,7 @@ def main() -> None:
         *table(summary),
         "",
     ]
-    text = "\n".join(lines)
-    print("\n" + text)
-    args.markdown.write_text(text + "\n")
-    print(f"results: {args.out}, {args.markdown} ({report['total_s']:.0f} s)")
+    common.show_report(lines, args.markdown, args.out, report["total_s"])
 
 
 if __name__ == "__main__":

@@ -425,9 +425,9 @@ def main() -> None:
     cases = [c for c in CASES if c[0] in args.cases]
     started = time.perf_counter()
     try:
-        common = {"spec": report["tensors"], "step": step, "timeout": args.timeout, "repeats": args.repeats}
+        every_job = {"spec": report["tensors"], "step": step, "timeout": args.timeout, "repeats": args.repeats}
         for n in sorted({c[1] for c in cases}, reverse=True):
-            job = common | {"mode": "save", "tier_dir": str(base / f"tierckpt-{n}"), "dcp_dir": str(base / f"dcp-{n}"), "results": str(base / "results")}
+            job = every_job | {"mode": "save", "tier_dir": str(base / f"tierckpt-{n}"), "dcp_dir": str(base / f"dcp-{n}"), "results": str(base / "results")}
             t = time.perf_counter()
             ranks = run_ranks(job, n, base / "logs" / f"save-{n}")
             save = {
@@ -441,7 +441,7 @@ def main() -> None:
         for i, (name, n, m, place) in enumerate(cases):
             gc.collect()
             limit = limits(base, nbytes, IO_THREADS, cold=True)
-            job = common | {
+            job = every_job | {
                 "mode": "restore", "place": place, "order": i,
                 "tier_dir": str(base / f"tierckpt-{n}"), "dcp_dir": str(base / f"dcp-{n}"), "results": str(base / "results"),
             }
@@ -491,10 +491,7 @@ def main() -> None:
         *table(report),
         "",
     ]
-    text = "\n".join(lines)
-    print("\n" + text)
-    args.markdown.write_text(text + "\n")
-    print(f"results: {args.json}, {args.markdown} ({report['total_s']:.0f} s)")
+    common.show_report(lines, args.markdown, args.json, report["total_s"])
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ def fs_tier_of(ckpt: Checkpointer, name: str = "nvme") -> FilesystemTier:
 
 
 def held(ckpt: Checkpointer, tier: str) -> list[int]:
-    """The steps ``ckpt`` lists on ``tier``, oldest first."""
+    """The steps ``ckpt.versions()`` lists on ``tier``, in its order."""
     return [v.step for v in ckpt.versions() if v.tier == tier]
 
 
