@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Sets up .venv and runs the test suite. Extra arguments go to pytest.
+# Sets up .venv, type-checks the package (mypy, configured in pyproject.toml), and runs the test
+# suite. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+.venv/bin/python -m mypy
 set +e
 .venv/bin/python -m pytest -q "$@"
 rc=$?

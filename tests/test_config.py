@@ -16,12 +16,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tierckpt.config import (
-    _COMPRESSION_KEYS,
-    _DISTRIBUTED_KEYS,
-    _FLUSH_KEYS,
-    _HOST_KEYS,
-    _KEEP_KEYS,
-    _TIER_KEYS,
     CompressionConfig,
     Config,
     DistributedConfig,
@@ -30,6 +24,8 @@ from tierckpt.config import (
     KeepPolicy,
     TierConfig,
 )
+from tierckpt.config.sections import _COMPRESSION_KEYS, _DISTRIBUTED_KEYS, _FLUSH_KEYS, _HOST_KEYS, _KEEP_KEYS
+from tierckpt.config.tier import _TIER_KEYS
 from tierckpt.errors import ConfigError
 from tierckpt.units import format_size, parse_duration, parse_size
 

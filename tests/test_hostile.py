@@ -5,7 +5,7 @@ without opening anything outside the version directory.
 The fuzz test takes the manifest of a real saved version (uncompressed, and compressed), mutates its
 fields and structure, and wraps it again with a correct checksum, so that only the checks behind the
 checksum can refuse it. Then it reads it as restore does: :func:`read_manifest`, :func:`open_source`
-(the skeleton, the files, the records against the files), :func:`tierckpt.restore.load` (allocate,
+(the skeleton, the files, the records against the files), :func:`tierckpt.restore.plan.load` (allocate,
 read, verify, decode, rebuild). Meanwhile ``os.open`` is watched (every file opened must be the
 version directory or a plain name inside it, and must turn out to be inside it once open: a followed
 symlink would show), and so are the allocation helpers (no buffer larger than the bytes on disk can
@@ -34,10 +34,10 @@ from hypothesis import HealthCheck, event, given, reject, settings
 from hypothesis import strategies as st
 
 import tierckpt._buffers
-import tierckpt.landing
-import tierckpt.reshard.load
-import tierckpt.restore
-import tierckpt.state
+import tierckpt.restore.landing
+import tierckpt.restore.plan
+import tierckpt.state.leaves
+import tierckpt.state.skeleton
 import tierckpt.tiers.fsio
 from tierckpt import Checkpointer
 from tierckpt.errors import CorruptCheckpointError, UnsupportedStateError
@@ -177,12 +177,12 @@ class _Guards:
 
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(os, "open", self._open(os.open))
-            for module in (tierckpt._buffers, tierckpt.restore, tierckpt.landing, tierckpt.reshard.load, tierckpt.tiers.fsio):
+            for module in (tierckpt._buffers, tierckpt.restore.landing, tierckpt.tiers.fsio):
                 patch.setattr(module, "aligned_buffer", self._sized(module.aligned_buffer, lambda n, **_: n, "aligned_buffer"))
             patch.setattr(
-                tierckpt.landing,
+                tierckpt.restore.landing,
                 "owned_tensor",
-                self._sized(tierckpt.landing.owned_tensor, lambda dtype, shape, n: n, "owned_tensor"),
+                self._sized(tierckpt.restore.landing.owned_tensor, lambda dtype, shape, n: n, "owned_tensor"),
             )
             patch.setattr(torch, "empty", self._sized(torch.empty, numel_bytes, "torch.empty"))
             patch.setattr(np, "empty", self._sized(np.empty, numel_bytes, "np.empty"))
@@ -204,7 +204,7 @@ def _read(version: _Version, executor: concurrent.futures.Executor) -> Any:
     manifest = read_manifest(version.dir, tier="fuzz", step=STEP)
     source = open_source("fuzz", version.dir, manifest)
     try:
-        return tierckpt.restore.load(source, {}, executor, threads=1)
+        return tierckpt.restore.plan.load(source, {}, executor, threads=1)
     finally:
         source.close()
 
@@ -558,7 +558,9 @@ def test_restore_moves_on_past_a_symlinked_or_fifo_data_file(tmp_path: Path) -> 
 
 
 def test_the_skeleton_node_limit_holds_for_saving_and_reading(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tierckpt.state, "MAX_SKELETON_NODES", 100)
+    # flattening (state.leaves) and decoding (state.skeleton) each hold the limit
+    monkeypatch.setattr(tierckpt.state.leaves, "MAX_SKELETON_NODES", 100)
+    monkeypatch.setattr(tierckpt.state.skeleton, "MAX_SKELETON_NODES", 100)
     fits = {"xs": list(range(97))}  # root dict 1 + key and value 2 + 97 items = 100
     skeleton, leaves = flatten(fits)
     assert unflatten(skeleton, []) == fits and skeleton_leaf_count(skeleton) == 0

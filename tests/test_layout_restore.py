@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from tierckpt import Checkpointer, CorruptCheckpointError, RestoreError
 from tierckpt.format import Chunk, Manifest, Region, TensorRecord
-from tierckpt.reshard.boxes import copy_boxes, linear_boxes
+from tierckpt.restore.boxes import copy_boxes, linear_boxes
 
 from helpers import ram_fs
 

@@ -24,6 +24,7 @@ failed capture (a torn snapshot: a bug in the training loop) is also raised once
 
 from __future__ import annotations
 
+import errno
 import os
 
 __all__ = [
@@ -119,7 +120,7 @@ class LayoutError(TierckptError, ValueError):
     """A stored version was saved by another number of ranks than the job reading it has.
 
     ``restore_latest`` does not raise it: it reads such a version through its saved layout
-    (:mod:`tierckpt.reshard`). Reading one rank's part as it is (a flush) does.
+    (:mod:`tierckpt.restore.reshard`). Reading one rank's part as it is (a flush) does.
     """
 
 
@@ -141,3 +142,24 @@ class NoCheckpointError(TierckptError, FileNotFoundError):
 
 class ClosedError(TierckptError, RuntimeError):
     """The Checkpointer was used after ``close()``."""
+
+
+def flush_failure(tier: str, step: int | None, doing: str, error: BaseException) -> FlushError:
+    """``error`` as a FlushError naming the tier, the step, and the errno and path of the I/O call that failed."""
+    if isinstance(error, FlushError):
+        return error
+    cause: BaseException | None = error
+    while cause is not None and not (isinstance(cause, OSError) and cause.errno):
+        cause = cause.__cause__
+    code = cause.errno if isinstance(cause, OSError) else None
+    path = cause.filename if isinstance(cause, OSError) and cause.filename is not None else None
+    name = f" with {errno.errorcode.get(code, code)}" if code else ""
+    failure = FlushError(
+        f"tier {tier!r}: {doing} failed{name}: {error}",
+        tier=tier,
+        step=step,
+        errno=code,
+        path=None if path is None else str(path),
+    )
+    failure.__cause__ = error
+    return failure

@@ -2,39 +2,32 @@
 
 Planning is separate from copying: :func:`plan_entries` lays the state's leaves out in a slot
 (pure arithmetic), the copier fills the slot, and every tier reads the same layout. Entries are
-aligned to 4 KiB so a slot region can be written to disk with O_DIRECT as it is.
+aligned to 4 KiB so a slot region can be written to disk with O_DIRECT as it is. Of several ranks,
+:func:`sharing` says which values are stored once between them (data-parallel sharing), and
+:class:`LayoutCache` keeps the plan of a state whose layout does not change.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import enum
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from tierckpt._buffers import align_up
-from tierckpt.format import ALIGN, CHUNK_BYTES, Region
+from tierckpt.format import ALIGN, CHUNK_BYTES
+from tierckpt.format.records import TensorInfo
 from tierckpt.state import Leaf, format_path
-
-if TYPE_CHECKING:
-    from tierckpt.capture.pool import Slot
 
 
 @dataclass(frozen=True)
-class Entry:
-    """Where one array leaf lives inside a slot."""
+class Entry(TensorInfo):
+    """Where one array leaf lives inside a slot. Its ``shared``: a value every rank holds alike
+    (``save(replicated=...)``), whose chunks these ranks store in turn."""
 
-    index: int
-    key: str
-    kind: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
     offset: int
-    # A value every rank holds alike (``save(replicated=...)``): these ranks store its chunks in turn.
-    shared: tuple[int, ...] | None = None
-    region: Region | None = None  # a DTensor's piece: where it lies in the global tensor
 
     @property
     def chunk_bytes(self) -> int:
@@ -68,6 +61,87 @@ def plan_entries(leaves: Sequence[Leaf], shared: Callable[[str], tuple[int, ...]
         )
         offset += align_up(leaf.nbytes, ALIGN)
     return tuple(entries), offset
+
+
+def sharing(replicated: Sequence[Any], leaves: Sequence[Leaf], ranks: Sequence[int]) -> Callable[[str], tuple[int, ...] | None]:
+    """Which leaves are stored once between ranks, as :func:`plan_entries` asks: by key, those ranks.
+
+    ``ranks`` are the global ranks of the group, in group order. A DTensor piece is shared by its
+    replicas (the ranks holding the same piece), named or not; ``replicated`` names other values that
+    every rank holds alike.
+
+    Raises:
+        ValueError: an entry names no leaf (a typo would otherwise store every rank's copy).
+        TypeError: an entry is not a str or a tuple.
+    """
+    if isinstance(replicated, (str, tuple)) and replicated and not isinstance(replicated, list):
+        replicated = [replicated]
+    prefixes = []
+    for entry in replicated:
+        if isinstance(entry, str):
+            prefixes.append(tuple(entry.split(".")))
+        elif isinstance(entry, tuple):
+            prefixes.append(tuple(str(k) for k in entry))
+        else:
+            raise TypeError(f"replicated entries are key paths (a str like 'model' or 'optim.state', or a tuple), not {entry!r}")
+    unused = [".".join(p) for p in prefixes if not any(tuple(str(k) for k in leaf.path)[: len(p)] == p for leaf in leaves)]
+    if unused:
+        raise ValueError(f"replicated={unused!r}: no tensor of the state is under {'these keys' if len(unused) > 1 else 'this key'}")
+    if len(ranks) <= 1:
+        return lambda key: None
+    position = {r: i for i, r in enumerate(ranks)}
+    everyone = tuple(range(len(ranks)))
+    holders: dict[str, tuple[int, ...]] = {}
+    for leaf in leaves:
+        key = format_path(leaf.path)
+        if leaf.region is not None:  # a DTensor: its placements say who holds the same piece
+            if len(leaf.replicas) > 1 and all(r in position for r in leaf.replicas):
+                holders[key] = tuple(position[r] for r in leaf.replicas)
+            continue
+        path = tuple(str(k) for k in leaf.path)
+        if any(path[: len(p)] == p for p in prefixes):
+            holders[key] = everyone
+    if not holders:
+        return lambda key: None
+
+    def sharing(key: str) -> tuple[int, ...] | None:
+        group = holders.get(key)
+        if group is None:
+            return None
+        # Each value's chunks start at a rank of their own (the same on every holder: from the key),
+        # so that the odd chunks of many values do not all land on one rank.
+        first = zlib.crc32(key.encode()) % len(group)
+        return group[first:] + group[:first]
+
+    return sharing
+
+
+class LayoutCache:
+    """:func:`plan_entries` of a state, reused while the state keeps its layout, as a training loop's
+    does (planning costs ~2 µs a tensor saved; the comparison ~0.4)."""
+
+    def __init__(self, ranks: Sequence[int]) -> None:
+        self._ranks = tuple(ranks)  # the global ranks saving together, in group order
+        self._last: tuple[tuple[Any, ...], tuple[tuple[Entry, ...], int]] | None = None
+
+    def entries(self, leaves: Sequence[Leaf], replicated: Sequence[Any] = ()) -> tuple[tuple[Entry, ...], int]:
+        if replicated:
+            return plan_entries(leaves, sharing(replicated, leaves, self._ranks))
+        signature = tuple((leaf.path, leaf.dtype, leaf.shape, leaf.region, leaf.replicas) for leaf in leaves)
+        if self._last is not None and self._last[0] == signature:
+            return self._last[1]
+        planned = plan_entries(leaves, sharing((), leaves, self._ranks))
+        self._last = (signature, planned)
+        return planned
+
+
+@dataclass(eq=False)
+class Slot:
+    """One of the host pool's equal parts (:class:`~tierckpt.capture.pool.HostPool`): a snapshot's home."""
+
+    index: int
+    offset: int  # in the pool
+    size: int
 
 
 class SnapshotState(enum.Enum):

@@ -13,7 +13,6 @@ devices are then DMAs that do not hold up the thread that queued them.
 from __future__ import annotations
 
 import mmap
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -21,14 +20,8 @@ import torch
 from tierckpt._buffers import address, aligned_buffer
 from tierckpt.capture.pinning import pin, unpin
 from tierckpt.format import ALIGN
+from tierckpt.snapshot import Slot
 from tierckpt.state import numpy_dtype, torch_dtype
-
-
-@dataclass(eq=False)
-class Slot:
-    index: int
-    offset: int  # in the pool
-    size: int
 
 
 class HostPool:

@@ -1,7 +1,8 @@
-"""The on-disk format, version 3: manifests, checksums, layout constants."""
+"""The on-disk format, version 3: manifests (manifest.py), tensor records (records.py), checksums
+(checksum.py), layout constants (layout.py)."""
 
 from tierckpt.format.checksum import CHECKSUM_ALGORITHM, checksum
-from tierckpt.format.manifest import (
+from tierckpt.format.layout import (
     ALIGN,
     CHUNK_BYTES,
     DATA_FILE,
@@ -9,15 +10,11 @@ from tierckpt.format.manifest import (
     FORMAT_VERSION,
     MANIFEST_FILE,
     RANK_MANIFEST_FILE,
-    Chunk,
-    CommitMarker,
-    Manifest,
-    Region,
-    TensorRecord,
-    decode_document,
-    version_dirname,
     parse_version_dirname,
+    version_dirname,
 )
+from tierckpt.format.manifest import CommitMarker, Manifest, decode_document
+from tierckpt.format.records import Chunk, Region, TensorInfo, TensorRecord
 
 __all__ = [
     "ALIGN",
@@ -32,6 +29,7 @@ __all__ = [
     "CommitMarker",
     "Manifest",
     "Region",
+    "TensorInfo",
     "TensorRecord",
     "checksum",
     "decode_document",

@@ -18,135 +18,68 @@ by one process is still written as version 2.
 
 A record of a DTensor also has a ``region``: the global shape of the whole tensor and the offset of the
 stored piece (the record's ``shape``) in it, so that a job with another parallel layout can find the
-bytes it needs (:mod:`tierckpt.reshard`). A reader that ignores it reads the same local shards it wrote.
+bytes it needs (:mod:`tierckpt.restore.reshard`). A reader that ignores it reads the same local shards it wrote.
 
 Decoding checks types and structure only (every message names the manifest file): whether the records
 fit the data files on disk, their dtypes and their shapes is checked by the reader that has the files
 (:func:`tierckpt.tiers.fsread.check_records`), before anything is allocated or read.
+
+This module holds the documents of a version (:class:`Manifest`, :class:`CommitMarker`) and their
+encoding; the layout constants are in :mod:`tierckpt.format.layout` and the tensor records in
+:mod:`tierckpt.format.records`. The names that were defined here before they moved (``where``,
+``chunk_count``, ``Region``, ...) are still importable from here.
 """
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
-from tierckpt.codecs import CODECS
 from tierckpt.errors import CorruptCheckpointError, FormatVersionError, UnsupportedStateError
 from tierckpt.format.checksum import CHECKSUM_ALGORITHM, checksum
+from tierckpt.format.layout import (
+    ALIGN,
+    CHUNK_BYTES,
+    DATA_FILE,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    RANK_MANIFEST_FILE,
+    READABLE_VERSIONS,
+    parse_version_dirname,
+    version_dirname,
+    where,
+)
+from tierckpt.format.records import (
+    Chunk,
+    Region,
+    TensorRecord,
+    _decode_record,
+    _encode_record,
+    _file_name,
+    _int,
+    _list,
+    _map,
+    _short,
+    _time,
+    chunk_count,
+)
 
-FORMAT_NAME = "tierckpt"
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
-MANIFEST_FILE = "manifest.msgpack"  # a single process's manifest, or the commit marker of several ranks'
-RANK_MANIFEST_FILE = "manifest-r{rank:05d}.msgpack"
-DATA_FILE = "data-r{rank:05d}.bin"
-ALIGN = 4096
-# Independent units of hashing, compression and I/O; a multiple of ALIGN so uncompressed chunks stay
-# aligned for O_DIRECT, and large enough that per-chunk overhead is noise next to the copy.
-CHUNK_BYTES = 16 << 20
+# Its own names, and those of layout.py and records.py that were defined here before they moved.
+__all__ = [
+    "MAX_MANIFEST_BYTES", "Manifest", "CommitMarker", "decode_document",
+    "FORMAT_NAME", "FORMAT_VERSION", "READABLE_VERSIONS", "MANIFEST_FILE", "RANK_MANIFEST_FILE", "DATA_FILE",
+    "ALIGN", "CHUNK_BYTES", "where", "version_dirname", "parse_version_dirname",
+    "Chunk", "Region", "TensorRecord", "chunk_count",
+]
 
-_DIR_RE = re.compile(r"^step-(\d{12})$")
 # A manifest is read whole and unpacked into Python objects, which can take 8-70 times its size (70 for
 # a file of nothing but empty lists: 64 MiB became 4.5 GB here). A real record takes ~250 bytes, so
 # this holds ~250,000 tensors per rank (a 100,000-tensor MoE shard: 24 MiB); a larger file is refused
 # by its size, before it is read.
 MAX_MANIFEST_BYTES = 64 << 20
-_MAX_NAME_BYTES = 255  # NAME_MAX: a longer file name cannot exist
-
-
-def where(tier: str | None, step: int | None) -> str:
-    """``"step 7 on tier 'nvme'"``, leaving out what is not known, for messages."""
-    text = f"step {step}" if step is not None else "a version"
-    return f"{text} on tier {tier!r}" if tier is not None else text
-
-
-def version_dirname(step: int) -> str:
-    return f"step-{step:012d}"
-
-
-def parse_version_dirname(name: str) -> int | None:
-    match = _DIR_RE.match(name)
-    return int(match.group(1)) if match else None
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One independently stored piece of a tensor's bytes."""
-
-    offset: int  # in the record's file
-    stored: int  # bytes on disk (after the codec)
-    checksum: int  # of the stored bytes
-    codec: str | None = None  # how this chunk is stored, when not in its record's codec (e.g. raw)
-    # The data file holding it when not its record's: a shared chunk another rank stored, resolved at
-    # restore (never written: on disk, a rank manifest holds None for a chunk another rank stored).
-    file: str | None = None
-
-
-@dataclass(frozen=True)
-class Region:
-    """Where a stored piece of a DTensor lies: the whole tensor's shape and the piece's offset in it."""
-
-    global_shape: tuple[int, ...]
-    offset: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class TensorRecord:
-    """Where one array leaf of the state lives and how to check and decode it."""
-
-    index: int  # the leaf index the skeleton refers to
-    key: str  # readable key path, for messages
-    kind: str  # "torch" | "numpy"
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int  # logical (decoded) length
-    file: str
-    codec: str
-    chunk_bytes: int  # logical bytes per chunk; the last one may be shorter
-    chunks: tuple[Chunk | None, ...]  # None: a shared chunk another rank stores
-    shared: tuple[int, ...] | None = None  # the ranks storing this value's chunks in turn (replicated)
-    region: Region | None = None  # a DTensor's local piece: where it lies in the global tensor
-
-    @property
-    def stored(self) -> int:
-        """Bytes of this record in its own file (chunks other ranks store are theirs)."""
-        return sum(c.stored for c in self.chunks if c is not None and c.file is None)
-
-    def owner(self, i: int) -> int | None:
-        """The rank storing chunk ``i`` of a shared record; None for a record of one rank's own."""
-        return None if self.shared is None else self.shared[i % len(self.shared)]
-
-    def chunk(self, i: int) -> Chunk:
-        """Chunk ``i``, which this record must hold (a shared chunk is resolved before it is read)."""
-        c = self.chunks[i]
-        if c is None:
-            raise ValueError(f"{self.key}: chunk {i} is stored by rank {self.owner(i)} and was not resolved")
-        return c
-
-    def all_chunks(self) -> tuple[Chunk, ...]:
-        """Every chunk, each of which this record must hold (as :meth:`chunk`)."""
-        return tuple(self.chunk(i) for i in range(len(self.chunks)))
-
-    def chunk_file(self, i: int) -> str:
-        chunk = self.chunks[i]
-        return self.file if chunk is None or chunk.file is None else chunk.file
-
-    def chunk_codec(self, i: int) -> str:
-        """The codec chunk ``i`` is stored with."""
-        return self.chunk(i).codec or self.codec
-
-    def chunk_span(self, i: int) -> tuple[int, int]:
-        """Logical (start, length) of chunk ``i`` in the decoded tensor bytes."""
-        start = i * self.chunk_bytes
-        return start, min(self.chunk_bytes, self.nbytes - start)
-
-
-def chunk_count(nbytes: int, chunk_bytes: int = CHUNK_BYTES) -> int:
-    return -(-nbytes // chunk_bytes)
 
 
 @dataclass(frozen=True)
@@ -327,132 +260,3 @@ def _rank_entry(value: Any) -> tuple[str, int, int]:
     if type(value) is not list or len(value) != 3:
         raise ValueError(f"a rank entry is [manifest file, checksum, stored bytes], got {_short(value)}")
     return _file_name(value[0]), _int(value[1]), _int(value[2])
-
-
-def _encode_record(r: TensorRecord) -> dict[str, Any]:
-    extra: dict[str, Any] = {} if r.shared is None else {"shared": list(r.shared)}
-    if r.region is not None:
-        extra["region"] = [list(r.region.global_shape), list(r.region.offset)]
-    return extra | {
-        "index": r.index,
-        "key": r.key,
-        "kind": r.kind,
-        "dtype": r.dtype,
-        "shape": list(r.shape),
-        "nbytes": r.nbytes,
-        "file": r.file,
-        "codec": r.codec,
-        "chunk_bytes": r.chunk_bytes,
-        "chunks": [_encode_chunk(c, r.codec) for c in r.chunks],
-    }
-
-
-def _encode_chunk(c: Chunk | None, record_codec: str) -> list[Any] | None:
-    if c is None:
-        return None
-    if c.codec is None or c.codec == record_codec:
-        return [c.offset, c.stored, c.checksum]
-    return [c.offset, c.stored, c.checksum, c.codec]
-
-
-def _decode_chunk(value: Any) -> Chunk:
-    if type(value) is not list or len(value) not in (3, 4):
-        raise ValueError(f"a chunk is [offset, stored, checksum(, codec)], got {_short(value)}")
-    offset, stored, digest = (_int(v) for v in value[:3])
-    return Chunk(offset, stored, digest, _codec(value[3]) if len(value) == 4 else None)
-
-
-def _int(value: Any) -> int:
-    if type(value) is not int or value < 0:
-        raise ValueError(f"expected a non-negative int, got {_short(value)}")
-    return value
-
-
-def _str(value: Any) -> str:
-    if type(value) is not str:
-        raise ValueError(f"expected a string, got {_short(value)}")
-    return value
-
-
-def _list(value: Any) -> list[Any]:
-    if type(value) is not list:
-        raise ValueError(f"expected a list, got {_short(value)}")
-    return value
-
-
-def _map(value: Any) -> dict[Any, Any]:
-    if type(value) is not dict:
-        raise ValueError(f"expected a map, got {_short(value)}")
-    return value
-
-
-def _time(value: Any) -> float:
-    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"expected a unix time, got {_short(value)}")
-    return float(value)
-
-
-def _codec(value: Any) -> str:
-    if type(value) is not str or value not in CODECS:
-        raise ValueError(f"unknown codec {_short(value)} (this release reads {', '.join(CODECS)})")
-    return value
-
-
-def _file_name(value: Any) -> str:
-    """A data file's name: a plain name inside the version directory, nothing that leads out of it."""
-    name = _str(value)
-    if not name or "/" in name or "\0" in name or name.startswith(".") or len(name.encode()) > _MAX_NAME_BYTES:
-        raise ValueError(f"file name {_short(name)} escapes the version directory or is not a file name")
-    return name
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    """A bounded repr of an untrusted value, for messages."""
-    try:
-        text = repr(value) if type(value) in (type(None), bool, int, float, str, bytes) else f"<{type(value).__name__}>"
-    except ValueError:  # an int past sys.get_int_max_str_digits()
-        text = "<huge int>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _decode_record(raw: Any) -> TensorRecord:
-    if type(raw) is not dict:
-        raise ValueError("record is not a map")
-    shape = tuple(_int(d) for d in _list(raw["shape"]))
-    shared = None
-    if "shared" in raw:
-        shared = tuple(_int(q) for q in _list(raw["shared"]))
-        if not shared or len(set(shared)) != len(shared):
-            raise ValueError(f"{_short(raw.get('key'))}: shared by {_short(len(shared))} ranks, some twice or none")
-    chunks = tuple(None if c is None and shared is not None else _decode_chunk(c) for c in _list(raw["chunks"]))
-    record = TensorRecord(
-        index=_int(raw["index"]),
-        key=_str(raw["key"]),
-        kind=_str(raw["kind"]),
-        dtype=_str(raw["dtype"]),
-        shape=shape,
-        nbytes=_int(raw["nbytes"]),
-        file=_file_name(raw["file"]),
-        codec=_codec(raw["codec"]),
-        chunk_bytes=_int(raw["chunk_bytes"]),
-        chunks=chunks,
-        shared=shared,
-        region=_region(raw["region"], shape) if "region" in raw else None,
-    )
-    if record.kind not in ("torch", "numpy"):
-        raise ValueError(f"unknown kind {_short(record.kind)}")
-    if record.chunk_bytes <= 0 or len(chunks) != chunk_count(record.nbytes, record.chunk_bytes):
-        raise ValueError(f"{_short(record.key)}: {len(chunks)} chunks do not cover {record.nbytes} bytes")
-    return record
-
-
-def _region(value: Any, shape: tuple[int, ...]) -> Region:
-    if type(value) is not list or len(value) != 2:
-        raise ValueError(f"a region is [global shape, offset], got {_short(value)}")
-    global_shape = tuple(_int(d) for d in _list(value[0]))
-    offset = tuple(_int(d) for d in _list(value[1]))
-    if not len(global_shape) == len(offset) == len(shape):
-        raise ValueError(f"a region of {len(global_shape)} dimensions for a piece of {len(shape)}")
-    if any(o + n > g for o, n, g in zip(offset, shape, global_shape)):
-        raise ValueError(f"a piece {list(shape)} at {list(offset)} lies outside its tensor {list(global_shape)}")
-    return Region(global_shape, offset)

@@ -23,96 +23,49 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import errno
-import functools
 import logging
 import time
 import traceback
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Callable, Sequence
 
-from tierckpt.capture import Copier, HostPool
-from tierckpt.capture.views import SaveMoment
+from tierckpt.capture import Copier
 from tierckpt.config import Config
-from tierckpt.errors import CorruptCheckpointError, FlushError
+from tierckpt.errors import CorruptCheckpointError, FlushError, flush_failure
 from tierckpt.pipeline.flusher import Flusher
+from tierckpt.pipeline.saves import Counters, SaveRequest, SaveTracker
 from tierckpt.pipeline.sources import Sources
 from tierckpt.policy import Candidate
-from tierckpt.snapshot import Entry, Snapshot, SnapshotState
-from tierckpt.state import Leaf
+from tierckpt.snapshot import Snapshot, SnapshotState
 from tierckpt.tiers.base import Lease, Tier, VersionInfo
-from tierckpt.tiers.encoding import CompressionStats
-from tierckpt.tiers.memory import MemoryTier
-
-if TYPE_CHECKING:
-    from tierckpt.ranks import RankGroup
+from tierckpt.tiers.memory import MemoryHooks, MemoryTier, Want
 
 log = logging.getLogger("tierckpt")
 
 
-@dataclass
-class SaveTracker:
-    """The futures a SaveHandle waits on: captured, and committed per tier (True, False, or an error)."""
-
-    step: int
-    token: int  # the snapshot's seq; 0 for a skipped save
-    captured: concurrent.futures.Future[bool] = field(default_factory=concurrent.futures.Future)
-    committed: dict[str, concurrent.futures.Future[bool]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        # A waiter must not cancel these: asyncio.wrap_future cancels its source when the awaiting task
-        # is cancelled (a wait_for timeout), which loses the result for every later waiter and makes
-        # set_result raise on the engine thread. A running concurrent future cannot be cancelled.
-        for future in (self.captured, *self.committed.values()):
-            future.set_running_or_notify_cancel()
-
-    def resolve(self, tier: str, value: bool | BaseException) -> None:
-        future = self.committed[tier]
-        if future.done():
-            return
-        if isinstance(value, BaseException):
-            future.set_exception(value)
-        else:
-            future.set_result(value)
-
-    def done(self) -> bool:
-        return self.captured.done() and all(f.done() for f in self.committed.values())
-
-
-@dataclass
-class Counters:
-    """What the pipeline did so far (``Checkpointer.counters`` returns a copy)."""
-
-    saves: int = 0
-    skipped_saves: int = 0  # saves that did not happen: every slot busy (on_full: skip, or evict with every slot being read)
-    captures_failed: int = 0
-    flushed: dict[str, int] = field(default_factory=dict)  # versions committed, per tier
-    passed_over: dict[str, int] = field(default_factory=dict)  # versions a tier did not take, per tier
-    flush_errors: int = 0  # failed flushes and deletions, all tiers
-    evicted_saves: int = 0  # captured snapshots dropped from host memory before a tier that could get them nowhere else took them (on_full: evict)
-    forced: dict[str, int] = field(default_factory=dict)  # versions a tier took only because max_staleness had passed
-    # Per filesystem tier: bytes before/after compression, chunks kept raw, measured throughputs.
-    compression: dict[str, CompressionStats] = field(default_factory=dict)
-    failed: dict[str, int] = field(default_factory=dict)  # flushes and deletions that failed, per tier
-    # The latest of those per tier, with its step, errno and path; kept after the tier works again
-    # (compare its step with the versions the tier holds).
-    last_error: dict[str, FlushError] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        # dataclasses.replace() goes through here: a copy never shares the per-tier dicts.
-        self.flushed, self.passed_over, self.forced = dict(self.flushed), dict(self.passed_over), dict(self.forced)
-        self.compression = dict(self.compression)
-        self.failed, self.last_error = dict(self.failed), dict(self.last_error)
-
-
 class Pipeline:
-    def __init__(self, config: Config, pool: HostPool, copier: Copier, tiers: Sequence[Tier], *, clock: Callable[[], float], group: RankGroup | None = None) -> None:
+    """Host memory and the tiers below it, with a flusher per tier below.
+
+    ``memory(hooks)`` makes the memory tier: the pipeline is its :class:`MemoryHooks`. ``below``: the
+    other tiers, fastest first. ``flusher``: the kind of flusher each of those gets (of several ranks,
+    the leader's flushers decide and the others follow: :mod:`tierckpt.pipeline.ranked`), and
+    ``several_ranks`` says so.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        copier: Copier,
+        memory: Callable[[MemoryHooks], MemoryTier],
+        below: Sequence[Tier],
+        *,
+        clock: Callable[[], float],
+        flusher: Callable[..., Flusher] = Flusher,
+        several_ranks: bool = False,
+    ) -> None:
         self.config = config
         self.copier = copier
-        self.tiers = list(tiers)
-        memory = self.tiers[0]
-        assert isinstance(memory, MemoryTier)
-        self.memory = memory
+        self.memory = memory(self)
+        self.tiers: list[Tier] = [self.memory, *below]
         self.counters = Counters()
         self._clock = clock
         # Unix time on the injected clock: version creation times and keep.within use it, so a test's
@@ -122,21 +75,15 @@ class Pipeline:
         self._seq = 0
         self._trackers: dict[int, SaveTracker] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # snapshots being written to (or adopted from) a RAM file system
-        self._single = group is None
+        self._single = not several_ranks
         self._capture_errors: list[FlushError] = []  # raised once by the next save, wait or close
         self._unresolved: dict[str, FlushError] = {}  # per tier, its newest failed flush with no commit since
         self._failing: dict[str, int] = {}  # per tier, failed flushes since its last commit (for the log)
-        # Of several ranks, the leader's flushers decide and the others follow (tierckpt.ranks.flush).
-        kind: Callable[..., Flusher] = Flusher
-        if group is not None:
-            from tierckpt.ranks.flush import FollowerFlusher, LeaderFlusher
-
-            kind = functools.partial(LeaderFlusher if group.leader else FollowerFlusher, group=group)
-        self.sources = Sources(memory, self.tiers)
+        self.sources = Sources(self.memory, self.tiers, lambda: self.flushers)
         # A flush waits for running host copies unless its tier is overdue, whichever tier it reads:
         # on a host with few cores any flush slows the copy that training waits for.
         self.flushers = [
-            kind(
+            flusher(
                 tier,
                 tier.config.flush,
                 self,
@@ -147,11 +94,17 @@ class Pipeline:
             )
             for tier in self.tiers[1:]
         ]
-        self.sources.watch(self.flushers)
-        memory.wanted = self.sources.wanted
-        memory.evicted = self._evicted
-        memory.wall_clock = self._wall
-        memory.save_waits = self._wake_flushers
+
+    # -- MemoryHooks ------------------------------------------------------------------------------
+
+    def wanted(self, snapshot: Snapshot, incoming: tuple[int, int] | None) -> Want:
+        return self.sources.wanted(snapshot, incoming)
+
+    def wall_clock(self) -> float:
+        return self._wall()
+
+    def save_waits(self) -> None:
+        self._wake_flushers()
 
     async def start(self) -> None:
         for tier in self.tiers:
@@ -205,16 +158,8 @@ class Pipeline:
 
     # -- saving ----------------------------------------------------------------------------------
 
-    async def save(
-        self,
-        step: int,
-        leaves: Sequence[Leaf],
-        entries: tuple[Entry, ...],
-        nbytes: int,
-        skeleton: Any,
-        metadata: dict[str, Any],
-        seen: SaveMoment,
-    ) -> SaveTracker:
+    async def save(self, request: SaveRequest) -> SaveTracker:
+        step = request.step
         self.raise_pending(flushes=False)  # a failed flush never fails a later save: see the module docstring
         on_full = self.config.host.on_full
         slot = await self.memory.acquire(step, self._seq + 1, on_full=on_full)
@@ -232,10 +177,10 @@ class Pipeline:
         snapshot = Snapshot(
             seq=self._seq,
             step=step,
-            entries=entries,
-            nbytes=nbytes,
-            skeleton=skeleton,
-            metadata=metadata,
+            entries=request.entries,
+            nbytes=request.nbytes,
+            skeleton=request.skeleton,
+            metadata=request.metadata,
             created=self._wall(),
             slot=slot,
         )
@@ -245,7 +190,7 @@ class Pipeline:
         loop = asyncio.get_running_loop()
         snapshot.capture.add_done_callback(lambda _: loop.call_soon_threadsafe(self._captured, snapshot))
         try:
-            self.copier.start(snapshot, leaves, seen)
+            self.copier.start(snapshot, request.leaves, request.seen)
         except BaseException as exc:
             # Nothing was enqueued: fail the capture so the slot comes back and nobody waits on it.
             if not snapshot.capture.done():
@@ -299,7 +244,7 @@ class Pipeline:
             try:
                 await self.memory.persist(snapshot)
             except Exception as exc:
-                failure = _failure(self.memory.name, snapshot.step, f"writing step {snapshot.step} to its RAM file system", exc)
+                failure = flush_failure(self.memory.name, snapshot.step, f"writing step {snapshot.step} to its RAM file system", exc)
                 self._record(self.memory.name, failure)
                 log.error("%s; the snapshot stays in this process's memory only", failure)
                 result: bool | BaseException = failure
@@ -314,7 +259,7 @@ class Pipeline:
         self._tasks.add(task := asyncio.get_running_loop().create_task(persist()))
         task.add_done_callback(self._tasks.discard)
 
-    def _evicted(self, snapshot: Snapshot) -> None:
+    def evicted(self, snapshot: Snapshot) -> None:
         """A save took the slot of a snapshot a tier below could get from nowhere else (on_full: evict)."""
         self.counters.evicted_saves += 1
         lost = self.sources.lost(snapshot)
@@ -368,7 +313,7 @@ class Pipeline:
 
     def failed(self, tier: str, candidate: Candidate | None, error: BaseException) -> None:
         step = candidate.step if candidate else None
-        failure = _failure(tier, step, f"flushing step {step}" if step is not None else "its flusher", error)
+        failure = flush_failure(tier, step, f"flushing step {step}" if step is not None else "its flusher", error)
         self._record(tier, failure)
         self._unresolved[tier] = failure
         self._failing[tier] = self._failing.get(tier, 0) + 1
@@ -381,7 +326,7 @@ class Pipeline:
         self._flush_ended()
 
     def delete_failed(self, tier: str, step: int, error: BaseException) -> None:
-        failure = _failure(tier, step, f"deleting step {step}", error)
+        failure = flush_failure(tier, step, f"deleting step {step}", error)
         self._record(tier, failure)
         if step in self._held(tier):
             where = "stays whole and in place; retention tries again after the next commit"
@@ -444,24 +389,3 @@ class Pipeline:
                 await tier.close()
             except Exception as exc:
                 log.error("tier %r: close failed: %s", tier.name, exc)
-
-
-def _failure(tier: str, step: int | None, doing: str, error: BaseException) -> FlushError:
-    """``error`` as a FlushError naming the tier, the step, and the errno and path of the I/O call that failed."""
-    if isinstance(error, FlushError):
-        return error
-    cause: BaseException | None = error
-    while cause is not None and not (isinstance(cause, OSError) and cause.errno):
-        cause = cause.__cause__
-    code = cause.errno if isinstance(cause, OSError) else None
-    path = cause.filename if isinstance(cause, OSError) and cause.filename is not None else None
-    name = f" with {errno.errorcode.get(code, code)}" if code else ""
-    failure = FlushError(
-        f"tier {tier!r}: {doing} failed{name}: {error}",
-        tier=tier,
-        step=step,
-        errno=code,
-        path=None if path is None else str(path),
-    )
-    failure.__cause__ = error
-    return failure

@@ -55,17 +55,15 @@ class Located:
 class Sources:
     """The answers above, for the pipeline's tiers (``tiers[0]`` is host memory). Engine thread only."""
 
-    def __init__(self, memory: MemoryTier, tiers: Sequence[Tier]) -> None:
+    def __init__(self, memory: MemoryTier, tiers: Sequence[Tier], flushers: Callable[[], Sequence[Flusher]]) -> None:
+        """``flushers()``: the flushers of ``tiers[1:]``, in order (made after this, since they read
+        through it): what they wait for decides what is kept above."""
         self.memory = memory
         self.tiers = list(tiers)
         self._index = {tier.name: i for i, tier in enumerate(self.tiers)}
         # Per filesystem tier: step -> the token of the save it committed under that step in this process.
         self._tokens: dict[str, dict[int, int]] = {t.name: {} for t in self.tiers[1:] if t.config.type == "filesystem"}
-        self._flushers: list[Flusher] = []
-
-    def watch(self, flushers: Sequence[Flusher]) -> None:
-        """The flushers of ``tiers[1:]``, in order: what they wait for decides what is kept above."""
-        self._flushers = list(flushers)
+        self._flushers = flushers
 
     def committed(self, tier: str, candidate: Candidate) -> None:
         """``tier`` committed the save ``candidate``: it can serve it to the tiers below."""
@@ -104,7 +102,7 @@ class Sources:
         same = self._same_encoding(self._index[tier])
         if any(self._holds(t, candidate.step, candidate.token) for _, t in same):
             return False  # committed already: take it from there now
-        return any((f := self._flushers[j - 1]).in_flight is not None and f.in_flight.token == candidate.token for j, _ in same)
+        return any((f := self._flushers()[j - 1]).in_flight is not None and f.in_flight.token == candidate.token for j, _ in same)
 
     def locate(self, tier: str, candidate: Candidate) -> Located | None:
         """Lease the version ``tier`` is about to take where it is read cheapest (see the module
@@ -135,7 +133,7 @@ class Sources:
         if incoming is not None:
             newer.append(Candidate(incoming[0], incoming[1], incoming[1]))
         want = Want.NO
-        for i, flusher in enumerate(self._flushers, start=1):
+        for i, flusher in enumerate(self._flushers(), start=1):
             if flusher.still_wanted(snapshot.seq, newer):
                 if self._on_disk_above(i, snapshot.step, snapshot.seq) is None:
                     return Want.ONLY_HERE
@@ -147,7 +145,7 @@ class Sources:
         those waiting for it that no filesystem tier above can serve."""
         return [
             f
-            for i, f in enumerate(self._flushers, start=1)
+            for i, f in enumerate(self._flushers(), start=1)
             if f.state.find(snapshot.seq) is not None and self._on_disk_above(i, snapshot.step, snapshot.seq) is None
         ]
 
@@ -157,4 +155,4 @@ class Sources:
         if tier not in self._tokens:
             return False
         i = self._index[tier]
-        return any(f.wants(step) for f in self._flushers[i:])
+        return any(f.wants(step) for f in self._flushers()[i:])

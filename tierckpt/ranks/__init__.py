@@ -1,4 +1,6 @@
-"""Many ranks, one checkpoint: the group the ranks coordinate in, and how a version is committed by all."""
+"""Many ranks, one checkpoint: the group the ranks coordinate in (its store and bulk transfers), and
+which ranks share a node. Leader-decided flushes are in :mod:`tierckpt.pipeline.ranked`, the restore
+all ranks agree on in :mod:`tierckpt.restore`."""
 
 from tierckpt.ranks.group import CoordinationLost, RankGroup
 

@@ -102,11 +102,11 @@ class RankGroup:
             # Served by the leader on a free port; the others learn where from the collective below.
             server = dist.TCPStore("0.0.0.0", 0, None, True, timeout, wait_for_workers=False)
             host = os.environ.get("MASTER_ADDR") if dist.get_rank() == 0 and os.environ.get("MASTER_ADDR") else socket.gethostname()
-            where = [host, server.port, uuid.uuid4().hex[:12]]
+            where: list[Any] = [host, server.port, uuid.uuid4().hex[:12]]
         else:
             where = [None, None, None]
         dist.broadcast_object_list(where, src=ranks[0], group=pg)
-        host, port, run = where
+        host, port, run = (str(where[0]), int(where[1]), str(where[2]))
         store = server if server is not None else dist.TCPStore(host, port, None, False, timeout)
         made = cls(rank, world, ranks, run, timeout_s, store, pg, server)
         if bulk:

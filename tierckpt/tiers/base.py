@@ -1,4 +1,4 @@
-"""The tier interface, and the version source every flush and restore reads from.
+"""The tier interfaces: :class:`Tier`, and :class:`GroupTier` for a tier several ranks write together.
 
 Call order for a :class:`Tier` (all on the engine thread, the library's event loop):
 
@@ -7,6 +7,9 @@ Call order for a :class:`Tier` (all on the engine thread, the library's event lo
    ``await write(source)`` followed by ``await commit(staged)`` (or ``await abort(staged)``) stores a
    version: one write at a time per tier (its flusher's), concurrent with reads of other versions.
 3. ``await close()`` once, after the tier's flusher has stopped.
+
+A tier's ``read`` returns a :class:`~tierckpt.format.source.VersionSource`, the version's bytes as
+every flush and restore reads them.
 
 Bulk bytes never move on the event loop: ``write`` and ``read``'s sources run their byte work in the
 tier's own threads. A leased version is never deleted; ``delete`` of a leased step raises.
@@ -18,12 +21,11 @@ import abc
 import collections
 import concurrent.futures
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-from tierckpt.codecs import decoder
 from tierckpt.config import TierConfig
-from tierckpt.format import TensorRecord
-from tierckpt.reshard.layout import SavedLayout, source_layout
+from tierckpt.format.saved_layout import SavedLayout, source_layout
+from tierckpt.format.source import VersionSource as VersionSource  # re-exported: it was defined here
 
 
 @dataclass(frozen=True)
@@ -41,38 +43,12 @@ class VersionInfo:
     valid: bool = True
 
 
-class VersionSource(abc.ABC):
-    """Read access to one version's bytes, for a flusher writing it further down or a restore.
+class Part(NamedTuple):
+    """One rank's durable part of a version several ranks save, as it reports it to the leader."""
 
-    ``read_stored`` and ``read_logical`` block and are called from worker threads, concurrently for
-    different chunks. ``close`` is called once by whoever opened the source.
-    """
-
-    tier: str
-    step: int
-    created: float
-    skeleton: Any
-    metadata: dict[str, Any]
-    records: tuple[TensorRecord, ...]
-
-    @abc.abstractmethod
-    def read_stored(self, record: TensorRecord, chunk: int, scratch: memoryview) -> memoryview:
-        """Chunk ``chunk`` of ``record`` as stored (encoded), verified against its checksum if it has one.
-
-        May return a view of ``scratch`` (large enough for one stored chunk) or of memory the source owns.
-        """
-
-    def checksum_of(self, record: TensorRecord, chunk: int) -> int | None:
-        """The verified checksum of a stored chunk, when the source has one (saves hashing it again)."""
-        value = record.chunk(chunk).checksum
-        return value if value >= 0 else None
-
-    def read_logical(self, record: TensorRecord, chunk: int, out: memoryview, scratch: memoryview) -> None:
-        """Decode chunk ``chunk`` of ``record`` into ``out`` (exactly its logical length), verified."""
-        decoder(record.chunk_codec(chunk)).decode_into(self.read_stored(record, chunk, scratch), out)
-
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Release files or leases the source holds."""
+    manifest: str  # the rank manifest's name (a peer tier: the tier's name)
+    checksum: int  # of that manifest's bytes, which the commit marker records (0: none)
+    nbytes: int  # stored bytes of the part
 
 
 @dataclass
@@ -83,8 +59,7 @@ class Staged:
     location: Any
     nbytes: int
     created: float
-    # Of a version several ranks save: this rank's manifest file, its checksum, and its stored bytes.
-    part: tuple[str, int, int] | None = None
+    part: Part | None = None  # of a version several ranks save: this rank's part
 
 
 class Lease:
@@ -165,13 +140,14 @@ class Tier(abc.ABC):
         """The saved layout of a committed version, for rank ``rank`` of a job with another layout.
 
         This default holds one process's snapshot: only the part this process saved (not
-        :attr:`~tierckpt.reshard.layout.SavedLayout.complete`); a tier holding every rank's part
+        :attr:`~tierckpt.format.saved_layout.SavedLayout.complete`); a tier holding every rank's part
         overrides it.
         """
         return source_layout(await self.read_whole(step), complete=False)
 
-    async def write(self, source: VersionSource) -> Staged:
-        """Store ``source`` durably under a temporary name."""
+    async def write(self, source: VersionSource, staging: str | None = None) -> Staged:
+        """Store ``source`` durably under a temporary name: ``staging`` when the ranks of a group agreed
+        on one (:class:`GroupTier`), else a name of the tier's choosing."""
         raise NotImplementedError(f"tier {self.name!r} is not written by flushes")
 
     async def commit(self, staged: Staged) -> VersionInfo:
@@ -188,3 +164,55 @@ class Tier(abc.ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release threads and files."""
+
+
+class GroupTier(Tier):
+    """A tier the ranks of a job write together: each rank stores its part of a version, and the
+    version becomes visible on every rank at once, when the leader (rank 0) commits it.
+
+    :mod:`tierckpt.pipeline.ranked` drives it through these steps, on the engine thread of each rank, for
+    decision ``n`` of the leader (flush step S), with ``staging`` the name the decision gives:
+
+    Leader (rank 0):
+        1. ``staged = await write(source, staging)``: its own part, durable, not visible.
+        2. Waits for every follower's report (a :class:`Part`, or a failure), up to
+           ``distributed.timeout``.
+        3. All parts durable: ``await seal(staged, parts, metadata)`` (the commit marker naming each
+           rank's part, in rank order), then ``info = await commit(staged)`` makes the version
+           visible; else, or if either raises, ``await abort(staged)``.
+        4. Publishes the outcome, with the steps its retention deletes (``delete`` on this rank).
+
+    Follower (every other rank):
+        1. ``staged = await write(source, staging)`` (the same ``staging``), reports ``staged.part``
+           (or its failure).
+        2. Waits for the leader's outcome: committed: ``await adopt(staged, nbytes)`` indexes the
+           version; abandoned or no outcome in time: ``await abort(staged)``.
+        3. ``await forget(step)`` for each step the leader's retention deleted.
+
+    A follower never commits, seals or deletes: the leader's decisions are the only ones, so every
+    rank says the same thing of every version.
+    """
+
+    @abc.abstractmethod
+    async def write(self, source: VersionSource, staging: str | None = None) -> Staged:
+        """Store this rank's part of ``source`` durably under ``staging``; ``staged.part`` reports it."""
+
+    @abc.abstractmethod
+    async def seal(self, staged: Staged, parts: list[Part], metadata: dict[str, Any]) -> None:
+        """The leader, once every rank's part is durable: record ``parts`` (rank order) with the staged version."""
+
+    @abc.abstractmethod
+    async def commit(self, staged: Staged) -> VersionInfo:
+        """The leader: make the sealed version visible atomically."""
+
+    @abc.abstractmethod
+    async def abort(self, staged: Staged) -> None:
+        """Either role: give back what this rank staged of a version that will not be committed."""
+
+    @abc.abstractmethod
+    async def adopt(self, staged: Staged, nbytes: int) -> VersionInfo:
+        """A follower: the leader committed the version this rank staged a part of (``nbytes`` in all)."""
+
+    @abc.abstractmethod
+    async def forget(self, step: int) -> None:
+        """A follower: the leader deleted ``step``; drop it from this rank's index."""

@@ -40,7 +40,7 @@ from pathlib import Path
 import aiofiles
 import aiofiles.os
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tierckpt.config import TierConfig
 from tierckpt.errors import ConfigError, CorruptCheckpointError
@@ -54,11 +54,11 @@ from tierckpt.format import (
     parse_version_dirname,
     version_dirname,
 )
-from tierckpt.tiers.base import Staged, Tier, VersionInfo, VersionSource
+from tierckpt.tiers.base import GroupTier, Part, Staged, VersionInfo, VersionSource
 from tierckpt.tiers.encoding import TierEncoding
 from tierckpt.tiers.fsio import fsync_dir, makedirs_durable, probe_direct_io, remove_tree, write_file
-from tierckpt.reshard.layout import SavedLayout, filesystem_layout
-from tierckpt.tiers.fsread import FilesystemSource, open_source, read_head, read_manifest, resolve_shared  # noqa: F401 - FilesystemSource lived here
+from tierckpt.format.saved_layout import SavedLayout
+from tierckpt.tiers.fsread import FilesystemSource, filesystem_layout, open_source, read_head, read_manifest, resolve_shared  # noqa: F401 - FilesystemSource lived here
 from tierckpt.tiers.fswrite import write_data_file
 from tierckpt.tiers.lock import DirectoryLock
 
@@ -78,7 +78,7 @@ if TYPE_CHECKING:
     from tierckpt.ranks import RankGroup
 
 
-class FilesystemTier(Tier):
+class FilesystemTier(GroupTier):
     """Versions as directories under ``config.path`` (relative paths resolve against the working directory)."""
 
     def __init__(self, config: TierConfig, group: RankGroup | None = None) -> None:
@@ -261,10 +261,10 @@ class FilesystemTier(Tier):
             else:
                 await self._discard(tmp)
             raise
-        part = (manifest_path.name, checksum(encoded), manifest.stored_bytes) if ranked else None
+        part = Part(manifest_path.name, checksum(encoded), manifest.stored_bytes) if ranked else None
         return Staged(source.step, tmp, manifest.stored_bytes, source.created, part)
 
-    async def seal(self, staged: Staged, parts: list[tuple[str, int, int]], metadata: dict) -> None:
+    async def seal(self, staged: Staged, parts: list[Part], metadata: dict[str, Any]) -> None:
         """The leader, once every rank's part is durable: write the commit marker into the staged version."""
         marker = CommitMarker(step=staged.step, created=staged.created, world_size=len(parts), ranks=tuple(parts), metadata=metadata)
         await _write_file(staged.location / MANIFEST_FILE, marker.encode())

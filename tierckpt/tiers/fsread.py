@@ -38,10 +38,11 @@ import math
 import os
 import stat
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from tierckpt.errors import CorruptCheckpointError, LayoutError
 from tierckpt.format import CHUNK_BYTES, MANIFEST_FILE, CommitMarker, Manifest, TensorRecord, checksum, decode_document
+from tierckpt.format.saved_layout import SavedLayout, home_rank
 from tierckpt.format.manifest import MAX_MANIFEST_BYTES, where
 from tierckpt.state import numpy_dtype, skeleton_leaf_count, torch_dtype
 from tierckpt.tiers.base import VersionSource
@@ -437,3 +438,34 @@ def open_source(tier: str | None, path: Path, manifest: Manifest, *, direct: boo
             step=manifest.step,
         )
     return FilesystemSource(tier, path, manifest, direct=direct)
+
+
+def filesystem_layout(tier: str, path: Path, rank: int, *, direct: bool) -> SavedLayout:
+    """The layout of the committed version at ``path`` of a filesystem tier (blocking).
+
+    Raises CorruptCheckpointError when a manifest does not verify or the pieces do not add up.
+    """
+    head = read_head(path, tier=tier, step=None)
+    step = head.step
+    if isinstance(head, Manifest):
+        parts: dict[int, Manifest] = {0: head}
+    else:
+        parts = {q: read_rank_manifest(path, head, q, tier=tier) for q in range(head.world_size)}
+        parts = {q: resolve_shared(path, head, m, tier=tier, manifests=parts) for q, m in parts.items()}
+    home = home_rank(rank, len(parts))
+
+    def open_pieces(records: Sequence[TensorRecord], shared: bool) -> VersionSource:
+        manifest = Manifest(step, head.created, parts[home].skeleton, tuple(records), head.metadata)
+        return FilesystemSource(tier, path, manifest, direct=direct and not shared)
+
+    return SavedLayout(
+        tier=tier,
+        step=step,
+        created=head.created,
+        metadata=dict(head.metadata),
+        world=len(parts),
+        parts=parts,
+        home=home,
+        complete=True,
+        open=open_pieces,
+    )

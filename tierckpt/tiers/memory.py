@@ -25,48 +25,31 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import enum
-import time
-from typing import Callable, Iterator
+from typing import Iterator
 
 from tierckpt.capture.pool import HostPool, Slot
 from tierckpt.config import TierConfig
 from tierckpt._buffers import align_up
 from tierckpt.errors import CorruptCheckpointError
-from tierckpt.format import CHUNK_BYTES, DATA_FILE, Manifest, TensorRecord, version_dirname
+from tierckpt.format import DATA_FILE, Manifest, version_dirname
 from tierckpt.policy import Held, SlotChoice, choose_slot, retain
 from tierckpt.snapshot import Entry, Snapshot, SnapshotState
 from tierckpt.tiers.base import Lease, Tier, VersionInfo, VersionSource
-from tierckpt.tiers.shm import ShmStore, chunk_checksums, slot_manifest, slot_records
+from tierckpt.tiers.memory_hooks import Alone, MemoryHooks, Want
+from tierckpt.tiers.memory_source import MemorySource
+from tierckpt.tiers.shm import ShmStore, chunk_checksums, slot_manifest
 
+__all__ = ["Alone", "MemoryHooks", "MemorySource", "MemoryTier", "Want"]
 
-
-class Want(enum.Enum):
-    """Whether the tiers below still want a captured snapshot from host memory."""
-
-    NO = "no"  # no tier waits for it: retention may drop it
-    ELSEWHERE = "elsewhere"  # a tier waits for it, and a filesystem tier above that one holds it too:
-    # kept while its slot is not needed (a read from RAM is fastest), given way to a save that needs one
-    ONLY_HERE = "only here"  # a tier waits for it and nothing else holds it: kept (on_full: evict excepted)
-
-
-# wanted(snapshot, incoming): how much the tiers below still want ``snapshot``, given a save of
-# (step, seq) that is about to take a slot (or None).
-Wanted = Callable[[Snapshot, "tuple[int, int] | None"], Want]
 
 
 class MemoryTier(Tier):
-    def __init__(self, config: TierConfig, pool: HostPool, store: ShmStore | None = None) -> None:
+    def __init__(self, config: TierConfig, pool: HostPool, store: ShmStore | None = None, *, hooks: MemoryHooks | None = None) -> None:
         super().__init__(config)
         self.pool = pool
         self.store = store  # the directory that makes snapshots outlive the process, if any
         self.executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"tierckpt-mem-{config.name}")
-        self.wanted: Wanted = lambda snapshot, incoming: Want.NO
-        # Called with a snapshot dropped under on_full: evict although a tier below wanted it from here.
-        self.evicted: Callable[[Snapshot], None] = lambda snapshot: None
-        self.wall_clock: Callable[[], float] = time.time  # unix seconds, for keep.within
-        # Called when a save starts waiting for a slot (a flusher deferring to a tier above goes now).
-        self.save_waits: Callable[[], None] = lambda: None
+        self._hooks: MemoryHooks = hooks if hooks is not None else Alone()
         self._free: list[Slot] = list(pool.slots)
         self.lent: list[Slot] = []  # slots lent by borrow(), not free until they come back
         self.loans = 0  # borrow() calls that got slots, so far
@@ -90,15 +73,7 @@ class MemoryTier(Tier):
         for seq, (manifest, slot) in enumerate(sorted(placed, key=lambda p: p[0].step), start=1 - len(placed)):
             self._free.remove(slot)
             entries = tuple(
-                Entry(
-                    index=r.index,
-                    key=r.key,
-                    kind=r.kind,
-                    dtype=r.dtype,
-                    shape=r.shape,
-                    nbytes=r.nbytes,
-                    offset=r.chunk(0).offset - slot.offset if r.chunks else 0,
-                )
+                Entry(**r.identity(), offset=r.chunk(0).offset - slot.offset if r.chunks else 0)
                 for r in manifest.records
             )
             snapshot = Snapshot(
@@ -169,7 +144,7 @@ class MemoryTier(Tier):
                 if slot is not None or not wait:
                     return slot
                 self.waiting_saves += 1
-                self.save_waits()
+                self._hooks.save_waits()
                 try:
                     await self._changed.wait()
                 finally:
@@ -182,7 +157,7 @@ class MemoryTier(Tier):
                 s.seq,
                 copying=s.state is SnapshotState.CAPTURING,
                 leased=s.leases > 0,
-                wanted=s.state is SnapshotState.CAPTURED and self.wanted(s, (step, seq)) is Want.ONLY_HERE,
+                wanted=s.state is SnapshotState.CAPTURED and self._hooks.wanted(s, (step, seq)) is Want.ONLY_HERE,
             )
             for s in self._snapshots.values()
         ]
@@ -196,7 +171,7 @@ class MemoryTier(Tier):
             self.drop(victim)
             slot = self._free.pop(0)
             if choice.action == "evict":
-                self.evicted(victim)
+                self._hooks.evicted(victim)
             return slot, False
         if choice.action == "free":
             return self._free.pop(0), False
@@ -206,7 +181,7 @@ class MemoryTier(Tier):
         """Whether retention may drop it: not being copied into or read, and no tier below wants it."""
         if snapshot.state is SnapshotState.CAPTURING or snapshot.leases:
             return False
-        return snapshot.state is not SnapshotState.CAPTURED or self.wanted(snapshot, None) is Want.NO
+        return snapshot.state is not SnapshotState.CAPTURED or self._hooks.wanted(snapshot, None) is Want.NO
 
     def notify(self) -> None:
         """Something changed that may free a slot: wake blocked saves."""
@@ -301,7 +276,7 @@ class MemoryTier(Tier):
         for s in self._snapshots.values():
             if s.state is SnapshotState.CAPTURED:
                 newest[s.step] = s  # a later save of the same step replaces the earlier one
-        keep = retain(list(newest.values()), self.config.keep, now=self.wall_clock())
+        keep = retain(list(newest.values()), self.config.keep, now=self._hooks.wall_clock())
         for s in list(self._snapshots.values()):
             if s.state is SnapshotState.FAILED and not s.leases:
                 self.drop(s)
@@ -403,31 +378,3 @@ class MemoryTier(Tier):
         self.executor.shutdown(wait=True)
         if self.store is not None:
             self.store.close()
-
-
-class MemorySource(VersionSource):
-    """A captured snapshot's slot, read in place (no copy until a destination asks for one)."""
-
-    def __init__(self, tier: str, snapshot: Snapshot, pool: HostPool) -> None:
-        self.tier = tier
-        self.step = snapshot.step
-        self.created = snapshot.created
-        self.skeleton = snapshot.skeleton
-        self.metadata = snapshot.metadata
-        self._snapshot = snapshot
-        self._pool = pool
-        self._position = {e.index: i for i, e in enumerate(snapshot.entries)}
-        # No checksums to check: a snapshot captured here is immutable in this process's memory, and
-        # one a previous process left was verified whole when it was opened (MemoryTier.read).
-        self.records = slot_records(snapshot.entries, offset=0, checksums=None, file="", shared=True)
-
-    def read_stored(self, record: TensorRecord, chunk: int, scratch: memoryview) -> memoryview:
-        c = record.chunk(chunk)
-        return self._pool.view(self._snapshot.slot, c.offset, c.stored)
-
-    def checksum_of(self, record: TensorRecord, chunk: int) -> int | None:
-        # A snapshot persisted here was hashed already: a filesystem tier below need not hash it again.
-        sums = self._snapshot.checksums
-        if sums is None or record.chunk_bytes != CHUNK_BYTES:  # a shared record's chunks are cut otherwise
-            return None
-        return sums[self._position[record.index]][chunk]

@@ -24,13 +24,14 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import msgpack
 
 from tierckpt.errors import ConfigError, CorruptCheckpointError
 from tierckpt.format import CHUNK_BYTES, DATA_FILE, MANIFEST_FILE, Chunk, Manifest, TensorRecord, checksum, parse_version_dirname, version_dirname
 from tierckpt.format.manifest import chunk_count
+from tierckpt.snapshot import Entry
 from tierckpt.tiers.fsio import remove_out_of_sight, write_file
 from tierckpt.tiers.lock import DirectoryLock
 
@@ -208,7 +209,7 @@ class ShmStore:
 
 
 def slot_records(
-    entries: Sequence,  # tierckpt.snapshot.Entry
+    entries: Sequence[Entry],
     *,
     offset: int,
     checksums: Sequence[Sequence[int]] | None,
@@ -221,17 +222,13 @@ def slot_records(
     With ``shared``, an entry other ranks hold alike is cut into its shared chunks and says which ranks
     store them (for a flush); else every record is whole, in CHUNK_BYTES chunks (what this rank holds).
     """
-    return tuple(_slot_record(e, offset, sums, file, e.chunk_bytes if shared else CHUNK_BYTES, e.shared if shared else None) for e, sums in zip(entries, checksums or [None] * len(entries)))
+    per_entry: Sequence[Sequence[int] | None] = checksums if checksums is not None else [None] * len(entries)
+    return tuple(_slot_record(e, offset, sums, file, e.chunk_bytes if shared else CHUNK_BYTES, e.shared if shared else None) for e, sums in zip(entries, per_entry))
 
 
-def _slot_record(e: Any, offset: int, sums: Sequence[int] | None, file: str, size: int, shared: tuple[int, ...] | None) -> TensorRecord:
+def _slot_record(e: Entry, offset: int, sums: Sequence[int] | None, file: str, size: int, shared: tuple[int, ...] | None) -> TensorRecord:
     return TensorRecord(
-            index=e.index,
-            key=e.key,
-            kind=e.kind,
-            dtype=e.dtype,
-            shape=e.shape,
-            nbytes=e.nbytes,
+            **e.identity(),
             file=file,
             codec="none",
             chunk_bytes=size,
@@ -249,7 +246,7 @@ def slot_manifest(
     created: float,
     skeleton: object,
     metadata: dict,
-    entries: Sequence,  # tierckpt.snapshot.Entry
+    entries: Sequence[Entry],
     slot_offset: int,
     checksums: Sequence[Sequence[int]],
 ) -> Manifest:

@@ -1,4 +1,4 @@
-"""Serving held copies back to their owners in a restore (:func:`tierckpt.ranks.restore.restore_agreed`).
+"""Serving held copies back to their owners in a restore (:func:`tierckpt.restore.agree.restore_agreed`).
 
 When a rank restarts without its host memory (its node was replaced, or its RAM directory wiped), the
 copy of its part of a version that a peer holds is sent back to it over the bulk gloo group: the
@@ -16,6 +16,7 @@ import contextlib
 import logging
 import mmap
 import os
+from typing import cast
 import torch
 
 from tierckpt.errors import CorruptCheckpointError
@@ -82,7 +83,7 @@ async def exchange(peer: PeerTier, step: int, fetchers: dict[int, int], held_ope
         if isinstance(fetched, CorruptCheckpointError):
             raise fetched
         raise CorruptCheckpointError(f"tier {peer.name!r}: fetching this rank's step {step} from rank {fetchers[me]} failed: {fetched}", tier=peer.name, step=step) from fetched
-    held, manifest, nbytes = fetched
+    held, manifest, nbytes = cast("tuple[Held, Manifest, int]", fetched)  # gather() loses the type
     held_open.callback(peer.replicas.delete, held)
     return FetchedCopy(peer, held, manifest.created, nbytes)
 
@@ -106,11 +107,11 @@ def _serve(peer: PeerTier, held: Held, dst: int) -> None:
         finally:
             os.close(fd)
     except (OSError, CorruptCheckpointError) as exc:
-        wire.send(memoryview(torch.tensor([-1, 0], dtype=torch.int64).numpy()), dst, bulk, wire.TAG_FETCH)
+        wire.send(torch.tensor([-1, 0], dtype=torch.int64).numpy().data, dst, bulk, wire.TAG_FETCH)
         raise CorruptCheckpointError(f"tier {peer.name!r}: the copy of rank {held.owner}'s step {held.step} cannot be served: {exc}") from exc
     try:
         view = memoryview(data) if data is not None else memoryview(b"")
-        wire.send(memoryview(torch.tensor([len(encoded), size], dtype=torch.int64).numpy()), dst, bulk, wire.TAG_FETCH)
+        wire.send(torch.tensor([len(encoded), size], dtype=torch.int64).numpy().data, dst, bulk, wire.TAG_FETCH)
         wire.send(memoryview(bytearray(encoded)), dst, bulk, wire.TAG_FETCH)
         for r in manifest.records:
             for c in r.chunks:
@@ -128,7 +129,7 @@ def _serve(peer: PeerTier, held: Held, dst: int) -> None:
 def _fetch(peer: PeerTier, step: int, src: int) -> tuple[Held, Manifest, int]:
     bulk = peer.group.bulk_group()
     header = torch.zeros(2, dtype=torch.int64)
-    wire.receive(memoryview(header.numpy()), src, bulk, wire.TAG_FETCH)
+    wire.receive(header.numpy().data, src, bulk, wire.TAG_FETCH)
     length, size = (int(v) for v in header.tolist())
     if length < 0:
         raise CorruptCheckpointError(f"tier {peer.name!r}: the rank holding this rank's copy of step {step} could not serve it (see its log)", tier=peer.name, step=step)

@@ -1,7 +1,7 @@
 """The peer tier: each rank's snapshot copied into the RAM of ``copies`` ranks on other nodes.
 
 Flushing a version to this tier (the leader decides, as for every tier of several ranks:
-:mod:`tierckpt.ranks.flush`) means: every rank sends its own part to its peers
+:mod:`tierckpt.pipeline.ranked`) means: every rank sends its own part to its peers
 (:func:`~tierckpt.ranks.nodes.placement`: never on its own node, each copy on another node) and
 waits until each peer says it holds the copy verified; the version is committed once every rank's
 copies are. So a committed version that the owners' RAM tiers still hold survives the loss of any
@@ -34,7 +34,7 @@ from tierckpt.ranks.group import CoordinationLost, RankGroup
 from tierckpt.ranks.nodes import placement, senders
 from tierckpt.errors import ConfigError, CorruptCheckpointError
 from tierckpt.format import CHUNK_BYTES, Manifest
-from tierckpt.tiers.base import Staged, Tier, VersionInfo, VersionSource
+from tierckpt.tiers.base import GroupTier, Part, Staged, VersionInfo, VersionSource
 from tierckpt.tiers.fsread import check_records
 from tierckpt.tiers.peer import wire
 from tierckpt.tiers.peer.replicas import Held, ReplicaStore
@@ -69,7 +69,7 @@ def check_peer(config: TierConfig, group: RankGroup | None) -> dict[int, tuple[i
     return placement(group.nodes, config.copies, tier=config.name)
 
 
-class PeerTier(Tier):
+class PeerTier(GroupTier):
     """See the module docstring. ``root``: where the copies this rank holds live (None: a private
     directory on /dev/shm, removed at close)."""
 
@@ -153,9 +153,9 @@ class PeerTier(Tier):
         if failed:
             raise RuntimeError(f"tier {self.name!r}: the copies of rank {group.rank}'s step {source.step} were not stored: {'; '.join(failed)}")
         self.last_copy_s = time.monotonic() - started
-        return Staged(source.step, None, nbytes, source.created, part=(self.name, 0, nbytes))
+        return Staged(source.step, None, nbytes, source.created, part=Part(self.name, 0, nbytes))
 
-    async def seal(self, staged: Staged, parts: list[tuple[str, int, int]], metadata: dict) -> None:
+    async def seal(self, staged: Staged, parts: list[Part], metadata: dict[str, Any]) -> None:
         """The leader: every rank's copies are held; nothing to write (the holders hold them whole)."""
         staged.nbytes = sum(p[2] for p in parts)
 

@@ -105,10 +105,16 @@ class TransferError(RuntimeError):
         self.rank = rank
 
 
+def _finish(work: Any) -> None:
+    if work is None:  # torch returns no handle to a rank outside ``group``: nothing was transferred
+        raise RuntimeError("this rank is not a member of the transfer group")
+    work.wait()
+
+
 def send(view: memoryview, dst: int, group: Any, tag: int) -> None:
     if view.nbytes:
         try:
-            dist.isend(_bytes_tensor(view), dst, group=group, tag=tag).wait()
+            _finish(dist.isend(_bytes_tensor(view), dst, group=group, tag=tag))
         except RuntimeError as exc:  # gloo's errors (a closed connection, a timeout) are RuntimeErrors
             raise TransferError(dst, exc) from exc
 
@@ -116,7 +122,7 @@ def send(view: memoryview, dst: int, group: Any, tag: int) -> None:
 def receive(view: memoryview, src: int, group: Any, tag: int) -> None:
     if view.nbytes:
         try:
-            dist.irecv(_bytes_tensor(view), src, group=group, tag=tag).wait()
+            _finish(dist.irecv(_bytes_tensor(view), src, group=group, tag=tag))
         except RuntimeError as exc:
             raise TransferError(src, exc) from exc
 

@@ -10,24 +10,28 @@ saved job had fewer ranks), along with that rank's skeleton, the structure of th
 
 Reading every rank's manifest costs one small read per saved rank per restoring rank; the data files
 are opened only for the pieces a rank needs (:meth:`SavedLayout.open`).
+
+This module is the model: what a stored version holds, in any layout. It sits in the format, below
+the tiers that build one (a filesystem tier from its manifests:
+:func:`tierckpt.tiers.fsread.filesystem_layout`; any tier from one whole source: :func:`source_layout`)
+and the restore that plans a load from it (:func:`tierckpt.restore.plan.plan`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from tierckpt.errors import CorruptCheckpointError
-from tierckpt.format import Manifest, TensorRecord
-from tierckpt.format.manifest import where
-from tierckpt.reshard.boxes import Box
+from tierckpt.format.manifest import Manifest, TensorRecord, where
+from tierckpt.format.source import VersionSource
 
-if TYPE_CHECKING:
-    from tierckpt.tiers.base import VersionSource
+__all__ = ["Box", "NotHere", "Piece", "SavedLayout", "global_shape", "home_rank", "source_layout"]
 
-__all__ = ["NotHere", "Piece", "SavedLayout", "filesystem_layout", "global_shape", "home_rank", "source_layout"]
+# A box of a tensor, in some tensor's coordinates: (start, size), one int per dimension. Its
+# arithmetic (and the copies between boxes) is the restore's: tierckpt.restore.boxes.
+Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 
 class NotHere(Exception):
@@ -127,39 +131,6 @@ class SavedLayout:
         return self._open(records, shared)
 
 
-def filesystem_layout(tier: str, path: Path, rank: int, *, direct: bool) -> SavedLayout:
-    """The layout of the committed version at ``path`` of a filesystem tier (blocking).
-
-    Raises CorruptCheckpointError when a manifest does not verify or the pieces do not add up.
-    """
-    from tierckpt.tiers.fsread import FilesystemSource, read_head, read_rank_manifest, resolve_shared
-
-    head = read_head(path, tier=tier, step=None)
-    step = head.step
-    if isinstance(head, Manifest):
-        parts: dict[int, Manifest] = {0: head}
-    else:
-        parts = {q: read_rank_manifest(path, head, q, tier=tier) for q in range(head.world_size)}
-        parts = {q: resolve_shared(path, head, m, tier=tier, manifests=parts) for q, m in parts.items()}
-    home = home_rank(rank, len(parts))
-
-    def open_pieces(records: Sequence[TensorRecord], shared: bool) -> VersionSource:
-        manifest = Manifest(step, head.created, parts[home].skeleton, tuple(records), head.metadata)
-        return FilesystemSource(tier, path, manifest, direct=direct and not shared)
-
-    return SavedLayout(
-        tier=tier,
-        step=step,
-        created=head.created,
-        metadata=dict(head.metadata),
-        world=len(parts),
-        parts=parts,
-        home=home,
-        complete=True,
-        open=open_pieces,
-    )
-
-
 def source_layout(source: VersionSource, *, complete: bool) -> SavedLayout:
     """The layout of a version one source holds whole (host memory, one process's snapshot).
 
@@ -177,4 +148,3 @@ def source_layout(source: VersionSource, *, complete: bool) -> SavedLayout:
         complete=complete,
         open=lambda records, shared: source,
     )
-

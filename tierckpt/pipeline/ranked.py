@@ -31,10 +31,11 @@ from typing import Any
 from tierckpt.ranks.group import CoordinationLost, RankGroup
 from tierckpt.errors import RankFailureError
 from tierckpt.format import version_dirname
-from tierckpt.pipeline.flusher import Flusher
+from tierckpt.config import FlushPolicy
+from tierckpt.pipeline.flusher import FlushEvents, Flusher
 from tierckpt.pipeline.sources import Located
 from tierckpt.policy import Candidate, Update, finished, take
-from tierckpt.tiers.base import Staged, VersionInfo
+from tierckpt.tiers.base import GroupTier, Part, Staged, Tier, VersionInfo
 
 log = logging.getLogger("tierckpt")
 
@@ -54,12 +55,12 @@ class TierChannel:
     def staging(self, step: int, n: int) -> str:
         return f".tmp-{version_dirname(step)}-{self.group.run}-{n}"
 
-    async def collect(self, n: int) -> tuple[dict[int, tuple[str, int, int]], dict[int, str]]:
+    async def collect(self, n: int) -> tuple[dict[int, Part], dict[int, str]]:
         """Every follower's report of decision ``n``, waited for up to the timeout: (parts, failures)."""
         group = self.group
         keys = {r: self.key("report", n, r) for r in range(1, group.world)}
         await group.wait_for(list(keys.values()), group.timeout_s)
-        parts: dict[int, tuple[str, int, int]] = {}
+        parts: dict[int, Part] = {}
         failures: dict[int, str] = {}
         for r, key in keys.items():
             if not await group.has([key]):
@@ -67,7 +68,7 @@ class TierChannel:
                 continue
             report = await group.get(key)
             if report.get("part") is not None:
-                parts[r] = tuple(report["part"])
+                parts[r] = Part(*report["part"])
             else:
                 failures[r] = str(report.get("error"))
         return parts, failures
@@ -84,12 +85,27 @@ def rank_failure(tier: str, step: int, failures: dict[int, str]) -> RankFailureE
     )
 
 
-class LeaderFlusher(Flusher):
-    """Rank 0's flusher: the tier's policy decides; every decision and its outcome go to the store."""
+class _GroupFlusher(Flusher):
+    """A flusher of a tier the ranks write together: it depends on :class:`~tierckpt.tiers.base.GroupTier`
+    alone, and talks to the other ranks through the tier's channel."""
 
-    def __init__(self, *args: Any, group: RankGroup, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.channel = TierChannel(group, self.tier.name)
+    tier: GroupTier
+
+    def __init__(self, tier: Tier, policy: FlushPolicy, events: FlushEvents, *, group: RankGroup, **kwargs: Any) -> None:
+        if not isinstance(tier, GroupTier):
+            raise TypeError(f"tier {tier.name!r} ({type(tier).__name__}) cannot be written by several ranks: it is no GroupTier")
+        super().__init__(tier, policy, events, **kwargs)
+        self.channel = TierChannel(group, tier.name)
+
+
+class LeaderFlusher(_GroupFlusher):
+    """Rank 0's flusher: the tier's policy decides; every decision and its outcome go to the store.
+
+    It drives its tier through the leader's steps of :class:`~tierckpt.tiers.base.GroupTier`.
+    """
+
+    def __init__(self, tier: Tier, policy: FlushPolicy, events: FlushEvents, *, group: RankGroup, **kwargs: Any) -> None:
+        super().__init__(tier, policy, events, group=group, **kwargs)
         self._decisions = 0
         self._doomed: list[int] = []
         self._newest = -1  # the newest step offered here
@@ -152,12 +168,14 @@ class LeaderFlusher(Flusher):
         await self.delete(doomed)
 
 
-class FollowerFlusher(Flusher):
-    """A follower's flusher: writes its part of each version the leader decides to flush, in order."""
+class FollowerFlusher(_GroupFlusher):
+    """A follower's flusher: writes its part of each version the leader decides to flush, in order.
 
-    def __init__(self, *args: Any, group: RankGroup, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.channel = TierChannel(group, self.tier.name)
+    It drives its tier through the follower's steps of :class:`~tierckpt.tiers.base.GroupTier`.
+    """
+
+    def __init__(self, tier: Tier, policy: FlushPolicy, events: FlushEvents, *, group: RankGroup, **kwargs: Any) -> None:
+        super().__init__(tier, policy, events, group=group, **kwargs)
         # Keep every eligible version until a decision takes it or passes it over: queue, never replace.
         self.policy = replace(self.policy, newest_only=False, min_interval_s=0.0)
         self._next = 1  # the next decision to follow
@@ -241,7 +259,7 @@ class FollowerFlusher(Flusher):
             return
         assert located is not None
         located.lease.release()
-        await channel.group.put(channel.key("report", n, me), {"part": list(staged.part or ())})
+        await channel.group.put(channel.key("report", n, me), {"part": list(staged.part) if staged.part else None})
         outcome = await self._outcome(n)
         if outcome is None or "error" in outcome:
             await self.tier.abort(staged)

@@ -9,7 +9,7 @@ for a restore that asked for ``cast=True``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -17,7 +17,7 @@ from tierckpt._buffers import aligned_buffer, owned_tensor, tensor_bytes
 from tierckpt.format import TensorRecord
 from tierckpt.state import unflatten
 
-__all__ = ["Target", "finish", "new_array"]
+__all__ = ["Target", "Work", "finish", "new_array", "over", "staging_area"]
 
 # New tensors at least this large get a page-aligned mapping of their own (glibc's malloc gives
 # blocks this size one too); smaller ones come from torch.empty and are copied from scratch.
@@ -36,6 +36,11 @@ class Target:
     dtensor: Any = None  # the template's DTensor whose local tensor ``value`` is: what the state holds
 
 
+# One chunk job of a plan: a function of the open source, and its other arguments; it reads one
+# stored chunk and lands its bytes in a target (tierckpt.restore.plan.Plan.run runs them).
+Work = tuple[Callable[..., None], tuple[Any, ...]]
+
+
 def new_array(kind: str, dtype: Any, shape: tuple[int, ...], nbytes: int) -> tuple[Any, memoryview, bool]:
     """A new CPU tensor/array: large ones on page-aligned memory of their own."""
     if kind == "torch":
@@ -52,6 +57,28 @@ def new_array(kind: str, dtype: Any, shape: tuple[int, ...], nbytes: int) -> tup
         return array, memoryview(buf)[:nbytes], True
     array = np.empty(shape, dtype=dtype)
     return array, array.reshape(-1).view(np.uint8).data, False
+
+
+def staging_area(lent: memoryview | None, size: int) -> tuple[memoryview, bool]:
+    """Page-aligned memory for ``size`` staged bytes: ``lent`` (already faulted in) when it is large
+    enough, else a fresh mapping (True: to fault in ahead of the reads), which goes when the last
+    view of it does, at the end of the load."""
+    if lent is not None and lent.nbytes >= size:
+        return lent, False
+    return memoryview(aligned_buffer(size)), True
+
+
+def over(arena: memoryview, offset: int, nbytes: int, dtype: Any, shape: tuple[int, ...], kind: str) -> Any:
+    """A tensor/array of ``dtype`` and ``shape`` over staging bytes (no copy)."""
+    if kind == "torch":
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(arena, dtype=torch.uint8, count=nbytes, offset=offset).view(dtype).view(shape)
+    import numpy as np
+
+    if nbytes == 0:
+        return np.empty(shape, dtype=dtype)
+    return np.frombuffer(arena, dtype=np.uint8, count=nbytes, offset=offset).view(dtype).reshape(shape)
 
 
 def finish(source: Any, targets: list[Target]) -> Any:

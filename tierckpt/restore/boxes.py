@@ -17,9 +17,9 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["Box", "linear_boxes", "intersect", "copy_boxes", "strides"]
+from tierckpt.format.saved_layout import Box
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (start, size)
+__all__ = ["Box", "linear_boxes", "intersect", "copy_boxes", "strides"]
 
 # Element size -> (integer dtype of that size, how many make one element).
 _WORDS = {1: (torch.uint8, 1), 2: (torch.int16, 1), 4: (torch.int32, 1), 8: (torch.int64, 1), 16: (torch.int64, 2)}

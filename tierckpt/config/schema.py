@@ -260,6 +260,7 @@ def _to_python(loader: yaml.SafeLoader, node: yaml.Node, at: Site) -> Any:
         for index, item in enumerate(node.value):
             lines[at.path + (index,)] = item.start_mark.line + 1
         return [_to_python(loader, item, at.at(index)) for index, item in enumerate(node.value)]
+    assert isinstance(node, yaml.MappingNode)  # a composed document holds no other kind of node
     # PyYAML keeps the last of two equal keys; a repeated key in a config is a mistake, so say so.
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:

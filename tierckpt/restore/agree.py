@@ -9,10 +9,13 @@ Each rank reads and verifies its whole part into staging memory; the ranks then 
 and only if every rank verified does any rank copy into its template. If one rank's files fail their
 checksums, every rank warns once (naming the rank and its file) and all fall back together to the
 next older common step. A version saved by another number
-of ranks, or with other placements, is read from its saved layout (:mod:`tierckpt.reshard`).
+of ranks, or with other placements, is read from its saved layout (:mod:`tierckpt.restore.plan`).
 
 The collectives run on the group's own gloo process group, from a worker thread, while each rank's
 caller waits in ``restore_latest``: never on the training process group.
+
+This module sits in the restore package, not in :mod:`tierckpt.ranks`: it is a restore that uses a
+rank group, and keeping it here leaves the ranks package free of the restore.
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ import logging
 import warnings
 from typing import Any, Sequence
 
-from tierckpt.ranks.group import RankGroup
 from tierckpt.errors import CorruptCheckpointError, RestoreError
-from tierckpt.landing import finish
-from tierckpt.reshard.layout import NotHere
-from tierckpt.restore import Restored, read_version, template_leaves
+from tierckpt.format.saved_layout import NotHere
+from tierckpt.ranks.group import RankGroup
+from tierckpt.restore.choose import Restored, template_leaves
+from tierckpt.restore.landing import finish
+from tierckpt.restore.read import read_version
 from tierckpt.tiers.base import Tier
 from tierckpt.tiers.memory import MemoryTier
 from tierckpt.tiers.peer import PeerTier

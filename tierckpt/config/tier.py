@@ -1,0 +1,201 @@
+"""A tier of the config: :class:`TierConfig`, the keys a type of tier does not take, and the ``tiers`` list.
+
+:class:`TierConfig` holds the sections of :mod:`tierckpt.config.sections`; its table of YAML keys, and
+the readers and the writer of the ``tiers`` list that :mod:`tierckpt.config.document` uses, are here
+with it because its validation needs the table (which keys are set) and the reading needs the rules
+(which keys a type of tier may not set).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tierckpt.config.schema import (
+    Key,
+    Site,
+    build,
+    check_choice,
+    check_int,
+    check_mapping,
+    check_path,
+    is_default,
+    optional,
+    read,
+    read_size,
+    section,
+    site,
+    write,
+)
+from tierckpt.config.sections import (
+    _COMPRESSION_KEYS,
+    _FLUSH_KEYS,
+    _KEEP_KEYS,
+    CompressionConfig,
+    FlushPolicy,
+    KeepPolicy,
+)
+from tierckpt.errors import ConfigError
+
+__all__ = ["TierConfig"]
+
+_TIER_TYPES = ("memory", "filesystem", "peer")
+_TIER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_MAX_COPIES = 2
+_PER_SECOND = re.compile(r"\s*/\s*s\s*$", re.IGNORECASE)
+_BANDWIDTH_HINT = "use a size per second > 0, e.g. 500MiB/s or 1GB/s, or leave bandwidth out for no limit"
+# Keys a tier of a type does not take, and why; a tier may not set them, not even to their default.
+_PEER_ONLY = {
+    "copies": "copies applies to peer tiers: how many other nodes hold a copy of each rank's snapshot",
+    "bandwidth": "bandwidth applies to peer tiers: it limits the copying of snapshots to other nodes",
+}
+_NOT_FOR_TYPE: dict[str, dict[str, str]] = {
+    "memory": {
+        "flush": "a memory tier is the first tier and receives every save",
+        "compression": "a memory tier holds snapshots uncompressed; compress on a filesystem tier",
+        "io_threads": "a memory tier does no file I/O; io_threads applies to filesystem tiers",
+        **_PEER_ONLY,
+    },
+    "filesystem": dict(_PEER_ONLY),
+    "peer": {
+        "path": "a peer tier's copies live in the memory tier's directory, or in process memory",
+        "compression": "a peer tier holds snapshots uncompressed in other nodes' memory",
+        "io_threads": "a peer tier does no file I/O; io_threads applies to filesystem tiers",
+    },
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TierConfig:
+    """One storage tier (an item of the YAML list ``tiers``).
+
+    Attributes:
+        name: unique name: letters, digits, ``_ . -``, starting with a letter or a digit.
+        type: ``"memory"`` (host slots; only as the first tier), ``"filesystem"``, or ``"peer"``
+            (in-memory redundancy: each rank's snapshot is copied into the memory of ranks on other
+            nodes; never the first tier, at most one).
+        path: the directory of a filesystem tier, required there; a ``str`` or ``os.PathLike`` is stored
+            as a ``Path`` with ``~`` expanded, a relative path stays relative. On a memory tier (optional):
+            a directory on a RAM-backed file system (``/dev/shm/...``) holding the host pool, so that
+            its snapshots outlive the process. Not on a peer tier.
+        flush: which saves this tier writes. Not on a memory tier: it is first
+            and receives every save. (A filesystem tier listed first is fed by the host tier that the
+            Checkpointer puts in front of it, so it may have one.)
+        keep: which committed versions this tier keeps.
+        compression: how tensor bytes are compressed; filesystem tiers only.
+        io_threads: writer and reader threads of a filesystem tier (1..64); filesystem tiers only.
+        copies: how many other nodes hold a copy of each rank's snapshot (1 or 2); peer tiers only.
+        bandwidth_bytes: at most this many bytes per second copied to other nodes (YAML ``bandwidth``:
+            bytes or ``"500MiB/s"``, the ``/s`` optional; > 0), or ``None`` for no limit; peer tiers only.
+
+    Raises:
+        ConfigError: a value is missing, of the wrong type or out of range, or a key does not apply to
+            this type of tier.
+
+    Example:
+        >>> TierConfig(name="nvme", type="filesystem", path="/local/ckpt").path
+        PosixPath('/local/ckpt')
+    """
+
+    name: str
+    type: str
+    path: Path | None = None
+    flush: FlushPolicy = FlushPolicy()
+    keep: KeepPolicy = KeepPolicy()
+    compression: CompressionConfig = CompressionConfig()
+    io_threads: int = 2
+    copies: int = 1
+    bandwidth_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        at = site("tier")
+        if isinstance(self.name, str) and _TIER_NAME.fullmatch(self.name):
+            at = at.of_tier(self.name)
+        else:
+            hint = "use letters, digits, '_', '.' and '-', starting with a letter or a digit"
+            raise at.error("name", problem=f"{self.name!r} is not allowed", hint=hint)
+        check_choice(at, "type", self.type, _TIER_TYPES)
+        _check_keys_for_type(at, self.type, [key.name for key in _TIER_KEYS if not is_default(self, key)])
+        if self.path is not None:
+            object.__setattr__(self, "path", check_path(at, "path", self.path))
+        elif self.type == "filesystem":
+            hint = "a filesystem tier needs a directory, e.g. path: ./checkpoints"
+            raise at.error("path", problem="missing", hint=hint)
+        for key, kind in (("flush", FlushPolicy), ("keep", KeepPolicy), ("compression", CompressionConfig)):
+            if not isinstance(value := getattr(self, key), kind):
+                raise at.error(key, problem=f"{value!r} is not allowed", hint=f"use a {kind.__name__}")
+        check_int(at, "io_threads", self.io_threads, low=1, high=64)
+        check_int(at, "copies", self.copies, low=1, high=_MAX_COPIES)
+        bandwidth = self.bandwidth_bytes
+        if bandwidth is not None and (isinstance(bandwidth, bool) or not isinstance(bandwidth, int) or bandwidth < 1):
+            raise at.error("bandwidth", problem=f"{bandwidth!r} is not allowed", hint=_BANDWIDTH_HINT)
+
+
+def _check_keys_for_type(at: Site, tier_type: str, keys: Collection[str]) -> None:
+    for key, reason in _NOT_FOR_TYPE[tier_type].items():
+        if key in keys:
+            raise at.error(key, problem=f"not allowed on a {tier_type} tier", hint=reason)
+
+
+def _read_tier(data: Any, at: Site) -> TierConfig:
+    if isinstance(data, Mapping):
+        at = at.of_tier(data.get("name"))
+    check_mapping(TierConfig, _TIER_KEYS, data, at)
+    check_choice(at, "type", data["type"], _TIER_TYPES)
+    _check_keys_for_type(at, data["type"], data.keys())
+    return build(TierConfig, at, read(_TIER_KEYS, data, at))
+
+
+def _read_tiers(data: Any, at: Site) -> tuple[TierConfig, ...]:
+    if not isinstance(data, (list, tuple)):
+        raise at.error(problem=f"{data!r} is not a list", hint="use a list of tiers, fastest first")
+    return tuple(_read_tier(item, at.at(index)) for index, item in enumerate(data))
+
+
+def _write_tiers(tiers: tuple[TierConfig, ...]) -> list[dict[str, Any]]:
+    # Leave out the keys the loader would refuse for the tier's type, and a keep section without a rule
+    # (the loader refuses an empty one; no keep section means keep everything).
+    return [
+        write(
+            tier,
+            _TIER_KEYS,
+            skip=frozenset(_NOT_FOR_TYPE[tier.type])
+            | ({"keep"} if tier.keep.keeps_all else set())
+            | ({"path"} if tier.path is None else set()),
+        )
+        for tier in tiers
+    ]
+
+
+def _read_bandwidth(value: Any, at: Site) -> int:
+    # A rate reads as a size: "500MiB/s" and "500MiB" are the same.
+    try:
+        return read_size(_PER_SECOND.sub("", value) if isinstance(value, str) else value, at)
+    except ConfigError as exc:
+        raise at.error(problem=f"{value!r} is not a size per second", hint=_BANDWIDTH_HINT) from exc
+
+
+def _read_keep(data: Any, at: Site) -> KeepPolicy:
+    keep: KeepPolicy = _read_keep_section(data, at)
+    if keep.keeps_all:
+        hint = "set last, every_steps, within or max_bytes; leave keep out to keep every version"
+        raise at.error(problem="sets no rule", hint=hint)
+    return keep
+
+
+# One row per YAML key: a new key is a row here, plus its field and its check in the dataclass.
+_read_keep_section, _write_keep_section = section(KeepPolicy, _KEEP_KEYS)
+_TIER_KEYS = (
+    Key("name", "name"),
+    Key("type", "type"),
+    Key("path", "path", write=str),
+    Key("flush", "flush", *section(FlushPolicy, _FLUSH_KEYS)),
+    Key("keep", "keep", _read_keep, _write_keep_section),
+    Key("compression", "compression", *section(CompressionConfig, _COMPRESSION_KEYS)),
+    Key("io_threads", "io_threads"),
+    Key("copies", "copies"),
+    Key("bandwidth", "bandwidth_bytes", optional(_read_bandwidth)),
+)

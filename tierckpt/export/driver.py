@@ -1,0 +1,137 @@
+"""The export driver: :func:`export` checks its arguments and the version, then streams the records
+through one writer into ``<out>.tmp-<random>``, fsyncs it and renames it into place.
+
+The formats' writers are in :mod:`tierckpt.export.safetensors_writer` and
+:mod:`tierckpt.export.torch_writer`; reading the version is :mod:`tierckpt.export.reader`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from tierckpt.export.reader import _layout, _nbytes, _Reader, _Writer
+from tierckpt.export.safetensors_writer import _SafetensorsWriter
+from tierckpt.export.torch_writer import _TorchWriter
+
+__all__ = ["FORMATS", "ExportProgress", "ExportSummary", "export", "format_for"]
+
+FORMATS = ("safetensors", "torch")
+
+
+@dataclass(frozen=True)
+class ExportProgress:
+    """How far an export is: passed to ``progress`` after each tensor."""
+
+    step: int
+    tensors: int
+    total_tensors: int
+    nbytes: int
+    total_nbytes: int
+
+
+@dataclass(frozen=True)
+class ExportSummary:
+    """What :func:`export` wrote: ``tensors`` tensors of ``nbytes`` bytes in all, from ``step``, to ``path``."""
+
+    step: int
+    tensors: int
+    nbytes: int
+    path: Path
+    to: str
+
+
+def format_for(out: Path) -> str:
+    """The format a file name asks for: ``torch`` for ``.pt``/``.pth``, else ``safetensors``."""
+    return "torch" if out.suffix.lower() in (".pt", ".pth") else "safetensors"
+
+
+def export(
+    version_dir: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    to: str | None = None,
+    force: bool = False,
+    threads: int = 2,
+    progress: Callable[[ExportProgress], None] | None = None,
+) -> ExportSummary:
+    """Write the consolidated state of the version in ``version_dir`` to the file ``out`` (blocking).
+
+    Args:
+        version_dir: a ``step-<12 digits>`` directory of a filesystem tier (or a copy of one).
+        out: the file to write; replaced only with ``force``.
+        to: ``"safetensors"`` or ``"torch"`` (see :mod:`tierckpt.export`); None: :func:`format_for`.
+        threads: threads reading and verifying chunks.
+        progress: called after each tensor is written.
+
+    Raises:
+        NoCheckpointError: ``version_dir`` is missing or not a version directory.
+        FileExistsError: ``out`` exists and ``force`` is false (or it is a directory).
+        FileNotFoundError: the directory of ``out`` does not exist.
+        UnsupportedStateError: the chosen format cannot hold a value (its dtype, or two values that
+            get the same name); raised before anything is written.
+        CorruptCheckpointError: the version is damaged (a manifest, a chunk's checksum); nothing is
+            left at ``out``.
+        OSError: the output could not be written.
+
+    Example::
+
+        export("ckpt/disk/step-000000001000", "model.safetensors")
+    """
+    version, out = Path(version_dir), Path(out)
+    to = format_for(out) if to is None else to
+    if to not in FORMATS:
+        raise ValueError(f"to={to!r}: the formats are {', '.join(FORMATS)}")
+    if threads < 1:
+        raise ValueError(f"threads={threads}: at least 1")
+    layout = _layout(version)
+    if out.is_dir():
+        raise FileExistsError(f"{out} is a directory; name the file to write")
+    if os.path.lexists(out) and not force:
+        raise FileExistsError(f"{out} exists; --force (force=True) replaces it")
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"{out.parent}: no such directory to write {out.name} in")
+    writer: _Writer = _SafetensorsWriter(layout) if to == "safetensors" else _TorchWriter(layout)
+    total = sum(_nbytes(r) for r in layout.records)
+    tmp = out.with_name(f"{out.name}.tmp-{secrets.token_hex(4)}")
+    # os.open with 0o666 lets the umask decide the mode, as for any new file (mkstemp would give 0600).
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f, concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tierckpt-export") as pool:
+            reader = _Reader(layout, pool, threads)
+            try:
+                writer.begin(f, out)
+                done = 0
+                for i, record in enumerate(layout.records):
+                    writer.add(f, record, reader)
+                    done += _nbytes(record)
+                    if progress is not None:
+                        progress(ExportProgress(layout.step, i + 1, len(layout.records), done, total))
+                writer.finish(f)
+            finally:
+                writer.close()
+                reader.close()
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(out.parent)
+    return ExportSummary(layout.step, len(layout.records), total, out, to)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make the rename durable (best effort: not every file system can sync a directory)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass

@@ -1,0 +1,38 @@
+"""The layout of a stored version on disk: format name and versions, file names, alignment, chunk size.
+
+A version is a directory ``step-<12 digits>/`` (:func:`version_dirname`) holding ``manifest.msgpack``
+and the data files. These constants are what every writer and reader agrees on; the documents that
+describe a version are in :mod:`tierckpt.format.records` and :mod:`tierckpt.format.manifest`.
+"""
+
+from __future__ import annotations
+
+import re
+
+FORMAT_NAME = "tierckpt"
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+MANIFEST_FILE = "manifest.msgpack"  # a single process's manifest, or the commit marker of several ranks'
+RANK_MANIFEST_FILE = "manifest-r{rank:05d}.msgpack"
+DATA_FILE = "data-r{rank:05d}.bin"
+ALIGN = 4096
+# Independent units of hashing, compression and I/O; a multiple of ALIGN so uncompressed chunks stay
+# aligned for O_DIRECT, and large enough that per-chunk overhead is noise next to the copy.
+CHUNK_BYTES = 16 << 20
+
+_DIR_RE = re.compile(r"^step-(\d{12})$")
+
+
+def where(tier: str | None, step: int | None) -> str:
+    """``"step 7 on tier 'nvme'"``, leaving out what is not known, for messages."""
+    text = f"step {step}" if step is not None else "a version"
+    return f"{text} on tier {tier!r}" if tier is not None else text
+
+
+def version_dirname(step: int) -> str:
+    return f"step-{step:012d}"
+
+
+def parse_version_dirname(name: str) -> int | None:
+    match = _DIR_RE.match(name)
+    return int(match.group(1)) if match else None

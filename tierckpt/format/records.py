@@ -1,0 +1,235 @@
+"""Tensor records: where one array leaf of a version lives (:class:`TensorRecord`, its chunks
+(:class:`Chunk`), a DTensor piece's :class:`Region`), and their msgpack encoding and validating decoding.
+
+The field checks here (``_int``, ``_file_name``, ...) treat every value as untrusted, as it comes from
+disk; :mod:`tierckpt.format.manifest` uses them for the rest of a manifest too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierckpt.codecs import CODECS
+from tierckpt.format.layout import CHUNK_BYTES
+
+_MAX_NAME_BYTES = 255  # NAME_MAX: a longer file name cannot exist
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One independently stored piece of a tensor's bytes."""
+
+    offset: int  # in the record's file
+    stored: int  # bytes on disk (after the codec)
+    checksum: int  # of the stored bytes
+    codec: str | None = None  # how this chunk is stored, when not in its record's codec (e.g. raw)
+    # The data file holding it when not its record's: a shared chunk another rank stored, resolved at
+    # restore (never written: on disk, a rank manifest holds None for a chunk another rank stored).
+    file: str | None = None
+
+
+@dataclass(frozen=True)
+class Region:
+    """Where a stored piece of a DTensor lies: the whole tensor's shape and the piece's offset in it."""
+
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What one array leaf of the state is, wherever it is held. A host slot's
+    :class:`~tierckpt.snapshot.Entry` adds where in the slot; a stored :class:`TensorRecord` adds its
+    file, codec and chunks. Both derive from this, so no field is declared twice."""
+
+    index: int  # the leaf index the skeleton refers to
+    key: str  # readable key path, for messages
+    kind: str  # "torch" | "numpy"
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int  # logical (decoded) length
+    # Keyword-only, so that each subclass's own fields follow ``nbytes`` positionally.
+    shared: tuple[int, ...] | None = field(default=None, kw_only=True)  # the ranks storing this value's chunks in turn (replicated)
+    region: Region | None = field(default=None, kw_only=True)  # a DTensor's local piece: where it lies in the global tensor
+
+    def identity(self) -> dict[str, Any]:
+        """index, key, kind, dtype, shape and nbytes: what one kind of record takes from the other."""
+        return {"index": self.index, "key": self.key, "kind": self.kind, "dtype": self.dtype, "shape": self.shape, "nbytes": self.nbytes}
+
+
+@dataclass(frozen=True)
+class TensorRecord(TensorInfo):
+    """Where one array leaf of the state lives and how to check and decode it."""
+
+    file: str
+    codec: str
+    chunk_bytes: int  # logical bytes per chunk; the last one may be shorter
+    chunks: tuple[Chunk | None, ...]  # None: a shared chunk another rank stores
+
+    @property
+    def stored(self) -> int:
+        """Bytes of this record in its own file (chunks other ranks store are theirs)."""
+        return sum(c.stored for c in self.chunks if c is not None and c.file is None)
+
+    def owner(self, i: int) -> int | None:
+        """The rank storing chunk ``i`` of a shared record; None for a record of one rank's own."""
+        return None if self.shared is None else self.shared[i % len(self.shared)]
+
+    def chunk(self, i: int) -> Chunk:
+        """Chunk ``i``, which this record must hold (a shared chunk is resolved before it is read)."""
+        c = self.chunks[i]
+        if c is None:
+            raise ValueError(f"{self.key}: chunk {i} is stored by rank {self.owner(i)} and was not resolved")
+        return c
+
+    def all_chunks(self) -> tuple[Chunk, ...]:
+        """Every chunk, each of which this record must hold (as :meth:`chunk`)."""
+        return tuple(self.chunk(i) for i in range(len(self.chunks)))
+
+    def chunk_file(self, i: int) -> str:
+        chunk = self.chunks[i]
+        return self.file if chunk is None or chunk.file is None else chunk.file
+
+    def chunk_codec(self, i: int) -> str:
+        """The codec chunk ``i`` is stored with."""
+        return self.chunk(i).codec or self.codec
+
+    def chunk_span(self, i: int) -> tuple[int, int]:
+        """Logical (start, length) of chunk ``i`` in the decoded tensor bytes."""
+        start = i * self.chunk_bytes
+        return start, min(self.chunk_bytes, self.nbytes - start)
+
+
+def chunk_count(nbytes: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    return -(-nbytes // chunk_bytes)
+
+
+def _encode_record(r: TensorRecord) -> dict[str, Any]:
+    extra: dict[str, Any] = {} if r.shared is None else {"shared": list(r.shared)}
+    if r.region is not None:
+        extra["region"] = [list(r.region.global_shape), list(r.region.offset)]
+    return extra | {
+        "index": r.index,
+        "key": r.key,
+        "kind": r.kind,
+        "dtype": r.dtype,
+        "shape": list(r.shape),
+        "nbytes": r.nbytes,
+        "file": r.file,
+        "codec": r.codec,
+        "chunk_bytes": r.chunk_bytes,
+        "chunks": [_encode_chunk(c, r.codec) for c in r.chunks],
+    }
+
+
+def _encode_chunk(c: Chunk | None, record_codec: str) -> list[Any] | None:
+    if c is None:
+        return None
+    if c.codec is None or c.codec == record_codec:
+        return [c.offset, c.stored, c.checksum]
+    return [c.offset, c.stored, c.checksum, c.codec]
+
+
+def _decode_chunk(value: Any) -> Chunk:
+    if type(value) is not list or len(value) not in (3, 4):
+        raise ValueError(f"a chunk is [offset, stored, checksum(, codec)], got {_short(value)}")
+    offset, stored, digest = (_int(v) for v in value[:3])
+    return Chunk(offset, stored, digest, _codec(value[3]) if len(value) == 4 else None)
+
+
+def _decode_record(raw: Any) -> TensorRecord:
+    if type(raw) is not dict:
+        raise ValueError("record is not a map")
+    shape = tuple(_int(d) for d in _list(raw["shape"]))
+    shared = None
+    if "shared" in raw:
+        shared = tuple(_int(q) for q in _list(raw["shared"]))
+        if not shared or len(set(shared)) != len(shared):
+            raise ValueError(f"{_short(raw.get('key'))}: shared by {_short(len(shared))} ranks, some twice or none")
+    chunks = tuple(None if c is None and shared is not None else _decode_chunk(c) for c in _list(raw["chunks"]))
+    record = TensorRecord(
+        index=_int(raw["index"]),
+        key=_str(raw["key"]),
+        kind=_str(raw["kind"]),
+        dtype=_str(raw["dtype"]),
+        shape=shape,
+        nbytes=_int(raw["nbytes"]),
+        file=_file_name(raw["file"]),
+        codec=_codec(raw["codec"]),
+        chunk_bytes=_int(raw["chunk_bytes"]),
+        chunks=chunks,
+        shared=shared,
+        region=_region(raw["region"], shape) if "region" in raw else None,
+    )
+    if record.kind not in ("torch", "numpy"):
+        raise ValueError(f"unknown kind {_short(record.kind)}")
+    if record.chunk_bytes <= 0 or len(chunks) != chunk_count(record.nbytes, record.chunk_bytes):
+        raise ValueError(f"{_short(record.key)}: {len(chunks)} chunks do not cover {record.nbytes} bytes")
+    return record
+
+
+def _region(value: Any, shape: tuple[int, ...]) -> Region:
+    if type(value) is not list or len(value) != 2:
+        raise ValueError(f"a region is [global shape, offset], got {_short(value)}")
+    global_shape = tuple(_int(d) for d in _list(value[0]))
+    offset = tuple(_int(d) for d in _list(value[1]))
+    if not len(global_shape) == len(offset) == len(shape):
+        raise ValueError(f"a region of {len(global_shape)} dimensions for a piece of {len(shape)}")
+    if any(o + n > g for o, n, g in zip(offset, shape, global_shape)):
+        raise ValueError(f"a piece {list(shape)} at {list(offset)} lies outside its tensor {list(global_shape)}")
+    return Region(global_shape, offset)
+
+
+def _int(value: Any) -> int:
+    if type(value) is not int or value < 0:
+        raise ValueError(f"expected a non-negative int, got {_short(value)}")
+    return value
+
+
+def _str(value: Any) -> str:
+    if type(value) is not str:
+        raise ValueError(f"expected a string, got {_short(value)}")
+    return value
+
+
+def _list(value: Any) -> list[Any]:
+    if type(value) is not list:
+        raise ValueError(f"expected a list, got {_short(value)}")
+    return value
+
+
+def _map(value: Any) -> dict[Any, Any]:
+    if type(value) is not dict:
+        raise ValueError(f"expected a map, got {_short(value)}")
+    return value
+
+
+def _time(value: Any) -> float:
+    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"expected a unix time, got {_short(value)}")
+    return float(value)
+
+
+def _codec(value: Any) -> str:
+    if type(value) is not str or value not in CODECS:
+        raise ValueError(f"unknown codec {_short(value)} (this release reads {', '.join(CODECS)})")
+    return value
+
+
+def _file_name(value: Any) -> str:
+    """A data file's name: a plain name inside the version directory, nothing that leads out of it."""
+    name = _str(value)
+    if not name or "/" in name or "\0" in name or name.startswith(".") or len(name.encode()) > _MAX_NAME_BYTES:
+        raise ValueError(f"file name {_short(name)} escapes the version directory or is not a file name")
+    return name
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """A bounded repr of an untrusted value, for messages."""
+    try:
+        text = repr(value) if type(value) in (type(None), bool, int, float, str, bytes) else f"<{type(value).__name__}>"
+    except ValueError:  # an int past sys.get_int_max_str_digits()
+        text = "<huge int>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,82 @@
+"""What one save asks of the pipeline (:class:`SaveRequest`), what its handle waits on
+(:class:`SaveTracker`), and what the pipeline did so far (:class:`Counters`)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from tierckpt.capture.views import SaveMoment
+from tierckpt.errors import FlushError
+from tierckpt.snapshot import Entry
+from tierckpt.state import Leaf
+from tierckpt.tiers.encoding import CompressionStats
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    """One ``save()``, checked and laid out on the caller's thread, for :meth:`Pipeline.save`."""
+
+    step: int
+    leaves: Sequence[Leaf]  # the state's array leaves, in skeleton order
+    entries: tuple[Entry, ...]  # where each leaf goes in a slot (plan_entries)
+    nbytes: int  # slot bytes the entries need
+    skeleton: Any  # the state without its arrays (msgpack-able)
+    metadata: dict[str, Any]
+    seen: SaveMoment  # what save() saw of each leaf (tensor versions, CUDA events)
+
+
+@dataclass
+class SaveTracker:
+    """The futures a SaveHandle waits on: captured, and committed per tier (True, False, or an error)."""
+
+    step: int
+    token: int  # the snapshot's seq; 0 for a skipped save
+    captured: concurrent.futures.Future[bool] = field(default_factory=concurrent.futures.Future)
+    committed: dict[str, concurrent.futures.Future[bool]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # A waiter must not cancel these: asyncio.wrap_future cancels its source when the awaiting task
+        # is cancelled (a wait_for timeout), which loses the result for every later waiter and makes
+        # set_result raise on the engine thread. A running concurrent future cannot be cancelled.
+        for future in (self.captured, *self.committed.values()):
+            future.set_running_or_notify_cancel()
+
+    def resolve(self, tier: str, value: bool | BaseException) -> None:
+        future = self.committed[tier]
+        if future.done():
+            return
+        if isinstance(value, BaseException):
+            future.set_exception(value)
+        else:
+            future.set_result(value)
+
+    def done(self) -> bool:
+        return self.captured.done() and all(f.done() for f in self.committed.values())
+
+
+@dataclass
+class Counters:
+    """What the pipeline did so far (``Checkpointer.counters`` returns a copy)."""
+
+    saves: int = 0
+    skipped_saves: int = 0  # saves that did not happen: every slot busy (on_full: skip, or evict with every slot being read)
+    captures_failed: int = 0
+    flushed: dict[str, int] = field(default_factory=dict)  # versions committed, per tier
+    passed_over: dict[str, int] = field(default_factory=dict)  # versions a tier did not take, per tier
+    flush_errors: int = 0  # failed flushes and deletions, all tiers
+    evicted_saves: int = 0  # captured snapshots dropped from host memory before a tier that could get them nowhere else took them (on_full: evict)
+    forced: dict[str, int] = field(default_factory=dict)  # versions a tier took only because max_staleness had passed
+    # Per filesystem tier: bytes before/after compression, chunks kept raw, measured throughputs.
+    compression: dict[str, CompressionStats] = field(default_factory=dict)
+    failed: dict[str, int] = field(default_factory=dict)  # flushes and deletions that failed, per tier
+    # The latest of those per tier, with its step, errno and path; kept after the tier works again
+    # (compare its step with the versions the tier holds).
+    last_error: dict[str, FlushError] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # dataclasses.replace() goes through here: a copy never shares the per-tier dicts.
+        self.flushed, self.passed_over, self.forced = dict(self.flushed), dict(self.passed_over), dict(self.forced)
+        self.compression = dict(self.compression)
+        self.failed, self.last_error = dict(self.failed), dict(self.last_error)

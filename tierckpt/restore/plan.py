@@ -1,0 +1,205 @@
+"""The load planner: one entry point, :func:`plan`, from a saved version and this rank's template to
+the targets and the chunk jobs that fill them; :meth:`Plan.run` runs them.
+
+A saved version comes as a :class:`~tierckpt.format.saved_layout.SavedLayout` (every key's global tensor
+and its stored pieces, whatever layout saved it: universal checkpoints), or as the version source
+this rank reads whole (:meth:`Tier.read_whole <tierckpt.tiers.base.Tier.read_whole>`). The general
+path (:mod:`tierckpt.restore.reshard`) fills each destination from the stored pieces it overlaps,
+reading only the chunks that hold some of it: another number of ranks, other placements, one
+process consolidating, or a dtype to convert. A whole source whose records are exactly the template
+(:func:`fits`) takes the fast path (:mod:`tierckpt.restore.exact`): each chunk read straight into its
+destination, fresh memory faulted in ahead of the reads; any other source is read through its own
+layout by the general path.
+
+Planning checks everything a template could refuse before a byte moves; nothing is read until
+:meth:`Plan.run`. Both paths leave a template untouched until every chunk verified (its bytes are
+staged, then copied by :func:`~tierckpt.restore.landing.finish`), except from host memory, which
+cannot fail half-way.
+
+Bytes are read in the tier's threads with O_DIRECT where the tier allows it, chunk by chunk, each
+chunk hashed right after its read while it is in cache.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+from typing import Any, Sequence, Union
+
+from tierckpt._buffers import prefault
+from tierckpt.errors import CorruptCheckpointError
+from tierckpt.format import TensorRecord
+from tierckpt.format.saved_layout import SavedLayout, source_layout
+from tierckpt.format.source import VersionSource
+from tierckpt.restore import exact, reshard
+from tierckpt.restore.landing import Target, Work, finish
+from tierckpt.state import Leaf
+from tierckpt.tiers.fsio import ChunkJobs
+
+__all__ = ["Plan", "Saved", "fits", "load", "plan", "staging_bytes"]
+
+# What a plan reads from: a saved layout, or the source of a version this rank reads whole.
+Saved = Union[VersionSource, SavedLayout]
+
+
+def fits(records: tuple[TensorRecord, ...], templates: dict[str, Leaf]) -> bool:
+    """Whether one rank's own records load as they are: each is exactly its template's piece.
+
+    False when any record needs the saved layout: a stored shard whose template is another piece (or
+    a plain tensor, or none: consolidation), a template shard of a value stored whole, or a dtype or
+    shape to convert or to refuse with the reason.
+    """
+    for r in records:
+        t = templates.get(r.key)
+        sharded = r.region is not None and r.region.global_shape != r.shape
+        if t is None:
+            if sharded:
+                return False
+            continue
+        if t.kind != r.kind or t.dtype != r.dtype or tuple(t.shape) != r.shape:
+            return False
+        if sharded and t.region != r.region:
+            return False
+        if t.region is not None and t.region.global_shape != tuple(t.shape) and r.region is None:
+            return False
+    return True
+
+
+def _exact(saved: Saved, templates: dict[str, Leaf], records: Sequence[TensorRecord] | None) -> VersionSource | None:
+    """The source, when it takes the exact-fit fast path; else None."""
+    if isinstance(saved, SavedLayout) or records is not None or not fits(saved.records, templates):
+        return None
+    return saved
+
+
+def _layout(saved: Saved) -> SavedLayout:
+    # A source that does not fit, read through the layout it holds: one process's part, as a tier
+    # without a layout of its own reads it (Tier.read_layout).
+    return saved if isinstance(saved, SavedLayout) else source_layout(saved, complete=False)
+
+
+def staging_bytes(saved: Saved, templates: dict[str, Leaf], *, stage_all: bool = False) -> int:
+    """The size of the staging area :func:`plan` lays out for loading ``saved`` into ``templates``:
+    what a caller borrows beforehand (memory already faulted in) and passes as ``lent``."""
+    source = _exact(saved, templates, None)
+    if source is not None:
+        return exact.staging_bytes(source, templates, stage_all=stage_all)
+    return reshard.staging_bytes(saved.records, templates)
+
+
+class Plan:
+    """What this rank reads of a saved version, and where it lands (built by :func:`plan`).
+
+    Call order: :meth:`open` (or any source of the same version holding :attr:`records`), then
+    :meth:`run` once, then :func:`~tierckpt.restore.landing.finish` with :attr:`saved` and the targets.
+    """
+
+    def __init__(
+        self,
+        saved: Saved,
+        targets: list[Target],
+        work: list[Work],
+        *,
+        ahead: Sequence[tuple[int, memoryview]] = (),
+        records: Sequence[TensorRecord] | None = None,
+        partial: bool = False,
+    ) -> None:
+        self.saved = saved  # what finish() rebuilds the state from (its skeleton), and its metadata
+        self.targets = targets  # one per planned record, for tierckpt.restore.landing.finish
+        # The stored pieces to open (layout.open); None: the plan reads the whole source it was given.
+        self.records = records
+        # Some piece is read for only part of its elements: other ranks (on this node, likely) read
+        # the same chunks for the rest, so they are better read through the page cache, where the
+        # second reader finds them (O_DIRECT read a Shard(0) -> Shard(1) restore twice from disk).
+        self.partial = partial
+        self._work = work
+        self._ahead = ahead  # (job index, fresh destination bytes): faulted in ahead of the readers
+
+    @property
+    def exact(self) -> bool:
+        """Whether this is the exact-fit fast path (reading the whole source it was given)."""
+        return self.records is None
+
+    def open(self) -> VersionSource:
+        """The source :meth:`run` reads from (blocking). Of the general path a new one, which the
+        caller closes; of the fast path the source the plan was given (its opener closes it)."""
+        if isinstance(self.saved, SavedLayout):
+            assert self.records is not None
+            return self.saved.open(self.records, shared=self.partial)
+        return self.saved
+
+    def run(self, source: VersionSource, executor: concurrent.futures.Executor, threads: int = 2) -> list[Target]:
+        """Read, verify and land every planned chunk of ``source``; returns the targets (blocking).
+
+        ``threads`` of the tier's ``executor`` run the chunk jobs; meanwhile this thread faults the
+        fresh destination pages in ahead of them, then runs jobs alongside them.
+        """
+        jobs = ChunkJobs([functools.partial(fn, source, *args) for fn, args in self._work], executor, threads)
+        try:
+            # Skip what the readers have reached already: where faults are slower than the disk, each
+            # side then faults pages of its own instead of both waiting on the same ones.
+            for index, out in self._ahead:
+                if jobs.error is not None:
+                    break
+                if index > jobs.started:
+                    prefault(out)
+            jobs.join()
+        except BaseException as exc:
+            jobs.stop()
+            if isinstance(exc, CorruptCheckpointError) and exc.key is None:
+                raise CorruptCheckpointError(str(exc), tier=self.saved.tier, step=self.saved.step) from exc
+            raise
+        return self.targets
+
+
+def plan(
+    saved: Saved,
+    templates: dict[str, Leaf],
+    lent: memoryview | None = None,
+    *,
+    cast: bool = False,
+    stage_all: bool = False,
+    records: Sequence[TensorRecord] | None = None,
+) -> Plan:
+    """Check every template against ``saved`` and lay out every destination; nothing is read yet.
+
+    ``saved``: a saved layout, or the source of a version this rank reads whole; a source whose
+    records are exactly the template (:func:`fits`) takes the fast path, reading each chunk straight
+    into its destination. ``lent``: page-aligned memory, already faulted in, for the staging area
+    when it is large enough (:func:`staging_bytes`), else a fresh mapping stages; keys without a
+    template get new tensors of their global shape. ``cast``: convert a saved dtype to the template's
+    (general path). ``stage_all``: stage even what could be copied straight into the template (a
+    template is then written only by :func:`~tierckpt.restore.landing.finish`). ``records``: plan
+    only these of a layout's records (one at a time, say, to bound memory); the plan's targets are
+    then theirs, not a whole state's.
+
+    Raises:
+        RestoreError: a template does not match its key (kind, global shape, dtype without ``cast``).
+        CorruptCheckpointError: the skeleton does not match the records, the pieces do not cover a
+            destination, or disagree on its dtype.
+        NotHere: the layout is only part of the version and lacks pieces this rank needs.
+    """
+    source = _exact(saved, templates, records)
+    if source is not None:  # the fast path
+        targets, work, ahead = exact.land(source, templates, lent, stage_all=stage_all)
+        return Plan(source, targets, work, ahead=ahead)
+    layout = _layout(saved)
+    targets, work, needed, partial = reshard.land(layout, templates, lent, cast=cast, records=records)
+    return Plan(layout, targets, work, records=needed, partial=partial)
+
+
+def load(
+    source: VersionSource,
+    templates: dict[str, Leaf],
+    executor: concurrent.futures.Executor,
+    threads: int = 2,
+    lent: memoryview | None = None,
+) -> Any:
+    """Read, verify and decode every record of ``source``; returns the rebuilt state (blocking).
+
+    :func:`plan`, :meth:`Plan.run`, then :func:`~tierckpt.restore.landing.finish`; several ranks agree
+    between the last two, so that no template is written before every rank verified its part.
+    """
+    planned = plan(source, templates, lent)
+    # A plan of a whole source reads that source (through its own layout too): nothing else to open.
+    return finish(planned.saved, planned.run(source, executor, threads))
