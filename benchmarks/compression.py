@@ -49,6 +49,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import common
 from gpt import GPT, ModelSize
 from machine_limits import drop_caches, machine
 from tierckpt import Checkpointer
@@ -289,13 +290,8 @@ def bench_codec(data: DataSet, label: str, codec: str, level: int, pools: dict[i
 
 
 def tier_config(directory: Path, nbytes: int, compression: dict[str, Any] | None) -> dict[str, Any]:
-    disk: dict[str, Any] = {"name": "disk", "type": "filesystem", "path": str(directory), "keep": {"last": 1}, "io_threads": 2}
-    if compression:
-        disk["compression"] = compression
-    return {
-        "host": {"capacity": nbytes + (64 << 20), "snapshots": 1},
-        "tiers": [{"name": "ram", "type": "memory", "keep": {"last": 1}}, disk],
-    }
+    disk = common.disk_tier(directory, keep={"last": 1}, io_threads=2, **({"compression": compression} if compression else {}))
+    return common.tier_config(disk, capacity=nbytes + (64 << 20), snapshots=1, ram=common.ram_tier(keep={"last": 1}))
 
 
 def stats_dict(ckpt: Checkpointer) -> dict[str, Any]:

@@ -44,11 +44,12 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+
+import common
 
 HERE = Path(__file__).resolve().parent
 VARIANTS = ("tierckpt", "tierckpt dedup", "dcp.async_save")
@@ -81,14 +82,8 @@ def train_step(state: dict[str, Any], step: int) -> None:
 
 
 def tier_config(directory: Path, nbytes: int, timeout: float) -> dict[str, Any]:
-    return {
-        "host": {"capacity": 2 * (nbytes + (16 << 20)), "snapshots": 2},
-        "tiers": [
-            {"name": "ram", "type": "memory"},
-            {"name": "disk", "type": "filesystem", "path": str(directory), "keep": {"last": KEEP}, "io_threads": IO_THREADS},
-        ],
-        "distributed": {"timeout": f"{timeout:g}s"},
-    }
+    disk = common.disk_tier(directory, keep={"last": KEEP}, io_threads=IO_THREADS)
+    return common.tier_config(disk, capacity=2 * (nbytes + (16 << 20)), snapshots=2, distributed={"timeout": f"{timeout:g}s"})
 
 
 def run_tierckpt(job: dict[str, Any], state: dict[str, Any], rank: int) -> list[dict[str, float]]:
@@ -146,29 +141,18 @@ def run_dcp(job: dict[str, Any], state: dict[str, Any], rank: int) -> list[dict[
 
 def rank_worker(job: dict[str, Any]) -> None:
     """One rank (``--rank-worker``): join the group, save ``saves`` times, write what it measured."""
-    import faulthandler
-
     import torch.distributed as dist
 
-    faulthandler.dump_traceback_later(job["timeout"] * 2, exit=True)  # a hang shows where, then ends
-    warnings.filterwarnings("ignore", category=FutureWarning)
+    common.start_rank(job["timeout"] * 2)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     state = make_state(job["nbytes"], rank)
     run = run_dcp if job["variant"] == "dcp.async_save" else run_tierckpt
     samples = run(job, state, rank)
     dist.barrier()
-    out = {"rank": rank, "world": world, "samples": samples, "peak_rss_mib": _peak_rss_mib()}
+    out = {"rank": rank, "world": world, "samples": samples, "peak_rss_mib": common.peak_rss_mib()}
     Path(job["results"], f"rank-{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
-
-
-def _peak_rss_mib() -> float:
-    """This process's peak RSS (VmHWM: ru_maxrss would carry the parent's peak over the exec)."""
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 # -- the parent ----------------------------------------------------------------------------------------
@@ -176,12 +160,7 @@ def _peak_rss_mib() -> float:
 
 def run_ranks(job: dict[str, Any], world: int, log_dir: Path, limit_s: float) -> list[dict[str, Any]]:
     """Start ``world`` ranks of this script; returns each rank's result (raises with the logs' tails)."""
-    from tierckpt.testing import failures, launch_ranks
-
-    exits = launch_ranks([sys.executable, __file__, "--rank-worker", json.dumps(job)], world, timeout_s=limit_s, log_dir=log_dir)
-    if failed := failures(exits):
-        raise RuntimeError(f"{job['variant']} at world {world} failed:\n{failed}")
-    return [json.loads(Path(job["results"], f"rank-{r}.json").read_text()) for r in range(world)]
+    return common.run_ranks(__file__, job, world, log_dir, timeout_s=limit_s, what=f"{job['variant']} at world {world}")
 
 
 def version_bytes(variant: str, directory: Path, step: int, world: int) -> dict[str, Any]:
@@ -218,7 +197,6 @@ def bench_variant(base: Path, variant: str, world: int, nbytes: int, saves: int,
     work = base / f"w{world}-{variant.replace(' ', '-').replace('.', '-')}"
     shutil.rmtree(work, ignore_errors=True)
     (work / "ckpt").mkdir(parents=True)
-    (work / "results").mkdir()
     limit_bytes = world * nbytes
     limit_s = write_limit(work, limit_bytes)
     job = {"variant": variant, "dir": str(work / "ckpt"), "results": str(work / "results"), "nbytes": nbytes, "saves": saves, "timeout": timeout}
@@ -356,10 +334,7 @@ def main() -> None:
         *table(report),
         "",
     ]
-    text = "\n".join(lines)
-    print("\n" + text)
-    args.markdown.write_text(text + "\n")
-    print(f"results: {args.json}, {args.markdown} ({report['total_s']:.0f} s)")
+    common.show_report(lines, args.markdown, args.json, report["total_s"])
 
 
 if __name__ == "__main__":

@@ -62,12 +62,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
+import common
 from tierckpt.format import CHUNK_BYTES
 
 HERE = Path(__file__).resolve().parent
@@ -124,15 +124,14 @@ def tier_config(job: dict[str, Any], rank: int) -> dict[str, Any]:
     peer: dict[str, Any] = {"name": "peer", "type": "peer", "copies": 1, "keep": {"last": KEEP}}
     if job["bandwidth"]:
         peer["bandwidth"] = job["bandwidth"]
-    return {
-        "host": {"capacity": 2 * (job["nbytes"] + (16 << 20)), "snapshots": 2},
-        "tiers": [
-            {"name": "ram", "type": "memory", "path": str(Path(job["ram"]) / f"node-{node}"), "keep": {"last": KEEP}},
-            peer,
-            {"name": "disk", "type": "filesystem", "path": job["disk"], "keep": {"last": KEEP}, "io_threads": IO_THREADS},
-        ],
-        "distributed": {"timeout": f"{job['timeout']:g}s", "nodes": NODES},
-    }
+    return common.tier_config(
+        peer,
+        common.disk_tier(job["disk"], keep={"last": KEEP}, io_threads=IO_THREADS),
+        capacity=2 * (job["nbytes"] + (16 << 20)),
+        snapshots=2,
+        ram=common.ram_tier(path=str(Path(job["ram"]) / f"node-{node}"), keep={"last": KEEP}),
+        distributed={"timeout": f"{job['timeout']:g}s", "nodes": NODES},
+    )
 
 
 def gloo_reference(nbytes: int, rank: int, ram: Path) -> dict[str, float]:
@@ -259,11 +258,11 @@ def restore_worker(job: dict[str, Any], rank: int) -> dict[str, Any]:
     ckpt = Checkpointer(tier_config(job, rank))
     open_s = time.perf_counter() - t
     dist.barrier()
-    before = io_counters()
+    before = common.io_counters()
     t = time.perf_counter()
     restored = ckpt.restore_latest_sync(template)
     restore_s = time.perf_counter() - t
-    after = io_counters()
+    after = common.io_counters()
     ckpt.close_sync()
     out: dict[str, Any] = {
         "rank": rank,
@@ -284,20 +283,11 @@ def restore_worker(job: dict[str, Any], rank: int) -> dict[str, Any]:
     return out
 
 
-def io_counters() -> tuple[int, int]:
-    """This process's (bytes read from the disk, bytes returned by read calls)."""
-    fields = dict(line.split(":") for line in open("/proc/self/io"))
-    return int(fields["read_bytes"]), int(fields["rchar"])
-
-
 def rank_worker(job: dict[str, Any]) -> None:
     """One rank (``--rank-worker``): save (then die by SIGKILL) or restore; writes what it measured."""
-    import faulthandler
-
     import torch.distributed as dist
 
-    faulthandler.dump_traceback_later(job["timeout"] * 3, exit=True)  # a hang shows where, then ends
-    warnings.filterwarnings("ignore", category=FutureWarning)
+    common.start_rank(job["timeout"] * 3)
     sys.path.insert(0, str(HERE))
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -310,16 +300,8 @@ def rank_worker(job: dict[str, Any]) -> None:
 
 def run_ranks(job: dict[str, Any], log_dir: Path) -> list[dict[str, Any]]:
     """Start the ``WORLD`` ranks; a save's ranks must die by SIGKILL, a restore's exit 0."""
-    from tierckpt.testing import failures, launch_ranks
-
-    results = Path(job["results"])
-    shutil.rmtree(results, ignore_errors=True)
-    results.mkdir(parents=True)
-    argv = [sys.executable, __file__, "--rank-worker", json.dumps(job)]
-    exits = launch_ranks(argv, WORLD, timeout_s=job["timeout"] * 4 + 60, log_dir=log_dir)
-    if failed := failures(exits, expect_dead=range(WORLD) if job["mode"] == "save" else ()):
-        raise RuntimeError(f"{job['mode']} failed (logs: {log_dir}):\n{failed}")
-    return [json.loads((results / f"rank-{r}.json").read_text()) for r in range(WORLD)]
+    dead = range(WORLD) if job["mode"] == "save" else ()
+    return common.run_ranks(__file__, job, WORLD, log_dir, timeout_s=job["timeout"] * 4 + 60, what=job["mode"], expect_dead=dead)
 
 
 def drop_file_cache(directory: Path) -> dict[str, Any]:
@@ -572,10 +554,7 @@ def main() -> None:
         *table(summary),
         "",
     ]
-    text = "\n".join(lines)
-    print("\n" + text)
-    args.markdown.write_text(text + "\n")
-    print(f"results: {args.out}, {args.markdown} ({report['total_s']:.0f} s)")
+    common.show_report(lines, args.markdown, args.out, report["total_s"])
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from common import pieces_state
 from tierckpt import Checkpointer
 from tierckpt.config import TierConfig
 from tierckpt.testing import SlowTier
@@ -110,11 +111,6 @@ class GcPauses:
 
     def __exit__(self, *exc: object) -> None:
         gc.callbacks.remove(self)
-
-
-def make_state(nbytes: int) -> dict[str, Any]:
-    pieces = 8
-    return {"model": {f"w{i}": torch.randn(nbytes // pieces // 4) for i in range(pieces)}, "step": 0}
 
 
 def run(args: argparse.Namespace, on_full: str, directory: Path, state: dict[str, Any], nbytes: int) -> dict[str, Any]:
@@ -235,7 +231,7 @@ def main() -> None:
     if args.max_staleness < args.nvme_staleness:
         parser.error("--max-staleness (pfs) shorter than --nvme-staleness makes little sense")
     root = args.dir or Path(tempfile.mkdtemp(prefix="tierckpt-pressure-"))
-    state = make_state(int(args.mib * 2**20))
+    state = pieces_state(int(args.mib * 2**20))
     nbytes = sum(t.numel() * t.element_size() for t in state["model"].values())
     copy = memcpy_s(nbytes)
     if not args.no_gc_freeze:

@@ -23,19 +23,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import common
 from machine_limits import drop_caches, fault_in, limits, machine
 from save_restore import digest, make_state, spec_of, state_bytes, template_from, tensors
 from tierckpt import Checkpointer
 
 
 def config(shm: Path | None, disk: Path, nbytes: int) -> dict[str, Any]:
-    ram: dict[str, Any] = {"name": "ram", "type": "memory", "keep": {"last": 1}}
-    if shm is not None:
-        ram["path"] = str(shm)
-    return {
-        "host": {"capacity": nbytes + (64 << 20), "snapshots": 1},
-        "tiers": [ram, {"name": "nvme", "type": "filesystem", "path": str(disk), "keep": {"last": 1}}],
-    }
+    ram = common.ram_tier(keep={"last": 1}, **({} if shm is None else {"path": str(shm)}))
+    return common.tier_config(common.disk_tier(disk, "nvme", keep={"last": 1}), capacity=nbytes + (64 << 20), snapshots=1, ram=ram)
 
 
 def child(job: dict[str, Any]) -> None:

@@ -58,6 +58,8 @@ from typing import Any, Callable
 
 import torch
 
+import common
+
 HERE = Path(__file__).resolve().parent
 LIBS = ("tierckpt", "dcp")
 IO_THREADS = 2  # the filesystem tier's (its default), and the read limit's threads
@@ -170,20 +172,8 @@ def local(value: Any) -> torch.Tensor:
 
 
 def tier_config(directory: str, host_bytes: int) -> dict[str, Any]:
-    return {
-        "host": {"capacity": host_bytes + (64 << 20), "snapshots": 1},
-        "tiers": [
-            {"name": "ram", "type": "memory"},
-            {"name": "disk", "type": "filesystem", "path": directory, "keep": {"last": 1}, "io_threads": IO_THREADS},
-        ],
-        "distributed": {"timeout": "300s"},
-    }
-
-
-def io_counters() -> tuple[int, int]:
-    """This process's (bytes read from the disk, bytes returned by read calls: page cache hits too)."""
-    fields = dict(line.split(":") for line in open("/proc/self/io"))
-    return int(fields["read_bytes"]), int(fields["rchar"])
+    disk = common.disk_tier(directory, keep={"last": 1}, io_threads=IO_THREADS)
+    return common.tier_config(disk, capacity=host_bytes + (64 << 20), snapshots=1, distributed={"timeout": "300s"})
 
 
 def local_bytes(state: dict[str, Any]) -> int:
@@ -270,7 +260,7 @@ def restore_worker(job: dict[str, Any], mesh: Any, rank: int) -> dict[str, Any]:
         if rank == 0 and rep >= 0:
             cold = drop_caches() and cold
         barrier()
-        before, cpu = io_counters(), _cpu_s()
+        before, cpu = common.io_counters(), _cpu_s()
         t = time.perf_counter()
         try:
             got = restore(lib)
@@ -278,7 +268,7 @@ def restore_worker(job: dict[str, Any], mesh: Any, rank: int) -> dict[str, Any]:
             errors[lib] = f"{type(exc).__name__}: {exc}"
             got = None
         elapsed = time.perf_counter() - t
-        after, cpu = io_counters(), _cpu_s() - cpu
+        after, cpu = common.io_counters(), _cpu_s() - cpu
         if ckpt is not None:
             ckpt.close_sync()
             ckpt = None
@@ -289,10 +279,7 @@ def restore_worker(job: dict[str, Any], mesh: Any, rank: int) -> dict[str, Any]:
 
 def rank_worker(job: dict[str, Any]) -> None:
     """One rank (``--rank-worker``): save or restore, then write what it measured."""
-    import faulthandler
-
-    faulthandler.dump_traceback_later(job["timeout"], exit=True)  # a hang shows where, then ends
-    warnings.filterwarnings("ignore", category=FutureWarning)
+    common.start_rank(job["timeout"])
     warnings.filterwarnings("ignore", category=UserWarning)
     sys.path.insert(0, str(HERE))
     mesh, rank = None, 0
@@ -304,7 +291,7 @@ def rank_worker(job: dict[str, Any]) -> None:
         rank = dist.get_rank()
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     out = (save_worker if job["mode"] == "save" else restore_worker)(job, mesh, rank)
-    out["peak_rss_mib"] = _peak_rss_mib()
+    out["peak_rss_mib"] = common.peak_rss_mib()
     Path(job["results"], f"rank-{rank}.json").write_text(json.dumps(out))
     if mesh is not None:
         torch.distributed.barrier()
@@ -319,29 +306,14 @@ def _cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _peak_rss_mib() -> float:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 # -- the parent ----------------------------------------------------------------------------------------
 
 
 def run_ranks(job: dict[str, Any], world: int, log_dir: Path) -> list[dict[str, Any]]:
     """Start ``world`` ranks of this script (world 0: one process without torch.distributed)."""
-    from tierckpt.testing import failures, launch_ranks
-
-    results = Path(job["results"])
-    shutil.rmtree(results, ignore_errors=True)
-    results.mkdir(parents=True)
-    argv = [sys.executable, __file__, "--rank-worker", json.dumps(job | {"world": world})]
     threads = str(max(1, (os.cpu_count() or 1) // max(world, 1)))
-    exits = launch_ranks(argv, world, env={"OMP_NUM_THREADS": threads}, timeout_s=job["timeout"] + 60, log_dir=log_dir)
-    if failed := failures(exits):
-        raise RuntimeError(f"{job['mode']} with {world} ranks failed:\n{failed}")
-    return [json.loads((results / f"rank-{r}.json").read_text()) for r in range(max(world, 1))]
+    return common.run_ranks(__file__, job | {"world": world}, world, log_dir, env={"OMP_NUM_THREADS": threads},
+                            timeout_s=job["timeout"] + 60, what=f"{job['mode']} with {world} ranks")
 
 
 def summarize(name: str, n: int, m: int, ranks: list[dict[str, Any]], nbytes: int, limit: dict[str, float]) -> dict[str, Any]:
@@ -453,9 +425,9 @@ def main() -> None:
     cases = [c for c in CASES if c[0] in args.cases]
     started = time.perf_counter()
     try:
-        common = {"spec": report["tensors"], "step": step, "timeout": args.timeout, "repeats": args.repeats}
+        every_job = {"spec": report["tensors"], "step": step, "timeout": args.timeout, "repeats": args.repeats}
         for n in sorted({c[1] for c in cases}, reverse=True):
-            job = common | {"mode": "save", "tier_dir": str(base / f"tierckpt-{n}"), "dcp_dir": str(base / f"dcp-{n}"), "results": str(base / "results")}
+            job = every_job | {"mode": "save", "tier_dir": str(base / f"tierckpt-{n}"), "dcp_dir": str(base / f"dcp-{n}"), "results": str(base / "results")}
             t = time.perf_counter()
             ranks = run_ranks(job, n, base / "logs" / f"save-{n}")
             save = {
@@ -469,7 +441,7 @@ def main() -> None:
         for i, (name, n, m, place) in enumerate(cases):
             gc.collect()
             limit = limits(base, nbytes, IO_THREADS, cold=True)
-            job = common | {
+            job = every_job | {
                 "mode": "restore", "place": place, "order": i,
                 "tier_dir": str(base / f"tierckpt-{n}"), "dcp_dir": str(base / f"dcp-{n}"), "results": str(base / "results"),
             }
@@ -519,10 +491,7 @@ def main() -> None:
         *table(report),
         "",
     ]
-    text = "\n".join(lines)
-    print("\n" + text)
-    args.markdown.write_text(text + "\n")
-    print(f"results: {args.json}, {args.markdown} ({report['total_s']:.0f} s)")
+    common.show_report(lines, args.markdown, args.json, report["total_s"])
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 import xxhash
 
+import common
 from machine_limits import drop_caches, fault_in, limits, machine
 from tierckpt import Checkpointer
 from tierckpt.storage.posix import fsync_dir
@@ -77,13 +78,8 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 def tier_config(directory: Path, nbytes: int, threads: int) -> dict[str, Any]:
-    return {
-        "host": {"capacity": nbytes + (64 << 20), "snapshots": 1, "copy_threads": 2},
-        "tiers": [
-            {"name": "ram", "type": "memory"},
-            {"name": "nvme", "type": "filesystem", "path": str(directory), "keep": {"last": 1}, "io_threads": threads},
-        ],
-    }
+    nvme = common.disk_tier(directory, "nvme", keep={"last": 1}, io_threads=threads)
+    return common.tier_config(nvme, capacity=nbytes + (64 << 20), snapshots=1, copy_threads=2)
 
 
 def spec_of(state: dict[str, Any]) -> list[tuple[str, str, list[int]]]:

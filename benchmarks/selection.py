@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from common import disk_tier, pieces_state, ram_tier
 from tierckpt import Checkpointer
 from tierckpt.config import TierConfig
 from tierckpt.policy import flush_eligible
@@ -53,16 +54,11 @@ class RecordingTier(FilesystemTier):
         return info
 
 
-def make_state(nbytes: int) -> dict[str, Any]:
-    pieces = 8
-    return {"model": {f"w{i}": torch.randn(nbytes // pieces // 4) for i in range(pieces)}, "step": 0}
-
-
 def tiers_config(directory: Path, pfs_every: int) -> list[dict[str, Any]]:
     return [
-        {"name": "ram", "type": "memory", "keep": {"last": 1}},
-        {"name": "nvme", "type": "filesystem", "path": str(directory / "nvme"), "flush": {"every": 1}, "keep": {"last": 3}},
-        {"name": "pfs", "type": "filesystem", "path": str(directory / "pfs"), "flush": {"every_steps": pfs_every}, "keep": {"last": 100}},
+        ram_tier(keep={"last": 1}),
+        disk_tier(directory / "nvme", "nvme", flush={"every": 1}, keep={"last": 3}),
+        disk_tier(directory / "pfs", "pfs", flush={"every_steps": pfs_every}, keep={"last": 100}),
     ]
 
 
@@ -184,7 +180,7 @@ def main() -> None:
     args = parser.parse_args()
     args.root = args.dir or Path(tempfile.mkdtemp(prefix="tierckpt-selection-"))
     args.root.mkdir(parents=True, exist_ok=True)
-    state = make_state(int(args.mib * 2**20))
+    state = pieces_state(int(args.mib * 2**20))
     nbytes = sum(t.numel() * t.element_size() for t in state["model"].values())
     gc.collect()
     gc.freeze()  # what a latency-sensitive loop does once its model is built (see pressure.py)

@@ -23,6 +23,8 @@ from tierckpt import Checkpointer, FlushError, RankFailureError
 from tierckpt.config import TierConfig
 from tierckpt.tiers.filesystem import FilesystemTier
 
+from helpers import bitwise_equal
+
 MODEL_NUMEL = 300_000  # 1.2 MB of float32 per tensor: several shared chunks per rank at world 4
 
 
@@ -60,14 +62,6 @@ def template(rank: int) -> dict[str, Any]:
         "rng": torch.zeros_like(empty["rng"]),
         "step": 0,
     }
-
-
-def equal(a: Any, b: Any) -> bool:
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
-    return a == b
 
 
 class KilledMidWrite(FilesystemTier):
@@ -178,8 +172,8 @@ def main() -> None:
         else:
             out["step"] = restored.step
             out["tier"] = restored.tier
-            out["bitwise"] = equal(restored.state, state(restored.step, rank))
-            out["template_filled"] = restored.state["mine"] is into["mine"] and equal(into["model"], model(restored.step))
+            out["bitwise"] = bitwise_equal(restored.state, state(restored.step, rank))
+            out["template_filled"] = restored.state["mine"] is into["mine"] and bitwise_equal(into["model"], model(restored.step))
     elif scenario == "dtensor":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Replicate, distribute_tensor
@@ -192,7 +186,7 @@ def main() -> None:
         with Checkpointer(config(root, timeout)) as ckpt:
             restored = ckpt.restore_latest_sync(into)
         out["step"] = restored.step
-        out["bitwise"] = equal(into["w"].to_local(), model(4)["w"]) and equal(into["mine"], state(4, rank)["mine"])
+        out["bitwise"] = bitwise_equal(into["w"].to_local(), model(4)["w"]) and bitwise_equal(into["mine"], state(4, rank)["mine"])
     elif scenario == "kill":
         victim, at = int(os.environ["VICTIM"]), int(os.environ["AT"])
         KilledMidWrite.victim_step = at if rank == victim else -1

@@ -36,6 +36,8 @@ import torch.distributed as dist
 from tierckpt import Checkpointer, ConfigError, FlushError
 from tierckpt.testing import IOFaults
 
+from helpers import bitwise_equal
+
 
 def nodes() -> int:
     return int(os.environ.get("NODES", "2"))
@@ -80,14 +82,6 @@ def state(rank: int, step: int) -> dict[str, Any]:
 
 def template(rank: int) -> dict[str, Any]:
     return {k: (v if not isinstance(v, dict) else {kk: torch.zeros_like(vv) if isinstance(vv, torch.Tensor) else vv for kk, vv in v.items()}) for k, v in state(rank, 0).items()}
-
-
-def same(a: Any, b: Any) -> bool:
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.dtype == torch.bfloat16 else a, b.view(torch.uint8) if b.dtype == torch.bfloat16 else b)
-    return bool(a == b)
 
 
 def main() -> None:
@@ -164,7 +158,7 @@ def main() -> None:
     else:
         restored = ckpt.restore_latest_sync(template(rank))
         assert restored is not None
-        out = {"step": restored.step, "tier": restored.tier, "bitwise": same(restored.state, state(rank, restored.step))}
+        out = {"step": restored.step, "tier": restored.tier, "bitwise": bitwise_equal(restored.state, state(rank, restored.step))}
         if os.environ.get("RESUME"):  # training goes on: the next version's copies replace what is left
             step = int(os.environ["RESUME"])
             out["resumed"] = ckpt.save_sync(step, state(rank, step)).committed_sync("peer", 120)

@@ -23,6 +23,8 @@ import torch
 from tierckpt import Checkpointer, RestoreError
 from tierckpt.tiers.fsread import FilesystemSource
 
+from helpers import bitwise_equal, ram_fs
+
 STEP = 7
 # Global shapes chosen so that no mesh of 2, 3 or 4 divides every dimension (uneven shards), and one
 # value is larger than a stored chunk (16 MiB) so a piece spans chunks.
@@ -31,14 +33,7 @@ DTYPES = {"w": torch.float32, "emb": torch.bfloat16, "big": torch.float32, "norm
 
 
 def config(root: Path) -> dict[str, Any]:
-    return {
-        "host": {"capacity": "128MiB", "snapshots": 1},
-        "tiers": [
-            {"name": "ram", "type": "memory"},
-            {"name": "disk", "type": "filesystem", "path": str(root / "disk")},
-        ],
-        "distributed": {"timeout": "60s"},
-    }
+    return ram_fs(root / "disk", name="disk", capacity="128MiB", snapshots=1) | {"distributed": {"timeout": "60s"}}
 
 
 def global_value(key: str) -> torch.Tensor:
@@ -116,7 +111,7 @@ def main() -> None:
                 if hasattr(got, "to_local"):
                     want = local(k, want).to_local()
                     got = got.to_local()
-                out[k] = bool(got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want))
+                out[k] = bitwise_equal(got, want)
             out["read_bytes"] = read_bytes
     (root / f"result-{rank}.json").write_text(json.dumps(out))
     if mesh is not None:

@@ -19,50 +19,20 @@ import torch
 from tierckpt import CapacityError, Checkpointer
 from tierckpt.capture.copier import _PIECE_BYTES
 
+from helpers import assert_bitwise, fs_tier, tier_config
+
 DEADLINE_S = 30.0  # a deadlock guard only: every wait below ends on an event long before it
 
 
 def make_config(tmp_path: Path, *, capacity: str = "8MiB", snapshots: int = 2, copy_threads: int = 2, compressed: bool = False) -> dict[str, Any]:
-    tiers: list[dict[str, Any]] = [
-        {"name": "ram", "type": "memory"},
-        {"name": "nvme", "type": "filesystem", "path": str(tmp_path / "nvme")},
-    ]
+    tiers = [fs_tier("nvme", tmp_path / "nvme")]
     if compressed:
-        tiers.append({"name": "pfs", "type": "filesystem", "path": str(tmp_path / "pfs"), "compression": {"codec": "zstd", "level": 3}})
-    return {"host": {"capacity": capacity, "snapshots": snapshots, "copy_threads": copy_threads}, "tiers": tiers}
+        tiers.append(fs_tier("pfs", tmp_path / "pfs", compression={"codec": "zstd", "level": 3}))
+    return tier_config(*tiers, capacity=capacity, snapshots=snapshots, copy_threads=copy_threads)
 
 
 def fs_only_config(path: Path) -> dict[str, Any]:
     return {"host": {"capacity": "8MiB", "snapshots": 1}, "tiers": [{"name": "disk", "type": "filesystem", "path": str(path)}]}
-
-
-def raw_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_same(got: Any, want: Any, path: str = "<root>") -> None:
-    """Values, types, dtypes, shapes and devices equal; tensors and arrays compared bit for bit."""
-    if isinstance(want, torch.Tensor):
-        assert type(got) is torch.Tensor, f"{path}: {type(got)}"  # a Parameter comes back as a tensor
-        assert (got.dtype, tuple(got.shape), got.device) == (want.dtype, tuple(want.shape), want.device), path
-        assert torch.equal(raw_bytes(got), raw_bytes(want)), f"{path}: bytes differ"
-        return
-    assert type(got) is type(want), f"{path}: {type(got)} is not {type(want)}"
-    if isinstance(want, np.ndarray):
-        assert (got.dtype, got.shape) == (want.dtype, want.shape), path
-        assert np.ascontiguousarray(got).tobytes() == np.ascontiguousarray(want).tobytes(), f"{path}: bytes differ"
-    elif isinstance(want, np.generic):
-        assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), path
-    elif isinstance(want, dict):
-        assert list(got) == list(want), f"{path}: keys {list(got)} != {list(want)}"
-        for key in want:
-            assert_same(got[key], want[key], f"{path}[{key!r}]")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), path
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_same(g, w, f"{path}[{i}]")
-    else:
-        assert got == want, f"{path}: {got!r} != {want!r}"
 
 
 def clone(state: Any) -> Any:
@@ -134,7 +104,7 @@ def test_lazy_capture_blocks_the_optimizer_step_until_the_copy_is_done(tmp_path:
         stepper.start()
         assert reached.wait(DEADLINE_S)
         assert not passed.wait(0.2), "optimizer.step() ran past the lazy barrier before the copy"
-        assert_same(model.state_dict(), before["model"])  # nothing overwritten yet
+        assert_bitwise(model.state_dict(), before["model"])  # nothing overwritten yet
         occupied.release()
         stepper.join(DEADLINE_S)
     assert not stepper.is_alive() and passed.is_set()
@@ -144,8 +114,8 @@ def test_lazy_capture_blocks_the_optimizer_step_until_the_copy_is_done(tmp_path:
     assert all(not torch.equal(live[k], before["model"][k]) for k in live), "the step did not change the parameters"
     restored = ckpt.restore_latest_sync()
     assert restored is not None and (restored.step, restored.tier) == (1, "ram")
-    assert_same(restored.state["model"], before["model"])
-    assert_same(restored.state["optim"], before["optim"])
+    assert_bitwise(restored.state["model"], before["model"])
+    assert_bitwise(restored.state["optim"], before["optim"])
     moments = [s[name] for s in restored.state["optim"]["state"].values() for name in ("exp_avg", "exp_avg_sq")]
     assert len(moments) == 8
     # The flushed copy holds the pre-step values too.
@@ -154,7 +124,7 @@ def test_lazy_capture_blocks_the_optimizer_step_until_the_copy_is_done(tmp_path:
     with Checkpointer(fs_only_config(tmp_path / "nvme")) as disk:
         on_disk = disk.restore_latest_sync()
     assert on_disk is not None and on_disk.step == 1
-    assert_same(on_disk.state, before)
+    assert_bitwise(on_disk.state, before)
 
 
 def test_wait_captured_is_the_barrier_for_state_outside_an_optimizer(tmp_path: Path, checkpointers: list[Checkpointer]) -> None:
@@ -184,7 +154,7 @@ def test_wait_captured_is_the_barrier_for_state_outside_an_optimizer(tmp_path: P
     assert handle.captured_sync(DEADLINE_S) is True
     restored = ckpt.restore_latest_sync()
     assert restored is not None
-    assert_same(restored.state["ema"], expected)
+    assert_bitwise(restored.state["ema"], expected)
     assert not torch.equal(ema, expected)
 
 
@@ -251,7 +221,7 @@ def test_rich_state_round_trips_exactly_through_memory_and_filesystem_tiers(tmp_
     from_memory = ckpt.restore_latest_sync()
     assert from_memory is not None and (from_memory.step, from_memory.tier) == (11, "ram")
     assert from_memory.metadata == {"note": "rich"}
-    assert_same(from_memory.state, expected)
+    assert_bitwise(from_memory.state, expected)
     ckpt.wait_sync()
     assert handle.committed_sync("nvme", 0) is True and handle.committed_sync("pfs", 0) is True
     ckpt.close_sync()
@@ -262,15 +232,15 @@ def test_rich_state_round_trips_exactly_through_memory_and_filesystem_tiers(tmp_
     from_disk = again.restore_latest_sync()
     assert from_disk is not None and (from_disk.step, from_disk.tier) == (11, "nvme")
     assert from_disk.metadata == {"note": "rich"}
-    assert_same(from_disk.state, expected)
+    assert_bitwise(from_disk.state, expected)
     again.close_sync()
     # ... and the zstd-compressed copy on pfs restores to the same bytes.
     with Checkpointer(fs_only_config(tmp_path / "pfs")) as pfs:
         from_pfs = pfs.restore_latest_sync()
     assert from_pfs is not None and from_pfs.step == 11
-    assert_same(from_pfs.state, expected)
+    assert_bitwise(from_pfs.state, expected)
     # The live state was read, never modified.
-    assert_same(clone(state), expected)
+    assert_bitwise(clone(state), expected)
 
 
 def test_restore_into_a_template_keeps_its_tensors(tmp_path: Path, checkpointers: list[Checkpointer]) -> None:
@@ -283,7 +253,7 @@ def test_restore_into_a_template_keeps_its_tensors(tmp_path: Path, checkpointers
     restored = ckpt.restore_latest_sync(template)
     assert restored is not None
     assert restored.state["w"] is w and restored.state["n"] is n
-    assert_same(restored.state, state)
+    assert_bitwise(restored.state, state)
 
 
 # -- capacity -------------------------------------------------------------------------------------------
@@ -316,7 +286,7 @@ def test_a_state_filling_a_slot_exactly_fits(tmp_path: Path, checkpointers: list
     assert handle.captured_sync(DEADLINE_S) is True
     restored = ckpt.restore_latest_sync()
     assert restored is not None
-    assert_same(restored.state, state)
+    assert_bitwise(restored.state, state)
 
 
 # -- big tensors split across copy threads -------------------------------------------------------------
@@ -352,7 +322,7 @@ def test_inference_tensors_have_no_version_counter_and_round_trip(tmp_path: Path
     assert handle.committed_sync("nvme", timeout=DEADLINE_S) is True
     restored = ckpt.restore_latest_sync()
     assert restored is not None and restored.tier == "ram"
-    assert_same(restored.state["ema"], ema.clone())
+    assert_bitwise(restored.state["ema"], ema.clone())
 
 
 def test_a_state_whose_layout_changes_between_saves_is_laid_out_anew(tmp_path: Path, checkpointers: list[Checkpointer]) -> None:
@@ -372,4 +342,4 @@ def test_a_state_whose_layout_changes_between_saves_is_laid_out_anew(tmp_path: P
         assert ckpt.save_sync(step, state).captured_sync(DEADLINE_S) is True
         restored = ckpt.restore_latest_sync()
         assert restored is not None and restored.step == step
-        assert_same(restored.state, state)
+        assert_bitwise(restored.state, state)

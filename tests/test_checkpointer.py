@@ -13,12 +13,11 @@ import torch
 from tierckpt import Checkpointer, ConfigError, FlushError
 from tierckpt.capture.copier import TornCaptureError
 
+from helpers import fs_tier, tier_config
 
-def _config(tmp_path: Path, **host: object) -> dict:
-    return {
-        "host": {"capacity": "300MiB", "snapshots": 1, "copy_threads": 1, **host},
-        "tiers": [{"name": "ram", "type": "memory"}, {"name": "nvme", "type": "filesystem", "path": str(tmp_path / "nvme")}],
-    }
+
+def _config(tmp_path: Path) -> dict:
+    return tier_config(fs_tier("nvme", tmp_path / "nvme"), capacity="300MiB", snapshots=1, copy_threads=1)
 
 
 def _model() -> torch.nn.Sequential:

@@ -18,6 +18,8 @@ from tierckpt.cli import main
 from tierckpt.format import CHECKSUM_ALGORITHM, DATA_FILE, MANIFEST_FILE, Manifest, checksum, version_dirname
 from tierckpt.testing import flip_bits
 
+from helpers import nvme_and_pfs
+
 DATA = DATA_FILE.format(rank=0)
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,19 +38,7 @@ def _state(step: int) -> dict[str, Any]:
 @pytest.fixture
 def tiers(tmp_path: Path) -> Path:
     """Steps 1 and 2 on nvme (raw) and pfs (zstd + shuffle)."""
-    config = {
-        "host": {"capacity": "8MiB", "snapshots": 2},
-        "tiers": [
-            {"name": "ram", "type": "memory"},
-            {"name": "nvme", "type": "filesystem", "path": str(tmp_path / "nvme")},
-            {
-                "name": "pfs",
-                "type": "filesystem",
-                "path": str(tmp_path / "pfs"),
-                "compression": {"codec": "zstd", "level": 1, "shuffle": True},
-            },
-        ],
-    }
+    config = nvme_and_pfs(tmp_path)
     with Checkpointer(config) as ckpt:
         for step in (1, 2):
             assert ckpt.save_sync(step, _state(step)).committed_sync("pfs", timeout=60)
@@ -63,10 +53,6 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 
 def _manifest(version: Path) -> Manifest:
     return Manifest.decode((version / MANIFEST_FILE).read_bytes())
-
-
-def _flip(path: Path, offset: int) -> None:
-    flip_bits(path, offset, 0x10)
 
 
 def test_verify_passes_a_healthy_tier_and_says_what_it_checked(tiers: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -90,7 +76,7 @@ def test_verify_of_one_version_directory(tiers: Path, capsys: pytest.CaptureFixt
 def test_verify_names_the_file_key_and_chunk_of_a_flipped_byte(tiers: Path, capsys: pytest.CaptureFixture[str]) -> None:
     version = tiers / "nvme" / version_dirname(2)
     record = next(r for r in _manifest(version).records if r.key == "['i']")
-    _flip(version / DATA, record.chunks[0].offset + 17)
+    flip_bits(version / DATA, record.chunks[0].offset + 17)
     status, out, _ = _run(capsys, "verify", str(tiers / "nvme"))
     assert status == 1
     lines = out.splitlines()
@@ -103,7 +89,7 @@ def test_verify_names_the_file_key_and_chunk_of_a_flipped_byte(tiers: Path, caps
 def test_verify_counts_every_damaged_chunk(tiers: Path, capsys: pytest.CaptureFixture[str]) -> None:
     version = tiers / "nvme" / version_dirname(1)
     for record in _manifest(version).records[:3]:
-        _flip(version / DATA, record.chunks[0].offset)
+        flip_bits(version / DATA, record.chunks[0].offset)
     status, out, _ = _run(capsys, "verify", str(version))
     assert status == 1
     assert out.splitlines()[0].endswith("(and 2 more damaged chunks)")
@@ -118,7 +104,7 @@ def test_verify_decodes_compressed_chunks(tiers: Path, capsys: pytest.CaptureFix
     record = next(r for r in body["records"] if r["key"] == "['h']")
     assert record["codec"] == "zstd+shuffle"
     offset, stored = record["chunks"][0][:2]
-    _flip(version / DATA, offset + 4)  # the frame's plane count
+    flip_bits(version / DATA, offset + 4)  # the frame's plane count
     with open(version / DATA, "rb") as f:
         f.seek(offset)
         record["chunks"][0][2] = checksum(f.read(stored))
@@ -198,7 +184,7 @@ def test_python_dash_m_tierckpt(tiers: Path) -> None:
     ok = subprocess.run([sys.executable, "-m", "tierckpt", "verify", str(tiers / "nvme")], capture_output=True, text=True, env=env, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.splitlines()[-1] == "2 versions: 2 OK, 0 damaged"
-    _flip(tiers / "nvme" / version_dirname(2) / MANIFEST_FILE, 40)
+    flip_bits(tiers / "nvme" / version_dirname(2) / MANIFEST_FILE, 40)
     bad = subprocess.run([sys.executable, "-m", "tierckpt", "ls", str(tiers / "nvme")], capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 1
     assert f"no: {MANIFEST_FILE}:" in bad.stdout

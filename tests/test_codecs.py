@@ -7,7 +7,7 @@ import os
 import struct
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,6 +22,8 @@ from tierckpt.config import CompressionConfig
 from tierckpt.errors import ConfigError, CorruptCheckpointError
 from tierckpt.format import ALIGN, MANIFEST_FILE, Manifest, checksum, version_dirname
 from tierckpt.testing import Gates, flip_bits
+
+from helpers import Opened, assert_bitwise, fs_tier, tier_config
 
 # -- chunk codecs -------------------------------------------------------------------------------------
 
@@ -266,34 +268,13 @@ def test_a_shuffle_codec_is_usable_from_many_threads() -> None:
 
 
 def _tier(name: str, path: Path, codec: str = "none", **compression: Any) -> dict[str, Any]:
-    tier: dict[str, Any] = {"name": name, "type": "filesystem", "path": str(path)}
-    if codec != "none":
-        tier["compression"] = {"codec": codec, "level": 3, **compression}
-    return tier
+    if codec == "none":
+        return fs_tier(name, path)
+    return fs_tier(name, path, compression={"codec": codec, "level": 3, **compression})
 
 
 def _config(*tiers: dict[str, Any], capacity: str = "16MiB") -> dict[str, Any]:
-    return {"host": {"capacity": capacity, "snapshots": 2}, "tiers": [{"name": "ram", "type": "memory"}, *tiers]}
-
-
-class _Opened:
-    def __init__(self) -> None:
-        self.all: list[Checkpointer] = []
-
-    def __call__(self, config: dict[str, Any]) -> Checkpointer:
-        c = Checkpointer(config)
-        self.all.append(c)
-        return c
-
-
-@pytest.fixture
-def opened() -> Iterator[_Opened]:
-    o = _Opened()
-    try:
-        yield o
-    finally:
-        for c in o.all:
-            c.close_sync()
+    return tier_config(*tiers, capacity=capacity)
 
 
 def _state(seed: int = 0) -> dict[str, Any]:
@@ -308,28 +289,7 @@ def _state(seed: int = 0) -> dict[str, Any]:
     }
 
 
-def _assert_bitwise(a: Any, b: Any) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor)
-        assert (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device)
-        assert a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8))
-    elif isinstance(a, np.ndarray):
-        assert isinstance(b, np.ndarray)
-        assert (a.dtype, a.shape) == (b.dtype, b.shape)
-        assert a.tobytes() == b.tobytes()
-    elif isinstance(a, dict):
-        assert type(b) is dict and list(a) == list(b)
-        for k in a:
-            _assert_bitwise(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b)
-        for x, y in zip(a, b):
-            _assert_bitwise(x, y)
-    else:
-        assert type(a) is type(b) and a == b
-
-
-def _restore_from(opened: _Opened, name: str, path: Path, codec: str = "none") -> Any:
+def _restore_from(opened: Opened, name: str, path: Path, codec: str = "none") -> Any:
     """Restore through a new Checkpointer that sees only this one filesystem tier (the others closed: one per directory)."""
     for c in opened.all:
         c.close_sync()
@@ -347,7 +307,7 @@ def _data_size(path: Path, step: int) -> int:
     return (path / version_dirname(step) / "data-r00000.bin").stat().st_size
 
 
-def test_a_zstd_tier_stores_fewer_bytes_and_restores_bitwise(opened: _Opened, tmp_path: Path) -> None:
+def test_a_zstd_tier_stores_fewer_bytes_and_restores_bitwise(opened: Opened, tmp_path: Path) -> None:
     raw, packed = tmp_path / "raw", tmp_path / "zstd"
     # Two filesystem tiers below ram, each taking the save from host memory (different codecs).
     ckpt = opened(_config(_tier("raw", raw), _tier("packed", packed, "zstd")))
@@ -367,10 +327,10 @@ def test_a_zstd_tier_stores_fewer_bytes_and_restores_bitwise(opened: _Opened, tm
     infos = {(i.tier, i.step): i for i in ckpt.versions()}
     assert infos[("packed", 5)].nbytes == zstd_manifest.stored_bytes < infos[("raw", 5)].nbytes
 
-    _assert_bitwise(state, _restore_from(opened, "packed", packed, "zstd").state)
+    assert_bitwise(_restore_from(opened, "packed", packed, "zstd").state, state)
 
 
-def test_promotion_raw_to_zstd_to_raw_restores_bitwise_on_every_tier(opened: _Opened, tmp_path: Path) -> None:
+def test_promotion_raw_to_zstd_to_raw_restores_bitwise_on_every_tier(opened: Opened, tmp_path: Path) -> None:
     nvme, pfs, archive = tmp_path / "nvme", tmp_path / "pfs", tmp_path / "archive"
     ckpt = opened(_config(_tier("nvme", nvme), _tier("pfs", pfs, "zstd"), _tier("archive", archive)))
     states = {step: _state(step) for step in (1, 2)}
@@ -388,10 +348,10 @@ def test_promotion_raw_to_zstd_to_raw_restores_bitwise_on_every_tier(opened: _Op
     for name, path, codec in (("nvme", nvme, "none"), ("pfs", pfs, "zstd"), ("archive", archive, "none")):
         restored = _restore_from(opened, name, path, codec)
         assert restored.step == 2
-        _assert_bitwise(states[2], restored.state)
+        assert_bitwise(restored.state, states[2])
 
 
-def test_a_zstd_tier_with_a_multi_chunk_tensor(opened: _Opened, tmp_path: Path) -> None:
+def test_a_zstd_tier_with_a_multi_chunk_tensor(opened: Opened, tmp_path: Path) -> None:
     # 17 MiB: more than one 16 MiB chunk, so the chunks are compressed and packed independently.
     big = torch.zeros(17 << 18, dtype=torch.float32)
     big[:: 1 << 12] = torch.arange(big.numel() >> 12, dtype=torch.float32)
@@ -403,11 +363,11 @@ def test_a_zstd_tier_with_a_multi_chunk_tensor(opened: _Opened, tmp_path: Path) 
         record = next(r for r in _manifest(tmp_path / name, 1).records if r.key == "['big']")
         assert len(record.chunks) == 2
     assert _manifest(tmp_path / "pfs", 1).stored_bytes < 1 << 20
-    _assert_bitwise(state, _restore_from(opened, "pfs", tmp_path / "pfs", "zstd").state)
-    _assert_bitwise(state, _restore_from(opened, "nvme", tmp_path / "nvme").state)
+    assert_bitwise(_restore_from(opened, "pfs", tmp_path / "pfs", "zstd").state, state)
+    assert_bitwise(_restore_from(opened, "nvme", tmp_path / "nvme").state, state)
 
 
-def test_a_corrupted_zstd_chunk_is_detected(opened: _Opened, tmp_path: Path) -> None:
+def test_a_corrupted_zstd_chunk_is_detected(opened: Opened, tmp_path: Path) -> None:
     pfs = tmp_path / "pfs"
     ckpt = opened(_config(_tier("pfs", pfs, "zstd")))
     assert ckpt.save_sync(1, {"a": torch.zeros(100_000)}).committed_sync("pfs", timeout=60)
@@ -439,7 +399,7 @@ def _model_state() -> dict[str, Any]:
     return state
 
 
-def test_a_shuffle_tier_picks_a_codec_per_dtype_and_restores_bitwise(opened: _Opened, tmp_path: Path) -> None:
+def test_a_shuffle_tier_picks_a_codec_per_dtype_and_restores_bitwise(opened: Opened, tmp_path: Path) -> None:
     pfs = tmp_path / "pfs"
     ckpt = opened(_config(_tier("pfs", pfs, "zstd", level=1, shuffle=True), capacity="24MiB"))
     state = _model_state()
@@ -459,7 +419,7 @@ def test_a_shuffle_tier_picks_a_codec_per_dtype_and_restores_bitwise(opened: _Op
     assert stats.logical_bytes == sum(r.nbytes for r in records.values())
     assert stats.stored_bytes == _manifest(pfs, 3).stored_bytes < stats.logical_bytes
     assert stats.ratio > 1.0 and stats.compress_bytes_per_s > 0
-    _assert_bitwise(state, _restore_from(opened, "pfs", pfs, "zstd").state)
+    assert_bitwise(_restore_from(opened, "pfs", pfs, "zstd").state, state)
 
 
 def test_a_raw_tier_decodes_a_compressed_tier_above_once_host_memory_let_the_save_go(tmp_path: Path) -> None:
@@ -495,10 +455,10 @@ def test_a_raw_tier_decodes_a_compressed_tier_above_once_host_memory_let_the_sav
     with Checkpointer(_config(_tier("archive", tmp_path / "archive"), capacity="40MiB")) as reader:
         restored = reader.restore_latest_sync()
     assert restored is not None and restored.step == 9
-    _assert_bitwise(states[9], restored.state)
+    assert_bitwise(restored.state, states[9])
 
 
-def test_promotion_copies_chunks_between_tiers_with_the_same_codec(opened: _Opened, tmp_path: Path) -> None:
+def test_promotion_copies_chunks_between_tiers_with_the_same_codec(opened: Opened, tmp_path: Path) -> None:
     nvme, pfs, archive = tmp_path / "nvme", tmp_path / "pfs", tmp_path / "archive"
     shuffle = {"level": 1, "shuffle": True}
     ckpt = opened(
@@ -520,10 +480,10 @@ def test_promotion_copies_chunks_between_tiers_with_the_same_codec(opened: _Open
     # An uncompressed tier copies host memory as it is (had it read a compressed tier, it would decode).
     assert {r.codec for r in _manifest(archive, 1).records} == {"none"}
     for name, path, codec in (("pfs", pfs, "zstd"), ("archive", archive, "none")):
-        _assert_bitwise(state, _restore_from(opened, name, path, codec).state)
+        assert_bitwise(_restore_from(opened, name, path, codec).state, state)
 
 
-def test_min_ratio_keeps_chunks_raw_that_do_not_save_enough(opened: _Opened, tmp_path: Path) -> None:
+def test_min_ratio_keeps_chunks_raw_that_do_not_save_enough(opened: Opened, tmp_path: Path) -> None:
     pfs = tmp_path / "pfs"
     ckpt = opened(_config(_tier("pfs", pfs, "zstd", level=1, shuffle=True, min_ratio=50.0), capacity="24MiB"))
     state = _model_state()
@@ -542,11 +502,11 @@ def test_min_ratio_keeps_chunks_raw_that_do_not_save_enough(opened: _Opened, tmp
                 assert chunk.stored * 50 <= record.chunk_span(i)[1]
     stats = ckpt.counters.compression["pfs"]
     assert stats.chunks_raw >= len(_FLOATS) and stats.chunks_compressed >= 1
-    _assert_bitwise(state, _restore_from(opened, "pfs", pfs, "zstd").state)
+    assert_bitwise(_restore_from(opened, "pfs", pfs, "zstd").state, state)
 
 
 def test_when_faster_bypasses_a_compressor_slower_than_the_disk(
-    opened: _Opened, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    opened: Opened, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # zstd level 19 runs at a few MB/s here, far below any disk: after measuring both, the tier
     # writes raw. The first version is written raw (measuring the disk), the second compressed.
@@ -562,11 +522,11 @@ def test_when_faster_bypasses_a_compressor_slower_than_the_disk(
     assert stats.bypassing and stats.versions_bypassed == 3 and stats.versions_compressed == 1
     assert 0 < stats.compress_bytes_per_s < stats.write_bytes_per_s
     assert "slower than writing raw" in caplog.text
-    _assert_bitwise(state, _restore_from(opened, "pfs", pfs, "zstd").state)
+    assert_bitwise(_restore_from(opened, "pfs", pfs, "zstd").state, state)
 
 
 def test_when_faster_keeps_compressing_a_compressor_faster_than_the_disk(
-    opened: _Opened, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    opened: Opened, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A 5 MB/s disk: every write takes its bytes' time first (inside the timed write, as a slow
     # disk would). zstd level 1 (hundreds of MB/s) keeps up with that.
@@ -591,7 +551,7 @@ def test_when_faster_keeps_compressing_a_compressor_faster_than_the_disk(
     assert stats.compress_bytes_per_s > stats.write_bytes_per_s > 0
 
 
-def test_a_damaged_chunk_of_a_shuffle_tier_names_the_key_and_chunk(opened: _Opened, tmp_path: Path) -> None:
+def test_a_damaged_chunk_of_a_shuffle_tier_names_the_key_and_chunk(opened: Opened, tmp_path: Path) -> None:
     pfs = tmp_path / "pfs"
     ckpt = opened(_config(_tier("pfs", pfs, "zstd", level=1, shuffle=True), capacity="40MiB"))
     old = {"w": _weights(5 << 20, torch.float32, seed=1)}  # 20 MiB: two chunks
@@ -607,10 +567,10 @@ def test_a_damaged_chunk_of_a_shuffle_tier_names_the_key_and_chunk(opened: _Open
     with pytest.warns(RuntimeWarning, match=r"step 2 on tier 'pfs'.*checksum mismatch in \['w'\] \(chunk 1\)"):
         restored = opened(_config(_tier("pfs", pfs, "zstd"), capacity="40MiB")).restore_latest_sync()
     assert restored is not None and restored.step == 1
-    _assert_bitwise(old, restored.state)
+    assert_bitwise(restored.state, old)
 
 
-def test_a_frame_that_matches_its_checksum_but_does_not_decode_names_the_chunk(opened: _Opened, tmp_path: Path) -> None:
+def test_a_frame_that_matches_its_checksum_but_does_not_decode_names_the_chunk(opened: Opened, tmp_path: Path) -> None:
     # A writer bug, not a disk error: the checksum holds, the frame does not decode.
     pfs = tmp_path / "pfs"
     ckpt = opened(_config(_tier("pfs", pfs, "zstd", level=1, shuffle=True)))
@@ -629,7 +589,7 @@ def test_a_frame_that_matches_its_checksum_but_does_not_decode_names_the_chunk(o
         assert opened(_config(_tier("pfs", pfs, "zstd"))).restore_latest_sync() is None
 
 
-def test_compressor_throughput_counts_the_threads_that_compressed(opened: _Opened, tmp_path: Path) -> None:
+def test_compressor_throughput_counts_the_threads_that_compressed(opened: Opened, tmp_path: Path) -> None:
     # One chunk per version: one thread compresses, whatever io_threads says. The reported throughput
     # is that thread's, not eight times it.
     from tierckpt.tiers.encoding import TierEncoding

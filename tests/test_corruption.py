@@ -44,6 +44,8 @@ from tierckpt.cli import main as cli
 from tierckpt.format import CHUNK_BYTES, DATA_FILE, MANIFEST_FILE, Manifest, TensorRecord, version_dirname
 from tierckpt.testing import flip_bits
 
+from helpers import assert_bitwise, nvme_and_pfs, zeroed
+
 SEED = 11
 TRIALS = int(os.environ.get("TIERCKPT_CORRUPTION_TRIALS", "64"))
 KINDS = ("flip-data", "flip-manifest", "truncate-data", "truncate-manifest")
@@ -52,19 +54,7 @@ TIERS = ("nvme", "pfs")
 
 
 def _config(root: Path, capacity: str = "160MiB", snapshots: int = 2) -> dict[str, Any]:
-    return {
-        "host": {"capacity": capacity, "snapshots": snapshots},
-        "tiers": [
-            {"name": "ram", "type": "memory"},
-            {"name": "nvme", "type": "filesystem", "path": str(root / "nvme")},
-            {
-                "name": "pfs",
-                "type": "filesystem",
-                "path": str(root / "pfs"),
-                "compression": {"codec": "zstd", "level": 1, "shuffle": True},
-            },
-        ],
-    }
+    return nvme_and_pfs(root, capacity=capacity, snapshots=snapshots)
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -94,44 +84,6 @@ def _state(step: int) -> dict[str, Any]:
         "step": step,
         "name": f"run-{step}",
     }
-
-
-def _template(like: Any) -> Any:
-    """A state of the same structure with every array zeroed (fresh model and optimizer)."""
-    if isinstance(like, dict):
-        return {key: _template(value) for key, value in like.items()}
-    if isinstance(like, (list, tuple)):
-        return type(like)(_template(value) for value in like)
-    if isinstance(like, torch.Tensor):
-        return torch.zeros_like(like)
-    if isinstance(like, np.ndarray):
-        return np.zeros_like(like)
-    return like
-
-
-def _bytes(tensor: torch.Tensor) -> bytes:
-    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def _equal(actual: Any, expected: Any, path: str = "") -> None:
-    """Bitwise equality of two states: types, structure, dtypes, shapes and bytes."""
-    assert type(actual) is type(expected), path
-    if isinstance(expected, dict):
-        assert list(actual) == list(expected), path
-        for key in expected:
-            _equal(actual[key], expected[key], f"{path}[{key!r}]")
-    elif isinstance(expected, (list, tuple)):
-        assert len(actual) == len(expected), path
-        for i, (a, e) in enumerate(zip(actual, expected)):
-            _equal(a, e, f"{path}[{i}]")
-    elif isinstance(expected, torch.Tensor):
-        assert (actual.dtype, actual.shape, actual.device) == (expected.dtype, expected.shape, expected.device), path
-        assert _bytes(actual) == _bytes(expected), path
-    elif isinstance(expected, (np.ndarray, np.generic)):
-        assert (actual.dtype, actual.shape) == (expected.dtype, expected.shape), path
-        assert actual.tobytes() == expected.tobytes(), path
-    else:
-        assert actual == expected, path
 
 
 @pytest.fixture(scope="module")
@@ -255,7 +207,7 @@ def test_every_damage_is_detected_and_restore_falls_back_bitwise(saved: Path) ->
                 expected = (2, victim)
             else:
                 expected = (2, "pfs") if victim == "nvme" else (1, "nvme")
-            template = _template(expected_states[1]) if trial % 2 else None
+            template = zeroed(expected_states[1]) if trial % 2 else None
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 # A new process's Checkpointer: its memory tier is empty; one slot holds the staging.
@@ -264,7 +216,7 @@ def test_every_damage_is_detected_and_restore_falls_back_bitwise(saved: Path) ->
             messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
             assert restored is not None, context
             assert (restored.step, restored.tier) == expected, (context, messages)
-            _equal(restored.state, expected_states[restored.step])
+            assert_bitwise(restored.state, expected_states[restored.step])
             if template is not None:
                 assert restored.state["model"]["embed.weight"] is template["model"]["embed.weight"], context
             status, report = _verify(root / victim / version_dirname(2))

@@ -28,6 +28,8 @@ import torch
 from tierckpt import Checkpointer
 from tierckpt.format import version_dirname
 
+from helpers import assert_bitwise
+
 _CHILD = Path(__file__).with_name("crash_child.py")
 _spec = importlib.util.spec_from_file_location("tierckpt_crash_child", _CHILD)
 assert _spec is not None and _spec.loader is not None
@@ -130,18 +132,6 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., Child]]:
             c.close()  # always killed and reaped, whatever the test did
 
 
-def _assert_state(actual: Any, expected: Any) -> None:
-    assert list(actual) == list(expected)
-    for key, value in expected.items():
-        if isinstance(value, torch.Tensor):
-            got = actual[key]
-            assert (got.dtype, got.shape) == (value.dtype, value.shape), key
-            assert torch.equal(got.view(torch.uint8) if got.dtype.is_floating_point else got,
-                               value.view(torch.uint8) if value.dtype.is_floating_point else value), key
-        else:
-            assert actual[key] == value, key
-
-
 def _recover(root: Path, big: torch.Tensor) -> Any:
     """Open the directory as a restarted job would; check the sweep; restore and verify."""
     with Checkpointer(child.config(str(root))) as ckpt:
@@ -152,7 +142,7 @@ def _recover(root: Path, big: torch.Tensor) -> Any:
     if restored is not None:
         assert restored.tier == "nvme"
         expected = child.make_state(restored.step, big, restored.state["variant"])
-        _assert_state(restored.state, expected)
+        assert_bitwise(restored.state, expected)
     return restored, listing
 
 

@@ -21,6 +21,8 @@ from tierckpt._buffers import address, aligned_buffer
 from tierckpt.capture import pinning
 from tierckpt.capture.copier import TornCaptureError
 
+from helpers import assert_bitwise, fs_tier, tier_config
+
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 SLEEP_CYCLES = 2_000_000_000  # ~1 s of GPU time: far longer than the host takes to reach its checks
@@ -28,14 +30,7 @@ DEADLINE_S = 120.0  # a deadlock guard only
 
 
 def config(tmp_path: Path, *, capacity: str = "1GiB", snapshots: int = 2, **host: Any) -> dict[str, Any]:
-    return {
-        "host": {"capacity": capacity, "snapshots": snapshots, **host},
-        "tiers": [{"name": "ram", "type": "memory"}, {"name": "nvme", "type": "filesystem", "path": str(tmp_path / "nvme")}],
-    }
-
-
-def host_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+    return tier_config(fs_tier("nvme", tmp_path / "nvme"), capacity=capacity, snapshots=snapshots, **host)
 
 
 def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], device: str = "cuda") -> torch.Tensor:
@@ -53,11 +48,6 @@ def every_dtype() -> list[torch.dtype]:
         "int64", "uint8", "uint16", "uint32", "uint64", "bool", "float8_e4m3fn", "float8_e5m2",
     ]
     return [getattr(torch, n) for n in names if hasattr(torch, n)]
-
-
-def assert_bitwise(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert (got.dtype, tuple(got.shape)) == (want.dtype, tuple(want.shape))
-    assert torch.equal(host_bytes(got), host_bytes(want))
 
 
 # -- round trips ----------------------------------------------------------------------------------------
@@ -86,10 +76,10 @@ def test_cuda_tensors_of_every_dtype_round_trip_bitwise(tmp_path: Path) -> None:
     assert into_template is not None
     for key, want in state.items():
         assert from_ram.state[key].device.type == "cpu"  # no template: new CPU tensors
-        assert_bitwise(from_ram.state[key], want)
+        assert_bitwise(from_ram.state[key], want, devices=False)
         assert into_template.state[key] is template[key]
         assert template[key].device == want.device
-        assert_bitwise(template[key], want)
+        assert_bitwise(template[key], want, devices=False)
 
 
 def test_restore_from_disk_into_cuda_templates_through_the_pool(tmp_path: Path) -> None:
@@ -101,7 +91,7 @@ def test_restore_from_disk_into_cuda_templates_through_the_pool(tmp_path: Path) 
         restored = ckpt.restore_latest_sync(template)
     assert restored is not None and restored.tier == "nvme"
     for key, want in state.items():
-        assert_bitwise(template[key], want)
+        assert_bitwise(template[key], want, devices=False)
 
 
 def test_mixed_devices_round_trip_each_to_its_templates_device(tmp_path: Path) -> None:
@@ -118,7 +108,7 @@ def test_mixed_devices_round_trip_each_to_its_templates_device(tmp_path: Path) -
     for key, want in state.items():
         if isinstance(want, torch.Tensor):
             assert restored.state[key].device == want.device
-            assert_bitwise(restored.state[key], want)
+            assert_bitwise(restored.state[key], want, devices=False)
 
 
 # -- the lazy barrier ------------------------------------------------------------------------------------
@@ -144,7 +134,7 @@ def test_an_optimizer_step_right_after_save_does_not_change_the_checkpoint(tmp_p
         restored = ckpt.restore_latest_sync()
     assert restored is not None
     for key, want in before.items():
-        assert_bitwise(restored.state["model"][key], want)
+        assert_bitwise(restored.state["model"][key], want, devices=False)
         assert not torch.equal(after[key], want)  # the step did change the live weights
 
 
@@ -160,7 +150,7 @@ def test_a_kernel_after_wait_captured_writes_after_the_copy(tmp_path: Path) -> N
         assert handle.captured_sync(DEADLINE_S) is True
         restored = ckpt.restore_latest_sync()
     assert restored is not None
-    assert_bitwise(restored.state["ema"], expected)
+    assert_bitwise(restored.state["ema"], expected, devices=False)
     assert not torch.equal(ema.cpu(), expected)
 
 
@@ -233,7 +223,7 @@ def test_the_pool_is_pinned_under_auto_and_pageable_under_false(tmp_path: Path) 
         assert ckpt.save_sync(1, {"x": x}).captured_sync(DEADLINE_S)  # pageable copies still work
         restored = ckpt.restore_latest_sync()
     assert restored is not None
-    assert_bitwise(restored.state["x"], x)
+    assert_bitwise(restored.state["x"], x, devices=False)
 
 
 def test_a_refused_registration_falls_back_and_leaves_no_cuda_error(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:

@@ -19,17 +19,13 @@ from tierckpt import Checkpointer, TierckptError
 from tierckpt.errors import ClosedError
 from tierckpt.testing import slow
 
+from helpers import assert_bitwise, fs_tier, held, tier_config
+
 DEADLINE_S = 30.0  # a deadlock guard only: every wait below ends on an event long before it
 
 
 def make_config(tmp_path: Path, **host: Any) -> dict[str, Any]:
-    return {
-        "host": {"capacity": "8MiB", "snapshots": 2, **host},
-        "tiers": [
-            {"name": "ram", "type": "memory"},
-            {"name": "nvme", "type": "filesystem", "path": str(tmp_path / "nvme")},
-        ],
-    }
+    return tier_config(fs_tier("nvme", tmp_path / "nvme"), **host)
 
 
 def manifest_of(tmp_path: Path, step: int, tier: str = "nvme") -> Path:
@@ -39,19 +35,6 @@ def manifest_of(tmp_path: Path, step: int, tier: str = "nvme") -> Path:
 def small_state(seed: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     return {"w": torch.randn(64, 32, generator=g), "b": torch.arange(seed, seed + 8), "step": seed, "tag": f"s{seed}"}
-
-
-def assert_same_state(got: Any, want: Any) -> None:
-    assert type(got) is type(want), (type(got), type(want))
-    if isinstance(want, torch.Tensor):
-        assert got.dtype == want.dtype and got.shape == want.shape and got.device == want.device
-        assert torch.equal(got, want)
-    elif isinstance(want, dict):
-        assert list(got) == list(want)
-        for key in want:
-            assert_same_state(got[key], want[key])
-    else:
-        assert got == want
 
 
 def run_in_thread(fn: Callable[[], Any]) -> Any:
@@ -114,7 +97,7 @@ async def test_async_api_from_the_test_loop(tmp_path: Path) -> None:
         restored = await ckpt.restore_latest()
         assert restored is not None
         assert (restored.step, restored.tier, restored.metadata) == (3, "ram", {"epoch": 2})
-        assert_same_state(restored.state, state)
+        assert_bitwise(restored.state, state)
         with pytest.raises(KeyError, match="no tier named 'tape'"):
             await handle.committed("tape")
     assert manifest_of(tmp_path, 3).exists()
@@ -176,7 +159,7 @@ async def test_async_api_from_a_second_loop_on_another_thread(tmp_path: Path) ->
             await ckpt.wait()
             restored = await ckpt.restore_latest()
             assert restored is not None
-            assert_same_state(restored.state, state)
+            assert_bitwise(restored.state, state)
             return committed, restored.step
 
         # asyncio.run on a plain thread: a loop that is neither the engine's nor this test's.
@@ -227,7 +210,7 @@ def test_sync_twins_from_a_plain_thread(tmp_path: Path) -> None:
     restored, versions = run_in_thread(work)
     assert versions == [("ram", 7), ("nvme", 7)]
     assert (restored.step, restored.tier, restored.metadata) == (7, "ram", {"who": "worker"})
-    assert_same_state(restored.state, state)
+    assert_bitwise(restored.state, state)
 
 
 def test_calls_from_two_threads_in_turn(tmp_path: Path) -> None:
@@ -257,8 +240,8 @@ def test_calls_from_two_threads_in_turn(tmp_path: Path) -> None:
         committed_b, restored = threads["b"]
         assert committed_b is True
         assert restored.step == 2
-        assert_same_state(restored.state, small_state(2))
-        assert sorted(v.step for v in ckpt.versions() if v.tier == "nvme") == [1, 2]
+        assert_bitwise(restored.state, small_state(2))
+        assert sorted(held(ckpt, "nvme")) == [1, 2]
     finally:
         ckpt.close_sync()
 
@@ -288,12 +271,12 @@ def test_saves_from_two_threads_at_once(tmp_path: Path) -> None:
         for handle in handles.values():
             assert handle.captured_sync(0) is True
             assert handle._tracker.done()  # every tier decided: no save left hanging
-        assert sorted(v.step for v in ckpt.versions() if v.tier == "ram") == [10, 20]
+        assert sorted(held(ckpt, "ram")) == [10, 20]
         restored = ckpt.restore_latest_sync()
         assert restored is not None and restored.step == 20
-        assert_same_state(restored.state, small_state(20))
+        assert_bitwise(restored.state, small_state(20))
         # nvme holds the save that came last (whichever thread that was), intact.
-        on_nvme = [v.step for v in ckpt.versions() if v.tier == "nvme"]
+        on_nvme = held(ckpt, "nvme")
         assert len(on_nvme) >= 1 and set(on_nvme) <= {10, 20}
         newest = max(handles.values(), key=lambda h: h._tracker.token)
         assert newest.committed_sync("nvme", 0) is True
@@ -321,7 +304,7 @@ def test_with_block_closes_and_drains(tmp_path: Path) -> None:
     with Checkpointer(make_config(tmp_path)) as again:
         restored = again.restore_latest_sync()
     assert restored is not None and (restored.step, restored.tier) == (1, "nvme")
-    assert_same_state(restored.state, small_state(1))
+    assert_bitwise(restored.state, small_state(1))
 
 
 def test_with_block_closes_on_an_exception(tmp_path: Path) -> None:

@@ -24,6 +24,8 @@ from tierckpt.export import ExportProgress, export
 from tierckpt.format import DATA_FILE, MANIFEST_FILE, Manifest, version_dirname
 from tierckpt.testing import failures, flip_bits, launch_ranks
 
+from helpers import bitwise_equal
+
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -104,12 +106,6 @@ def _get(state: Any, path: tuple[Any, ...]) -> Any:
     return state
 
 
-def _bitwise(got: torch.Tensor, want: torch.Tensor) -> bool:
-    if got.dtype != want.dtype or got.shape != want.shape:
-        return False
-    return torch.equal(got.reshape(-1).view(torch.uint8), want.contiguous().reshape(-1).view(torch.uint8))
-
-
 def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "tierckpt", "export", *argv], capture_output=True, text=True, env=ENV, timeout=120)
 
@@ -134,8 +130,8 @@ def test_safetensors_export_is_bitwise_with_dotted_names_and_metadata(version: P
     with safe_open(str(out), framework="pt") as f:
         assert set(f.keys()) == set(NAMES) | {"np"}
         for name, path in NAMES.items():
-            assert _bitwise(f.get_tensor(name), _get(state, path)), name
-        assert _bitwise(f.get_tensor("np"), torch.arange(6, dtype=torch.int16).reshape(2, 3))
+            assert bitwise_equal(f.get_tensor(name), _get(state, path)), name
+        assert bitwise_equal(f.get_tensor("np"), torch.arange(6, dtype=torch.int16).reshape(2, 3))
         meta = f.metadata()
     assert meta["format"] == "pt" and meta["tierckpt.step"] == str(STEP)
     assert json.loads(meta["tierckpt.metadata"]) == {"epoch": 3, "note": "warm"}
@@ -152,11 +148,11 @@ def test_torch_export_rebuilds_the_state_bitwise(version: Path, tmp_path: Path) 
     assert sorted(got) == sorted(want) and sorted(got["model"]) == sorted(want["model"])
     for path in NAMES.values():
         value = _get(got, path)
-        assert type(value) is torch.Tensor and _bitwise(value, _get(want, path)), path
+        assert type(value) is torch.Tensor and bitwise_equal(value, _get(want, path)), path
     assert got["optim"]["param_groups"] == [{"lr": 0.001, "betas": (0.9, 0.999), "params": [0]}]
     assert got["optim"]["state"][0]["step"] == 3
     assert (got["step"], got["name"], got["blob"]) == (STEP, "run-a", b"\x00\x01")
-    assert _bitwise(got["np"], torch.arange(6, dtype=torch.int16).reshape(2, 3))  # numpy became a tensor
+    assert bitwise_equal(got["np"], torch.arange(6, dtype=torch.int16).reshape(2, 3))  # numpy became a tensor
 
 
 def test_python_api_returns_a_summary_and_reports_each_tensor(version: Path, tmp_path: Path) -> None:
@@ -211,19 +207,15 @@ def test_four_ranks_of_dtensor_shards_export_as_global_tensors(tmp_path: Path, c
     with safe_open(str(tmp_path / "out.safetensors"), framework="pt") as f:
         assert set(f.keys()) == {f"model.{k}" for k in reshard_worker.SHAPES} | {"rank"}
         for key in reshard_worker.SHAPES:
-            assert _bitwise(f.get_tensor(f"model.{key}"), reshard_worker.global_value(key)), key
-        assert _bitwise(f.get_tensor("rank"), torch.tensor([0]))  # a rank's own value: rank 0's
+            assert bitwise_equal(f.get_tensor(f"model.{key}"), reshard_worker.global_value(key)), key
+        assert bitwise_equal(f.get_tensor("rank"), torch.tensor([0]))  # a rank's own value: rank 0's
         assert json.loads(f.metadata()["tierckpt.extra"]) == {"step": reshard_worker.STEP}
     status, _, err = _in_process(capsys, str(version), str(tmp_path / "out.pt"))
     assert status == 0, err
     got = torch.load(tmp_path / "out.pt", weights_only=True)
     for key in reshard_worker.SHAPES:
-        assert _bitwise(got["model"][key], reshard_worker.global_value(key)), key
-    assert got["step"] == reshard_worker.STEP and _bitwise(got["rank"], torch.tensor([0]))
-
-
-def _flip(path: Path, offset: int) -> None:
-    flip_bits(path, offset, 0x10)
+        assert bitwise_equal(got["model"][key], reshard_worker.global_value(key)), key
+    assert got["step"] == reshard_worker.STEP and bitwise_equal(got["rank"], torch.tensor([0]))
 
 
 @pytest.mark.parametrize("to", ["safetensors", "torch"])
@@ -233,7 +225,7 @@ def test_a_damaged_chunk_fails_with_status_1_and_leaves_no_output(
     damaged = tmp_path / "disk" / version.name
     shutil.copytree(version, damaged)
     record = next(r for r in Manifest.decode((damaged / MANIFEST_FILE).read_bytes()).records if r.key == "['model']['big']")
-    _flip(damaged / DATA, record.chunks[0].offset + 1000)
+    flip_bits(damaged / DATA, record.chunks[0].offset + 1000)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     status, stdout, err = _in_process(capsys, str(damaged), str(out_dir / "model.bin"), "--to", to)
@@ -278,4 +270,4 @@ def test_what_safetensors_cannot_hold_is_refused_before_writing(tmp_path: Path, 
     status, _, err = _in_process(capsys, str(version), str(out_dir / "m.pt"))
     assert status == 0, err
     got = torch.load(out_dir / "m.pt", weights_only=True)
-    assert _bitwise(got["model"]["c"], torch.tensor([1 + 2j], dtype=torch.complex128)) and got["a.b"] == 1
+    assert bitwise_equal(got["model"]["c"], torch.tensor([1 + 2j], dtype=torch.complex128)) and got["a.b"] == 1

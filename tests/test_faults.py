@@ -17,7 +17,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import aiofiles.os
 import pytest
@@ -28,19 +28,18 @@ from tierckpt.format import version_dirname
 from tierckpt.testing import IOFaults
 from tierckpt.storage import posix
 
+from helpers import Opened, assert_bitwise, fs_tier, held, leftovers, memory_tier, tier_config
+
+
 DEADLINE_S = 60.0
 ERRNOS = [errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EACCES]
 ERRNO_IDS = [errno.errorcode[e] for e in ERRNOS]
 
+CLOSE_TOLERATES = (FlushError,)  # for the opened fixture: closing raises again what a test provoked
+
 
 def _config(root: Path, **nvme: Any) -> dict[str, Any]:
-    return {
-        "host": {"capacity": "8MiB", "snapshots": 2},
-        "tiers": [
-            {"name": "ram", "type": "memory", "keep": {"last": 1}},
-            {"name": "nvme", "type": "filesystem", "path": str(root), "keep": {"last": 1}, **nvme},
-        ],
-    }
+    return tier_config(fs_tier("nvme", root, keep={"last": 1}, **nvme), ram=memory_tier(keep={"last": 1}))
 
 
 def _state(step: int, seed: int | None = None) -> dict[str, Any]:
@@ -48,24 +47,8 @@ def _state(step: int, seed: int | None = None) -> dict[str, Any]:
     return {"w": torch.randn(30_000, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16), "step": step}
 
 
-def _assert_state(got: Any, step: int, seed: int | None = None) -> None:
-    want = _state(step, seed)
-    assert got["step"] == want["step"]
-    for key in ("w", "b"):
-        assert (got[key].dtype, got[key].shape) == (want[key].dtype, want[key].shape)
-        assert torch.equal(got[key].view(torch.uint8), want[key].view(torch.uint8)), key  # bit for bit
-
-
-def _held(ckpt: Checkpointer) -> list[int]:
-    return [v.step for v in ckpt.versions() if v.tier == "nvme"]
-
-
 def _steps(root: Path) -> list[str]:
     return sorted(n for n in os.listdir(root) if n.startswith("step-"))
-
-
-def _leftovers(root: Path) -> list[str]:
-    return sorted(n for n in os.listdir(root) if n.startswith((".tmp-", ".trash-", ".replaced-")))
 
 
 def _restore_copy(version: Path, scratch: Path) -> Any:
@@ -78,22 +61,8 @@ def _restore_copy(version: Path, scratch: Path) -> Any:
     return restored
 
 
-@pytest.fixture
-def opened() -> Iterator[list[Checkpointer]]:
-    made: list[Checkpointer] = []
-    yield made
-    for ckpt in made:
-        if not ckpt._closed:
-            try:
-                ckpt.close_sync()
-            except FlushError:
-                pass  # asserted on by the test
-
-
-def _open(made: list[Checkpointer], root: Path, **nvme: Any) -> Checkpointer:
-    ckpt = Checkpointer(_config(root, **nvme))
-    made.append(ckpt)
-    return ckpt
+def _open(opened: Opened, root: Path, **nvme: Any) -> Checkpointer:
+    return opened(_config(root, **nvme))
 
 
 def _check_failure(failure: FlushError, *, step: int, code: int, pattern: str) -> None:
@@ -127,7 +96,7 @@ WRITE_SITES = {
 @pytest.mark.parametrize("code", ERRNOS, ids=ERRNO_IDS)
 @pytest.mark.parametrize("site", list(WRITE_SITES))
 def test_a_failing_call_fails_that_save_only(
-    opened: list[Checkpointer], tmp_path: Path, site: str, code: int, caplog: pytest.LogCaptureFixture
+    opened: Opened, tmp_path: Path, site: str, code: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     root = tmp_path / "nvme"
     ckpt = _open(opened, root)
@@ -144,9 +113,9 @@ def test_a_failing_call_fails_that_save_only(
     assert handle.committed_sync("ram", 0) is True
 
     # Nothing committed was touched, and the failed attempt left nothing behind.
-    assert _held(ckpt) == [1]
+    assert held(ckpt, "nvme") == [1]
     assert _steps(root) == [version_dirname(1)]
-    assert _leftovers(root) == []
+    assert leftovers(root) == []
     counters = ckpt.counters
     assert (counters.flush_errors, counters.failed) == (1, {"nvme": 1})
     assert counters.last_error["nvme"] is info.value
@@ -154,25 +123,25 @@ def test_a_failing_call_fails_that_save_only(
     assert any(str(info.value) in m and "holds steps [1]" in m for m in logged), logged
     first = _restore_copy(root / version_dirname(1), tmp_path)
     assert first.step == 1
-    _assert_state(first.state, 1)
+    assert_bitwise(first.state, _state(1))
 
     # Training goes on: the next save does not raise, and commits.
     later = ckpt.save_sync(3, _state(3))
     assert later.committed_sync("nvme", DEADLINE_S) is True
     ckpt.wait_sync()  # the tier committed since its failure: nothing to raise
-    assert _held(ckpt) == [3]  # retention ran only now, after a commit
+    assert held(ckpt, "nvme") == [3]  # retention ran only now, after a commit
     assert _steps(root) == [version_dirname(3)]
-    assert _leftovers(root) == []
+    assert leftovers(root) == []
     ckpt.close_sync()
     restored = _open(opened, root).restore_latest_sync()
     assert restored is not None and restored.step == 3
-    _assert_state(restored.state, 3)
+    assert_bitwise(restored.state, _state(3))
 
 
 @pytest.mark.parametrize("code", ERRNOS, ids=ERRNO_IDS)
 @pytest.mark.parametrize("site", ["rename-aside", "rename-into-place", "fsync-tier-dir"])
 def test_a_failed_replacement_keeps_the_committed_version_of_that_step(
-    opened: list[Checkpointer], tmp_path: Path, site: str, code: int
+    opened: Opened, tmp_path: Path, site: str, code: int
 ) -> None:
     """Saving a committed step again moves the old version aside, renames the new one in and syncs the
     directory: whichever of the three fails, the step keeps its old content."""
@@ -191,19 +160,19 @@ def test_a_failed_replacement_keeps_the_committed_version_of_that_step(
             handle.committed_sync("nvme", DEADLINE_S)
     assert len(faults.failed) == 1
     _check_failure(info.value, step=1, code=code, pattern=pattern)
-    assert _held(ckpt) == [1]
+    assert held(ckpt, "nvme") == [1]
     assert _steps(root) == [version_dirname(1)]
-    assert _leftovers(root) == []
+    assert leftovers(root) == []
     old = _restore_copy(root / version_dirname(1), tmp_path)
-    _assert_state(old.state, 1)  # the old content, not seed 100
+    assert_bitwise(old.state, _state(1))  # the old content, not seed 100
 
     assert ckpt.save_sync(1, _state(1, seed=200)).committed_sync("nvme", DEADLINE_S) is True
     ckpt.wait_sync()
-    assert _leftovers(root) == []
-    _assert_state(_restore_copy(root / version_dirname(1), tmp_path).state, 1, seed=200)
+    assert leftovers(root) == []
+    assert_bitwise(_restore_copy(root / version_dirname(1), tmp_path).state, _state(1, seed=200))
 
 
-def test_an_undo_that_fails_too_leaves_the_new_version_whole_in_place(opened: list[Checkpointer], tmp_path: Path) -> None:
+def test_an_undo_that_fails_too_leaves_the_new_version_whole_in_place(opened: Opened, tmp_path: Path) -> None:
     """The directory fsync after the commit rename fails, and so does renaming the version back: it stays."""
     root = tmp_path / "nvme"
     ckpt = _open(opened, root)
@@ -218,17 +187,17 @@ def test_an_undo_that_fails_too_leaves_the_new_version_whole_in_place(opened: li
             handle.committed_sync("nvme", DEADLINE_S)
     assert (info.value.step, info.value.errno, info.value.filename) == (2, errno.EIO, str(root))
     assert [Path(p).name for _, p in undo.failed] == [version_dirname(2)]
-    assert _held(ckpt) == [1, 2]  # what the directory shows: retention did not run
+    assert held(ckpt, "nvme") == [1, 2]  # what the directory shows: retention did not run
     assert _steps(root) == [version_dirname(1), version_dirname(2)]
-    _assert_state(_restore_copy(root / version_dirname(1), tmp_path).state, 1)
-    _assert_state(_restore_copy(root / version_dirname(2), tmp_path).state, 2)
+    assert_bitwise(_restore_copy(root / version_dirname(1), tmp_path).state, _state(1))
+    assert_bitwise(_restore_copy(root / version_dirname(2), tmp_path).state, _state(2))
     assert ckpt.save_sync(3, _state(3)).committed_sync("nvme", DEADLINE_S) is True
     ckpt.wait_sync()
-    assert _held(ckpt) == [3] and _leftovers(root) == []
+    assert held(ckpt, "nvme") == [3] and leftovers(root) == []
 
 
 def test_an_old_version_that_cannot_be_put_back_returns_at_the_next_open(
-    opened: list[Checkpointer], tmp_path: Path, caplog: pytest.LogCaptureFixture
+    opened: Opened, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     root = tmp_path / "nvme"
     ckpt = _open(opened, root)
@@ -241,17 +210,17 @@ def test_an_old_version_that_cannot_be_put_back_returns_at_the_next_open(
     with faults[0], faults[1]:
         with pytest.raises(FlushError):
             ckpt.save_sync(1, _state(1, seed=100)).committed_sync("nvme", DEADLINE_S)
-    assert _held(ckpt) == []  # the tier no longer shows it...
-    assert [n[: len(".replaced-step-000000000001")] for n in _leftovers(root)] == [".replaced-step-000000000001"]
+    assert held(ckpt, "nvme") == []  # the tier no longer shows it...
+    assert [n[: len(".replaced-step-000000000001")] for n in leftovers(root)] == [".replaced-step-000000000001"]
     assert any("could not be put back" in r.getMessage() for r in caplog.records)
     with pytest.raises(FlushError):  # the tier has committed nothing since
         ckpt.close_sync()
 
     again = _open(opened, root)  # ...and puts it back when it opens
-    assert _held(again) == [1] and _leftovers(root) == []
+    assert held(again, "nvme") == [1] and leftovers(root) == []
     restored = again.restore_latest_sync()
     assert restored is not None and restored.step == 1
-    _assert_state(restored.state, 1)
+    assert_bitwise(restored.state, _state(1))
 
 
 # -- a failing delete ----------------------------------------------------------------------------------------
@@ -269,7 +238,7 @@ DELETE_SITES = {
 @pytest.mark.parametrize("code", ERRNOS, ids=ERRNO_IDS)
 @pytest.mark.parametrize("site", list(DELETE_SITES))
 def test_a_failing_delete_keeps_the_version_or_trashes_it_whole(
-    opened: list[Checkpointer], tmp_path: Path, site: str, code: int, caplog: pytest.LogCaptureFixture
+    opened: Opened, tmp_path: Path, site: str, code: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     root = tmp_path / "nvme"
     ckpt = _open(opened, root)
@@ -292,20 +261,20 @@ def test_a_failing_delete_keeps_the_version_or_trashes_it_whole(
     assert any(str(failure) in m for m in logged), logged
 
     if site == "rename-to-trash":
-        assert _held(ckpt) == [1, 2]
-        assert _steps(root) == [version_dirname(1), version_dirname(2)] and _leftovers(root) == []
-        _assert_state(_restore_copy(root / version_dirname(1), tmp_path).state, 1)
+        assert held(ckpt, "nvme") == [1, 2]
+        assert _steps(root) == [version_dirname(1), version_dirname(2)] and leftovers(root) == []
+        assert_bitwise(_restore_copy(root / version_dirname(1), tmp_path).state, _state(1))
     else:
-        assert _held(ckpt) == [2]
+        assert held(ckpt, "nvme") == [2]
         assert _steps(root) == [version_dirname(2)]
-        assert [n[: len(".trash-step-000000000001")] for n in _leftovers(root)] == [".trash-step-000000000001"]
-    _assert_state(_restore_copy(before, tmp_path).state, 1)  # what was deleted was whole up to then
+        assert [n[: len(".trash-step-000000000001")] for n in leftovers(root)] == [".trash-step-000000000001"]
+    assert_bitwise(_restore_copy(before, tmp_path).state, _state(1))  # what was deleted was whole up to then
 
     # The next save commits; retention deletes what it could not, and the leftovers are swept.
     assert ckpt.save_sync(3, _state(3)).committed_sync("nvme", DEADLINE_S) is True
     ckpt.wait_sync()
-    assert _held(ckpt) == [3]
-    assert _steps(root) == [version_dirname(3)] and _leftovers(root) == []
+    assert held(ckpt, "nvme") == [3]
+    assert _steps(root) == [version_dirname(3)] and leftovers(root) == []
     assert ckpt.counters.flush_errors == 1
 
 
@@ -314,7 +283,7 @@ def test_a_failing_delete_keeps_the_version_or_trashes_it_whole(
 
 @pytest.mark.parametrize("code", [errno.EIO, errno.EACCES], ids=["EIO", "EACCES"])
 def test_a_temporary_directory_that_will_not_go_is_swept_before_the_next_write(
-    opened: list[Checkpointer], tmp_path: Path, code: int, caplog: pytest.LogCaptureFixture
+    opened: Opened, tmp_path: Path, code: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     root = tmp_path / "nvme"
     ckpt = _open(opened, root)
@@ -327,21 +296,21 @@ def test_a_temporary_directory_that_will_not_go_is_swept_before_the_next_write(
             ckpt.save_sync(2, _state(2)).committed_sync("nvme", DEADLINE_S)
         # The save's own failure is what is raised; the failed cleanup is logged.
         assert info.value.errno == errno.ENOSPC and info.value.filename.endswith("manifest.msgpack")
-        left = _leftovers(root)
+        left = leftovers(root)
         assert [n[: len(".tmp-step-000000000002")] for n in left] == [".tmp-step-000000000002"]
         assert os.listdir(root / left[0]) == ["data-r00000.bin"]  # the rest of it was removed anyway
         assert any("could not remove all of" in r.getMessage() and left[0] in r.getMessage() for r in caplog.records)
         # Still stuck: the next save commits all the same, and the retry fails quietly.
         assert ckpt.save_sync(3, _state(3)).committed_sync("nvme", DEADLINE_S) is True
         ckpt.wait_sync()
-        assert len(stuck.failed) >= 2 and _leftovers(root) == left
+        assert len(stuck.failed) >= 2 and leftovers(root) == left
     # Unstuck: retried before the next write.
     assert ckpt.save_sync(4, _state(4)).committed_sync("nvme", DEADLINE_S) is True
     ckpt.wait_sync()
-    assert _leftovers(root) == [] and _held(ckpt) == [4]
+    assert leftovers(root) == [] and held(ckpt, "nvme") == [4]
 
 
-def test_leftovers_a_failed_removal_left_are_swept_when_the_tier_next_opens(opened: list[Checkpointer], tmp_path: Path) -> None:
+def test_leftovers_a_failed_removal_left_are_swept_when_the_tier_next_opens(opened: Opened, tmp_path: Path) -> None:
     root = tmp_path / "nvme"
     ckpt = _open(opened, root)
     assert ckpt.save_sync(1, _state(1)).committed_sync("nvme", DEADLINE_S) is True
@@ -351,32 +320,25 @@ def test_leftovers_a_failed_removal_left_are_swept_when_the_tier_next_opens(open
     ):
         with pytest.raises(FlushError):
             ckpt.save_sync(2, _state(2)).committed_sync("nvme", DEADLINE_S)
-        assert len(_leftovers(root)) == 1
+        assert len(leftovers(root)) == 1
         with pytest.raises(FlushError):  # close() promises durability: the tier committed nothing since
             ckpt.close_sync()
-    assert len(_leftovers(root)) == 1
+    assert len(leftovers(root)) == 1
     again = _open(opened, root)
-    assert _leftovers(root) == [] and _held(again) == [1]
+    assert leftovers(root) == [] and held(again, "nvme") == [1]
     restored = again.restore_latest_sync()
     assert restored is not None and restored.step == 1
-    _assert_state(restored.state, 1)
+    assert_bitwise(restored.state, _state(1))
 
 
 # -- several tiers, a failing tier for a while ------------------------------------------------------------
 
 
-def test_a_failing_lower_tier_does_not_stop_the_others(opened: list[Checkpointer], tmp_path: Path) -> None:
+def test_a_failing_lower_tier_does_not_stop_the_others(opened: Opened, tmp_path: Path) -> None:
     nvme, pfs = tmp_path / "nvme", tmp_path / "pfs"
-    config = {
-        "host": {"capacity": "8MiB", "snapshots": 2},
-        "tiers": [
-            {"name": "ram", "type": "memory"},
-            {"name": "nvme", "type": "filesystem", "path": str(nvme), "keep": {"last": 1}},
-            {"name": "pfs", "type": "filesystem", "path": str(pfs), "keep": {"last": 1}, "compression": {"codec": "zstd"}},
-        ],
-    }
-    ckpt = Checkpointer(config)
-    opened.append(ckpt)
+    ckpt = opened(tier_config(
+        fs_tier("nvme", nvme, keep={"last": 1}), fs_tier("pfs", pfs, keep={"last": 1}, compression={"codec": "zstd"})
+    ))
     h1 = ckpt.save_sync(1, _state(1))
     assert h1.committed_sync("pfs", DEADLINE_S) is True
     with IOFaults(errno.EDQUOT, "write", under=pfs, path="*/.tmp-*/data-*", times=None):
@@ -392,7 +354,7 @@ def test_a_failing_lower_tier_does_not_stop_the_others(opened: list[Checkpointer
             ckpt.wait_sync()
         assert at_wait.value.tier == "pfs"
         ckpt.wait_sync()  # reported once
-    assert [v.step for v in ckpt.versions() if v.tier == "pfs"] == [1]  # never deleted for a failed newer one
+    assert held(ckpt, "pfs") == [1]  # never deleted for a failed newer one
     assert ckpt.counters.failed.get("nvme", 0) == 0
 
     # A failure on nvme fails nvme alone: pfs selects step 4 itself and takes it from host memory.
@@ -405,10 +367,10 @@ def test_a_failing_lower_tier_does_not_stop_the_others(opened: list[Checkpointer
     assert h5.committed_sync("pfs", DEADLINE_S) is True
     ckpt.wait_sync()
     assert [(v.tier, v.step) for v in ckpt.versions() if v.tier != "ram"] == [("nvme", 5), ("pfs", 5)]
-    assert _leftovers(nvme) == [] and _leftovers(pfs) == []
+    assert leftovers(nvme) == [] and leftovers(pfs) == []
 
 
-async def test_the_async_save_after_a_failed_flush_does_not_raise(opened: list[Checkpointer], tmp_path: Path) -> None:
+async def test_the_async_save_after_a_failed_flush_does_not_raise(opened: Opened, tmp_path: Path) -> None:
     root = tmp_path / "nvme"
     ckpt = _open(opened, root)
     with IOFaults(errno.EIO, "fsync", under=root, path="*/.tmp-*/data-*"):
@@ -456,7 +418,7 @@ def test_io_faults_fail_only_the_chosen_calls_and_put_everything_back(tmp_path: 
     assert (aiofiles.os.rename, posix._fallocate) == (aio_rename, fallocate)
 
 
-def test_a_kept_failure_holds_no_view_of_host_memory(opened: list[Checkpointer], tmp_path: Path) -> None:
+def test_a_kept_failure_holds_no_view_of_host_memory(opened: Opened, tmp_path: Path) -> None:
     """``counters.last_error`` lives as long as the Checkpointer: its tracebacks must not keep the
     writer thread's locals (views of a host slot) alive."""
     root = tmp_path / "nvme"

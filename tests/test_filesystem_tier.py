@@ -22,43 +22,13 @@ from tierckpt.errors import ConfigError, FlushError
 from tierckpt.format import MANIFEST_FILE, Chunk, Manifest, TensorRecord, checksum, version_dirname
 from tierckpt.storage import local
 from tierckpt.tiers import fswrite
-from tierckpt.tiers.filesystem import FilesystemSource, FilesystemTier
+from tierckpt.tiers.filesystem import FilesystemSource
 from tierckpt.storage.posix import probe_direct_io
 
-
-def _config(path: Path, *, capacity: str = "8MiB", name: str = "nvme", **tier: Any) -> dict[str, Any]:
-    return {
-        "host": {"capacity": capacity, "snapshots": 2},
-        "tiers": [{"name": "ram", "type": "memory"}, {"name": name, "type": "filesystem", "path": str(path), **tier}],
-    }
+from helpers import Opened, assert_bitwise, fs_tier_of, leftovers, ram_fs
 
 
-class _Opened:
-    """Checkpointers a test opens, all closed at teardown (even when the test failed)."""
-
-    def __init__(self) -> None:
-        self.all: list[Checkpointer] = []
-
-    def __call__(self, config: dict[str, Any]) -> Checkpointer:
-        c = Checkpointer(config)
-        self.all.append(c)
-        return c
-
-    def close(self) -> None:
-        for c in self.all:
-            try:
-                c.close_sync()
-            except FlushError:
-                pass  # already asserted on by the test that provoked it
-
-
-@pytest.fixture
-def opened() -> Iterator[_Opened]:
-    o = _Opened()
-    try:
-        yield o
-    finally:
-        o.close()
+CLOSE_TOLERATES = (FlushError,)  # for the opened fixture: closing raises again what a test provoked
 
 
 def _state(step: int, numel: int = 50_000) -> dict[str, Any]:
@@ -66,32 +36,17 @@ def _state(step: int, numel: int = 50_000) -> dict[str, Any]:
     return {"w": torch.randn(numel, generator=g), "i": torch.arange(1001) * step, "step": step}
 
 
-def _assert_state(actual: Any, step: int, numel: int = 50_000) -> None:
-    expected = _state(step, numel)
-    assert actual["step"] == step
-    for key in ("w", "i"):
-        assert actual[key].dtype == expected[key].dtype
-        assert actual[key].shape == expected[key].shape
-        assert torch.equal(actual[key], expected[key]), key
-
-
 def _hidden(path: Path) -> list[str]:
     return sorted(n for n in os.listdir(path) if n.startswith("."))
-
-
-def _fs_tier(ckpt: Checkpointer, name: str = "nvme") -> FilesystemTier:
-    tier = next(t for t in ckpt._pipeline.tiers if t.name == name)
-    assert isinstance(tier, FilesystemTier)
-    return tier
 
 
 def _save_committed(ckpt: Checkpointer, step: int, state: Any, tier: str = "nvme") -> None:
     assert ckpt.save_sync(step, state).committed_sync(tier, timeout=60) is True
 
 
-def _restore_fresh(opened: _Opened, path: Path, **tier: Any) -> Any:
+def _restore_fresh(opened: Opened, path: Path, **tier: Any) -> Any:
     """Restore through a new Checkpointer: its memory tier is empty, so this reads the disk."""
-    restored = opened(_config(path, **tier)).restore_latest_sync()
+    restored = opened(ram_fs(path, **tier)).restore_latest_sync()
     assert restored is None or restored.tier == tier.get("name", "nvme")
     return restored
 
@@ -99,9 +54,9 @@ def _restore_fresh(opened: _Opened, path: Path, **tier: Any) -> Any:
 # -- sweeping on open ---------------------------------------------------------------------------------
 
 
-def test_leftovers_are_swept_on_open(opened: _Opened, tmp_path: Path) -> None:
+def test_leftovers_are_swept_on_open(opened: Opened, tmp_path: Path) -> None:
     root = tmp_path / "nvme"
-    _save_committed(opened(_config(root)), 3, _state(3))
+    _save_committed(opened(ram_fs(root)), 3, _state(3))
     opened.close()
 
     leftovers = [
@@ -120,19 +75,19 @@ def test_leftovers_are_swept_on_open(opened: _Opened, tmp_path: Path) -> None:
     (root / "other-dir").mkdir()
     (root / "step-12").mkdir()
 
-    ckpt = opened(_config(root))
+    ckpt = opened(ram_fs(root))
     for d in leftovers:
         assert not d.exists(), d.name
     assert sorted(os.listdir(root)) == ["notes.txt", "other-dir", "step-000000000003", "step-12"]
     assert [(v.tier, v.step) for v in ckpt.versions()] == [("nvme", 3)]
     restored = ckpt.restore_latest_sync()
     assert restored is not None and (restored.step, restored.tier) == (3, "nvme")
-    _assert_state(restored.state, 3)
+    assert_bitwise(restored.state, _state(3))
 
 
-def test_a_version_with_a_corrupted_manifest_is_kept_but_skipped(opened: _Opened, tmp_path: Path) -> None:
+def test_a_version_with_a_corrupted_manifest_is_kept_but_skipped(opened: Opened, tmp_path: Path) -> None:
     root = tmp_path / "nvme"
-    first = opened(_config(root))
+    first = opened(ram_fs(root))
     _save_committed(first, 4, _state(4))
     _save_committed(first, 8, _state(8))
     opened.close()
@@ -141,24 +96,24 @@ def test_a_version_with_a_corrupted_manifest_is_kept_but_skipped(opened: _Opened
     data[len(data) // 2] ^= 0x55
     manifest.write_bytes(bytes(data))
 
-    ckpt = opened(_config(root))
+    ckpt = opened(ram_fs(root))
     assert (root / version_dirname(8)).is_dir()  # maybe someone's only copy: never deleted
     assert manifest.read_bytes() == bytes(data)
     assert [v.step for v in ckpt.versions()] == [4, 8]
     with pytest.warns(RuntimeWarning, match=r"step 8 on tier 'nvme' does not verify.*checksum mismatch"):
         restored = ckpt.restore_latest_sync()
     assert restored is not None and restored.step == 4
-    _assert_state(restored.state, 4)
+    assert_bitwise(restored.state, _state(4))
     assert (root / version_dirname(8)).is_dir()
 
 
-def test_a_version_with_a_garbage_manifest_is_kept_and_skipped(opened: _Opened, tmp_path: Path) -> None:
+def test_a_version_with_a_garbage_manifest_is_kept_and_skipped(opened: Opened, tmp_path: Path) -> None:
     root = tmp_path / "nvme"
     root.mkdir()
     version = root / version_dirname(10)
     version.mkdir()
     (version / MANIFEST_FILE).write_bytes(b"\xc1 garbage")
-    ckpt = opened(_config(root))
+    ckpt = opened(ram_fs(root))
     assert version.is_dir()
     with pytest.warns(RuntimeWarning, match="step 10 on tier 'nvme'"):
         assert ckpt.restore_latest_sync() is None
@@ -167,18 +122,18 @@ def test_a_version_with_a_garbage_manifest_is_kept_and_skipped(opened: _Opened, 
 # -- O_DIRECT and its fallback ------------------------------------------------------------------------
 
 
-def test_direct_io_on_the_regular_disk_matches_the_probe(opened: _Opened, tmp_path: Path) -> None:
+def test_direct_io_on_the_regular_disk_matches_the_probe(opened: Opened, tmp_path: Path) -> None:
     root = tmp_path / "nvme"
     root.mkdir()
     probed = probe_direct_io(root)
     assert isinstance(probed, bool)
     assert not [n for n in os.listdir(root)], "the probe leaves no file behind"
-    ckpt = opened(_config(root))
-    assert _fs_tier(ckpt).direct is probed
+    ckpt = opened(ram_fs(root))
+    assert fs_tier_of(ckpt).direct is probed
     _save_committed(ckpt, 1, _state(1, 123_457))
     opened.close()
     restored = _restore_fresh(opened, root)
-    _assert_state(restored.state, 1, 123_457)
+    assert_bitwise(restored.state, _state(1, 123_457))
 
 
 @pytest.fixture
@@ -192,13 +147,13 @@ def shm_dir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def test_a_tier_on_dev_shm_writes_and_restores(opened: _Opened, shm_dir: Path) -> None:
+def test_a_tier_on_dev_shm_writes_and_restores(opened: Opened, shm_dir: Path) -> None:
     # tmpfs refused O_DIRECT before Linux 6.6 and accepts it since: the tier follows the probe.
-    ckpt = opened(_config(shm_dir))
-    assert _fs_tier(ckpt).direct is probe_direct_io(shm_dir)
+    ckpt = opened(ram_fs(shm_dir))
+    assert fs_tier_of(ckpt).direct is probe_direct_io(shm_dir)
     _save_committed(ckpt, 2, _state(2, 77_777))
     opened.close()
-    _assert_state(_restore_fresh(opened, shm_dir).state, 2, 77_777)
+    assert_bitwise(_restore_fresh(opened, shm_dir).state, _state(2, 77_777))
 
 
 def _mount(fstype: str, target: Path, options: str | None = None, source: Path | None = None) -> None:
@@ -227,11 +182,11 @@ def ramfs(tmp_path: Path) -> Iterator[Path]:
         _unmount(target)
 
 
-def test_a_file_system_refusing_o_direct_falls_back_to_buffered_io(opened: _Opened, ramfs: Path) -> None:
+def test_a_file_system_refusing_o_direct_falls_back_to_buffered_io(opened: Opened, ramfs: Path) -> None:
     assert probe_direct_io(ramfs) is False  # ramfs has no direct I/O at all
     assert os.listdir(ramfs) == []
-    ckpt = opened(_config(ramfs / "nvme", capacity="16MiB"))
-    assert _fs_tier(ckpt).direct is False
+    ckpt = opened(ram_fs(ramfs / "nvme", capacity="16MiB"))
+    assert fs_tier_of(ckpt).direct is False
     state = {"a": torch.randn(1_000_001), "b": torch.arange(3), "c": torch.empty(0)}
     assert ckpt.save_sync(1, state).committed_sync("nvme", timeout=60)
     opened.close()
@@ -240,13 +195,13 @@ def test_a_file_system_refusing_o_direct_falls_back_to_buffered_io(opened: _Open
         assert torch.equal(restored.state[key], value)
 
 
-def test_buffered_and_direct_writes_store_the_same_bytes(opened: _Opened, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_buffered_and_direct_writes_store_the_same_bytes(opened: Opened, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     state = {"a": torch.randn(100_003), "b": torch.arange(5000, dtype=torch.int16)}
-    direct = opened(_config(tmp_path / "direct"))
+    direct = opened(ram_fs(tmp_path / "direct"))
     _save_committed(direct, 1, state)
     monkeypatch.setattr("tierckpt.storage.local.probe_direct_io", lambda path: False)
-    buffered = opened(_config(tmp_path / "buffered"))
-    assert _fs_tier(buffered).direct is False
+    buffered = opened(ram_fs(tmp_path / "buffered"))
+    assert fs_tier_of(buffered).direct is False
     _save_committed(buffered, 1, state)
     opened.close()
     payloads = []
@@ -300,11 +255,11 @@ def test_packed_raw_chunks_are_not_clobbered_by_direct_io_padding(tmp_path: Path
 # -- replacing a committed step -----------------------------------------------------------------------
 
 
-def test_saving_a_committed_step_again_replaces_it(opened: _Opened, tmp_path: Path) -> None:
+def test_saving_a_committed_step_again_replaces_it(opened: Opened, tmp_path: Path) -> None:
     root = tmp_path / "nvme"
-    _save_committed(opened(_config(root)), 5, _state(5))
+    _save_committed(opened(ram_fs(root)), 5, _state(5))
     opened.close()
-    _save_committed(opened(_config(root)), 5, _state(55))
+    _save_committed(opened(ram_fs(root)), 5, _state(55))
     opened.close()
     assert sorted(os.listdir(root)) == [version_dirname(5)]
     restored = _restore_fresh(opened, root)
@@ -313,22 +268,22 @@ def test_saving_a_committed_step_again_replaces_it(opened: _Opened, tmp_path: Pa
     assert restored.state["step"] == 55
 
 
-def test_replacing_within_one_checkpointer(opened: _Opened, tmp_path: Path) -> None:
+def test_replacing_within_one_checkpointer(opened: Opened, tmp_path: Path) -> None:
     root = tmp_path / "nvme"
-    ckpt = opened(_config(root))
+    ckpt = opened(ram_fs(root))
     for seed in (1, 2, 3):
         _save_committed(ckpt, 7, _state(seed))
     assert [(v.tier, v.step) for v in ckpt.versions() if v.tier == "nvme"] == [("nvme", 7)]
     opened.close()
     assert sorted(os.listdir(root)) == [version_dirname(7)]
-    _assert_state(_restore_fresh(opened, root).state, 3)
+    assert_bitwise(_restore_fresh(opened, root).state, _state(3))
 
 
-def test_an_interrupted_replacement_puts_the_old_version_back(opened: _Opened, tmp_path: Path) -> None:
+def test_an_interrupted_replacement_puts_the_old_version_back(opened: Opened, tmp_path: Path) -> None:
     # What a crash between the two renames of a replacement leaves: the committed version moved aside
     # (``.replaced-<dir>-<random>``), the new one still staged. tests/test_crash.py provokes it for real.
     root = tmp_path / "nvme"
-    ckpt = opened(_config(root))
+    ckpt = opened(ram_fs(root))
     _save_committed(ckpt, 5, _state(5))
     _save_committed(ckpt, 6, _state(6))
     opened.close()
@@ -336,24 +291,24 @@ def test_an_interrupted_replacement_puts_the_old_version_back(opened: _Opened, t
     staged = root / ".tmp-step-000000000005-ba9876543210"
     shutil.copytree(root / version_dirname(6), staged)
 
-    ckpt = opened(_config(root))
+    ckpt = opened(ram_fs(root))
     assert sorted(os.listdir(root)) == [version_dirname(5), version_dirname(6)]
     assert [v.step for v in ckpt.versions()] == [5, 6]
     os.rename(root / version_dirname(6), root / ".trash-step-000000000006-x")  # read step 5 from disk
     opened.close()
     restored = _restore_fresh(opened, root)
     assert restored.step == 5
-    _assert_state(restored.state, 5)
+    assert_bitwise(restored.state, _state(5))
 
 
-def test_a_moved_aside_version_is_swept_once_its_replacement_is_committed(opened: _Opened, tmp_path: Path) -> None:
+def test_a_moved_aside_version_is_swept_once_its_replacement_is_committed(opened: Opened, tmp_path: Path) -> None:
     root = tmp_path / "nvme"
-    _save_committed(opened(_config(root)), 5, _state(5))
+    _save_committed(opened(ram_fs(root)), 5, _state(5))
     opened.close()
     shutil.copytree(root / version_dirname(5), root / ".replaced-step-000000000005-0123456789ab")
     (root / ".replaced-step-000000000007-0123456789ab").mkdir()  # no manifest: nothing to put back
     (root / ".replaced-garbage").mkdir()
-    opened(_config(root))
+    opened(ram_fs(root))
     assert sorted(os.listdir(root)) == [version_dirname(5)]
 
 
@@ -403,10 +358,6 @@ def _errnos(exc: BaseException | None) -> list[int | None]:
     return seen
 
 
-def _leftovers(root: Path) -> list[str]:
-    return sorted(n for n in os.listdir(root) if n.startswith((".tmp-", ".trash-", ".replaced-")))
-
-
 def _free_bytes(path: Path) -> int:
     os.sync()  # ext4 counts freed blocks once their transaction commits
     st = os.statvfs(path)
@@ -438,13 +389,13 @@ def _random_state(step: int) -> dict[str, Any]:
 
 @pytest.mark.parametrize("codec", ["none", "zstd"])
 def test_a_disk_that_fills_up_fails_flushes_until_space_is_freed(
-    opened: _Opened, small_fs: Path, tmp_path: Path, codec: str, caplog: pytest.LogCaptureFixture
+    opened: Opened, small_fs: Path, tmp_path: Path, codec: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A real ENOSPC from the kernel: raw versions hit it in fallocate, compressed ones (packed chunks,
     nothing reserved) in pwritev. The saves go on, retention keeps the last good version, the failed
     attempts give their space back, and once space is freed the next save commits."""
     root = small_fs / "nvme"
-    ckpt = opened(_config(root, capacity="16MiB", keep={"last": 1}, compression={"codec": codec}))
+    ckpt = opened(ram_fs(root, capacity="16MiB", keep={"last": 1}, compression={"codec": codec}))
     _save_committed(ckpt, 1, _random_state(1))
     filler = _fill(small_fs, leave=256 << 10)  # room for a directory and a manifest, not for 2 MB of data
 
@@ -463,7 +414,7 @@ def test_a_disk_that_fills_up_fails_flushes_until_space_is_freed(
         assert errno.ENOSPC in _errnos(failure.__cause__)
         assert handle.committed_sync("ram", timeout=1) is True
         # The failed attempt gave its space back, and left nothing behind.
-        assert _leftovers(root) == []
+        assert leftovers(root) == []
         assert _free_bytes(small_fs) >= free - (64 << 10)
         # Retention never ran: the last good version is still there, and still the tier's only one.
         assert [v.step for v in ckpt.versions() if v.tier == "nvme"] == [1]
@@ -483,7 +434,7 @@ def test_a_disk_that_fills_up_fails_flushes_until_space_is_freed(
     assert handle.committed_sync("nvme", timeout=60) is True
     ckpt.wait_sync()  # the tier has committed since its failures: wait() has nothing to raise
     assert [v.step for v in ckpt.versions() if v.tier == "nvme"] == [4]  # step 1 goes only now
-    assert _leftovers(root) == []
+    assert leftovers(root) == []
     opened.close()
 
     restored = _restore_fresh(opened, root, capacity="16MiB")
@@ -499,7 +450,7 @@ def test_a_tier_path_that_is_a_regular_file_is_a_config_error(tmp_path: Path) ->
     path = tmp_path / "not-a-dir"
     path.write_text("x")
     with pytest.raises(ConfigError) as info:
-        Checkpointer(_config(path, name="pfs"))
+        Checkpointer(ram_fs(path, name="pfs"))
     message = str(info.value)
     assert "'pfs'" in message and str(path) in message
     assert info.value.tier == "pfs"
@@ -510,7 +461,7 @@ def test_a_tier_path_below_a_regular_file_is_a_config_error(tmp_path: Path) -> N
     path = tmp_path / "file"
     path.write_text("x")
     with pytest.raises(ConfigError, match="'nvme'") as info:
-        Checkpointer(_config(path / "sub"))
+        Checkpointer(ram_fs(path / "sub"))
     assert str(path / "sub") in str(info.value)
 
 

@@ -32,6 +32,8 @@ from tierckpt.format import (
     version_dirname,
 )
 
+from helpers import ram_fs
+
 # -- strategies ---------------------------------------------------------------------------------------
 
 _U64 = st.integers(min_value=0, max_value=2**64 - 1)
@@ -354,13 +356,7 @@ def test_parse_version_dirname_refuses_other_names(name: str) -> None:
 
 
 def _config(root: Path) -> dict[str, Any]:
-    return {
-        "host": {"capacity": "16MiB", "snapshots": 2},
-        "tiers": [
-            {"name": "ram", "type": "memory"},
-            {"name": "nvme", "type": "filesystem", "path": str(root / "nvme")},
-        ],
-    }
+    return ram_fs(root / "nvme", capacity="16MiB")
 
 
 @pytest.fixture

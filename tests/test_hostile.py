@@ -48,6 +48,8 @@ from tierckpt.state import MAX_SKELETON_DEPTH, MAX_SKELETON_NODES, flatten, skel
 from tierckpt.tiers.fsread import MAX_CHUNK_BYTES, ZSTD_MAX_EXPANSION, open_source, read_manifest
 from tierckpt.tiers.fswrite import scratch_bytes
 
+from helpers import SHUFFLED_ZSTD, ram_fs
+
 STEP = 5
 DATA = DATA_FILE.format(rank=0)
 
@@ -70,10 +72,7 @@ def _state() -> dict[str, Any]:
 
 
 def _config(root: Path, compressed: bool) -> dict[str, Any]:
-    tier: dict[str, Any] = {"name": "nvme", "type": "filesystem", "path": str(root)}
-    if compressed:
-        tier["compression"] = {"codec": "zstd", "level": 1, "shuffle": True}
-    return {"host": {"capacity": "4MiB", "snapshots": 1}, "tiers": [{"name": "ram", "type": "memory"}, tier]}
+    return ram_fs(root, capacity="4MiB", snapshots=1, **({"compression": SHUFFLED_ZSTD} if compressed else {}))
 
 
 class _Version:

@@ -26,39 +26,16 @@ from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import CHUNK_BYTES, MANIFEST_FILE, Manifest, checksum, version_dirname
 from tierckpt.storage import posix
 from tierckpt.tiers import fswrite
-from tierckpt.tiers.filesystem import FilesystemSource, FilesystemTier
+from tierckpt.tiers.filesystem import FilesystemSource
 from tierckpt.storage.posix import preallocate, probe_direct_io, pwrite_all, read_into, read_span
 from tierckpt.tiers.fsio import ChunkJobs
 from tierckpt.testing import flip_bits
 
-
-def _config(path: Path, capacity: str = "160MiB", **tier: Any) -> dict[str, Any]:
-    return {
-        "host": {"capacity": capacity, "snapshots": 2},
-        "tiers": [{"name": "ram", "type": "memory"}, {"name": "nvme", "type": "filesystem", "path": str(path), **tier}],
-    }
+from helpers import Opened, assert_bitwise, fs_tier_of, ram_fs
 
 
-@pytest.fixture
-def opened() -> Iterator[list[Checkpointer]]:
-    all_: list[Checkpointer] = []
-    try:
-        yield all_
-    finally:
-        for c in all_:
-            c.close_sync()
-
-
-def _open(opened: list[Checkpointer], config: dict[str, Any]) -> Checkpointer:
-    ckpt = Checkpointer(config)
-    opened.append(ckpt)
-    return ckpt
-
-
-def _tier(ckpt: Checkpointer) -> FilesystemTier:
-    tier = next(t for t in ckpt._pipeline.tiers if t.name == "nvme")
-    assert isinstance(tier, FilesystemTier)
-    return tier
+def _config(path: Path, **tier: Any) -> dict[str, Any]:
+    return ram_fs(path, capacity="160MiB", **tier)
 
 
 def _state() -> dict[str, Any]:
@@ -76,22 +53,8 @@ def _state() -> dict[str, Any]:
     }
 
 
-def _assert_same(actual: dict[str, Any], expected: dict[str, Any]) -> None:
-    assert actual["step"] == expected["step"]
-    for key, want in expected.items():
-        if key == "step":
-            continue
-        got = actual[key]
-        assert type(got) is type(want), key
-        assert (got.dtype, tuple(got.shape)) == (want.dtype, tuple(want.shape)), key
-        if isinstance(want, torch.Tensor):
-            assert torch.equal(got, want), key
-        else:
-            assert got.tobytes() == want.tobytes(), key
-
-
-def _saved(opened: list[Checkpointer], root: Path, state: dict[str, Any], step: int = 1, **tier: Any) -> None:
-    ckpt = _open(opened, _config(root, **tier))
+def _saved(opened: Opened, root: Path, state: dict[str, Any], step: int = 1, **tier: Any) -> None:
+    ckpt = opened(_config(root, **tier))
     assert ckpt.save_sync(step, state).committed_sync("nvme", timeout=120)
     ckpt.close_sync()
 
@@ -106,16 +69,16 @@ def _flip(root: Path, step: int, key: str, chunk: int) -> None:
 # -- end to end ------------------------------------------------------------------------------------------
 
 
-def test_restore_reads_with_o_direct_into_page_aligned_tensors(opened: list[Checkpointer], tmp_path: Path) -> None:
+def test_restore_reads_with_o_direct_into_page_aligned_tensors(opened: Opened, tmp_path: Path) -> None:
     root = tmp_path / "nvme"
     state = _state()
     _saved(opened, root, state)
-    ckpt = _open(opened, _config(root))
-    direct = _tier(ckpt).direct
+    ckpt = opened(_config(root))
+    direct = fs_tier_of(ckpt).direct
     assert direct is probe_direct_io(root)
     restored = ckpt.restore_latest_sync()
     assert restored.tier == "nvme"
-    _assert_same(restored.state, state)
+    assert_bitwise(restored.state, state)
     for key in ("big", "bf16"):
         tensor = restored.state[key]
         # Large new tensors own page-aligned memory, exactly their size: the disk DMAs into them.
@@ -126,29 +89,29 @@ def test_restore_reads_with_o_direct_into_page_aligned_tensors(opened: list[Chec
     # They are ordinary, independent tensors.
     restored.state["big"].add_(1)
     again = ckpt.restore_latest_sync()
-    _assert_same(again.state, state)
+    assert_bitwise(again.state, state)
 
 
-def test_restore_into_a_template_from_disk(opened: list[Checkpointer], tmp_path: Path) -> None:
+def test_restore_into_a_template_from_disk(opened: Opened, tmp_path: Path) -> None:
     root = tmp_path / "nvme"
     state = _state()
     _saved(opened, root, state)
     template = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else np.zeros_like(v) if isinstance(v, np.ndarray) else 0) for k, v in state.items()}
     template["big"] = torch.zeros(state["big"].numel() * 2)[::2]  # a strided view: staged, then copied
     pointers = {k: v.data_ptr() for k, v in template.items() if isinstance(v, torch.Tensor)}
-    restored = _open(opened, _config(root)).restore_latest_sync(template)
-    _assert_same(restored.state, state)
+    restored = opened(_config(root)).restore_latest_sync(template)
+    assert_bitwise(restored.state, state)
     for key, pointer in pointers.items():
         assert restored.state[key] is template[key] and template[key].data_ptr() == pointer, key
 
 
-def test_a_checksum_mismatch_on_read_is_caught_and_the_template_is_untouched(opened: list[Checkpointer], tmp_path: Path) -> None:
+def test_a_checksum_mismatch_on_read_is_caught_and_the_template_is_untouched(opened: Opened, tmp_path: Path) -> None:
     root = tmp_path / "nvme"
     state = _state()
     _saved(opened, root, state)
     _flip(root, 1, "['big']", 2)  # the last chunk of a large tensor: read with O_DIRECT, tail through the bounce page
     template = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else np.zeros_like(v) if isinstance(v, np.ndarray) else 0) for k, v in state.items()}
-    ckpt = _open(opened, _config(root))
+    ckpt = opened(_config(root))
     with pytest.warns(RuntimeWarning, match=r"checksum mismatch in \['big'\] \(chunk 2\)"):
         assert ckpt.restore_latest_sync(template) is None
     for key, value in template.items():
@@ -158,7 +121,7 @@ def test_a_checksum_mismatch_on_read_is_caught_and_the_template_is_untouched(ope
         assert ckpt.restore_latest_sync() is None
 
 
-def test_a_damaged_small_tensor_falls_back_to_the_previous_step(opened: list[Checkpointer], tmp_path: Path) -> None:
+def test_a_damaged_small_tensor_falls_back_to_the_previous_step(opened: Opened, tmp_path: Path) -> None:
     root = tmp_path / "nvme"
     old, new = _state(), _state()
     new["small"] = new["small"] + 1
@@ -167,9 +130,9 @@ def test_a_damaged_small_tensor_falls_back_to_the_previous_step(opened: list[Che
     _saved(opened, root, new, step=2)
     _flip(root, 2, "['small']", 0)  # unaligned destination: read through the aligned scratch buffer
     with pytest.warns(RuntimeWarning, match=r"step 2 on tier 'nvme' does not verify .*\['small'\]"):
-        restored = _open(opened, _config(root)).restore_latest_sync()
+        restored = opened(_config(root)).restore_latest_sync()
     assert restored.step == 1
-    _assert_same(restored.state, old)
+    assert_bitwise(restored.state, old)
 
 
 @pytest.fixture
@@ -177,17 +140,17 @@ def no_direct(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("tierckpt.storage.local.probe_direct_io", lambda path: False)
 
 
-def test_the_buffered_path_stores_and_restores_the_same(opened: list[Checkpointer], tmp_path: Path, no_direct: None) -> None:
+def test_the_buffered_path_stores_and_restores_the_same(opened: Opened, tmp_path: Path, no_direct: None) -> None:
     root = tmp_path / "nvme"
     state = _state()
     _saved(opened, root, state)
-    ckpt = _open(opened, _config(root))
-    assert _tier(ckpt).direct is False
-    _assert_same(ckpt.restore_latest_sync().state, state)
+    ckpt = opened(_config(root))
+    assert fs_tier_of(ckpt).direct is False
+    assert_bitwise(ckpt.restore_latest_sync().state, state)
     ckpt.close_sync()
     _flip(root, 1, "['bf16']", 0)
     with pytest.warns(RuntimeWarning, match=r"checksum mismatch in \['bf16'\]"):
-        assert _open(opened, _config(root)).restore_latest_sync() is None
+        assert opened(_config(root)).restore_latest_sync() is None
 
 
 @pytest.fixture
@@ -208,7 +171,7 @@ def ramfs(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_a_file_system_refusing_o_direct_says_so_once_and_works(
-    opened: list[Checkpointer], ramfs: Path, caplog: pytest.LogCaptureFixture
+    opened: Opened, ramfs: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     root = ramfs / "nvme"
     state = _state()
@@ -217,17 +180,17 @@ def test_a_file_system_refusing_o_direct_says_so_once_and_works(
     assert [r.message for r in caplog.records if "O_DIRECT" in r.message] == [
         f"tier 'nvme': {root} refuses O_DIRECT; writing through the page cache"
     ]
-    ckpt = _open(opened, _config(root))
-    assert _tier(ckpt).direct is False
-    _assert_same(ckpt.restore_latest_sync().state, state)
+    ckpt = opened(_config(root))
+    assert fs_tier_of(ckpt).direct is False
+    assert_bitwise(ckpt.restore_latest_sync().state, state)
 
 
-def test_promotion_to_a_slower_tier_streams_with_o_direct_and_reuses_checksums(opened: list[Checkpointer], tmp_path: Path) -> None:
+def test_promotion_to_a_slower_tier_streams_with_o_direct_and_reuses_checksums(opened: Opened, tmp_path: Path) -> None:
     nvme, pfs = tmp_path / "nvme", tmp_path / "pfs"
     config = _config(nvme)
     config["tiers"].append({"name": "pfs", "type": "filesystem", "path": str(pfs)})
     state = _state()
-    ckpt = _open(opened, config)
+    ckpt = opened(config)
     assert ckpt.save_sync(1, state).committed_sync("pfs", timeout=120)
     ckpt.close_sync()
     source_manifest = Manifest.decode((nvme / version_dirname(1) / MANIFEST_FILE).read_bytes())
@@ -236,9 +199,9 @@ def test_promotion_to_a_slower_tier_streams_with_o_direct_and_reuses_checksums(o
         [c.checksum for c in r.chunks] for r in source_manifest.records
     ]
     shutil.rmtree(nvme / version_dirname(1))
-    restored = _open(opened, config).restore_latest_sync()
+    restored = opened(config).restore_latest_sync()
     assert restored.tier == "pfs"
-    _assert_same(restored.state, state)
+    assert_bitwise(restored.state, state)
 
 
 def test_promotion_verifies_what_it_reads(tmp_path: Path) -> None:
@@ -450,7 +413,7 @@ def test_aligned_buffers_populated_or_not_are_zeroed_and_aligned() -> None:
         buf.close()
 
 
-def test_hashes_are_computed_on_the_bytes_stored(tmp_path: Path, opened: list[Checkpointer]) -> None:
+def test_hashes_are_computed_on_the_bytes_stored(tmp_path: Path, opened: Opened) -> None:
     root = tmp_path / "nvme"
     state = _state()
     _saved(opened, root, state)

@@ -16,15 +16,11 @@ from tierckpt import Checkpointer, CorruptCheckpointError, RestoreError
 from tierckpt.format import Chunk, Manifest, Region, TensorRecord
 from tierckpt.restore.boxes import copy_boxes, linear_boxes
 
+from helpers import ram_fs
+
 
 def _config(root: Path) -> dict[str, Any]:
-    return {
-        "host": {"capacity": "16MiB", "snapshots": 1},
-        "tiers": [
-            {"name": "ram", "type": "memory"},
-            {"name": "disk", "type": "filesystem", "path": str(root / "disk")},
-        ],
-    }
+    return ram_fs(root / "disk", name="disk", capacity="16MiB", snapshots=1)
 
 
 def _state() -> dict[str, Any]:

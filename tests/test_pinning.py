@@ -17,17 +17,14 @@ import torch
 from tierckpt import Checkpointer, ConfigError
 from tierckpt.capture import pinning
 
+from helpers import fs_tier, memory_tier, tier_config
+
 _EMEM = 2  # cudaErrorMemoryAllocation
 
 
 def config(tmp_path: Path, pinned: Any = "auto", ram_path: Path | None = None) -> dict[str, Any]:
-    ram: dict[str, Any] = {"name": "ram", "type": "memory"}
-    if ram_path is not None:
-        ram["path"] = str(ram_path)
-    return {
-        "host": {"capacity": "8MiB", "snapshots": 2, "pinned": pinned},
-        "tiers": [ram, {"name": "nvme", "type": "filesystem", "path": str(tmp_path / "nvme")}],
-    }
+    ram = memory_tier() if ram_path is None else memory_tier(path=str(ram_path))
+    return tier_config(fs_tier("nvme", tmp_path / "nvme"), pinned=pinned, ram=ram)
 
 
 class FakeRuntime:

@@ -14,7 +14,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,23 +23,12 @@ import torch
 from tierckpt import Checkpointer, FlushError
 from tierckpt.testing import Gates, ManualClock, SlowTier, faulty, slow
 
+from helpers import Opened, assert_bitwise, held
+
 DEADLINE_S = 30.0  # a deadlock guard only: every wait below ends on an event long before it
 
 
-@pytest.fixture
-def checkpointers() -> Iterator[list[Any]]:
-    """Checkpointers (and Gates) made by a test: gates opened and checkpointers closed at its end."""
-    made: list[Any] = []
-    yield made
-    for item in made:
-        if isinstance(item, Gates):
-            item.open_all()
-    for item in made:
-        if isinstance(item, Checkpointer) and not item._closed:
-            try:
-                item.close_sync()
-            except FlushError:
-                pass  # the test failed already; its own assertion says why
+CLOSE_TOLERATES = (FlushError,)  # for the opened fixture: a test that failed already says why itself
 
 
 def tier(name: str, path: Path | None = None, **settings: Any) -> dict[str, Any]:
@@ -57,16 +46,6 @@ def state_for(step: int) -> dict[str, Any]:
     return {"w": torch.randn(32, 16, generator=g), "i": torch.arange(step, step + 10), "n": np.full(3, step, dtype=np.int32), "step": step}
 
 
-def assert_state(got: Any, step: int) -> None:
-    want = state_for(step)
-    assert list(got) == list(want)
-    for key in ("w", "i"):  # bit for bit
-        assert (got[key].dtype, got[key].shape) == (want[key].dtype, want[key].shape)
-        assert torch.equal(got[key].reshape(-1).view(torch.uint8), want[key].reshape(-1).view(torch.uint8))
-    assert got["n"].dtype == want["n"].dtype and np.array_equal(got["n"], want["n"])
-    assert got["step"] == step
-
-
 def step_dirs(path: Path) -> list[str]:
     """Everything in a tier directory (leftover temporary or trash entries included)."""
     return sorted(os.listdir(path))
@@ -74,10 +53,6 @@ def step_dirs(path: Path) -> list[str]:
 
 def names(*steps: int) -> list[str]:
     return [f"step-{s:012d}" for s in steps]
-
-
-def held(ckpt: Checkpointer, tier_name: str) -> list[int]:
-    return [v.step for v in ckpt.versions() if v.tier == tier_name]
 
 
 _isolated = itertools.count()
@@ -96,14 +71,14 @@ def restore_version_dir(version_dir: Path, scratch: Path) -> Any:
 # -- backpressure -------------------------------------------------------------------------------------
 
 
-def test_on_full_block_returns_only_once_the_flush_freed_the_slot(tmp_path: Path, checkpointers: list[Any]) -> None:
+def test_on_full_block_returns_only_once_the_flush_freed_the_slot(tmp_path: Path, opened: Opened) -> None:
     made: list[Any] = []
     make_slow = slow({"nvme": 0.3})
     ckpt = Checkpointer(
         config(tier("ram"), tier("nvme", tmp_path / "nvme"), snapshots=1, on_full="block"),
         tier_factory=lambda cfg: made.append(make_slow(cfg)) or made[-1],
     )
-    checkpointers.append(ckpt)
+    opened.append(ckpt)
     slow_nvme = next(t for t in made if isinstance(t, SlowTier))
     first = ckpt.save_sync(1, state_for(1))
     # Until its flush starts, step 1 is only pending and a newer save may replace it (newest only);
@@ -121,11 +96,11 @@ def test_on_full_block_returns_only_once_the_flush_freed_the_slot(tmp_path: Path
     assert step_dirs(tmp_path / "nvme") == names(1, 2)
 
 
-def test_saves_do_not_wait_for_disk_while_a_slot_can_be_had(tmp_path: Path, checkpointers: list[Any]) -> None:
+def test_saves_do_not_wait_for_disk_while_a_slot_can_be_had(tmp_path: Path, opened: Opened) -> None:
     gates = Gates("nvme", deadline_s=DEADLINE_S)
-    checkpointers.append(gates)
+    opened.append(gates)
     ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme"), snapshots=2), tier_factory=gates)
-    checkpointers.append(ckpt)
+    opened.append(ckpt)
     h1 = ckpt.save_sync(1, state_for(1))
     assert gates["nvme"].started.wait(DEADLINE_S)  # step 1's flush holds its slot
 
@@ -149,11 +124,11 @@ def test_saves_do_not_wait_for_disk_while_a_slot_can_be_had(tmp_path: Path, chec
     assert h3.committed_sync("nvme", DEADLINE_S) is True
 
 
-async def test_on_full_skip_drops_the_save_while_the_slow_flush_holds_the_slot(tmp_path: Path, checkpointers: list[Any]) -> None:
+async def test_on_full_skip_drops_the_save_while_the_slow_flush_holds_the_slot(tmp_path: Path, opened: Opened) -> None:
     gates = Gates("nvme", deadline_s=DEADLINE_S)
-    checkpointers.append(gates)
+    opened.append(gates)
     ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme"), snapshots=1, on_full="skip"), tier_factory=gates)
-    checkpointers.append(ckpt)
+    opened.append(ckpt)
     first = await ckpt.save(1, state_for(1))
     assert await first.captured() is True
     assert await asyncio.to_thread(gates["nvme"].started.wait, DEADLINE_S)
@@ -178,17 +153,17 @@ async def test_on_full_skip_drops_the_save_while_the_slow_flush_holds_the_slot(t
     assert held(ckpt, "nvme") == [1, 3]
     restored = await ckpt.restore_latest()
     assert restored is not None and restored.step == 3
-    assert_state(restored.state, 3)
+    assert_bitwise(restored.state, state_for(3))
 
 
 # -- PCheck: the flusher takes the newest --------------------------------------------------------------
 
 
-def test_a_busy_flusher_takes_the_newest_and_the_superseded_resolve_false(tmp_path: Path, checkpointers: list[Any]) -> None:
+def test_a_busy_flusher_takes_the_newest_and_the_superseded_resolve_false(tmp_path: Path, opened: Opened) -> None:
     gates = Gates("nvme", deadline_s=DEADLINE_S)
-    checkpointers.append(gates)
+    opened.append(gates)
     ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme"), snapshots=3), tier_factory=gates)
-    checkpointers.append(ckpt)
+    opened.append(ckpt)
     handles = {1: ckpt.save_sync(1, state_for(1))}
     assert gates["nvme"].started.wait(DEADLINE_S)  # step 1 is being flushed
     for step in range(2, 6):
@@ -210,11 +185,11 @@ def test_a_busy_flusher_takes_the_newest_and_the_superseded_resolve_false(tmp_pa
     assert ckpt.counters.flushed["nvme"] == 2
 
 
-def test_captures_finishing_out_of_order_still_flush_the_newest(tmp_path: Path, checkpointers: list[Any]) -> None:
+def test_captures_finishing_out_of_order_still_flush_the_newest(tmp_path: Path, opened: Opened) -> None:
     """Two copy threads: a big save 1 and a tiny save 2 start together, so save 2 is usually captured
     first. Whatever the order, the newest save must end up flushed (it used to be the older one)."""
     ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme"), capacity="20MiB", snapshots=2, copy_threads=2))
-    checkpointers.append(ckpt)
+    opened.append(ckpt)
     gate = threading.Event()
     occupied = [ckpt._copier._executor.submit(gate.wait, DEADLINE_S) for _ in range(2)]
     try:
@@ -232,7 +207,7 @@ def test_captures_finishing_out_of_order_still_flush_the_newest(tmp_path: Path, 
 # -- flush policies ------------------------------------------------------------------------------------
 
 
-def test_flush_every_n_and_every_steps_select_on_the_stream_of_saves(tmp_path: Path, checkpointers: list[Any]) -> None:
+def test_flush_every_n_and_every_steps_select_on_the_stream_of_saves(tmp_path: Path, opened: Opened) -> None:
     """Each tier's rules apply to the saves, not to what the tier above took: pfs's every_steps 3 picks
     105 and 111 too, which nvme's every 2 passed over."""
     ckpt = Checkpointer(
@@ -242,7 +217,7 @@ def test_flush_every_n_and_every_steps_select_on_the_stream_of_saves(tmp_path: P
             tier("pfs", tmp_path / "pfs", flush={"every_steps": 3}),
         )
     )
-    checkpointers.append(ckpt)
+    opened.append(ckpt)
     steps = list(range(101, 113))  # saves 1..12; steps chosen so that a save's number != its step
     results = {}
     for step in steps:
@@ -257,12 +232,12 @@ def test_flush_every_n_and_every_steps_select_on_the_stream_of_saves(tmp_path: P
     assert step_dirs(tmp_path / "pfs") == names(*pfs_steps)
     assert ckpt.counters.passed_over == {"nvme": 6, "pfs": 8}
     for step in (105, 111):  # taken from host memory, never from nvme: each holds its own step
-        assert_state(restore_version_dir(tmp_path / "pfs" / names(step)[0], tmp_path).state, step)
+        assert_bitwise(restore_version_dir(tmp_path / "pfs" / names(step)[0], tmp_path).state, state_for(step))
 
 
-def test_flush_every_steps_directly_below_memory(tmp_path: Path, checkpointers: list[Any]) -> None:
+def test_flush_every_steps_directly_below_memory(tmp_path: Path, opened: Opened) -> None:
     ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme", flush={"every_steps": 3})))
-    checkpointers.append(ckpt)
+    opened.append(ckpt)
     committed = {}
     for step in range(1, 8):
         handle = ckpt.save_sync(step, state_for(step))
@@ -272,10 +247,10 @@ def test_flush_every_steps_directly_below_memory(tmp_path: Path, checkpointers: 
     assert step_dirs(tmp_path / "nvme") == names(3, 6)
 
 
-def test_min_interval_holds_versions_back_with_an_injected_clock(tmp_path: Path, checkpointers: list[Any]) -> None:
+def test_min_interval_holds_versions_back_with_an_injected_clock(tmp_path: Path, opened: Opened) -> None:
     clock = ManualClock()
     ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme", flush={"min_interval": "100s"}), snapshots=3), clock=clock)
-    checkpointers.append(ckpt)
+    opened.append(ckpt)
     h1 = ckpt.save_sync(1, state_for(1))
     assert h1.committed_sync("nvme", DEADLINE_S) is True  # the first flush is not held back
 
@@ -304,9 +279,9 @@ def test_min_interval_holds_versions_back_with_an_injected_clock(tmp_path: Path,
 # -- retention -----------------------------------------------------------------------------------------
 
 
-def test_keep_last_n_keeps_exactly_the_newest_n_directories(tmp_path: Path, checkpointers: list[Any]) -> None:
+def test_keep_last_n_keeps_exactly_the_newest_n_directories(tmp_path: Path, opened: Opened) -> None:
     ckpt = Checkpointer(config(tier("ram", keep={"last": 1}), tier("nvme", tmp_path / "nvme", keep={"last": 2})))
-    checkpointers.append(ckpt)
+    opened.append(ckpt)
     for step in range(1, 7):
         ckpt.save_sync(step * 10, state_for(step * 10))
         ckpt.wait_sync()
@@ -315,12 +290,12 @@ def test_keep_last_n_keeps_exactly_the_newest_n_directories(tmp_path: Path, chec
         assert held(ckpt, "nvme") == kept
     restored = restore_version_dir(tmp_path / "nvme" / names(50)[0], tmp_path)
     assert restored.step == 50
-    assert_state(restored.state, 50)
+    assert_bitwise(restored.state, state_for(50))
 
 
-def test_keep_every_steps_keeps_those_forever(tmp_path: Path, checkpointers: list[Any]) -> None:
+def test_keep_every_steps_keeps_those_forever(tmp_path: Path, opened: Opened) -> None:
     ckpt = Checkpointer(config(tier("ram", keep={"last": 1}), tier("nvme", tmp_path / "nvme", keep={"last": 1, "every_steps": 3})))
-    checkpointers.append(ckpt)
+    opened.append(ckpt)
     for step in range(1, 11):
         ckpt.save_sync(step, state_for(step))
         ckpt.wait_sync()
@@ -328,9 +303,9 @@ def test_keep_every_steps_keeps_those_forever(tmp_path: Path, checkpointers: lis
     assert held(ckpt, "nvme") == [3, 6, 9, 10]
 
 
-def test_retention_keeps_the_version_a_downstream_flusher_is_reading(tmp_path: Path, checkpointers: list[Any]) -> None:
+def test_retention_keeps_the_version_a_downstream_flusher_is_reading(tmp_path: Path, opened: Opened) -> None:
     gates = Gates("pfs", deadline_s=DEADLINE_S)
-    checkpointers.append(gates)
+    opened.append(gates)
     ckpt = Checkpointer(
         config(
             tier("ram", keep={"last": 1}),
@@ -339,7 +314,7 @@ def test_retention_keeps_the_version_a_downstream_flusher_is_reading(tmp_path: P
         ),
         tier_factory=gates,
     )
-    checkpointers.append(ckpt)
+    opened.append(ckpt)
     h1 = ckpt.save_sync(1, state_for(1))
     assert gates["pfs"].started.wait(DEADLINE_S)  # pfs is writing step 1 (read from host memory)
     h2 = ckpt.save_sync(2, state_for(2))
@@ -364,15 +339,15 @@ def test_retention_keeps_the_version_a_downstream_flusher_is_reading(tmp_path: P
     # pfs's copy of step 1, written while nvme's retention wanted it gone, is whole.
     restored = restore_version_dir(tmp_path / "pfs" / names(1)[0], tmp_path)
     assert restored.step == 1
-    assert_state(restored.state, 1)
+    assert_bitwise(restored.state, state_for(1))
 
 
-def test_retention_keeps_the_version_a_downstream_flusher_is_waiting_to_take(tmp_path: Path, checkpointers: list[Any]) -> None:
+def test_retention_keeps_the_version_a_downstream_flusher_is_waiting_to_take(tmp_path: Path, opened: Opened) -> None:
     """pfs is busy with step 2 when step 4 (eligible for pfs) and step 5 (not eligible) are saved; nvme
     keeps the last 1. Step 5 needs step 4's host slot (2 slots, step 2's being read): nvme holds step 4,
     so host memory lets it go and pfs reads it from nvme, which must keep it until pfs has taken it."""
     gates = Gates("pfs", deadline_s=DEADLINE_S)
-    checkpointers.append(gates)
+    opened.append(gates)
     ckpt = Checkpointer(
         config(
             tier("ram", keep={"last": 1}),
@@ -381,7 +356,7 @@ def test_retention_keeps_the_version_a_downstream_flusher_is_waiting_to_take(tmp
         ),
         tier_factory=gates,
     )
-    checkpointers.append(ckpt)
+    opened.append(ckpt)
     h2 = ckpt.save_sync(2, state_for(2))
     assert gates["pfs"].started.wait(DEADLINE_S)
     h4 = ckpt.save_sync(4, state_for(4))
@@ -398,12 +373,12 @@ def test_retention_keeps_the_version_a_downstream_flusher_is_waiting_to_take(tmp
     assert step_dirs(tmp_path / "pfs") == names(2, 4)
     assert gates["pfs"].sources == ["ram", "nvme"]
     restored = restore_version_dir(tmp_path / "pfs" / names(4)[0], tmp_path)
-    assert_state(restored.state, 4)
+    assert_bitwise(restored.state, state_for(4))
 
 
-def test_memory_keep_last(tmp_path: Path, checkpointers: list[Any]) -> None:
+def test_memory_keep_last(tmp_path: Path, opened: Opened) -> None:
     ckpt = Checkpointer(config(tier("ram", keep={"last": 2}), tier("nvme", tmp_path / "nvme"), snapshots=4))
-    checkpointers.append(ckpt)
+    opened.append(ckpt)
     for step in range(1, 6):
         ckpt.save_sync(step, state_for(step))
         ckpt.wait_sync()
@@ -411,12 +386,12 @@ def test_memory_keep_last(tmp_path: Path, checkpointers: list[Any]) -> None:
     assert held(ckpt, "nvme") == [1, 2, 3, 4, 5]
     restored = ckpt.restore_latest_sync()
     assert restored is not None and (restored.step, restored.tier) == (5, "ram")
-    assert_state(restored.state, 5)
+    assert_bitwise(restored.state, state_for(5))
 
 
-def test_memory_only_config_keeps_last(tmp_path: Path, checkpointers: list[Any]) -> None:
+def test_memory_only_config_keeps_last(tmp_path: Path, opened: Opened) -> None:
     ckpt = Checkpointer(config(tier("ram", keep={"last": 1}), snapshots=2))
-    checkpointers.append(ckpt)
+    opened.append(ckpt)
     for step in range(1, 5):
         handle = ckpt.save_sync(step, state_for(step))
         assert handle.committed_sync("ram", DEADLINE_S) is True
@@ -424,10 +399,10 @@ def test_memory_only_config_keeps_last(tmp_path: Path, checkpointers: list[Any])
     assert held(ckpt, "ram") == [4]
     restored = ckpt.restore_latest_sync()
     assert restored is not None and restored.step == 4
-    assert_state(restored.state, 4)
+    assert_bitwise(restored.state, state_for(4))
 
 
-def test_versions_reports_what_each_tier_holds(tmp_path: Path, checkpointers: list[Any]) -> None:
+def test_versions_reports_what_each_tier_holds(tmp_path: Path, opened: Opened) -> None:
     ckpt = Checkpointer(
         config(
             tier("ram", keep={"last": 1}),
@@ -435,7 +410,7 @@ def test_versions_reports_what_each_tier_holds(tmp_path: Path, checkpointers: li
             tier("pfs", tmp_path / "pfs", flush={"every_steps": 2}, compression={"codec": "zstd"}),
         )
     )
-    checkpointers.append(ckpt)
+    opened.append(ckpt)
     assert ckpt.versions() == []
     before = time.time()
     for step in (1, 2, 3):
@@ -459,10 +434,10 @@ def test_versions_reports_what_each_tier_holds(tmp_path: Path, checkpointers: li
 # -- failures ------------------------------------------------------------------------------------------
 
 
-def test_a_failing_tier_fails_that_handle_and_training_goes_on(tmp_path: Path, checkpointers: list[Any]) -> None:
+def test_a_failing_tier_fails_that_handle_and_training_goes_on(tmp_path: Path, opened: Opened) -> None:
     nvme = tmp_path / "nvme"
     ckpt = Checkpointer(config(tier("ram", keep={"last": 1}), tier("nvme", nvme)), tier_factory=faulty({"nvme": {2}}))
-    checkpointers.append(ckpt)
+    opened.append(ckpt)
     h1 = ckpt.save_sync(1, state_for(1))
     assert h1.committed_sync("nvme", DEADLINE_S) is True
     h2 = ckpt.save_sync(2, state_for(2))
@@ -489,15 +464,15 @@ def test_a_failing_tier_fails_that_handle_and_training_goes_on(tmp_path: Path, c
     with Checkpointer(config(tier("nvme", nvme), capacity="1MiB", snapshots=1)) as fresh:
         restored = fresh.restore_latest_sync()
     assert restored is not None and (restored.step, restored.tier) == (3, "nvme")
-    assert_state(restored.state, 3)
+    assert_bitwise(restored.state, state_for(3))
     first = restore_version_dir(nvme / names(1)[0], tmp_path)
     assert first.step == 1
-    assert_state(first.state, 1)
+    assert_bitwise(first.state, state_for(1))
 
 
-def test_a_flush_failure_is_raised_by_wait_while_the_tier_has_committed_nothing_since(tmp_path: Path, checkpointers: list[Any]) -> None:
+def test_a_flush_failure_is_raised_by_wait_while_the_tier_has_committed_nothing_since(tmp_path: Path, opened: Opened) -> None:
     ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme")), tier_factory=faulty({"nvme": {1, 2}}))
-    checkpointers.append(ckpt)
+    opened.append(ckpt)
     with pytest.raises(FlushError):
         ckpt.save_sync(1, state_for(1)).committed_sync("nvme", DEADLINE_S)
     ckpt.save_sync(2, state_for(2))  # does not raise
@@ -512,9 +487,9 @@ def test_a_flush_failure_is_raised_by_wait_while_the_tier_has_committed_nothing_
     ckpt.close_sync()
 
 
-def test_close_raises_when_the_last_flush_failed(tmp_path: Path, checkpointers: list[Any]) -> None:
+def test_close_raises_when_the_last_flush_failed(tmp_path: Path, opened: Opened) -> None:
     ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme")), tier_factory=faulty({"nvme": {2}}))
-    checkpointers.append(ckpt)
+    opened.append(ckpt)
     assert ckpt.save_sync(1, state_for(1)).committed_sync("nvme", DEADLINE_S) is True
     ckpt.save_sync(2, state_for(2))
     with pytest.raises(FlushError) as info:
@@ -524,9 +499,9 @@ def test_close_raises_when_the_last_flush_failed(tmp_path: Path, checkpointers: 
     assert step_dirs(tmp_path / "nvme") == names(1)
 
 
-def test_a_failed_capture_is_reported_and_frees_its_slot(tmp_path: Path, checkpointers: list[Any]) -> None:
+def test_a_failed_capture_is_reported_and_frees_its_slot(tmp_path: Path, opened: Opened) -> None:
     ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme"), snapshots=1, on_full="skip", copy_threads=1))
-    checkpointers.append(ckpt)
+    opened.append(ckpt)
     array = np.zeros(1000, dtype=np.float32)
     gate = threading.Event()
     occupied = ckpt._copier._executor.submit(gate.wait, DEADLINE_S)
@@ -557,16 +532,16 @@ def test_a_failed_capture_is_reported_and_frees_its_slot(tmp_path: Path, checkpo
 # -- on_full: evict, newest_only: false, max_staleness, keep.within, keep.max_bytes ------------------
 
 
-def test_on_full_evict_drops_the_waiting_snapshot_and_counts_it(tmp_path: Path, checkpointers: list[Any]) -> None:
+def test_on_full_evict_drops_the_waiting_snapshot_and_counts_it(tmp_path: Path, opened: Opened) -> None:
     """nvme is busy with step 2 and waits for step 4 (eligible); step 5 is not eligible, so it does
     not replace 4. With both slots taken, block would wait and skip would drop step 5: evict drops 4."""
     gates = Gates("nvme", deadline_s=DEADLINE_S)
-    checkpointers.append(gates)
+    opened.append(gates)
     ckpt = Checkpointer(
         config(tier("ram"), tier("nvme", tmp_path / "nvme", flush={"every_steps": 2}), snapshots=2, on_full="evict"),
         tier_factory=gates,
     )
-    checkpointers.append(ckpt)
+    opened.append(ckpt)
     h2 = ckpt.save_sync(2, state_for(2))
     assert gates["nvme"].started.wait(DEADLINE_S)  # step 2's slot is leased until the gate opens
     h4 = ckpt.save_sync(4, state_for(4))
@@ -587,14 +562,14 @@ def test_on_full_evict_drops_the_waiting_snapshot_and_counts_it(tmp_path: Path, 
     assert held(ckpt, "ram") == [2, 5]  # ram has no keep rule: it keeps both until a slot is needed
     restored = ckpt.restore_latest_sync()
     assert restored is not None and (restored.step, restored.tier) == (5, "ram")
-    assert_state(restored.state, 5)
+    assert_bitwise(restored.state, state_for(5))
 
 
-def test_on_full_evict_skips_when_only_reads_hold_the_slots(tmp_path: Path, checkpointers: list[Any]) -> None:
+def test_on_full_evict_skips_when_only_reads_hold_the_slots(tmp_path: Path, opened: Opened) -> None:
     gates = Gates("nvme", deadline_s=DEADLINE_S)
-    checkpointers.append(gates)
+    opened.append(gates)
     ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme"), snapshots=1, on_full="evict"), tier_factory=gates)
-    checkpointers.append(ckpt)
+    opened.append(ckpt)
     h1 = ckpt.save_sync(1, state_for(1))
     assert gates["nvme"].started.wait(DEADLINE_S)
     h2 = ckpt.save_sync(2, state_for(2))  # the only slot is being read: never wait for the disk
@@ -604,14 +579,14 @@ def test_on_full_evict_skips_when_only_reads_hold_the_slots(tmp_path: Path, chec
     assert h1.committed_sync("nvme", DEADLINE_S) is True
 
 
-def test_newest_only_false_flushes_every_eligible_version_in_order(tmp_path: Path, checkpointers: list[Any]) -> None:
+def test_newest_only_false_flushes_every_eligible_version_in_order(tmp_path: Path, opened: Opened) -> None:
     gates = Gates("nvme", deadline_s=DEADLINE_S)
-    checkpointers.append(gates)
+    opened.append(gates)
     ckpt = Checkpointer(
         config(tier("ram", keep={"last": 1}), tier("nvme", tmp_path / "nvme", flush={"newest_only": False}), snapshots=3),
         tier_factory=gates,
     )
-    checkpointers.append(ckpt)
+    opened.append(ckpt)
     handles = {1: ckpt.save_sync(1, state_for(1))}
     assert gates["nvme"].started.wait(DEADLINE_S)
     for step in (2, 3):
@@ -634,14 +609,14 @@ def test_newest_only_false_flushes_every_eligible_version_in_order(tmp_path: Pat
     assert ckpt.counters.passed_over.get("nvme", 0) == 0
 
 
-def test_newest_only_false_under_evict_loses_the_oldest_queued_version(tmp_path: Path, checkpointers: list[Any]) -> None:
+def test_newest_only_false_under_evict_loses_the_oldest_queued_version(tmp_path: Path, opened: Opened) -> None:
     gates = Gates("nvme", deadline_s=DEADLINE_S)
-    checkpointers.append(gates)
+    opened.append(gates)
     ckpt = Checkpointer(
         config(tier("ram"), tier("nvme", tmp_path / "nvme", flush={"newest_only": False}), snapshots=3, on_full="evict"),
         tier_factory=gates,
     )
-    checkpointers.append(ckpt)
+    opened.append(ckpt)
     handles = {1: ckpt.save_sync(1, state_for(1))}
     assert gates["nvme"].started.wait(DEADLINE_S)
     for step in range(2, 7):
@@ -654,7 +629,7 @@ def test_newest_only_false_under_evict_loses_the_oldest_queued_version(tmp_path:
     assert gates["nvme"].steps == [1, 5, 6]
 
 
-def test_max_staleness_sends_the_newest_version_down_when_the_tier_is_overdue(tmp_path: Path, checkpointers: list[Any]) -> None:
+def test_max_staleness_sends_the_newest_version_down_when_the_tier_is_overdue(tmp_path: Path, opened: Opened) -> None:
     clock = ManualClock()
     ckpt = Checkpointer(
         config(
@@ -664,7 +639,7 @@ def test_max_staleness_sends_the_newest_version_down_when_the_tier_is_overdue(tm
         ),
         clock=clock,
     )
-    checkpointers.append(ckpt)
+    opened.append(ckpt)
     handles = {}
     for step in (1, 2, 3):
         handles[step] = ckpt.save_sync(step, state_for(step))
@@ -696,11 +671,11 @@ def test_max_staleness_sends_the_newest_version_down_when_the_tier_is_overdue(tm
 
 
 @pytest.mark.parametrize("staleness", [None, "1m"])
-def test_max_staleness_starts_a_flush_beside_a_running_host_copy(tmp_path: Path, checkpointers: list[Any], staleness: str | None) -> None:
+def test_max_staleness_starts_a_flush_beside_a_running_host_copy(tmp_path: Path, opened: Opened, staleness: str | None) -> None:
     """Step 2 waits for nvme while step 3 is being copied. A flush from host memory waits for the copy,
     unless nvme is overdue."""
     gates = Gates("nvme", deadline_s=DEADLINE_S)
-    checkpointers.append(gates)
+    opened.append(gates)
     clock = ManualClock()
     flush = {} if staleness is None else {"max_staleness": staleness}
     ckpt = Checkpointer(
@@ -708,7 +683,7 @@ def test_max_staleness_starts_a_flush_beside_a_running_host_copy(tmp_path: Path,
         tier_factory=gates,
         clock=clock,
     )
-    checkpointers.append(ckpt)
+    opened.append(ckpt)
     h1 = ckpt.save_sync(1, state_for(1))
     assert gates["nvme"].started.wait(DEADLINE_S)  # the flush of step 1 started at 0 s
     h2 = ckpt.save_sync(2, state_for(2))
@@ -734,13 +709,13 @@ def test_max_staleness_starts_a_flush_beside_a_running_host_copy(tmp_path: Path,
     assert h2.committed_sync("nvme", DEADLINE_S) is (staleness is not None)  # else replaced by step 3
 
 
-def test_keep_within_drops_versions_older_than_the_window_on_the_injected_clock(tmp_path: Path, checkpointers: list[Any]) -> None:
+def test_keep_within_drops_versions_older_than_the_window_on_the_injected_clock(tmp_path: Path, opened: Opened) -> None:
     clock = ManualClock()
     ckpt = Checkpointer(
         config(tier("ram", keep={"within": "1h"}), tier("nvme", tmp_path / "nvme", keep={"within": "1h"}), snapshots=4),
         clock=clock,
     )
-    checkpointers.append(ckpt)
+    opened.append(ckpt)
     for step, at in ((1, 0.0), (2, 1000.0), (3, 4000.0), (4, 7201.0)):
         clock.now = at
         ckpt.save_sync(step, state_for(step))
@@ -752,9 +727,9 @@ def test_keep_within_drops_versions_older_than_the_window_on_the_injected_clock(
     assert created[4] - created[3] == pytest.approx(3201.0)  # creation times run on the injected clock
 
 
-def test_keep_max_bytes_keeps_the_newest_versions_that_fit(tmp_path: Path, checkpointers: list[Any]) -> None:
+def test_keep_max_bytes_keeps_the_newest_versions_that_fit(tmp_path: Path, opened: Opened) -> None:
     ckpt = Checkpointer(config(tier("ram", keep={"last": 1}), tier("nvme", tmp_path / "nvme", keep={"max_bytes": 5000, "every_steps": 10})))
-    checkpointers.append(ckpt)
+    opened.append(ckpt)
     for step in (10, 11, 12, 13):
         ckpt.save_sync(step, state_for(step))
         ckpt.wait_sync()
@@ -763,9 +738,9 @@ def test_keep_max_bytes_keeps_the_newest_versions_that_fit(tmp_path: Path, check
     assert step_dirs(tmp_path / "nvme") == names(10, 12, 13)  # 10 by every_steps, 12 and 13 by max_bytes
 
 
-def test_counters_are_a_copy(tmp_path: Path, checkpointers: list[Any]) -> None:
+def test_counters_are_a_copy(tmp_path: Path, opened: Opened) -> None:
     ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme")))
-    checkpointers.append(ckpt)
+    opened.append(ckpt)
     ckpt.save_sync(1, state_for(1))
     ckpt.wait_sync()
     counters = ckpt.counters

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +19,8 @@ import torch
 from tierckpt import Checkpointer
 from tierckpt.config import TierConfig
 from tierckpt.testing import GatedTier, SlowTier
+
+from helpers import Opened
 
 DEADLINE_S = 60.0
 
@@ -39,18 +41,6 @@ def slot_accounting(ckpt: Checkpointer) -> tuple[int, int]:
         return len(memory.snapshots()), len(memory._free)
 
     return ckpt._engine.run_sync(read())
-
-
-@pytest.fixture
-def closing() -> Iterator[list[Any]]:
-    made: list[Any] = []
-    yield made
-    for item in made:
-        if isinstance(item, GatedTier):
-            item.gate.set()
-    for item in made:
-        if isinstance(item, Checkpointer) and not item._closed:
-            item.close_sync()
 
 
 def run_saves(ckpt: Checkpointer, steps: range, *, barrier: bool) -> tuple[list[Any], list[float]]:
@@ -85,7 +75,7 @@ def run_saves(ckpt: Checkpointer, steps: range, *, barrier: bool) -> tuple[list[
 
 @pytest.mark.parametrize("on_full", ["skip", "evict"])
 def test_saves_never_wait_for_a_gated_tier_and_the_counters_say_what_was_lost(
-    tmp_path: Path, closing: list[Any], on_full: str
+    tmp_path: Path, opened: Opened, on_full: str
 ) -> None:
     """nvme takes every eligible version (newest_only: false) and its first write hangs. The 3 slots
     hold the version being written and 2 queued ones; every later save is skipped, or evicts the
@@ -96,7 +86,7 @@ def test_saves_never_wait_for_a_gated_tier_and_the_counters_say_what_was_lost(
         if cfg.name != "nvme":
             return None
         tier = gated[cfg.name] = GatedTier(cfg, deadline_s=DEADLINE_S)
-        closing.append(tier)
+        opened.append(tier)
         return tier
 
     config = {
@@ -104,7 +94,7 @@ def test_saves_never_wait_for_a_gated_tier_and_the_counters_say_what_was_lost(
         "tiers": [{"name": "ram", "type": "memory"}, {"name": "nvme", "type": "filesystem", "path": str(tmp_path / "nvme"), "flush": {"newest_only": False}}],
     }
     ckpt = Checkpointer(config, tier_factory=factory)
-    closing.append(ckpt)
+    opened.append(ckpt)
     first = ckpt.save_sync(0, state_for(0))
     assert gated["nvme"].started.wait(DEADLINE_S)
     handles, _ = run_saves(ckpt, range(1, 21), barrier=True)  # the gate stays closed throughout
@@ -125,7 +115,7 @@ def test_saves_never_wait_for_a_gated_tier_and_the_counters_say_what_was_lost(
     assert ckpt.counters.passed_over.get("nvme", 0) == (0 if on_full == "skip" else 18)
 
 
-def test_back_to_back_saves_under_evict_wait_at_most_for_a_copy(tmp_path: Path, closing: list[Any]) -> None:
+def test_back_to_back_saves_under_evict_wait_at_most_for_a_copy(tmp_path: Path, opened: Opened) -> None:
     """No barrier between saves: a save may find the other slots being copied into, and then waits
     for that copy (never for the gated tier). Every save either happened or was skipped, and every
     one that happened is accounted for once the tier opens."""
@@ -135,12 +125,12 @@ def test_back_to_back_saves_under_evict_wait_at_most_for_a_copy(tmp_path: Path, 
         if cfg.type != "filesystem":
             return None
         gated.append(GatedTier(cfg, deadline_s=DEADLINE_S))
-        closing.append(gated[-1])
+        opened.append(gated[-1])
         return gated[-1]
 
     config = {"host": host(2, "evict"), "tiers": [{"name": "ram", "type": "memory"}, {"name": "nvme", "type": "filesystem", "path": str(tmp_path / "nvme")}]}
     ckpt = Checkpointer(config, tier_factory=factory)
-    closing.append(ckpt)
+    opened.append(ckpt)
     handles, _ = run_saves(ckpt, range(40), barrier=False)
     gated[0].gate.set()
     ckpt.wait_sync()
@@ -157,7 +147,7 @@ def test_back_to_back_saves_under_evict_wait_at_most_for_a_copy(tmp_path: Path, 
     assert torch.equal(restored.state["w"], state_for(done[-1].step)["w"])
 
 
-def test_the_newest_version_reaches_a_slow_real_filesystem_tier_within_max_staleness(tmp_path: Path, closing: list[Any]) -> None:
+def test_the_newest_version_reaches_a_slow_real_filesystem_tier_within_max_staleness(tmp_path: Path, opened: Opened) -> None:
     """ram → nvme (each write 30 ms longer) → pfs (each write 400 ms longer, every_steps so large that
     only max_staleness sends anything down). 40 saves 5 ms apart; after the last one nobody calls
     wait(): the last version must still reach pfs, forced by max_staleness."""
@@ -182,7 +172,7 @@ def test_the_newest_version_reaches_a_slow_real_filesystem_tier_within_max_stale
         ],
     }
     ckpt = Checkpointer(config, tier_factory=factory)
-    closing.append(ckpt)
+    opened.append(ckpt)
     times = []
     for step in range(1, 41):
         started = time.perf_counter()

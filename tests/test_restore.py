@@ -10,7 +10,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import msgpack
 import numpy as np
@@ -27,39 +27,7 @@ from tierckpt.tiers.filesystem import FilesystemTier
 from tierckpt.tiers.memory import MemoryTier
 from tierckpt.testing import flip_bits
 
-
-def _tier(name: str, path: Path, **extra: Any) -> dict[str, Any]:
-    return {"name": name, "type": "filesystem", "path": str(path), **extra}
-
-
-def _config(*tiers: dict[str, Any]) -> dict[str, Any]:
-    return {"host": {"capacity": "8MiB", "snapshots": 2}, "tiers": [{"name": "ram", "type": "memory"}, *tiers]}
-
-
-class _Opened:
-    def __init__(self) -> None:
-        self.all: list[Checkpointer] = []
-        self.gates: list[threading.Event] = []  # opened before closing, should a test fail with one shut
-
-    def __call__(self, config: dict[str, Any], **kwargs: Any) -> Checkpointer:
-        c = Checkpointer(config, **kwargs)
-        self.all.append(c)
-        return c
-
-    def close(self) -> None:
-        for gate in self.gates:
-            gate.set()
-        for c in self.all:
-            c.close_sync()
-
-
-@pytest.fixture
-def opened() -> Iterator[_Opened]:
-    o = _Opened()
-    try:
-        yield o
-    finally:
-        o.close()
+from helpers import Opened, assert_bitwise, fs_tier, tier_config
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -94,22 +62,6 @@ def _tensors(state: Any) -> list[Any]:
     ]
 
 
-def _assert_equal_state(actual: Any, expected: Any) -> None:
-    assert list(actual) == list(expected)
-    assert list(actual["model"]) == ["w", "b"]
-    assert type(actual["opt"]) is list and type(actual["opt"][1]) is tuple
-    assert actual["opt"][1][1] == expected["opt"][1][1]
-    assert (actual["step"], actual["name"]) == (expected["step"], expected["name"])
-    for (path, a), (_, e) in zip(_tensors(actual), _tensors(expected)):
-        assert type(a) is type(e), path
-        assert (a.dtype, a.shape) == (e.dtype, e.shape), path
-        if isinstance(a, torch.Tensor):
-            assert a.device.type == "cpu"
-            assert torch.equal(a, e), path
-        else:
-            assert a.tobytes() == e.tobytes(), path
-
-
 def _commit_all(ckpt: Checkpointer, steps: Any, tier: str) -> None:
     for step in steps:
         assert ckpt.save_sync(step, _state(step)).committed_sync(tier, timeout=60), step
@@ -132,29 +84,29 @@ def _corrupt_record(root: Path, step: int, key: str = "['model']['w']") -> None:
 # -- choosing a candidate -------------------------------------------------------------------------------
 
 
-def test_nothing_stored_restores_none(opened: _Opened, tmp_path: Path) -> None:
-    ckpt = opened(_config(_tier("nvme", tmp_path / "nvme")))
+def test_nothing_stored_restores_none(opened: Opened, tmp_path: Path) -> None:
+    ckpt = opened(tier_config(fs_tier("nvme", tmp_path / "nvme")))
     assert ckpt.restore_latest_sync() is None
     assert ckpt.restore_latest_sync(_template()) is None
 
 
-def test_the_fastest_tier_wins_for_the_same_step(opened: _Opened, tmp_path: Path) -> None:
-    ckpt = opened(_config(_tier("nvme", tmp_path / "nvme"), _tier("pfs", tmp_path / "pfs")))
+def test_the_fastest_tier_wins_for_the_same_step(opened: Opened, tmp_path: Path) -> None:
+    ckpt = opened(tier_config(fs_tier("nvme", tmp_path / "nvme"), fs_tier("pfs", tmp_path / "pfs")))
     _commit_all(ckpt, [1, 2], "pfs")
     restored = ckpt.restore_latest_sync()
     assert (restored.step, restored.tier) == (2, "ram")
-    _assert_equal_state(restored.state, _state(2))
+    assert_bitwise(restored.state, _state(2))
     opened.close()
 
-    ckpt = opened(_config(_tier("nvme", tmp_path / "nvme"), _tier("pfs", tmp_path / "pfs")))
+    ckpt = opened(tier_config(fs_tier("nvme", tmp_path / "nvme"), fs_tier("pfs", tmp_path / "pfs")))
     restored = ckpt.restore_latest_sync()
     assert (restored.step, restored.tier) == (2, "nvme")
-    _assert_equal_state(restored.state, _state(2))
+    assert_bitwise(restored.state, _state(2))
 
 
-def test_the_newest_step_wins_across_tiers(opened: _Opened, tmp_path: Path) -> None:
+def test_the_newest_step_wins_across_tiers(opened: Opened, tmp_path: Path) -> None:
     nvme, pfs = tmp_path / "nvme", tmp_path / "pfs"
-    ckpt = opened(_config(_tier("nvme", nvme), _tier("pfs", pfs, flush={"every_steps": 2})))
+    ckpt = opened(tier_config(fs_tier("nvme", nvme), fs_tier("pfs", pfs, flush={"every_steps": 2})))
     _commit_all(ckpt, [1], "nvme")
     _commit_all(ckpt, [2], "pfs")
     _commit_all(ckpt, [3], "nvme")
@@ -163,21 +115,21 @@ def test_the_newest_step_wins_across_tiers(opened: _Opened, tmp_path: Path) -> N
     assert sorted(os.listdir(pfs)) == [version_dirname(2)]
 
     def restore() -> Any:
-        r = opened(_config(_tier("nvme", nvme), _tier("pfs", pfs))).restore_latest_sync()
+        r = opened(tier_config(fs_tier("nvme", nvme), fs_tier("pfs", pfs))).restore_latest_sync()
         opened.close()
         return r
 
     r = restore()
     assert (r.step, r.tier) == (3, "nvme")
-    _assert_equal_state(r.state, _state(3))
+    assert_bitwise(r.state, _state(3))
 
     # pfs holds a newer step than nvme: it wins although it is slower.
-    lone = opened(_config(_tier("pfs", pfs)))
+    lone = opened(tier_config(fs_tier("pfs", pfs)))
     _commit_all(lone, [5], "pfs")
     opened.close()
     r = restore()
     assert (r.step, r.tier) == (5, "pfs")
-    _assert_equal_state(r.state, _state(5))
+    assert_bitwise(r.state, _state(5))
 
     # Step 2 on both: nvme, the faster, is read.
     for step in (3, 5):
@@ -186,15 +138,15 @@ def test_the_newest_step_wins_across_tiers(opened: _Opened, tmp_path: Path) -> N
                 os.rename(root / version_dirname(step), root / f".trash-{version_dirname(step)}-x")
     r = restore()
     assert (r.step, r.tier) == (2, "nvme")
-    _assert_equal_state(r.state, _state(2))
+    assert_bitwise(r.state, _state(2))
 
 
 # -- templates --------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("fresh", [False, True], ids=["from-ram", "from-disk"])
-def test_a_template_is_filled_in_place(opened: _Opened, tmp_path: Path, fresh: bool) -> None:
-    config = _config(_tier("nvme", tmp_path / "nvme"))
+def test_a_template_is_filled_in_place(opened: Opened, tmp_path: Path, fresh: bool) -> None:
+    config = tier_config(fs_tier("nvme", tmp_path / "nvme"))
     ckpt = opened(config)
     _commit_all(ckpt, [9], "nvme")
     if fresh:
@@ -205,7 +157,7 @@ def test_a_template_is_filled_in_place(opened: _Opened, tmp_path: Path, fresh: b
     restored = ckpt.restore_latest_sync(template)
     assert restored.step == 9
     assert restored.tier == ("nvme" if fresh else "ram")
-    _assert_equal_state(restored.state, _state(9))
+    assert_bitwise(restored.state, _state(9))
     for (path, value, ptr), (_, now) in zip(before, _tensors(restored.state)):
         assert now is value, path  # the template's own objects, filled in place
         assert (now.data_ptr() if isinstance(now, torch.Tensor) else now.ctypes.data) == ptr, path
@@ -227,12 +179,12 @@ def test_a_template_is_filled_in_place(opened: _Opened, tmp_path: Path, fresh: b
     ],
 )
 def test_a_template_mismatch_is_a_restore_error_naming_the_key(
-    opened: _Opened, tmp_path: Path, key: tuple[Any, ...], bad: Any, key_text: str
+    opened: Opened, tmp_path: Path, key: tuple[Any, ...], bad: Any, key_text: str
 ) -> None:
-    ckpt = opened(_config(_tier("nvme", tmp_path / "nvme")))
+    ckpt = opened(tier_config(fs_tier("nvme", tmp_path / "nvme")))
     _commit_all(ckpt, [4], "nvme")
     opened.close()
-    ckpt = opened(_config(_tier("nvme", tmp_path / "nvme")))
+    ckpt = opened(tier_config(fs_tier("nvme", tmp_path / "nvme")))
     template = _template()
     container = template
     for k in key[:-1]:
@@ -248,14 +200,14 @@ def test_a_template_mismatch_is_a_restore_error_naming_the_key(
         assert not value.any(), path
 
 
-def test_without_a_template_new_cpu_tensors_are_returned(opened: _Opened, tmp_path: Path) -> None:
-    ckpt = opened(_config(_tier("nvme", tmp_path / "nvme")))
+def test_without_a_template_new_cpu_tensors_are_returned(opened: Opened, tmp_path: Path) -> None:
+    ckpt = opened(tier_config(fs_tier("nvme", tmp_path / "nvme")))
     state = _state(3)
     assert ckpt.save_sync(3, state).committed_sync("nvme", timeout=60)
     saved = _state(3)
     restored = ckpt.restore_latest_sync()
     assert restored.tier == "ram"
-    _assert_equal_state(restored.state, saved)
+    assert_bitwise(restored.state, saved)
     for (path, new), (_, original) in zip(_tensors(restored.state), _tensors(state)):
         assert new is not original, path
         if isinstance(new, torch.Tensor):
@@ -265,11 +217,11 @@ def test_without_a_template_new_cpu_tensors_are_returned(opened: _Opened, tmp_pa
     state["model"]["w"].zero_()
     restored.state["opt"][0].fill_(-1)
     again = ckpt.restore_latest_sync()
-    _assert_equal_state(again.state, saved)
+    assert_bitwise(again.state, saved)
 
 
-def test_metadata_comes_back(opened: _Opened, tmp_path: Path) -> None:
-    config = _config(_tier("nvme", tmp_path / "nvme"))
+def test_metadata_comes_back(opened: Opened, tmp_path: Path) -> None:
+    config = tier_config(fs_tier("nvme", tmp_path / "nvme"))
     ckpt = opened(config)
     metadata = {"lr": 0.001, "tokens": 123456789012, "tags": ["a", "b"], "nested": {"x": None, "y": b"\x00\x01"}}
     assert ckpt.save_sync(6, _state(6), metadata=metadata).committed_sync("nvme", timeout=60)
@@ -280,8 +232,8 @@ def test_metadata_comes_back(opened: _Opened, tmp_path: Path) -> None:
     assert _manifest(tmp_path / "nvme", 6).metadata == metadata
 
 
-def test_no_metadata_is_an_empty_dict(opened: _Opened, tmp_path: Path) -> None:
-    config = _config(_tier("nvme", tmp_path / "nvme"))
+def test_no_metadata_is_an_empty_dict(opened: Opened, tmp_path: Path) -> None:
+    config = tier_config(fs_tier("nvme", tmp_path / "nvme"))
     _commit_all(opened(config), [1], "nvme")
     opened.close()
     assert opened(config).restore_latest_sync().metadata == {}
@@ -291,29 +243,29 @@ def test_no_metadata_is_an_empty_dict(opened: _Opened, tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def two_tiers(opened: _Opened, tmp_path: Path) -> tuple[Path, Path, dict[str, Any]]:
+def two_tiers(opened: Opened, tmp_path: Path) -> tuple[Path, Path, dict[str, Any]]:
     """Steps 1 and 2 committed on nvme and pfs, written by a Checkpointer already closed."""
     nvme, pfs = tmp_path / "nvme", tmp_path / "pfs"
-    config = _config(_tier("nvme", nvme), _tier("pfs", pfs))
+    config = tier_config(fs_tier("nvme", nvme), fs_tier("pfs", pfs))
     _commit_all(opened(config), [1, 2], "pfs")
     opened.close()
     return nvme, pfs, config
 
 
-def test_a_flipped_byte_on_nvme_falls_back_to_the_same_step_on_pfs(opened: _Opened, two_tiers: Any) -> None:
+def test_a_flipped_byte_on_nvme_falls_back_to_the_same_step_on_pfs(opened: Opened, two_tiers: Any) -> None:
     nvme, pfs, config = two_tiers
     _corrupt_record(nvme, 2)
     with pytest.warns(RuntimeWarning) as record:
         restored = opened(config).restore_latest_sync()
     assert (restored.step, restored.tier) == (2, "pfs")
-    _assert_equal_state(restored.state, _state(2))
+    assert_bitwise(restored.state, _state(2))
     messages = [str(w.message) for w in record]
     assert len(messages) == 1, messages
     assert "'nvme'" in messages[0] and "step 2" in messages[0] and "['model']['w']" in messages[0]
     assert "checksum mismatch" in messages[0]
 
 
-def test_a_flipped_byte_in_every_copy_falls_back_to_an_older_step(opened: _Opened, two_tiers: Any) -> None:
+def test_a_flipped_byte_in_every_copy_falls_back_to_an_older_step(opened: Opened, two_tiers: Any) -> None:
     nvme, pfs, config = two_tiers
     _corrupt_record(nvme, 2, "['opt'][0]")
     _corrupt_record(pfs, 2, "['np']")
@@ -321,7 +273,7 @@ def test_a_flipped_byte_in_every_copy_falls_back_to_an_older_step(opened: _Opene
     with pytest.warns(RuntimeWarning) as record:
         restored = opened(config).restore_latest_sync(template)
     assert (restored.step, restored.tier) == (1, "nvme")
-    _assert_equal_state(restored.state, _state(1))
+    assert_bitwise(restored.state, _state(1))
     assert restored.state["model"]["w"] is template["model"]["w"]
     messages = [str(w.message) for w in record]
     assert len(messages) == 2, messages
@@ -329,30 +281,30 @@ def test_a_flipped_byte_in_every_copy_falls_back_to_an_older_step(opened: _Opene
     assert "'pfs'" in messages[1] and "['np']" in messages[1]
 
 
-def test_a_missing_data_file_falls_back(opened: _Opened, two_tiers: Any) -> None:
+def test_a_missing_data_file_falls_back(opened: Opened, two_tiers: Any) -> None:
     nvme, pfs, config = two_tiers
     os.unlink(nvme / version_dirname(2) / "data-r00000.bin")
     with pytest.warns(RuntimeWarning, match=r"step 2 on tier 'nvme'.*data file data-r00000\.bin is missing"):
         restored = opened(config).restore_latest_sync()
     assert (restored.step, restored.tier) == (2, "pfs")
-    _assert_equal_state(restored.state, _state(2))
+    assert_bitwise(restored.state, _state(2))
     opened.close()
 
     os.unlink(pfs / version_dirname(2) / "data-r00000.bin")
     with pytest.warns(RuntimeWarning, match="is missing"):
         restored = opened(config).restore_latest_sync()
     assert (restored.step, restored.tier) == (1, "nvme")
-    _assert_equal_state(restored.state, _state(1))
+    assert_bitwise(restored.state, _state(1))
 
 
-def test_a_truncated_data_file_falls_back(opened: _Opened, two_tiers: Any) -> None:
+def test_a_truncated_data_file_falls_back(opened: Opened, two_tiers: Any) -> None:
     nvme, pfs, config = two_tiers
     data = nvme / version_dirname(2) / "data-r00000.bin"
     os.truncate(data, data.stat().st_size // 2)
     with pytest.warns(RuntimeWarning, match=r"step 2 on tier 'nvme'"):
         restored = opened(config).restore_latest_sync()
     assert (restored.step, restored.tier) == (2, "pfs")
-    _assert_equal_state(restored.state, _state(2))
+    assert_bitwise(restored.state, _state(2))
 
 
 def _rewrite_version(root: Path, step: int, version: int) -> None:
@@ -363,7 +315,7 @@ def _rewrite_version(root: Path, step: int, version: int) -> None:
     path.write_bytes(msgpack.packb({"body": raw, CHECKSUM_ALGORITHM: checksum(raw)}, use_bin_type=True))
 
 
-def test_an_unknown_format_version_is_skipped_with_a_warning(opened: _Opened, two_tiers: Any) -> None:
+def test_an_unknown_format_version_is_skipped_with_a_warning(opened: Opened, two_tiers: Any) -> None:
     nvme, pfs, config = two_tiers
     _rewrite_version(nvme, 2, 1000)  # far past any version this code reads
     with pytest.warns(RuntimeWarning, match=r"step 2 on tier 'nvme'.*format version 1000 is not supported"):
@@ -375,12 +327,12 @@ def test_an_unknown_format_version_is_skipped_with_a_warning(opened: _Opened, tw
     with pytest.warns(RuntimeWarning) as record:
         restored = opened(config).restore_latest_sync()
     assert (restored.step, restored.tier) == (1, "nvme")
-    _assert_equal_state(restored.state, _state(1))
+    assert_bitwise(restored.state, _state(1))
     assert any("format version 99" in str(w.message) for w in record)
     assert (nvme / version_dirname(2)).is_dir() and (pfs / version_dirname(2)).is_dir()  # kept, not deleted
 
 
-def test_a_failed_candidate_leaves_the_template_untouched_until_one_verifies(opened: _Opened, two_tiers: Any) -> None:
+def test_a_failed_candidate_leaves_the_template_untouched_until_one_verifies(opened: Opened, two_tiers: Any) -> None:
     nvme, pfs, config = two_tiers
     for root in (nvme, pfs):
         for step in (1, 2):
@@ -425,7 +377,7 @@ def _host(capacity: str, snapshots: int, on_full: str = "block") -> dict[str, An
     return {"capacity": capacity, "snapshots": snapshots, "on_full": on_full}
 
 
-def _gated(opened: _Opened, config: dict[str, Any]) -> tuple[Checkpointer, _GatedReads]:
+def _gated(opened: Opened, config: dict[str, Any]) -> tuple[Checkpointer, _GatedReads]:
     tiers: list[_GatedReads] = []
 
     def factory(cfg: TierConfig) -> _GatedReads | None:
@@ -477,17 +429,17 @@ class _Background:
 def _written(tmp_path: Path, steps: Any = (9,), host: dict[str, Any] | None = None, state: Callable[[int], Any] = _state) -> Path:
     """``steps`` committed on nvme by a Checkpointer that is closed again."""
     nvme = tmp_path / "nvme"
-    with Checkpointer({"host": host or _host("8MiB", 2), "tiers": [{"name": "ram", "type": "memory"}, _tier("nvme", nvme)]}) as ckpt:
+    with Checkpointer(tier_config(fs_tier("nvme", nvme), **(host or _host("8MiB", 2)))) as ckpt:
         for step in steps:
             assert ckpt.save_sync(step, state(step)).committed_sync("nvme", timeout=60)
     return nvme
 
 
 def _restore_config(nvme: Path, host: dict[str, Any]) -> dict[str, Any]:
-    return {"host": host, "tiers": [{"name": "ram", "type": "memory"}, _tier("nvme", nvme)]}
+    return tier_config(fs_tier("nvme", nvme), **host)
 
 
-def test_a_template_restore_stages_in_a_free_host_slot_and_gives_it_back(opened: _Opened, tmp_path: Path) -> None:
+def test_a_template_restore_stages_in_a_free_host_slot_and_gives_it_back(opened: Opened, tmp_path: Path) -> None:
     nvme = _written(tmp_path)
     ckpt, tier = _gated(opened, _restore_config(nvme, _host("8MiB", 2)))
     assert _slots(ckpt) == ([], [0, 1], 0)
@@ -505,7 +457,7 @@ def test_a_template_restore_stages_in_a_free_host_slot_and_gives_it_back(opened:
     tier.gate.set()
     restored = restoring.get()
     assert (restored.step, restored.tier) == (9, "nvme")
-    _assert_equal_state(restored.state, _state(9))
+    assert_bitwise(restored.state, _state(9))
     assert restored.state["model"]["w"] is template["model"]["w"]
     assert _slots(ckpt) == ([], lent, 1)  # the lent slot is free again; step 10 holds the other
 
@@ -518,11 +470,11 @@ def test_a_template_restore_stages_in_a_free_host_slot_and_gives_it_back(opened:
     # And the save made meanwhile restores from host memory, intact.
     again = ckpt.restore_latest_sync(_template())
     assert (again.step, again.tier) == (10, "ram")
-    _assert_equal_state(again.state, _state(10))
+    assert_bitwise(again.state, _state(10))
 
 
 @pytest.mark.parametrize("on_full", ["block", "skip", "evict"])
-def test_a_save_while_a_restore_borrows_the_only_slot_follows_on_full(opened: _Opened, tmp_path: Path, on_full: str) -> None:
+def test_a_save_while_a_restore_borrows_the_only_slot_follows_on_full(opened: Opened, tmp_path: Path, on_full: str) -> None:
     nvme = _written(tmp_path)
     ckpt, tier = _gated(opened, _restore_config(nvme, _host("4MiB", 1, on_full)))
     template = _template()
@@ -541,7 +493,7 @@ def test_a_save_while_a_restore_borrows_the_only_slot_follows_on_full(opened: _O
         assert handle.skipped and not handle.captured_sync(timeout=30)
         assert ckpt.counters.skipped_saves == 1
         tier.gate.set()
-    _assert_equal_state(restoring.get().state, _state(9))
+    assert_bitwise(restoring.get().state, _state(9))
     assert template["model"]["w"] is restoring.get().state["model"]["w"]
     # The slot came back: the next save takes it.
     handle = ckpt.save_sync(11, _state(11))
@@ -550,7 +502,7 @@ def test_a_save_while_a_restore_borrows_the_only_slot_follows_on_full(opened: _O
     assert (restored.step, restored.tier) == (11, "ram")
 
 
-def test_verification_failing_while_staged_in_the_pool_leaves_the_template_untouched(opened: _Opened, two_tiers: Any) -> None:
+def test_verification_failing_while_staged_in_the_pool_leaves_the_template_untouched(opened: Opened, two_tiers: Any) -> None:
     nvme, pfs, config = two_tiers
     for root in (nvme, pfs):
         _corrupt_record(root, 2, "['np']")
@@ -560,7 +512,7 @@ def test_verification_failing_while_staged_in_the_pool_leaves_the_template_untou
     with pytest.warns(RuntimeWarning):
         restored = ckpt.restore_latest_sync(template)
     assert (restored.step, restored.tier) == (1, "nvme")
-    _assert_equal_state(restored.state, _state(1))
+    assert_bitwise(restored.state, _state(1))
     assert _slots(ckpt) == ([], [0, 1], 3)
 
     for root in (nvme, pfs):
@@ -589,7 +541,7 @@ def _assert_big(state: dict[str, Any], step: int) -> None:
     assert torch.equal(state["a"], want["a"]) and torch.equal(state["b"], want["b"])
 
 
-def test_a_staged_state_larger_than_a_slot_spans_adjacent_free_slots(opened: _Opened, tmp_path: Path) -> None:
+def test_a_staged_state_larger_than_a_slot_spans_adjacent_free_slots(opened: Opened, tmp_path: Path) -> None:
     nvme = _written(tmp_path, host=_host("8MiB", 2), state=_big)
     ckpt, tier = _gated(opened, _restore_config(nvme, _host("4MiB", 4)))
     template = _big_template()
@@ -604,7 +556,7 @@ def test_a_staged_state_larger_than_a_slot_spans_adjacent_free_slots(opened: _Op
     assert _slots(ckpt) == ([], [0, 1, 2, 3], 1)
 
 
-def test_a_staged_state_that_fits_no_free_slots_falls_back_to_new_memory(opened: _Opened, tmp_path: Path) -> None:
+def test_a_staged_state_that_fits_no_free_slots_falls_back_to_new_memory(opened: Opened, tmp_path: Path) -> None:
     nvme = _written(tmp_path, host=_host("8MiB", 2), state=_big)
     # Two 1 MiB slots: 2 MiB in all, too small for 2.5 MiB.
     ckpt, tier = _gated(opened, _restore_config(nvme, _host("2MiB", 2)))
@@ -666,7 +618,7 @@ def test_borrow_lends_the_fewest_adjacent_free_slots_and_takes_them_back() -> No
         tier.pool.close()
 
 
-async def test_a_cancelled_restore_keeps_the_slot_lent_until_its_reads_are_over(opened: _Opened, tmp_path: Path) -> None:
+async def test_a_cancelled_restore_keeps_the_slot_lent_until_its_reads_are_over(opened: Opened, tmp_path: Path) -> None:
     nvme = _written(tmp_path)
     ckpt, tier = _gated(opened, _restore_config(nvme, _host("8MiB", 2)))
     task = asyncio.ensure_future(ckpt.restore_latest(_template()))
@@ -711,10 +663,10 @@ _CHILD = textwrap.dedent(
 )
 
 
-def test_a_new_process_restores_the_newest_durable_version(opened: _Opened, tmp_path: Path) -> None:
+def test_a_new_process_restores_the_newest_durable_version(opened: Opened, tmp_path: Path) -> None:
     root, expected = tmp_path / "nvme", tmp_path / "expected"
     expected.mkdir()
-    ckpt = opened(_config(_tier("nvme", root, flush={"every_steps": 2})))
+    ckpt = opened(tier_config(fs_tier("nvme", root, flush={"every_steps": 2})))
 
     def state(step: int) -> dict[str, Any]:
         g = torch.Generator().manual_seed(100 + step)

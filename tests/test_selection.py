@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -20,16 +20,14 @@ from tierckpt import Checkpointer, FlushError
 from tierckpt.policy import flush_eligible
 from tierckpt.testing import Gates, faulty
 
+from helpers import Opened, fs_tier, memory_tier, tier_config
+
 DEADLINE_S = 60.0  # a deadlock guard only
 
 
-def fs(name: str, path: Path, **settings: Any) -> dict[str, Any]:
-    return {"name": name, "type": "filesystem", "path": str(path), **settings}
-
-
 def config(*tiers: dict[str, Any], snapshots: int, on_full: str = "block", slot_kib: int = 64) -> dict[str, Any]:
-    ram = {"name": "ram", "type": "memory", "keep": {"last": 1}}
-    return {"host": {"capacity": f"{snapshots * slot_kib}KiB", "snapshots": snapshots, "on_full": on_full}, "tiers": [ram, *tiers]}
+    ram = memory_tier(keep={"last": 1})
+    return tier_config(*tiers, capacity=f"{snapshots * slot_kib}KiB", snapshots=snapshots, on_full=on_full, ram=ram)
 
 
 def state_for(step: int) -> dict[str, Any]:
@@ -43,7 +41,7 @@ def assert_holds(root: Path, step: int, scratch: Path, want: dict[str, Any] | No
     isolated = scratch / f"only-{root.name}-{step}"
     name = f"step-{step:012d}"
     shutil.copytree(root / name, isolated / name)
-    with Checkpointer(config(fs("only", isolated), snapshots=1, slot_kib=4096)) as ckpt:
+    with Checkpointer(config(fs_tier("only", isolated), snapshots=1, slot_kib=4096)) as ckpt:
         restored = ckpt.restore_latest_sync()
     assert restored is not None and restored.step == step
     assert restored.state["step"] == step
@@ -60,35 +58,15 @@ def outcome(handle: Any, tier: str) -> bool | str:
         return "failed"
 
 
-@pytest.fixture
-def opened() -> Iterator[Callable[..., Checkpointer]]:
-    """Makes Checkpointers; at the end of the test opens every gate first, then closes them (a failed
-    assertion must not leave close() waiting on a closed gate, hiding the failure)."""
-    made: list[tuple[Checkpointer, Any]] = []
-
-    def make(cfg: dict[str, Any], gates: Any = None, **kwargs: Any) -> Checkpointer:
-        ckpt = Checkpointer(cfg, tier_factory=gates, **kwargs)
-        made.append((ckpt, gates))
-        return ckpt
-
-    yield make
-    for _, gates in made:
-        if isinstance(gates, Gates):
-            gates.open_all()
-    for ckpt, _ in made:
-        if not ckpt._closed:
-            try:
-                ckpt.close_sync()
-            except FlushError:
-                pass  # the test failed already, or expects this: its own assertions say which
+CLOSE_TOLERATES = (FlushError,)  # for the opened fixture: the test failed already, or expects it
 
 
-def test_a_tier_below_gets_what_it_selects_while_the_tier_above_is_stuck(tmp_path: Path, opened: Callable[..., Checkpointer]) -> None:
+def test_a_tier_below_gets_what_it_selects_while_the_tier_above_is_stuck(tmp_path: Path, opened: Opened) -> None:
     """nvme is stuck on its first write for the whole run; pfs (every_steps 5) still receives every
     version it selects, read from host memory. Before, pfs received nothing: nvme committed nothing."""
     g = Gates("nvme", deadline_s=DEADLINE_S)
-    cfg = config(fs("nvme", tmp_path / "nvme"), fs("pfs", tmp_path / "pfs", flush={"every_steps": 5}), snapshots=3, on_full="skip")
-    ckpt = opened(cfg, g)
+    cfg = config(fs_tier("nvme", tmp_path / "nvme"), fs_tier("pfs", tmp_path / "pfs", flush={"every_steps": 5}), snapshots=3, on_full="skip")
+    ckpt = opened(cfg, tier_factory=g)
     handles = {1: ckpt.save_sync(1, state_for(1))}
     assert g["nvme"].started.wait(DEADLINE_S)
     for step in range(2, 24):
@@ -112,9 +90,9 @@ def test_a_tier_below_gets_what_it_selects_while_the_tier_above_is_stuck(tmp_pat
         assert_holds(tmp_path / "pfs", step, tmp_path)
 
 
-def test_a_failing_tier_above_fails_only_its_own_handles(tmp_path: Path, opened: Callable[..., Checkpointer]) -> None:
-    cfg = config(fs("nvme", tmp_path / "nvme"), fs("pfs", tmp_path / "pfs", flush={"every_steps": 2}), snapshots=3)
-    ckpt = opened(cfg, faulty({"nvme": lambda step: True}))
+def test_a_failing_tier_above_fails_only_its_own_handles(tmp_path: Path, opened: Opened) -> None:
+    cfg = config(fs_tier("nvme", tmp_path / "nvme"), fs_tier("pfs", tmp_path / "pfs", flush={"every_steps": 2}), snapshots=3)
+    ckpt = opened(cfg, tier_factory=faulty({"nvme": lambda step: True}))
     handles = {}
     for step in range(1, 7):
         handles[step] = ckpt.save_sync(step, state_for(step))
@@ -132,18 +110,18 @@ def test_a_failing_tier_above_fails_only_its_own_handles(tmp_path: Path, opened:
         assert_holds(tmp_path / "pfs", step, tmp_path)
 
 
-def test_a_selected_version_only_host_memory_holds_is_kept_for_its_tier(tmp_path: Path, opened: Callable[..., Checkpointer]) -> None:
+def test_a_selected_version_only_host_memory_holds_is_kept_for_its_tier(tmp_path: Path, opened: Opened) -> None:
     """pfs (every_steps 2) is busy writing step 2 when step 4 arrives; nvme (every_steps 3) never takes
     4, so only host memory holds it. With 2 slots (step 2's being read, step 4's) the next save is
     skipped rather than lose step 4 for pfs; pfs then writes it, with its own bytes."""
     g = Gates("pfs", deadline_s=DEADLINE_S)
     cfg = config(
-        fs("nvme", tmp_path / "nvme", flush={"every_steps": 3}),
-        fs("pfs", tmp_path / "pfs", flush={"every_steps": 2}),
+        fs_tier("nvme", tmp_path / "nvme", flush={"every_steps": 3}),
+        fs_tier("pfs", tmp_path / "pfs", flush={"every_steps": 2}),
         snapshots=2,
         on_full="skip",
     )
-    ckpt = opened(cfg, g)
+    ckpt = opened(cfg, tier_factory=g)
     h2 = ckpt.save_sync(2, state_for(2))
     assert g["pfs"].started.wait(DEADLINE_S)
     h4 = ckpt.save_sync(4, state_for(4))
@@ -162,18 +140,18 @@ def test_a_selected_version_only_host_memory_holds_is_kept_for_its_tier(tmp_path
         assert_holds(tmp_path / "pfs", step, tmp_path)
 
 
-def test_a_version_a_tier_above_holds_gives_its_slot_to_a_new_save(tmp_path: Path, opened: Callable[..., Checkpointer]) -> None:
+def test_a_version_a_tier_above_holds_gives_its_slot_to_a_new_save(tmp_path: Path, opened: Opened) -> None:
     """Like the test above, but nvme (every 1) committed step 4: host memory lets step 4 go for the next
     save instead of skipping it, and pfs reads step 4 from nvme, whose retention (keep last 1) spares
     it until pfs has it."""
     g = Gates("pfs", deadline_s=DEADLINE_S)
     cfg = config(
-        fs("nvme", tmp_path / "nvme", keep={"last": 1}),
-        fs("pfs", tmp_path / "pfs", flush={"every_steps": 2}),
+        fs_tier("nvme", tmp_path / "nvme", keep={"last": 1}),
+        fs_tier("pfs", tmp_path / "pfs", flush={"every_steps": 2}),
         snapshots=2,
         on_full="skip",
     )
-    ckpt = opened(cfg, g)
+    ckpt = opened(cfg, tier_factory=g)
     ckpt.save_sync(2, state_for(2))
     assert g["pfs"].started.wait(DEADLINE_S)
     h4 = ckpt.save_sync(4, state_for(4))
@@ -204,8 +182,8 @@ def test_every_selected_version_reaches_pfs_on_real_disks_while_nvme_is_busy(tmp
         "host": {"capacity": "8MiB", "snapshots": 4, "on_full": "block"},
         "tiers": [
             {"name": "ram", "type": "memory", "keep": {"last": 1}},
-            fs("nvme", tmp_path / "nvme", flush={"every": 1}, keep={"last": 3}),
-            fs("pfs", tmp_path / "pfs", flush={"every_steps": 50}, keep={"last": 100}),
+            fs_tier("nvme", tmp_path / "nvme", flush={"every": 1}, keep={"last": 3}),
+            fs_tier("pfs", tmp_path / "pfs", flush={"every_steps": 50}, keep={"last": 100}),
         ],
     }
     state = {"w": torch.zeros(256 * 1024), "b": torch.zeros(64, dtype=torch.int64), "step": 0}  # 1 MiB
@@ -239,13 +217,13 @@ def test_every_selected_version_reaches_pfs_on_real_disks_while_nvme_is_busy(tmp
 ZSTD = {"codec": "zstd", "level": 1}
 
 
-def test_a_tier_waiting_for_a_same_encoding_tier_above_copies_its_chunks_once_it_commits(tmp_path: Path, opened: Callable[..., Checkpointer]) -> None:
+def test_a_tier_waiting_for_a_same_encoding_tier_above_copies_its_chunks_once_it_commits(tmp_path: Path, opened: Opened) -> None:
     """pfs compresses as nvme does: while nvme writes a save, pfs waits and then copies nvme's stored
     chunks (no second compression). nvme's retention (keep last 1) deletes after each commit; pfs must
     not miss the wake-up while nvme prunes."""
     g = Gates("nvme", deadline_s=DEADLINE_S)
-    cfg = config(fs("nvme", tmp_path / "nvme", keep={"last": 1}, compression=ZSTD), fs("pfs", tmp_path / "pfs", compression=ZSTD), snapshots=3)
-    ckpt = opened(cfg, g)
+    cfg = config(fs_tier("nvme", tmp_path / "nvme", keep={"last": 1}, compression=ZSTD), fs_tier("pfs", tmp_path / "pfs", compression=ZSTD), snapshots=3)
+    ckpt = opened(cfg, tier_factory=g)
     for step in (1, 2, 3):
         handle = ckpt.save_sync(step, state_for(step))
         assert handle.captured_sync(DEADLINE_S)
@@ -259,14 +237,14 @@ def test_a_tier_waiting_for_a_same_encoding_tier_above_copies_its_chunks_once_it
 
 
 @pytest.mark.parametrize("newest_only", [True, False])
-def test_a_stuck_same_encoding_tier_above_holds_a_tier_below_up_only_briefly(tmp_path: Path, opened: Callable[..., Checkpointer], newest_only: bool) -> None:
+def test_a_stuck_same_encoding_tier_above_holds_a_tier_below_up_only_briefly(tmp_path: Path, opened: Opened, newest_only: bool) -> None:
     """nvme (zstd) is stuck writing save 1. pfs (zstd alike) waits for it a bounded time
     (DEFER_FLOOR_S: it has no write of its own to measure yet), then compresses save 1 from host
     memory itself; saves 2-4, which nvme is not writing, it takes at once. Before the bound, pfs waited
     as long as nvme was stuck, and every queued save held a host slot meanwhile."""
     g = Gates("nvme", deadline_s=DEADLINE_S)
-    pfs = fs("pfs", tmp_path / "pfs", compression=ZSTD, flush={"newest_only": newest_only})
-    ckpt = opened(config(fs("nvme", tmp_path / "nvme", compression=ZSTD), pfs, snapshots=4, on_full="skip"), g)
+    pfs = fs_tier("pfs", tmp_path / "pfs", compression=ZSTD, flush={"newest_only": newest_only})
+    ckpt = opened(config(fs_tier("nvme", tmp_path / "nvme", compression=ZSTD), pfs, snapshots=4, on_full="skip"), tier_factory=g)
     handles = {1: ckpt.save_sync(1, state_for(1))}
     assert g["nvme"].started.wait(DEADLINE_S)
     assert handles[1].committed_sync("pfs", DEADLINE_S) is True  # after at most the bound, nvme still stuck
@@ -278,14 +256,14 @@ def test_a_stuck_same_encoding_tier_above_holds_a_tier_below_up_only_briefly(tmp
     assert [v.step for v in ckpt.versions() if v.tier == "pfs"] == [1, 2, 3, 4]
 
 
-def test_a_newer_save_of_a_step_replaces_the_older_one_a_tier_waits_for(tmp_path: Path, opened: Callable[..., Checkpointer]) -> None:
+def test_a_newer_save_of_a_step_replaces_the_older_one_a_tier_waits_for(tmp_path: Path, opened: Opened) -> None:
     """Saving a step again replaces it. pfs (every 2nd save, queued) is busy when save 4 of step 4 (its
     pick) and then save 5, step 4 again (not its pick), arrive; nvme commits both in turn. pfs takes the
     newer save of step 4 in the older one's place, with its own bytes, rather than lose step 4 when
     nvme's copy of the older save is replaced."""
     g = Gates("pfs", deadline_s=DEADLINE_S)
-    cfg = config(fs("nvme", tmp_path / "nvme", keep={"last": 1}), fs("pfs", tmp_path / "pfs", flush={"every": 2, "newest_only": False}), snapshots=2)
-    ckpt = opened(cfg, g)
+    cfg = config(fs_tier("nvme", tmp_path / "nvme", keep={"last": 1}), fs_tier("pfs", tmp_path / "pfs", flush={"every": 2, "newest_only": False}), snapshots=2)
+    ckpt = opened(cfg, tier_factory=g)
     ckpt.save_sync(1, state_for(1))
     ckpt.wait_captured()
     h2 = ckpt.save_sync(2, state_for(2))

@@ -22,6 +22,8 @@ from tierckpt.format import MANIFEST_FILE, Manifest, version_dirname
 from tierckpt.tiers.shm import POOL_FILE, POOL_INFO
 from tierckpt.testing import flip_bits
 
+from helpers import fs_tier, memory_tier, tier_config
+
 _SLOT = 8 << 20
 
 
@@ -37,13 +39,8 @@ def shm() -> Iterator[Path]:
 
 
 def _config(shm: Path, disk: Path, *, snapshots: int = 2, keep: int | None = 2, capacity: int = 2 * _SLOT) -> dict[str, Any]:
-    ram: dict[str, Any] = {"name": "ram", "type": "memory", "path": str(shm)}
-    if keep:
-        ram["keep"] = {"last": keep}
-    return {
-        "host": {"capacity": capacity, "snapshots": snapshots},
-        "tiers": [ram, {"name": "nvme", "type": "filesystem", "path": str(disk), "flush": {"every_steps": 4}}],
-    }
+    ram = memory_tier(path=str(shm), **({"keep": {"last": keep}} if keep else {}))
+    return tier_config(fs_tier("nvme", disk, flush={"every_steps": 4}), capacity=capacity, snapshots=snapshots, ram=ram)
 
 
 def state(step: int) -> dict[str, Any]:

@@ -243,7 +243,7 @@ class StoredSource(VersionSource):
     """
 
     def __init__(self, tier: str | None, manifest: Manifest) -> None:
-        self.tier = tier  # type: ignore[assignment]  # None: a version read outside any tier (the CLI)
+        self.tier = tier  # None: a version read outside any tier (the CLI)
         self.step = manifest.step
         self.created = manifest.created
         self.skeleton = manifest.skeleton

@@ -1,0 +1,165 @@
+"""Helpers shared by the tests and by the scripts they run as subprocesses (dist_worker.py, peer_worker.py, …).
+
+A plain module rather than conftest.py: a worker started with ``python tests/x_worker.py`` imports it from
+its own folder, where no conftest is loaded. conftest.py re-exports the fixtures built on it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tierckpt import Checkpointer
+from tierckpt.tiers.filesystem import FilesystemTier
+
+# -- configurations ------------------------------------------------------------------------------------
+
+
+def memory_tier(name: str = "ram", **settings: Any) -> dict[str, Any]:
+    return {"name": name, "type": "memory", **settings}
+
+
+def fs_tier(name: str, path: Path | str, **settings: Any) -> dict[str, Any]:
+    return {"name": name, "type": "filesystem", "path": str(path), **settings}
+
+
+def tier_config(*tiers: dict[str, Any], capacity: str | int = "8MiB", snapshots: int = 2,
+           ram: dict[str, Any] | None = None, **host: Any) -> dict[str, Any]:
+    """A host section and ``tiers`` below a memory tier (``ram``: its settings; a plain "ram" when None)."""
+    return {"host": {"capacity": capacity, "snapshots": snapshots, **host}, "tiers": [ram or memory_tier(), *tiers]}
+
+
+def ram_fs(path: Path | str, *, name: str = "nvme", capacity: str | int = "8MiB", snapshots: int = 2,
+           **tier: Any) -> dict[str, Any]:
+    """The most common shape: host memory above one filesystem tier at ``path`` (``tier``: its settings)."""
+    return tier_config(fs_tier(name, path, **tier), capacity=capacity, snapshots=snapshots)
+
+
+SHUFFLED_ZSTD = {"codec": "zstd", "level": 1, "shuffle": True}  # the compression most tests put on a lower tier
+
+
+def nvme_and_pfs(root: Path, **host: Any) -> dict[str, Any]:
+    """Host memory above a raw "nvme" and a compressed "pfs" (zstd + shuffle), in ``root``'s nvme/ and pfs/."""
+    return tier_config(fs_tier("nvme", root / "nvme"), fs_tier("pfs", root / "pfs", compression=SHUFFLED_ZSTD), **host)
+
+
+def fs_tier_of(ckpt: Checkpointer, name: str = "nvme") -> FilesystemTier:
+    """The open filesystem tier ``name`` of a Checkpointer, to look at how it does its I/O."""
+    tier = next(t for t in ckpt._pipeline.tiers if t.name == name)
+    assert isinstance(tier, FilesystemTier)
+    return tier
+
+
+def held(ckpt: Checkpointer, tier: str) -> list[int]:
+    """The steps ``ckpt.versions()`` lists on ``tier``, in its order."""
+    return [v.step for v in ckpt.versions() if v.tier == tier]
+
+
+def leftovers(root: Path) -> list[str]:
+    """What a filesystem tier's directory holds of unfinished writes, trash and moved-aside versions."""
+    return sorted(n for n in os.listdir(root) if n.startswith((".tmp-", ".trash-", ".replaced-")))
+
+
+# -- comparing states ------------------------------------------------------------------------------------
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's values as bytes on the host: a lazy conj/neg bit applied, any layout made contiguous."""
+    return t.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_bitwise(got: Any, want: Any, path: str = "<root>", *, devices: bool = True) -> None:
+    """Values, types, dtypes, shapes and devices equal; tensors and arrays compared bit for bit (NaNs, -0.0).
+
+    ``devices=False``: a tensor may come back on another device than ``want``'s (a CUDA state restored to the host).
+    """
+    if isinstance(want, torch.Tensor):
+        assert type(got) is torch.Tensor, f"{path}: {type(got)}"  # a Parameter comes back as a tensor
+        assert (got.dtype, tuple(got.shape)) == (want.dtype, tuple(want.shape)), path
+        assert not devices or got.device == want.device, f"{path}: on {got.device}, not {want.device}"
+        assert torch.equal(raw_bytes(got), raw_bytes(want)), f"{path}: bytes differ"
+        return
+    assert type(got) is type(want), f"{path}: {type(got)} is not {type(want)}"
+    if isinstance(want, np.ndarray):
+        assert (got.dtype, got.shape) == (want.dtype, want.shape), path
+        assert np.ascontiguousarray(got).tobytes() == np.ascontiguousarray(want).tobytes(), f"{path}: bytes differ"
+    elif isinstance(want, np.generic):
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), path
+    elif isinstance(want, dict):
+        assert list(got) == list(want), f"{path}: keys {list(got)} != {list(want)}"
+        for key in want:
+            assert_bitwise(got[key], want[key], f"{path}[{key!r}]", devices=devices)
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), path
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_bitwise(g, w, f"{path}[{i}]", devices=devices)
+    else:
+        assert got == want, f"{path}: {got!r} != {want!r}"
+
+
+def bitwise_equal(got: Any, want: Any) -> bool:
+    """assert_bitwise as a yes or no, for the workers that report their checks to the test rather than raise."""
+    try:
+        assert_bitwise(got, want)
+    except AssertionError:
+        return False
+    return True
+
+
+def zeroed(like: Any) -> Any:
+    """A state of the same structure with every array zeroed (a fresh model and optimizer to restore into)."""
+    if isinstance(like, dict):
+        return {key: zeroed(value) for key, value in like.items()}
+    if isinstance(like, (list, tuple)):
+        return type(like)(zeroed(value) for value in like)
+    if isinstance(like, torch.Tensor):
+        return torch.zeros_like(like)
+    if isinstance(like, np.ndarray):
+        return np.zeros_like(like)
+    return like
+
+
+# -- checkpointers a test opens ------------------------------------------------------------------------
+
+
+class Opened:
+    """Opens Checkpointers for a test (``opened(config)``) and closes them all at teardown, even after a failure.
+
+    Gates a test holds shut (``gates``: Events, GatedTiers, testing.Gates, a Gates passed as ``tier_factory``)
+    are opened first: a failed assertion must not leave close() waiting on a shut gate, hiding the failure.
+    ``tolerate``: errors that closing may raise because the test provoked them (and asserted on them already).
+    """
+
+    def __init__(self, tolerate: tuple[type[BaseException], ...] = ()) -> None:
+        self.all: list[Checkpointer] = []
+        self.tolerate = tolerate
+        self.gates: list[Any] = []
+
+    def __call__(self, config: dict[str, Any], **kwargs: Any) -> Checkpointer:
+        c = Checkpointer(config, **kwargs)
+        self.all.append(c)
+        if hasattr(kwargs.get("tier_factory"), "open_all"):
+            self.gates.append(kwargs["tier_factory"])
+        return c
+
+    def append(self, item: Any) -> None:
+        """Also close a Checkpointer the test opened itself, or open a gate (anything else) before closing."""
+        (self.all if isinstance(item, Checkpointer) else self.gates).append(item)
+
+    def close(self) -> None:
+        for gate in self.gates:
+            if hasattr(gate, "open_all"):  # testing.Gates
+                gate.open_all()
+            elif hasattr(gate, "gate"):  # a GatedTier
+                gate.gate.set()
+            else:
+                gate.set()
+        for c in self.all:
+            try:
+                c.close_sync()
+            except self.tolerate:
+                pass
