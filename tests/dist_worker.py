@@ -91,6 +91,48 @@ class SlowWrites(FilesystemTier):
         return await super().write(source, staging)
 
 
+class RecordingTier(FilesystemTier):
+    """A filesystem tier of several ranks that records each GroupTier call (name, step) in order; on
+    ``fail_rank`` its write of ``fail_step`` raises, as a full disk there would."""
+
+    fail_rank = -1
+    fail_step = -1
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[str, int]] = []
+
+    async def write(self, source: Any, staging: str | None = None) -> Any:
+        self.calls.append(("write", source.step))
+        if self.group is not None and self.group.rank == self.fail_rank and source.step == self.fail_step:
+            raise OSError(28, "No space left on device (provoked)")
+        return await super().write(source, staging)
+
+    async def seal(self, staged: Any, parts: Any, metadata: Any) -> None:
+        self.calls.append(("seal", staged.step))
+        await super().seal(staged, parts, metadata)
+
+    async def commit(self, staged: Any) -> Any:
+        self.calls.append(("commit", staged.step))
+        return await super().commit(staged)
+
+    async def abort(self, staged: Any) -> None:
+        self.calls.append(("abort", staged.step))
+        await super().abort(staged)
+
+    async def adopt(self, staged: Any, nbytes: int) -> Any:
+        self.calls.append(("adopt", staged.step))
+        return await super().adopt(staged, nbytes)
+
+    async def forget(self, step: int) -> None:
+        self.calls.append(("forget", step))
+        await super().forget(step)
+
+    async def delete(self, step: int) -> None:
+        self.calls.append(("delete", step))
+        await super().delete(step)
+
+
 def remember_groups() -> list[Any]:
     """The RankGroup each Checkpointer made from now on (a tier_factory needs it for a tier of several ranks)."""
     from tierckpt.ranks import RankGroup
@@ -160,6 +202,68 @@ def main() -> None:
             results[pending.step] = pending.committed_sync("disk", timeout=120)
             out["disk_versions"] = [v.step for v in ckpt.versions() if v.tier == "disk"]
         out["committed"] = {str(k): v for k, v in results.items()}
+    elif scenario == "group_calls":
+        # The GroupTier steps each role takes, in order: steps 1-3 commit (keep: last 2 deletes step 1
+        # after 3), and rank 1's write of step 4 fails, so the leader aborts its part.
+        groups = remember_groups()
+        RecordingTier.fail_rank, RecordingTier.fail_step = 1, 4
+        cfg = {
+            "host": {"capacity": "16MiB", "snapshots": 2},
+            "tiers": [
+                {"name": "ram", "type": "memory", "keep": {"last": 1}},
+                {"name": "disk", "type": "filesystem", "path": str(root / "disk"), "keep": {"last": 2}},
+            ],
+            "distributed": {"timeout": f"{timeout}s"},
+        }
+        made: list[RecordingTier] = []
+
+        def recording(tier: TierConfig) -> FilesystemTier | None:
+            if tier.name != "disk":
+                return None
+            made.append(RecordingTier(tier, groups[-1]))
+            return made[-1]
+
+        ckpt = Checkpointer(cfg, tier_factory=recording)
+        out["committed"] = [ckpt.save_sync(step, state(step, rank)).committed_sync("disk", timeout=120) for step in (1, 2, 3)]
+        try:
+            out["failed"] = ckpt.save_sync(4, state(4, rank)).committed_sync("disk", timeout=120)
+        except (FlushError, RankFailureError) as exc:
+            out["failed"] = type(exc).__name__
+        out["disk_versions"] = [v.step for v in ckpt.versions() if v.tier == "disk"]
+        out["calls"] = made[0].calls
+        try:
+            ckpt.close_sync()
+        except (FlushError, RankFailureError):
+            pass  # close() raises step 4's failure again: asserted on above
+    elif scenario == "late_follower":
+        # The leader decides a step that rank 1 has not saved yet, and rank 1 then captures older,
+        # eligible saves first, with two host slots. Those can never be taken (the leader went past
+        # them): rank 1 must let them go at once, or they fill its slots and its save of the decided
+        # step waits for a slot until the leader gives up on its part.
+        groups = remember_groups()
+        cfg = {
+            "host": {"capacity": "16MiB", "snapshots": 2},
+            "tiers": [
+                {"name": "ram", "type": "memory", "keep": {"last": 1}},
+                # min_interval holds the leader's second flush until close() drains: it decides the
+                # newest step it holds then (newest_only), 5, before rank 1 saved 2..5.
+                {"name": "disk", "type": "filesystem", "path": str(root / "disk"), "flush": {"every": 1, "min_interval": "1h"}},
+            ],
+            "distributed": {"timeout": f"{timeout}s"},
+        }
+        ckpt = Checkpointer(cfg)
+        try:
+            out["first"] = ckpt.save_sync(1, state(1, rank)).committed_sync("disk", timeout=120)
+            if rank == 1:
+                decided = asyncio.run(groups[-1].wait_for(["tier/disk/decision/2"], 120))
+                out["decision_seen"] = decided
+            handles = [ckpt.save_sync(step, state(step, rank)) for step in range(2, 6)]
+            if rank == 0:
+                ckpt.close_sync()  # the drain: the leader decides step 5 now
+            out["committed"] = {str(h.step): h.committed_sync("disk", timeout=120) for h in handles if h.step == 5}
+        finally:
+            ckpt.close_sync()
+        out["elapsed_s"] = time.monotonic() - started
     elif scenario == "restore":
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -108,6 +108,31 @@ def test_every_rank_commits_each_version_a_lower_tier_selects_while_the_tier_abo
     assert [(r["step"], r["bitwise"]) for r in restored] == [(20, True), (20, True)]
 
 
+def test_each_rank_drives_the_group_tier_through_its_roles_steps_in_order(tmp_path: Path) -> None:
+    """The call order GroupTier documents: the leader writes, seals, commits (and deletes what its
+    retention drops), or aborts when a follower failed; a follower writes, adopts and forgets what
+    the leader deleted, and never seals, commits or deletes."""
+    leader, follower = run_ranks(2, "group_calls", tmp_path)
+    for r in (leader, follower):
+        assert r["committed"] == [True, True, True] and r["disk_versions"] == [2, 3], r
+    assert leader["failed"] == "RankFailureError" and follower["failed"] == "FlushError", (leader, follower)
+    committing = [call for s in (1, 2, 3) for call in (("write", s), ("seal", s), ("commit", s))]
+    assert [tuple(c) for c in leader["calls"]] == [*committing, ("delete", 1), ("write", 4), ("abort", 4)], leader["calls"]
+    assert [tuple(c) for c in follower["calls"]] == [
+        ("write", 1), ("adopt", 1), ("write", 2), ("adopt", 2), ("write", 3), ("adopt", 3), ("forget", 1), ("write", 4),
+    ], follower["calls"]
+
+
+def test_a_follower_behind_the_leader_lets_go_of_steps_the_leader_went_past(tmp_path: Path) -> None:
+    """Rank 1 saves steps 2-4 only after the leader decided step 5: they can never go down, so they
+    must not hold its two host slots, or its save of step 5 waits until the leader abandons it."""
+    saved = run_ranks(2, "late_follower", tmp_path, {"TEST_TIMEOUT": "20"})
+    for r in saved:
+        assert r["first"] is True and r["committed"] == {"5": True}, r
+    assert saved[1]["decision_seen"] is True
+    assert [int(p.name.split("-")[1]) for p in sorted((tmp_path / "disk").glob("step-*"))] == [1, 5]
+
+
 def test_a_rank_killed_mid_flush_commits_nothing_and_the_others_go_on(tmp_path: Path) -> None:
     results = run_ranks(2, "kill", tmp_path, {"VICTIM": "1", "AT": "3", "TEST_TIMEOUT": "4"}, expect_dead=(1,))
     (leader,) = results

@@ -191,22 +191,23 @@ def write(section: Any, keys: tuple[Key, ...], *, skip: frozenset[str] = frozens
     return {key.name: key.write(getattr(section, key.attr)) for key in keys if key.name not in skip}
 
 
-def read_size(value: Any, at: Site) -> int:
-    """A size key's value in bytes (``4GiB``, see :mod:`tierckpt.units`)."""
+def _parsed(parse: Callable[..., Any], value: Any, at: Site) -> Any:
+    """``parse`` (a :mod:`tierckpt.units` parser) of the key's value; its error names the key's tier."""
     try:
-        return parse_size(value, key=at.key(), where=at.where())
+        return parse(value, key=at.key(), where=at.where())
     except ConfigError as exc:
         exc.tier = at.tier
         raise
+
+
+def read_size(value: Any, at: Site) -> int:
+    """A size key's value in bytes (``4GiB``, see :mod:`tierckpt.units`)."""
+    return int(_parsed(parse_size, value, at))
 
 
 def read_duration(value: Any, at: Site) -> float:
     """A duration key's value in seconds (``30s``, see :mod:`tierckpt.units`)."""
-    try:
-        return parse_duration(value, key=at.key(), where=at.where())
-    except ConfigError as exc:
-        exc.tier = at.tier
-        raise
+    return float(_parsed(parse_duration, value, at))
 
 
 def optional(reader: Callable[[Any, Site], Any]) -> Callable[[Any, Site], Any]:

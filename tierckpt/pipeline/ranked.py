@@ -180,6 +180,11 @@ class FollowerFlusher(_GroupFlusher):
         self.policy = replace(self.policy, newest_only=False, min_interval_s=0.0)
         self._next = 1  # the next decision to follow
         self._newest_offered = -1  # the newest step of this rank's own saves offered here
+        # Every step up to here the leader has gone past (a decision for a newer step, its horizon). A
+        # save of such a step that this rank captures only later (its training is behind) will never
+        # be taken either: kept waiting, it would hold a host slot that this rank's save of the
+        # decided step needs, and both would wait out the timeout.
+        self._passed = -1
         self._lost: CoordinationLost | None = None
 
     async def _run(self) -> None:
@@ -300,12 +305,18 @@ class FollowerFlusher(_GroupFlusher):
     def offer(self, step: int, token: int, arrival: int) -> None:
         self._newest_offered = max(self._newest_offered, step)
         super().offer(step, token, arrival)
+        if step <= self._passed:
+            self._pass_over(self._passed, inclusive=True)  # the leader went past it before this rank saved it
         if self._lost is not None:
             self._wake.set()
 
     def _pass_over(self, step: int, *, inclusive: bool) -> None:
-        """The leader went past ``step``: what waits here below it (or at it) will not be taken."""
-        older = tuple(c for c in self.state.waiting() if c.step < step or (inclusive and c.step == step))
+        """The leader went past ``step``: what waits here below it (or at it) will not be taken, nor
+        what this rank saves of those steps later."""
+        # A decision is the leader's latest word (a step saved again after a rollback may come lower);
+        # a horizon read later may be older than the decision just followed, so it only raises this.
+        self._passed = max(self._passed, step) if inclusive else step - 1
+        older = tuple(c for c in self.state.waiting() if c.step <= self._passed)
         if not older:
             return
         queue = tuple(c for c in self.state.queue if c not in older)
