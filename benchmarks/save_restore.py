@@ -1,4 +1,4 @@
-"""tierckpt against this machine's limits, torch.save/torch.load and DCP async_save/load, in one run.
+"""tierckpt against this machine's limits, torch.save/torch.load, DCP and torch_checkpointing, in one run.
 
 Disks on shared machines differ from day to day and from minute to minute, so every repeat first
 measures the limits on the benchmark's own directory (memcpy into a reused buffer, O_DIRECT write +
@@ -6,6 +6,9 @@ fsync, O_DIRECT read, with as many threads as the tier has) and reports every ti
 the limit measured next to it; medians over the repeats. Each state is model-like: ~200 fp32 and bf16
 tensors, large matrices and small unaligned vectors. Every load runs in a new process, as a job
 resuming after a failure does, from a cold page cache where the benchmark may drop it (root).
+The peers: torch.save/torch.load, DCP async_save/load, and Meta's torch_checkpointing
+(CheckpointManager: async save through a background process; its ``tc_*`` keys), which is optional:
+without it installed (``pip install --no-deps torch_checkpointing==0.1.1``) its rows are left out.
 Results: a JSON file and a markdown section appended to RESULTS.md.
 
     .venv/bin/python benchmarks/save_restore.py --gib 1 4 --repeats 3 --dir /tmp/tierckpt-bench
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import shutil
@@ -123,6 +127,7 @@ def child(job: dict[str, Any]) -> None:
     kind, path, nbytes = job["kind"], Path(job["path"]), job["nbytes"]
     template = template_from(job["spec"]) if kind != "torch" else None
     ckpt = Checkpointer(tier_config(path, nbytes, job["threads"])) if kind.startswith("tierckpt") else None
+    manager = tc_loader() if kind == "tc" else None
     fault_s = fault_in(nbytes)
     if job["cold"]:
         drop_caches()
@@ -135,12 +140,18 @@ def child(job: dict[str, Any]) -> None:
         loaded = template
     elif kind == "torch":
         loaded = torch.load(path, weights_only=True)
+    elif kind == "tc":
+        restored = manager.load(str(path), into=template)
+        assert restored["model"]["norm.weight"] is template["model"]["norm.weight"]  # copied in place
+        loaded = template
     else:
         dcp.load(template, checkpoint_id=path, no_dist=True)
         loaded = template
     seconds = time.perf_counter() - t
     if ckpt is not None:
         ckpt.close_sync()
+    if manager is not None:
+        manager.close()
     print(json.dumps({"seconds": seconds, "fault_s": fault_s, "digest": digest(loaded)}))
 
 
@@ -210,6 +221,83 @@ def bench_dcp(directory: Path, state: dict[str, Any], load: Callable[..., dict[s
     return out
 
 
+def tc_storage() -> Any:
+    """torch_checkpointing's local filesystem storage with buffered writes. Its default opens files
+    O_DIRECT and writes torch.save's unaligned chunks through them: ext4 accepts the open and refuses
+    the writes (EINVAL, the save fails); it falls back only where the open itself is refused."""
+    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+    return LocalFileSystemStorageConfig(use_direct_io=False)
+
+
+def tc_loader() -> Any:
+    """A manager for a resuming job's load: a synchronous saver starts no writer process."""
+    from torch_checkpointing import CheckpointManager, SyncCheckpointSaverConfig
+
+    return CheckpointManager(CheckpointManager.Config(save=SyncCheckpointSaverConfig(), storage_config=tc_storage()))
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root``, then ``root``'s parent (where it was renamed in)."""
+    for folder, _, files in os.walk(root, topdown=False):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(folder))
+    fsync_dir(root.parent)
+
+
+def bench_tc(directory: Path, state: dict[str, Any], load: Callable[..., dict[str, float]]) -> dict[str, float]:
+    """torch_checkpointing's async recipe: CheckpointManager.save() stages on a thread, then its writer
+    process writes into ``tmp_<name>`` and renames it onto ``<name>``; the returned future resolves then.
+    Single process: no process group is needed (its store barrier is a no-op for one rank). Its
+    troubleshooting guide's CPU-only stager: pinned memory and non-blocking copies only with an
+    accelerator; staging into shared memory (the default) on both. ``with manager.lock()`` is what a
+    training loop wraps optimizer.step() in: it waits until staging is done (the staged time).
+
+    Nothing in its writer fsyncs (files, the renamed directory, its parent): the future means written
+    into the page cache. "Written" is when it resolves; "durable" adds the fsyncs it leaves out."""
+    from torch_checkpointing import AsyncCheckpointSaverConfig, CheckpointManager, CheckpointStagerConfig
+
+    on_gpu = torch.accelerator.is_available()
+    staging = CheckpointStagerConfig(use_pinned_memory=on_gpu, use_non_blocking_copy=on_gpu)
+    config = CheckpointManager.Config(save=AsyncCheckpointSaverConfig(staging_config=staging), storage_config=tc_storage())
+    manager = CheckpointManager(config)  # starts its writer process (spawn) in the background
+    out: dict[str, float] = {}
+    try:
+        for step in (1, 2):  # as for the others, the second save is reported (the first waits for the spawn)
+            target = directory / f"tc-{step}"
+            t = time.perf_counter()
+            future = manager.save(str(target), state)
+            call = time.perf_counter() - t
+            with manager.lock():
+                staged = time.perf_counter() - t
+            future.result()
+            written = time.perf_counter() - t
+            fsync_tree(target)
+            durable = time.perf_counter() - t
+            if step == 1:
+                shutil.rmtree(target)
+    finally:
+        manager.close()
+    out.update(tc_call_s=call, tc_staged_s=staged, tc_written_s=written, tc_durable_s=durable)
+    out["tc_load_s"] = load(kind="tc", path=directory / "tc-2")["seconds"]
+    shutil.rmtree(directory / "tc-2")
+    return out
+
+
+def tc_version() -> str | None:
+    """torch_checkpointing's version, None where it is not installed (its rows are then left out)."""
+    if importlib.util.find_spec("torch_checkpointing") is None:
+        return None
+    from torch_checkpointing import __version__
+
+    return str(__version__)
+
+
 # -- reporting ----------------------------------------------------------------------------------------
 
 
@@ -233,6 +321,11 @@ ROWS = [
     ("DCP async_save staged (DefaultStager)", "dcp_staged_s", "memcpy_s", None),
     ("DCP async_save durable", "dcp_durable_s", "write_s", None),
     ("DCP load into a template", "dcp_load_s", "read_s", None),
+    ("torch_checkpointing save call (blocked)", "tc_call_s", None, None),
+    ("torch_checkpointing staged (`lock()` free again)", "tc_staged_s", "memcpy_s", None),
+    ("torch_checkpointing written (its future resolved, no fsync)", "tc_written_s", "write_s", None),
+    ("torch_checkpointing durable (written + fsync of its files and directories)", "tc_durable_s", "write_s", None),
+    ("torch_checkpointing load into a template", "tc_load_s", "read_s", None),
 ]
 _DISK = {"write_s": "write_disk_s", "read_s": "read_disk_s"}
 
@@ -247,12 +340,14 @@ def table(size: dict[str, Any]) -> list[str]:
         "| --- | ---: | ---: | ---: | ---: | --- |",
     ]
     for label, key, limit, peer in ROWS:
+        if key not in med:  # a peer that was not installed
+            continue
         s = med[key]
-        rate = f"{gb / s:.2f}" if key not in ("save_call_s", "dcp_call_s") else ""
+        rate = f"{gb / s:.2f}" if not key.endswith("call_s") else ""
         share = f"{100 * med[limit] / s:.0f}%" if limit else ""
         disk = f"{100 * med[_DISK[limit]] / s:.0f}%" if limit in _DISK and not key.startswith(("read", "write")) else ""
         versus = ""
-        if peer:
+        if peer in med:
             ratio, name = med[peer] / s, peer.removesuffix("_s").replace("_", " ")
             versus = f"{ratio:.1f}× faster than {name}" if ratio >= 1 else f"{1 / ratio:.1f}× slower than {name}"
         lines.append(f"| {label} | {s:.4f} | {rate} | {share} | {disk} | {versus} |")
@@ -281,7 +376,11 @@ def main() -> None:
     directory.mkdir(parents=True)
     cold = drop_caches()
     stamp = time.strftime("%Y-%m-%d %H:%M")
-    report: dict[str, Any] = {"time": stamp, "machine": machine(directory), "cold_cache": cold, "io_threads": args.io_threads, "sizes": []}
+    tc = tc_version()
+    if tc is None:
+        print("torch_checkpointing is not installed: its rows are left out (pip install --no-deps torch_checkpointing==0.1.1)", flush=True)
+    report: dict[str, Any] = {"time": stamp, "machine": machine(directory), "torch_checkpointing": tc, "cold_cache": cold,
+                              "io_threads": args.io_threads, "sizes": []}
     for gib in args.gib:
         state = make_state(int(gib * 2**30))
         nbytes = state_bytes(state)
@@ -301,6 +400,9 @@ def main() -> None:
             gc.collect()
             sample.update(bench_dcp(directory, state, load))
             gc.collect()
+            if tc is not None:
+                sample.update(bench_tc(directory, state, load))
+                gc.collect()
             samples.append(sample)
             print(f"{gib:g} GiB, repeat {r}: " + ", ".join(f"{k}={v:.3f}" for k, v in sample.items()), flush=True)
         median = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
@@ -313,11 +415,13 @@ def main() -> None:
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(report, indent=1) + "\n")
     m = report["machine"]
+    peers = "torch.save, DCP and torch_checkpointing" if tc else "torch.save and DCP"
+    versions = f"torch {m['torch']}" + (f", torch_checkpointing {tc}" if tc else "")
     lines = [
-        f"### tierckpt vs limits, torch.save and DCP ({stamp})",
+        f"### tierckpt vs limits, {peers} ({stamp})",
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, Linux {m['kernel']}, THP {m['transparent_hugepage']}; "
-        f"disk: {m['disk']}, O_DIRECT: {m['o_direct']}; Python {m['python']}, torch {m['torch']}. Page cache dropped "
+        f"disk: {m['disk']}, O_DIRECT: {m['o_direct']}; Python {m['python']}, {versions}. Page cache dropped "
         f"before every read: {cold}. {args.io_threads} I/O threads for the tier and the limits. "
         f"Command: `{' '.join(['python', *sys.argv])}`; raw numbers: `{json_path.name}`.",
         "",
