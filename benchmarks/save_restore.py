@@ -19,6 +19,7 @@ import argparse
 import gc
 import importlib.util
 import json
+import math
 import os
 import shutil
 import statistics
@@ -330,13 +331,19 @@ ROWS = [
 _DISK = {"write_s": "write_disk_s", "read_s": "read_disk_s"}
 
 
+def best_limit(med: dict[str, float], limit: str) -> float:
+    """The limit's time: the faster of the two ways the disk was measured (state-sized buffer, reused
+    16 MiB buffers), since the limit is the best the hardware did in the run."""
+    return min(med[limit], med.get(_DISK.get(limit, ""), math.inf))
+
+
 def table(size: dict[str, Any]) -> list[str]:
     """% of the limit: the limit's time over this one (throughput as a share of the limit)."""
     med, gb = size["median"], size["bytes"] / 1e9
     lines = [
         f"**{size['bytes'] / 2**30:.2f} GiB, {size['tensors']} tensors** (fp32 and bf16; medians of {size['repeats']})",
         "",
-        "| measure | seconds | GB/s | % of the limit | % of the disk alone | vs the peer |",
+        "| measure | seconds | GB/s | % of the limit (the faster disk row) | % of the disk alone | vs the peer |",
         "| --- | ---: | ---: | ---: | ---: | --- |",
     ]
     for label, key, limit, peer in ROWS:
@@ -344,7 +351,7 @@ def table(size: dict[str, Any]) -> list[str]:
             continue
         s = med[key]
         rate = f"{gb / s:.2f}" if not key.endswith("call_s") else ""
-        share = f"{100 * med[limit] / s:.0f}%" if limit else ""
+        share = f"{100 * best_limit(med, limit) / s:.0f}%" if limit else ""
         disk = f"{100 * med[_DISK[limit]] / s:.0f}%" if limit in _DISK and not key.startswith(("read", "write")) else ""
         versus = ""
         if peer in med:
@@ -429,7 +436,8 @@ def main() -> None:
         "use 16 MiB buffers that stay in cache, as no real source or destination does). Every load runs in a new "
         "process (template built, Checkpointer made, before the clock), which first faults a state-sized buffer of "
         "new memory in and frees it, so that no loader pays for memory the machine has not backed yet (the 'new "
-        "memory' row: that first touch). % of the limit = the limit's time / this time.",
+        "memory' row: that first touch). % of the limit = the limit's time / this time, the limit's time being "
+        "the faster of its two rows (state-sized buffer, or the disk alone).",
         "",
     ]
     for size in report["sizes"]:

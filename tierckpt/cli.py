@@ -50,7 +50,7 @@ from typing import TextIO
 from tierckpt import export as exporting
 from tierckpt.errors import CorruptCheckpointError, UnsupportedStateError
 from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, TensorRecord, parse_version_dirname
-from tierckpt.format.manifest import where
+from tierckpt.format.layout import where
 from tierckpt.tiers.fsio import scratch, scratch2
 from tierckpt.tiers.fsread import FilesystemSource, open_source, read_head, read_rank_manifest
 from tierckpt.tiers.fswrite import scratch_bytes

@@ -9,11 +9,12 @@ drained and stopped, and is what the exit hook holds.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import logging
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from tierckpt.capture import Copier, HostPool
 from tierckpt.config import Config, TierConfig, check_disjoint_paths
@@ -56,36 +57,32 @@ class Runtime:
             if self.group is not None:
                 await self.group.leave()
 
-    async def close(self) -> None:
-        if self.closed:
-            return
+    @contextlib.contextmanager
+    def _stopping(self) -> Iterator[Engine]:
+        """Closed from here on, whatever the stop raises; torn down after it."""
         self.closed = True
         try:
             assert self.engine is not None
-            await self.engine.run(self._close())
+            yield self.engine
         finally:
             self.teardown()
 
+    async def close(self) -> None:
+        if not self.closed:
+            with self._stopping() as engine:
+                await engine.run(self._close())
+
     def close_sync(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            assert self.engine is not None
-            self.engine.run_sync(self._close())
-        finally:
-            self.teardown()
+        if not self.closed:
+            with self._stopping() as engine:
+                engine.run_sync(self._close())
 
     def abandon(self) -> None:
         """Stop without draining or waiting for other ranks (another rank failed to construct)."""
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            assert self.engine is not None and self.pipeline is not None
-            self.engine.run_sync(self.pipeline.shutdown())
-        finally:
-            self.teardown()
+        if not self.closed:
+            with self._stopping() as engine:
+                assert self.pipeline is not None
+                engine.run_sync(self.pipeline.shutdown())
 
     def teardown(self) -> None:
         self.closed = True

@@ -17,7 +17,7 @@ import numpy as np
 
 from tierckpt.errors import CorruptCheckpointError, NoCheckpointError
 from tierckpt.format import MANIFEST_FILE, TensorRecord, parse_version_dirname
-from tierckpt.format.manifest import where
+from tierckpt.format.layout import where
 from tierckpt.format.saved_layout import SavedLayout, global_shape
 from tierckpt.restore.landing import Target
 from tierckpt.restore.plan import plan as plan_load

@@ -39,22 +39,8 @@ import msgpack
 
 from tierckpt.errors import CorruptCheckpointError, FormatVersionError, UnsupportedStateError
 from tierckpt.format.checksum import CHECKSUM_ALGORITHM, checksum
-from tierckpt.format.layout import (
-    ALIGN,
-    CHUNK_BYTES,
-    DATA_FILE,
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    MANIFEST_FILE,
-    RANK_MANIFEST_FILE,
-    READABLE_VERSIONS,
-    parse_version_dirname,
-    version_dirname,
-    where,
-)
+from tierckpt.format.layout import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, READABLE_VERSIONS, where
 from tierckpt.format.records import (
-    Chunk,
-    Region,
     TensorRecord,
     _decode_record,
     _encode_record,
@@ -64,16 +50,9 @@ from tierckpt.format.records import (
     _map,
     _short,
     _time,
-    chunk_count,
 )
 
-# Its own names, and those of layout.py and records.py that were defined here before they moved.
-__all__ = [
-    "MAX_MANIFEST_BYTES", "Manifest", "CommitMarker", "decode_document",
-    "FORMAT_NAME", "FORMAT_VERSION", "READABLE_VERSIONS", "MANIFEST_FILE", "RANK_MANIFEST_FILE", "DATA_FILE",
-    "ALIGN", "CHUNK_BYTES", "where", "version_dirname", "parse_version_dirname",
-    "Chunk", "Region", "TensorRecord", "chunk_count",
-]
+__all__ = ["MAX_MANIFEST_BYTES", "CommitMarker", "Manifest", "decode_document"]
 
 # A manifest is read whole and unpacked into Python objects, which can take 8-70 times its size (70 for
 # a file of nothing but empty lists: 64 MiB became 4.5 GB here). A real record takes ~250 bytes, so

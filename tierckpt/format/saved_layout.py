@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from tierckpt.errors import CorruptCheckpointError
-from tierckpt.format.manifest import Manifest, TensorRecord, where
+from tierckpt.format.layout import where
+from tierckpt.format.manifest import Manifest
+from tierckpt.format.records import TensorRecord
 from tierckpt.format.source import VersionSource
 
 __all__ = ["Box", "NotHere", "Piece", "SavedLayout", "global_shape", "home_rank", "source_layout"]

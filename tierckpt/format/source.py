@@ -11,7 +11,7 @@ import abc
 from typing import Any
 
 from tierckpt.codecs import decoder
-from tierckpt.format.manifest import TensorRecord
+from tierckpt.format.records import TensorRecord
 
 __all__ = ["VersionSource"]
 

@@ -187,20 +187,14 @@ class FollowerFlusher(_GroupFlusher):
         self._passed = -1
         self._lost: CoordinationLost | None = None
 
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self._follow()
-            except asyncio.CancelledError:
-                raise
-            except CoordinationLost as exc:
-                self._lost = exc
-                self._fail_waiting()
-                await self._sleep(None)
-            except Exception as exc:  # a bug must not silently stop this tier's flushing
-                log.exception("tier %r: flusher error", self.tier.name)
-                self._events.failed(self.tier.name, None, exc)
-                await asyncio.sleep(0.1)
+    async def _step(self) -> None:
+        """Follow the leader's next decision; once its store is gone, fail what waits and what comes."""
+        try:
+            await self._follow()
+        except CoordinationLost as exc:
+            self._lost = exc
+            self._fail_waiting()
+            await self._sleep(None)
 
     def _fail_waiting(self) -> None:
         assert self._lost is not None

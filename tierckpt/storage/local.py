@@ -24,6 +24,7 @@ from tierckpt.storage.plan import WriteItem, WritePlan
 from tierckpt.storage.posix import (
     O_DIRECT,
     fsync_dir,
+    fsync_named,
     makedirs_durable,
     preallocate,
     probe_direct_io,
@@ -82,10 +83,7 @@ class LocalDataWriter(DataWriter):
         self._offsets[item.index] = offset
 
     def finish(self) -> tuple[int, ...]:
-        try:
-            os.fsync(self._fd)
-        except OSError as exc:
-            raise_named(exc, self.path, "fsync")
+        fsync_named(self._fd, self.path)
         return tuple(self._offsets)
 
     def close(self) -> None:

@@ -34,7 +34,7 @@ from tierckpt._buffers import PAGE, address, align_up, aligned_buffer, copy_byte
 from tierckpt.errors import CorruptCheckpointError
 
 __all__ = [
-    "O_DIRECT", "fsync_dir", "makedirs_durable", "pread_exact", "preallocate", "probe_direct_io", "pwrite_all",
+    "O_DIRECT", "fsync_dir", "fsync_named", "makedirs_durable", "pread_exact", "preallocate", "probe_direct_io", "pwrite_all",
     "raise_named", "read_into", "read_span", "remove_out_of_sight", "remove_tree", "write_file",
 ]
 
@@ -238,13 +238,19 @@ def raise_named(exc: OSError, path: Path | str, doing: str) -> NoReturn:
     raise OSError(exc.errno, f"{exc.strerror or os.strerror(exc.errno)} ({doing})", str(path)) from exc
 
 
+def fsync_named(fd: int, path: Path | str, doing: str = "fsync") -> None:
+    """fsync(2) of ``fd``, the file or directory ``path``; its error names ``path`` (and ``doing``)."""
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        raise_named(exc, path, doing)
+
+
 def fsync_dir(path: Path) -> None:
     """Make the entries of directory ``path`` durable (new, renamed and removed names)."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        os.fsync(fd)
-    except OSError as exc:
-        raise_named(exc, path, "fsync of the directory")
+        fsync_named(fd, path, "fsync of the directory")
     finally:
         os.close(fd)
 
@@ -278,10 +284,7 @@ def write_file(path: Path, data: bytes) -> None:
                 view = view[os.write(fd, view) :]
         except OSError as exc:
             raise_named(exc, path, "write")
-        try:
-            os.fsync(fd)
-        except OSError as exc:
-            raise_named(exc, path, "fsync")
+        fsync_named(fd, path)
     finally:
         os.close(fd)
 

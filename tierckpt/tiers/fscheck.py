@@ -22,7 +22,7 @@ import math
 
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import CHUNK_BYTES, MANIFEST_FILE, TensorRecord
-from tierckpt.format.manifest import where
+from tierckpt.format.layout import where
 from tierckpt.state import numpy_dtype, torch_dtype
 from tierckpt.tiers.fswrite import scratch_bytes
 

@@ -35,7 +35,8 @@ from typing import Mapping, cast
 
 from tierckpt.errors import CorruptCheckpointError, LayoutError
 from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, TensorRecord, checksum, decode_document
-from tierckpt.format.manifest import MAX_MANIFEST_BYTES, where
+from tierckpt.format.layout import where
+from tierckpt.format.manifest import MAX_MANIFEST_BYTES
 from tierckpt.state import skeleton_leaf_count
 from tierckpt.tiers.base import VersionSource
 from tierckpt.storage.local import LocalReader

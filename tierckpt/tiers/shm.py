@@ -30,7 +30,7 @@ import msgpack
 
 from tierckpt.errors import ConfigError, CorruptCheckpointError
 from tierckpt.format import CHUNK_BYTES, DATA_FILE, MANIFEST_FILE, Chunk, Manifest, TensorRecord, checksum, parse_version_dirname, version_dirname
-from tierckpt.format.manifest import chunk_count
+from tierckpt.format.records import chunk_count
 from tierckpt.snapshot import Entry
 from tierckpt.storage.posix import remove_out_of_sight, write_file
 from tierckpt.storage.lock import DirectoryLock
