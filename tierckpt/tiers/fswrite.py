@@ -135,4 +135,6 @@ def execute_plan(
     # Writes only while this thread waits: once join() returns (or raises), no job runs, and the
     # writer may be closed.
     results = ChunkJobs([functools.partial(job, item) for item in plan.items], executor, threads).join()
-    return [r for r in results if r is not None]
+    done = [r for r in results if r is not None]
+    assert len(done) == len(plan.items)  # join() raises if any job failed: one result per item, in order
+    return done
