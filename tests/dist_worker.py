@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tierckpt import Checkpointer, FlushError, RankFailureError
+from tierckpt import Checkpointer, ConfigError, FlushError, RankFailureError
 from tierckpt.config import TierConfig
 from tierckpt.tiers.filesystem import FilesystemTier
 
@@ -235,6 +235,23 @@ def main() -> None:
             ckpt.close_sync()
         except (FlushError, RankFailureError):
             pass  # close() raises step 4's failure again: asserted on above
+    elif scenario == "node_scope":
+        # A node-local tier ({node} in its path) with the ranks on NODES simulated nodes.
+        cfg = {
+            "host": {"capacity": "16MiB", "snapshots": 2},
+            "tiers": [
+                {"name": "ram", "type": "memory"},
+                {"name": "nvme", "type": "filesystem", "path": str(root / "local-{node}"), "scope": "node"},
+            ],
+            "distributed": {"timeout": f"{timeout}s", "nodes": int(os.environ["NODES"])},
+        }
+        try:
+            with Checkpointer(cfg) as ckpt:
+                out["committed"] = ckpt.save_sync(3, state(3, rank)).committed_sync("nvme", timeout=120)
+                out["versions"] = [(v.tier, v.step, v.path) for v in ckpt.versions() if v.tier == "nvme"]
+        except ConfigError as exc:
+            out["config_error"] = str(exc)
+            out["key"] = exc.key
     elif scenario == "late_follower":
         # The leader decides a step that rank 1 has not saved yet, and rank 1 then captures older,
         # eligible saves first, with two host slots. Those can never be taken (the leader went past

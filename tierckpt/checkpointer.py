@@ -73,7 +73,10 @@ class Checkpointer:
     ) -> None:
         self.config = Config.coerce(config)
         peer = any(t.type == "peer" for t in self.config.tiers)
-        self._group = RankGroup.discover(group, self.config.distributed.timeout_s, bulk=peer, nodes=self.config.distributed.nodes)
+        local = any(t.scope == "node" for t in self.config.tiers)
+        self._group = RankGroup.discover(
+            group, self.config.distributed.timeout_s, bulk=peer, find_nodes=local, nodes=self.config.distributed.nodes
+        )
         self._layouts = LayoutCache(self._group.ranks if self._group else (0,))
         try:
             self._build(tier_factory, clock)

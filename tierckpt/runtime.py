@@ -18,9 +18,11 @@ from typing import Callable, Iterator
 
 from tierckpt.capture import Copier, HostPool
 from tierckpt.config import Config, TierConfig, check_disjoint_paths
+from tierckpt.errors import ConfigError
 from tierckpt.pipeline import Engine, Pipeline
 from tierckpt.pipeline.flusher import Flusher
 from tierckpt.ranks import RankGroup
+from tierckpt.ranks.nodes import node_identity
 from tierckpt.pipeline.ranked import FollowerFlusher, LeaderFlusher
 from tierckpt.tiers.base import Tier
 from tierckpt.tiers.filesystem import FilesystemTier
@@ -136,7 +138,7 @@ def assemble(config: Config, group: RankGroup | None, tier_factory: TierFactory 
             created or locked.
     """
     host = config.host
-    tier_configs = list(config.tiers)
+    tier_configs = [_on_this_node(cfg, config, group) for cfg in config.tiers]
     check_disjoint_paths(tier_configs)
     for cfg in tier_configs:
         if cfg.type == "peer":  # before anything is allocated or locked
@@ -192,6 +194,30 @@ def assemble(config: Config, group: RankGroup | None, tier_factory: TierFactory 
         raise
     _register_exit(runtime)
     return runtime
+
+
+def _on_this_node(cfg: TierConfig, config: Config, group: RankGroup | None) -> TierConfig:
+    """A node-local tier (``scope: node``) with ``{node}`` in its path replaced by this node's name.
+
+    Raises:
+        ConfigError: the ranks span several nodes; committing a version across node-local
+            directories is not built yet.
+    """
+    if cfg.scope != "node":
+        return cfg
+    if group is None:
+        return cfg.on_node(node_identity())
+    assert group.nodes is not None  # discovered: the config has a node-local tier
+    if len(group.nodes) > 1:
+        raise ConfigError(
+            f"tier {cfg.name!r}: scope: node across {len(group.nodes)} nodes is not supported yet (a version "
+            "cannot yet be committed across node-local directories); use scope: shared, or run on one node",
+            tier=cfg.name,
+            key=f"tiers.{cfg.name}.scope",
+        )
+    # One node: its ranks share its directory, as a shared tier's ranks do.
+    simulated = config.distributed.nodes is not None
+    return cfg.on_node("0" if simulated else node_identity())
 
 
 def _tier(cfg: TierConfig, first: TierConfig, group: RankGroup | None) -> Tier:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,9 @@ from tierckpt.errors import ConfigError
 __all__ = ["TierConfig"]
 
 _TIER_TYPES = ("memory", "filesystem", "peer")
+_SCOPES = ("shared", "node")
+_NODE = "{node}"
+_PLACEHOLDER = re.compile(r"\{[A-Za-z_][A-Za-z0-9_]*\}")
 _TIER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _MAX_COPIES = 2
 _PER_SECOND = re.compile(r"\s*/\s*s\s*$", re.IGNORECASE)
@@ -52,8 +55,10 @@ _PEER_ONLY = {
     "copies": "copies applies to peer tiers: how many other nodes hold a copy of each rank's snapshot",
     "bandwidth": "bandwidth applies to peer tiers: it limits the copying of snapshots to other nodes",
 }
+_SCOPE_FS = "scope applies to filesystem tiers: whether every node sees one directory (shared) or its own (node)"
 _NOT_FOR_TYPE: dict[str, dict[str, str]] = {
     "memory": {
+        "scope": _SCOPE_FS,
         "flush": "a memory tier is the first tier and receives every save",
         "compression": "a memory tier holds snapshots uncompressed; compress on a filesystem tier",
         "io_threads": "a memory tier does no file I/O; io_threads applies to filesystem tiers",
@@ -61,6 +66,7 @@ _NOT_FOR_TYPE: dict[str, dict[str, str]] = {
     },
     "filesystem": dict(_PEER_ONLY),
     "peer": {
+        "scope": _SCOPE_FS,
         "path": "a peer tier's copies live in the memory tier's directory, or in process memory",
         "compression": "a peer tier holds snapshots uncompressed in other nodes' memory",
         "io_threads": "a peer tier does no file I/O; io_threads applies to filesystem tiers",
@@ -87,6 +93,11 @@ class TierConfig:
         keep: which committed versions this tier keeps.
         compression: how tensor bytes are compressed; filesystem tiers only.
         io_threads: writer and reader threads of a filesystem tier (1..64); filesystem tiers only.
+        scope: ``"shared"`` (default): one directory that every rank sees (a parallel file system, or one
+            node's disk for all its ranks); ``"node"``: each node's own directory at ``path`` (its local
+            NVMe). Only with ``"node"`` may ``path`` contain ``{node}``, replaced by the node's name
+            (``GROUP_RANK``, else the host name; the node's index under ``distributed.nodes``), so that
+            nodes simulated on one host get directories of their own. Filesystem tiers only.
         copies: how many other nodes hold a copy of each rank's snapshot (1 or 2); peer tiers only.
         bandwidth_bytes: at most this many bytes per second copied to other nodes (YAML ``bandwidth``:
             bytes or ``"500MiB/s"``, the ``/s`` optional; > 0), or ``None`` for no limit; peer tiers only.
@@ -107,6 +118,7 @@ class TierConfig:
     keep: KeepPolicy = KeepPolicy()
     compression: CompressionConfig = CompressionConfig()
     io_threads: int = 2
+    scope: str = "shared"
     copies: int = 1
     bandwidth_bytes: int | None = None
 
@@ -128,10 +140,30 @@ class TierConfig:
             if not isinstance(value := getattr(self, key), kind):
                 raise at.error(key, problem=f"{value!r} is not allowed", hint=f"use a {kind.__name__}")
         check_int(at, "io_threads", self.io_threads, low=1, high=64)
+        check_choice(at, "scope", self.scope, _SCOPES)
+        if self.path is not None:
+            _check_placeholders(at, str(self.path), self.scope)
         check_int(at, "copies", self.copies, low=1, high=_MAX_COPIES)
         bandwidth = self.bandwidth_bytes
         if bandwidth is not None and (isinstance(bandwidth, bool) or not isinstance(bandwidth, int) or bandwidth < 1):
             raise at.error("bandwidth", problem=f"{bandwidth!r} is not allowed", hint=_BANDWIDTH_HINT)
+
+
+    def on_node(self, node: str) -> TierConfig:
+        """This tier as the node ``node`` uses it: ``{node}`` in ``path`` replaced by ``node``."""
+        if self.path is None or _NODE not in str(self.path):
+            return self
+        return replace(self, path=Path(str(self.path).replace(_NODE, node)))
+
+
+def _check_placeholders(at: Site, path: str, scope: str) -> None:
+    # A {name} in a path is only ever the {node} placeholder of a node-local tier: any other is a typo
+    # that would otherwise become a directory named after it. Lone braces are plain characters.
+    for found in _PLACEHOLDER.findall(path):
+        if found != _NODE:
+            raise at.error("path", problem=f"{found!r} is not a placeholder", hint="the only one is {node}, on a tier with scope: node")
+        if scope != "node":
+            raise at.error("path", problem="{node} needs scope: node", hint="set scope: node (each node's own directory), or remove {node}")
 
 
 def _check_keys_for_type(at: Site, tier_type: str, keys: Collection[str]) -> None:
@@ -196,6 +228,7 @@ _TIER_KEYS = (
     Key("keep", "keep", _read_keep, _write_keep_section),
     Key("compression", "compression", *section(CompressionConfig, _COMPRESSION_KEYS)),
     Key("io_threads", "io_threads"),
+    Key("scope", "scope"),
     Key("copies", "copies"),
     Key("bandwidth", "bandwidth_bytes", optional(_read_bandwidth)),
 )

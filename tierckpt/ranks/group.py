@@ -74,14 +74,14 @@ class RankGroup:
         return self.rank == 0
 
     @classmethod
-    def discover(cls, group: Any, timeout_s: float, *, bulk: bool = False, nodes: int | None = None) -> RankGroup | None:
+    def discover(cls, group: Any, timeout_s: float, *, bulk: bool = False, find_nodes: bool = False, nodes: int | None = None) -> RankGroup | None:
         """The ranks of ``group`` (default: the world) when ``torch.distributed`` is initialized, else None.
 
         Collective over ``group``: every rank of it must call this, at the same point of its program.
         A group of one process is None too: it saves as a single process does. With ``bulk`` (a peer
-        tier is configured), also makes the bulk group and finds which ranks share a node
-        (:attr:`nodes`): ``nodes`` consecutive blocks of ranks if given, else by each rank's
-        :func:`~tierckpt.ranks.nodes.node_identity`.
+        tier is configured), also makes the bulk group. With ``bulk`` or ``find_nodes`` (a node-local
+        tier), finds which ranks share a node (:attr:`nodes`): ``nodes`` consecutive blocks of ranks if
+        given, else by each rank's :func:`~tierckpt.ranks.nodes.node_identity`.
         """
         if not (dist.is_available() and dist.is_initialized()):
             if group is not None:
@@ -111,6 +111,7 @@ class RankGroup:
         made = cls(rank, world, ranks, run, timeout_s, store, pg, server)
         if bulk:
             made.bulk_group()
+        if bulk or find_nodes:
             made.nodes = split_nodes(world, nodes) if nodes is not None else group_nodes(made.all_gather(node_identity()))
         return made
 
