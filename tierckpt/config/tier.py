@@ -148,7 +148,6 @@ class TierConfig:
         if bandwidth is not None and (isinstance(bandwidth, bool) or not isinstance(bandwidth, int) or bandwidth < 1):
             raise at.error("bandwidth", problem=f"{bandwidth!r} is not allowed", hint=_BANDWIDTH_HINT)
 
-
     def on_node(self, node: str) -> TierConfig:
         """This tier as the node ``node`` uses it: ``{node}`` in ``path`` replaced by ``node``."""
         if self.path is None or _NODE not in str(self.path):
