@@ -52,6 +52,7 @@ __all__ = [
     "flush_eligible",
     "forget",
     "offer",
+    "pass_over",
     "retain",
     "stale_at",
     "still_wanted",
@@ -164,6 +165,16 @@ def forget(state: FlushState, token: int) -> Update:
     queue = tuple(c for c in state.queue if c is not lost)
     fallback = None if state.fallback is lost else state.fallback
     return Update(replace(state, queue=queue, fallback=fallback), (lost,))
+
+
+def pass_over(state: FlushState, up_to_step: int) -> Update:
+    """Nothing waiting here of a step up to ``up_to_step`` will be taken (a follower's leader went past it)."""
+    older = tuple(c for c in state.waiting() if c.step <= up_to_step)
+    if not older:
+        return Update(state)
+    queue = tuple(c for c in state.queue if c not in older)
+    fallback = None if state.fallback in older else state.fallback
+    return Update(replace(state, queue=queue, fallback=fallback), older)
 
 
 def stale_at(state: FlushState, policy: FlushPolicy) -> float | None:

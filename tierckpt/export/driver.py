@@ -8,6 +8,7 @@ The formats' writers are in :mod:`tierckpt.export.safetensors_writer` and
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import secrets
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Callable
 from tierckpt.export.reader import _layout, _nbytes, _Reader, _Writer
 from tierckpt.export.safetensors_writer import _SafetensorsWriter
 from tierckpt.export.torch_writer import _TorchWriter
+from tierckpt.storage.posix import fsync_dir
 
 __all__ = ["FORMATS", "ExportProgress", "ExportSummary", "export", "format_for"]
 
@@ -121,17 +123,6 @@ def export(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(out.parent)
+    with contextlib.suppress(OSError):  # best effort: not every file system can sync a directory
+        fsync_dir(out.parent)
     return ExportSummary(layout.step, len(layout.records), total, out, to)
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make the rename durable (best effort: not every file system can sync a directory)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass

@@ -26,8 +26,7 @@ fit the data files on disk, their dtypes and their shapes is checked by the read
 
 This module holds the documents of a version (:class:`Manifest`, :class:`CommitMarker`) and their
 encoding; the layout constants are in :mod:`tierckpt.format.layout` and the tensor records in
-:mod:`tierckpt.format.records`. The names that were defined here before they moved (``where``,
-``chunk_count``, ``Region``, ...) are still importable from here.
+:mod:`tierckpt.format.records`.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from tierckpt.format import version_dirname
 from tierckpt.config import FlushPolicy
 from tierckpt.pipeline.flusher import FlushEvents, Flusher
 from tierckpt.pipeline.sources import Located
-from tierckpt.policy import Candidate, Update, finished, take
+from tierckpt.policy import Candidate, finished, pass_over, take
 from tierckpt.tiers.base import GroupTier, Part, Staged, Tier, VersionInfo
 
 log = logging.getLogger("tierckpt")
@@ -96,6 +96,11 @@ class _GroupFlusher(Flusher):
             raise TypeError(f"tier {tier.name!r} ({type(tier).__name__}) cannot be written by several ranks: it is no GroupTier")
         super().__init__(tier, policy, events, **kwargs)
         self.channel = TierChannel(group, tier.name)
+        self._newest_offered = -1  # the newest step of this rank's own saves offered here
+
+    def offer(self, step: int, token: int, arrival: int) -> None:
+        self._newest_offered = max(self._newest_offered, step)
+        super().offer(step, token, arrival)
 
 
 class LeaderFlusher(_GroupFlusher):
@@ -108,20 +113,15 @@ class LeaderFlusher(_GroupFlusher):
         super().__init__(tier, policy, events, group=group, **kwargs)
         self._decisions = 0
         self._doomed: list[int] = []
-        self._newest = -1  # the newest step offered here
         self._published = -1
 
-    def offer(self, step: int, token: int, arrival: int) -> None:
-        self._newest = max(self._newest, step)
-        super().offer(step, token, arrival)
-
     async def _sleep(self, timeout: float | None) -> None:
-        if not self.state.waiting() and self.in_flight is None and self._newest > self._published:
+        if not self.state.waiting() and self.in_flight is None and self._newest_offered > self._published:
             # Nothing waits: every step offered so far was taken or passed over. Followers pass over
             # what they still hold up to here (a step this rank never saved, for one).
             try:
-                await self.channel.group.put(self.channel.key("horizon"), self._newest)
-                self._published = self._newest
+                await self.channel.group.put(self.channel.key("horizon"), self._newest_offered)
+                self._published = self._newest_offered
             except CoordinationLost as exc:
                 log.error("tier %r: %s", self.tier.name, exc)
             if self._wake.is_set():
@@ -179,7 +179,6 @@ class FollowerFlusher(_GroupFlusher):
         # Keep every eligible version until a decision takes it or passes it over: queue, never replace.
         self.policy = replace(self.policy, newest_only=False, min_interval_s=0.0)
         self._next = 1  # the next decision to follow
-        self._newest_offered = -1  # the newest step of this rank's own saves offered here
         # Every step up to here the leader has gone past (a decision for a newer step, its horizon). A
         # save of such a step that this rank captures only later (its training is behind) will never
         # be taken either: kept waiting, it would hold a host slot that this rank's save of the
@@ -189,12 +188,14 @@ class FollowerFlusher(_GroupFlusher):
 
     async def _step(self) -> None:
         """Follow the leader's next decision; once its store is gone, fail what waits and what comes."""
-        try:
-            await self._follow()
-        except CoordinationLost as exc:
-            self._lost = exc
-            self._fail_waiting()
-            await self._sleep(None)
+        if self._lost is None:
+            try:
+                await self._follow()
+                return
+            except CoordinationLost as exc:
+                self._lost = exc
+        self._fail_waiting()
+        await self._sleep(None)
 
     def _fail_waiting(self) -> None:
         assert self._lost is not None
@@ -204,10 +205,6 @@ class FollowerFlusher(_GroupFlusher):
         self._idle.set()
 
     async def _follow(self) -> None:
-        if self._lost is not None:
-            self._fail_waiting()
-            await self._sleep(None)
-            return
         channel = self.channel
         key = channel.key("decision", self._next)
         if not await channel.group.has([key]):
@@ -289,7 +286,7 @@ class FollowerFlusher(_GroupFlusher):
         deadline = time.monotonic() + self.channel.group.timeout_s
         while True:
             found = next((c for c in self.state.waiting() if c.step == step), None)
-            if found is not None or any(c.step > step for c in self.state.waiting()) or self._newest_offered > step:
+            if found is not None or self._newest_offered > step:  # a newer save came: this one never will
                 return found
             left = deadline - time.monotonic()
             if left <= 0:
@@ -297,10 +294,9 @@ class FollowerFlusher(_GroupFlusher):
             await self._sleep(min(left, _FOLLOW_POLL_S))
 
     def offer(self, step: int, token: int, arrival: int) -> None:
-        self._newest_offered = max(self._newest_offered, step)
         super().offer(step, token, arrival)
         if step <= self._passed:
-            self._pass_over(self._passed, inclusive=True)  # the leader went past it before this rank saved it
+            self.forget(token)  # the leader went past it before this rank saved it
         if self._lost is not None:
             self._wake.set()
 
@@ -310,12 +306,7 @@ class FollowerFlusher(_GroupFlusher):
         # A decision is the leader's latest word (a step saved again after a rollback may come lower);
         # a horizon read later may be older than the decision just followed, so it only raises this.
         self._passed = max(self._passed, step) if inclusive else step - 1
-        older = tuple(c for c in self.state.waiting() if c.step <= self._passed)
-        if not older:
-            return
-        queue = tuple(c for c in self.state.queue if c not in older)
-        fallback = None if self.state.fallback in older else self.state.fallback
-        self._apply(Update(replace(self.state, queue=queue, fallback=fallback), older))
+        self._apply(pass_over(self.state, self._passed))
 
     async def drain(self) -> None:
         """Wait until the leader dealt with everything waiting here, for at most the timeout."""
@@ -327,5 +318,5 @@ class FollowerFlusher(_GroupFlusher):
                 "tier %r: rank 0 took none of steps %s within %g s; they will not go down",
                 self.tier.name, [c.step for c in left], self.channel.group.timeout_s,
             )
-            self._apply(Update(replace(self.state, queue=(), fallback=None), left))
+            self.give_up()
             self._idle.set()

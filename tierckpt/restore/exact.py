@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from tierckpt._buffers import align_up, tensor_bytes
-from tierckpt.errors import CorruptCheckpointError, RestoreError
+from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import TensorRecord
 from tierckpt.format.source import VersionSource
 from tierckpt.restore.landing import Target, Work, new_array, over, staging_area
@@ -33,21 +33,9 @@ from tierckpt.tiers.memory import MemorySource
 
 __all__ = ["land", "staging_bytes"]
 
-def _mismatch(record: TensorRecord, source: VersionSource, value: Any) -> RestoreError:
-    where = f"step {source.step} on tier {source.tier!r}"
-    if record.kind == "torch":
-        have = (
-            f"{str(getattr(value, 'dtype', type(value).__name__)).removeprefix('torch.')}"
-            f"{list(getattr(value, 'shape', ()))}"
-        )
-        text = f"{record.key}: {where} holds {record.dtype}{list(record.shape)}, the template has {have}"
-    else:
-        text = f"{record.key}: {where} holds {record.dtype}{list(record.shape)}, the template does not match"
-    return RestoreError(text, tier=source.tier, step=source.step, key=record.key)
-
-
-def _check(record: TensorRecord, source: VersionSource, template: Leaf | None) -> Any:
-    """The record's dtype, after checking its length and the template (nothing is written yet)."""
+def _check(record: TensorRecord, source: VersionSource) -> Any:
+    """The record's dtype, after checking its length (nothing is written yet). The template already
+    matches: this path is taken only when :func:`tierckpt.restore.plan.fits` said so."""
     if record.kind == "torch":
         dtype: Any = torch_dtype(record.dtype)
         itemsize = dtype.itemsize
@@ -63,10 +51,6 @@ def _check(record: TensorRecord, source: VersionSource, template: Leaf | None) -
             step=source.step,
             key=record.key,
         )
-    if template is not None:
-        value = template.value
-        if template.kind != record.kind or value.dtype != dtype or tuple(value.shape) != record.shape:
-            raise _mismatch(record, source, value)
     return dtype
 
 
@@ -107,7 +91,7 @@ def _targets(source: VersionSource, templates: dict[str, Leaf], lent: memoryview
     Staged records go to ``lent`` (memory already faulted in) when it is large enough, else to a
     fresh mapping.
     """
-    dtypes = [_check(r, source, templates.get(r.key)) for r in source.records]
+    dtypes = [_check(r, source) for r in source.records]
     targets: list[Target] = []
     to_stage: list[Target] = []
     for record, dtype in zip(source.records, dtypes):
@@ -146,7 +130,6 @@ def land(
 
     Raises:
         CorruptCheckpointError: the skeleton does not match the records, or a record's length its shape.
-        RestoreError: a template does not match its record.
     """
     if skeleton_leaf_count(source.skeleton) != len(source.records):
         raise CorruptCheckpointError(

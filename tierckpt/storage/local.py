@@ -139,7 +139,7 @@ class LocalStore(ByteStore):
 
     def path(self, key: str) -> Path:
         """The file or directory of ``key``."""
-        return self.root / key if key else self.root
+        return self.root / key  # "" (the root itself) adds nothing
 
     async def _run(self, function: object, *args: object) -> object:
         return await asyncio.get_running_loop().run_in_executor(self.executor, function, *args)  # type: ignore[arg-type]

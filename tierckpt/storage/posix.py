@@ -34,11 +34,12 @@ from tierckpt._buffers import PAGE, address, align_up, aligned_buffer, copy_byte
 from tierckpt.errors import CorruptCheckpointError
 
 __all__ = [
-    "O_DIRECT", "fsync_dir", "fsync_named", "makedirs_durable", "pread_exact", "preallocate", "probe_direct_io", "pwrite_all",
+    "DIRECT_PROBE_PREFIX", "O_DIRECT", "fsync_dir", "fsync_named", "makedirs_durable", "pread_exact", "preallocate", "probe_direct_io", "pwrite_all",
     "raise_named", "read_into", "read_span", "remove_out_of_sight", "remove_tree", "write_file",
 ]
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
+DIRECT_PROBE_PREFIX = ".direct-probe-"  # a probe file a crash left behind is swept by this name
 
 _local = threading.local()
 
@@ -155,7 +156,7 @@ def probe_direct_io(directory: Path) -> bool:
     """Whether files in ``directory`` accept O_DIRECT writes of one aligned page."""
     if not O_DIRECT:
         return False
-    probe = directory / f".direct-probe-{uuid.uuid4().hex}"
+    probe = directory / f"{DIRECT_PROBE_PREFIX}{uuid.uuid4().hex}"
     buf = aligned_buffer(PAGE)
     try:
         # A file system without O_DIRECT (ramfs, some FUSE) may create the file and only then refuse

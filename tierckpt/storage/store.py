@@ -31,7 +31,7 @@ A version's lifecycle, and the contract of each operation (in call order):
    versions and leftovers alike, for the tier's sweep.
 
 Reads go through :class:`ObjectReader`: a byte range of one object, into a caller's buffer.
-Blocking methods (``open_data`` and the writer's, the reader's) run in the tier's threads; the
+Blocking methods (``open_data`` and the writer's, the reader's) run in worker threads, never on the engine loop; the
 ``async`` ones run on the engine loop and move no bulk bytes.
 """
 

@@ -13,7 +13,8 @@ from typing import Callable, Collection, Mapping
 
 
 from tierckpt.config import TierConfig
-from tierckpt.tiers.base import Staged, Tier, VersionSource
+from tierckpt.format.source import VersionSource
+from tierckpt.tiers.base import Staged, Tier
 from tierckpt.tiers.filesystem import FilesystemTier
 
 

@@ -12,10 +12,12 @@ renamed over): the old one goes to ``.replaced-step-...``, then the new one into
 the two leaves no ``step-...`` directory, so open renames the ``.replaced-`` copy back instead of
 sweeping it: the step keeps its old, committed content rather than vanishing (:mod:`~tierckpt.tiers.fssweep`).
 
-This class decides what is stored and in which order it becomes durable and visible; every byte,
+This class decides what is stored and in which order it becomes durable and visible; every write,
 rename and removal goes through :attr:`FilesystemTier.store`, a :class:`~tierckpt.storage.store.ByteStore`
 (the local file system, :class:`~tierckpt.storage.local.LocalStore`): a rename into place is its
-``publish``, a rename aside its ``withdraw``, an fsync of a directory its ``sync``.
+``publish``, a rename aside its ``withdraw``, an fsync of a directory its ``sync``. Reads open the
+version directory's files themselves (:mod:`tierckpt.tiers.fsread`, through the store's
+:class:`~tierckpt.storage.local.LocalReader`), since a read must refuse symlinks relative to that directory.
 
 Reading (:mod:`tierckpt.tiers.fsread`) trusts nothing a manifest says: files are opened without following
 symlinks, and records are checked against the files before anything is allocated or read.
@@ -173,7 +175,8 @@ class FilesystemTier(GroupTier):
         tmp = staging or f".tmp-{version_dirname(source.step)}-{uuid.uuid4().hex[:12]}"
         ranked = self.group is not None
         data = f"{tmp}/{DATA_FILE.format(rank=self.rank)}"
-        manifest_key = f"{tmp}/{RANK_MANIFEST_FILE.format(rank=self.rank) if ranked else MANIFEST_FILE}"
+        manifest_name = RANK_MANIFEST_FILE.format(rank=self.rank) if ranked else MANIFEST_FILE
+        manifest_key = f"{tmp}/{manifest_name}"
         await self.store.stage(tmp, shared=ranked)
         try:
             encoding = self.encoding.begin()
@@ -184,7 +187,6 @@ class FilesystemTier(GroupTier):
                 data,
                 encoding,
                 self.executor,
-                direct=self.direct,
                 threads=self.config.io_threads,
                 rank=self.rank,
                 store=self.store,
@@ -208,7 +210,7 @@ class FilesystemTier(GroupTier):
             else:
                 await self._discard(tmp)
             raise
-        part = Part(manifest_key.rsplit("/", 1)[1], checksum(encoded), manifest.stored_bytes) if ranked else None
+        part = Part(manifest_name, checksum(encoded), manifest.stored_bytes) if ranked else None
         return Staged(source.step, tmp, manifest.stored_bytes, source.created, part)
 
     async def seal(self, staged: Staged, parts: list[Part], metadata: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ import logging
 from typing import Awaitable, Callable
 
 from tierckpt.format import MANIFEST_FILE, parse_version_dirname, version_dirname
+from tierckpt.storage.posix import DIRECT_PROBE_PREFIX
 from tierckpt.storage.store import ByteStore, Entry
 from tierckpt.tiers.base import VersionInfo
 
@@ -27,7 +28,6 @@ log = logging.getLogger("tierckpt")
 
 REPLACED = ".replaced-"  # + the step directory's name + "-<random>": a committed version being replaced
 MEMBER = ".member-"  # + run id: the leader's sign that a follower sees the directory the leader sees
-_PROBE = ".direct-probe-"
 _LEFTOVERS = (".tmp-", ".trash-")
 
 Describe = Callable[[int, str], Awaitable[VersionInfo]]
@@ -38,7 +38,7 @@ def classify(entry: Entry) -> str:
     ``leftover`` (a container to remove) or ``other`` (left alone)."""
     if entry.name.startswith(REPLACED):
         return "replaced"
-    if entry.name.startswith((MEMBER, _PROBE)) and not entry.container:
+    if entry.name.startswith((MEMBER, DIRECT_PROBE_PREFIX)) and not entry.container:
         return "stale"  # left by an earlier run's leader, or a probe file from a crash mid-probe
     if entry.name.startswith(_LEFTOVERS):
         return "leftover"

@@ -22,6 +22,7 @@ Of a record shared by several ranks (``save(replicated=...)``), a rank writes on
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -47,7 +48,7 @@ def write_data_file(
     encoding: VersionEncoding,
     executor: concurrent.futures.Executor,
     *,
-    direct: bool,
+    direct: bool = False,
     threads: int = 2,
     rank: int = 0,
     store: ByteStore | None = None,
@@ -55,8 +56,8 @@ def write_data_file(
     """Write every record of ``source`` into data object ``path`` and make it durable; returns the
     stored records.
 
-    ``store``: where ``path`` (then a key) lives; None: ``path`` is a local file, written with O_DIRECT
-    when ``direct``. ``threads`` of ``executor`` and the calling thread write the chunks (see
+    ``store``: where ``path`` (then a key) lives, written as the store writes (its own ``direct``);
+    None: ``path`` is a local file, written with O_DIRECT when ``direct``. ``threads`` of ``executor`` and the calling thread write the chunks (see
     :class:`ChunkJobs`); ``rank`` is the writing rank: of a shared record, only its own chunks are written.
     """
     codecs = [encoding.codec_for(r) for r in source.records]
@@ -73,19 +74,11 @@ def write_data_file(
     chunks = {(item.record, item.chunk): (offsets[item.index], result) for item, result in zip(plan.items, results)}
     name = Path(path).name
     return tuple(
-        TensorRecord(
-            index=r.index,
-            key=r.key,
-            kind=r.kind,
-            dtype=r.dtype,
-            shape=r.shape,
-            nbytes=r.nbytes,
+        dataclasses.replace(
+            r,
             file=name,
             codec=plan.codecs[ri],
-            chunk_bytes=r.chunk_bytes,
             chunks=tuple(_chunk(chunks.get((ri, c)), plan.codecs[ri]) for c in range(len(r.chunks))),
-            shared=r.shared,
-            region=r.region,
         )
         for ri, r in enumerate(source.records)
     )

@@ -27,13 +27,13 @@ import concurrent.futures
 import contextlib
 from typing import Iterator
 
-from tierckpt.capture.pool import HostPool, Slot
+from tierckpt.capture.pool import HostPool
 from tierckpt.config import TierConfig
 from tierckpt._buffers import align_up
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import DATA_FILE, Manifest, version_dirname
 from tierckpt.policy import Held, SlotChoice, choose_slot, retain
-from tierckpt.snapshot import Entry, Snapshot, SnapshotState
+from tierckpt.snapshot import Entry, Slot, Snapshot, SnapshotState
 from tierckpt.tiers.base import Lease, Tier, VersionInfo, VersionSource
 from tierckpt.tiers.memory_hooks import Alone, MemoryHooks, Want
 from tierckpt.tiers.memory_source import MemorySource

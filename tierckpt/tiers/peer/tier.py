@@ -157,7 +157,7 @@ class PeerTier(GroupTier):
 
     async def seal(self, staged: Staged, parts: list[Part], metadata: dict[str, Any]) -> None:
         """The leader: every rank's copies are held; nothing to write (the holders hold them whole)."""
-        staged.nbytes = sum(p[2] for p in parts)
+        staged.nbytes = sum(p.nbytes for p in parts)
 
     async def commit(self, staged: Staged) -> VersionInfo:
         return await self.adopt(staged, staged.nbytes)
