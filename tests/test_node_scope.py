@@ -1,5 +1,5 @@
-"""Filesystem tiers with ``scope: node`` (each node's own directory, ``{node}`` in the path): what works
-in this release (one process; the ranks of one node) and the clear refusal across several nodes."""
+"""Filesystem tiers with ``scope: node`` (each node's own directory, ``{node}`` in the path): one process,
+the ranks of one node, and the placeholder's rules. Across nodes, with failures: tests/test_node_local.py."""
 
 from __future__ import annotations
 
@@ -82,9 +82,9 @@ def test_the_ranks_of_one_node_share_its_directory(tmp_path: Path) -> None:
         assert r["versions"] == [["nvme", 3, str(tmp_path / "local-0" / version_dirname(3))]], r
 
 
-def test_several_nodes_are_refused_on_every_rank_naming_the_tier(tmp_path: Path) -> None:
+def test_ranks_on_two_nodes_each_commit_into_their_nodes_directory(tmp_path: Path) -> None:
     results = _ranks(tmp_path, nodes=2)
-    for r in results:
-        assert r.get("key") == "tiers.nvme.scope", r
-        assert "scope: node across 2 nodes is not supported yet" in r["config_error"], r
-    assert not any(tmp_path.glob("local-*")), "nothing is created before the refusal"
+    for rank, r in enumerate(results):
+        assert "config_error" not in r, r
+        assert r["committed"] is True
+        assert r["versions"] == [["nvme", 3, str(tmp_path / f"local-{rank}" / version_dirname(3))]], r

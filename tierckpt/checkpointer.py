@@ -100,6 +100,8 @@ class Checkpointer:
             raise ConfigError(f"rank {rank} could not construct its Checkpointer: {why}")
         if peer:
             self._runtime.learn_peer_versions()
+        if local:
+            self._runtime.learn_node_versions()
 
     def _build(self, tier_factory: TierFactory | None, clock: Callable[[], float]) -> None:
         self._runtime = runtime = assemble(self.config, self._group, tier_factory, clock)

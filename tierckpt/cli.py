@@ -177,7 +177,11 @@ class _Opened:
 
 def _open(version: _Version) -> _Opened:
     head = read_head(version.path, tier=None, step=version.step)
-    manifests = [head] if isinstance(head, Manifest) else [read_rank_manifest(version.path, head, r, tier=None) for r in range(head.world_size)]
+    if isinstance(head, Manifest):
+        manifests = [head]
+    else:  # a node-local tier's directory holds its node's ranks' parts
+        held = range(head.world_size) if head.holds is None else head.holds
+        manifests = [read_rank_manifest(version.path, head, r, tier=None) for r in held]
     opened = _Opened(head, [])
     try:
         for manifest in manifests:
@@ -186,6 +190,17 @@ def _open(version: _Version) -> _Opened:
         opened.close()
         raise
     return opened
+
+
+def _part(head: Manifest | CommitMarker) -> str | None:
+    """What a node-local directory's version holds (``node 1's part: ranks 2, 3 of 4``); None for a whole version."""
+    if not isinstance(head, CommitMarker) or head.holds is None:
+        return None
+    return f"node {head.node}'s part: ranks {', '.join(map(str, head.holds))} of {head.world_size}"
+
+
+def _held_bytes(head: Manifest | CommitMarker) -> int:
+    return head.held_bytes if isinstance(head, CommitMarker) else head.stored_bytes
 
 
 def _ls(versions: list[_Version]) -> int:
@@ -207,7 +222,8 @@ def _ls(versions: list[_Version]) -> int:
         head = opened.head
         logical = sum(r.nbytes for r in opened.logical_records())
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(head.created))
-        rows.append((version.name, str(head.step), _size(head.stored_bytes), _size(logical), created, "yes"))
+        valid = "yes" if _part(head) is None else f"yes, {_part(head)}"
+        rows.append((version.name, str(head.step), _size(_held_bytes(head)), _size(logical), created, valid))
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[5])
@@ -261,9 +277,11 @@ def _verify(versions: list[_Version], threads: int) -> int:
                 assert opened is not None
                 logical = sum(r.nbytes for r in opened.logical_records())
                 ranks = f" from {opened.head.world_size} ranks" if isinstance(opened.head, CommitMarker) else ""
+                part = _part(opened.head)
+                ranks = ranks if part is None else f", {part} (complete)"
                 print(
                     f"{version.name.ljust(width)}  OK       {opened.tensors} tensors{ranks}, "
-                    f"{_size(opened.head.stored_bytes)} stored, {_size(logical)} logical",
+                    f"{_size(_held_bytes(opened.head))} stored, {_size(logical)} logical",
                     flush=True,
                 )
             else:

@@ -18,7 +18,6 @@ from typing import Callable, Iterator
 
 from tierckpt.capture import Copier, HostPool
 from tierckpt.config import Config, TierConfig, check_disjoint_paths
-from tierckpt.errors import ConfigError
 from tierckpt.pipeline import Engine, Pipeline
 from tierckpt.pipeline.flusher import Flusher
 from tierckpt.ranks import RankGroup
@@ -27,6 +26,7 @@ from tierckpt.pipeline.ranked import FollowerFlusher, LeaderFlusher
 from tierckpt.tiers.base import Tier
 from tierckpt.tiers.filesystem import FilesystemTier
 from tierckpt.tiers.memory import MemoryHooks, MemoryTier
+from tierckpt.tiers.nodelocal import NodeLocalTier
 from tierckpt.tiers.peer import PeerTier, check_peer
 from tierckpt.tiers.shm import ShmStore
 
@@ -121,6 +121,19 @@ class Runtime:
 
         self.engine.run_sync(learn())
 
+    def learn_node_versions(self) -> None:
+        """After a restart, the versions of each node-local tier that every node's directory commits
+        (collective: each node's keeper reports what its directory holds)."""
+        assert self.group is not None and self.pipeline is not None and self.engine is not None
+        tiers = [t for t in self.pipeline.tiers if isinstance(t, NodeLocalTier)]
+        replies = self.group.all_gather([t.holdings() for t in tiers])
+
+        async def learn() -> None:
+            for i, tier in enumerate(tiers):
+                tier.learn([reply[i] for reply in replies])
+
+        self.engine.run_sync(learn())
+
     def close_at_exit(self) -> None:
         if self.closed:
             return
@@ -172,7 +185,7 @@ def assemble(config: Config, group: RankGroup | None, tier_factory: TierFactory 
     below: list[Tier] = []
     for cfg in tier_configs[1:]:
         made = tier_factory(cfg) if tier_factory else None
-        below.append(made if made is not None else _tier(cfg, first, group))
+        below.append(made if made is not None else _tier(cfg, first, group, config))
 
     def memory(hooks: MemoryHooks) -> MemoryTier:
         return MemoryTier(first, pool, store, hooks=hooks)
@@ -197,34 +210,28 @@ def assemble(config: Config, group: RankGroup | None, tier_factory: TierFactory 
 
 
 def _on_this_node(cfg: TierConfig, config: Config, group: RankGroup | None) -> TierConfig:
-    """A node-local tier (``scope: node``) with ``{node}`` in its path replaced by this node's name.
-
-    Raises:
-        ConfigError: the ranks span several nodes; committing a version across node-local
-            directories is not built yet.
-    """
+    """A node-local tier (``scope: node``) with ``{node}`` in its path replaced by this node's name:
+    :func:`~tierckpt.ranks.nodes.node_identity`, or the node's index when ``distributed.nodes``
+    simulates nodes on one host."""
     if cfg.scope != "node":
         return cfg
-    if group is None:
-        return cfg.on_node(node_identity())
+    return cfg.on_node(_node_name(config, group))
+
+
+def _node_name(config: Config, group: RankGroup | None) -> str:
+    if group is None or config.distributed.nodes is None:
+        return node_identity()
     assert group.nodes is not None  # discovered: the config has a node-local tier
-    if len(group.nodes) > 1:
-        raise ConfigError(
-            f"tier {cfg.name!r}: scope: node across {len(group.nodes)} nodes is not supported yet (a version "
-            "cannot yet be committed across node-local directories); use scope: shared, or run on one node",
-            tier=cfg.name,
-            key=f"tiers.{cfg.name}.scope",
-        )
-    # One node: its ranks share its directory, as a shared tier's ranks do.
-    simulated = config.distributed.nodes is not None
-    return cfg.on_node("0" if simulated else node_identity())
+    return str(next(i for i, node in enumerate(group.nodes) if group.rank in node))
 
 
-def _tier(cfg: TierConfig, first: TierConfig, group: RankGroup | None) -> Tier:
+def _tier(cfg: TierConfig, first: TierConfig, group: RankGroup | None, config: Config) -> Tier:
     if cfg.type == "memory":
         raise AssertionError("config validation allows a memory tier only first")
     if cfg.type == "filesystem":
-        return FilesystemTier(cfg, group)
+        if cfg.scope == "node" and group is not None and group.nodes is not None and len(group.nodes) > 1:
+            return NodeLocalTier(cfg, group, group.nodes, _node_name(config, group))
+        return FilesystemTier(cfg, group)  # of one node, its ranks share its directory as they do a shared one
     assert group is not None and group.nodes is not None  # check_peer made sure
     # Copies live beside the memory tier's pool, so that they too outlive the process.
     root = None if first.path is None else Path(first.path).expanduser().absolute() / f"{cfg.name}-rank-{group.rank:05d}"

@@ -48,6 +48,7 @@ from tierckpt.format.records import (
     _list,
     _map,
     _short,
+    _str,
     _time,
 )
 
@@ -130,6 +131,9 @@ class CommitMarker:
 
     ``ranks[r]`` is rank r's manifest file name, the checksum of that file's bytes and the bytes its
     data file holds; a rank manifest that does not match its checksum is not part of this version.
+    ``holds``: the ranks whose parts this directory holds, on a node-local tier (each node's directory
+    holds its own ranks' parts; its marker names every rank's, so that the nodes' markers can be
+    compared); None: every rank's (a shared directory). ``node``: the name of that directory's node.
     """
 
     step: int
@@ -137,6 +141,13 @@ class CommitMarker:
     world_size: int
     ranks: tuple[tuple[str, int, int], ...]
     metadata: dict[str, Any] = field(default_factory=dict)
+    holds: tuple[int, ...] | None = None
+    node: str | None = None
+
+    @property
+    def held_bytes(self) -> int:
+        """Stored bytes of the parts this directory holds."""
+        return self.stored_bytes if self.holds is None else sum(self.ranks[r][2] for r in self.holds)
 
     @property
     def stored_bytes(self) -> int:
@@ -155,6 +166,8 @@ class CommitMarker:
                 "metadata": self.metadata,
                 "ranks": [list(r) for r in self.ranks],
             }
+            | ({} if self.holds is None else {"holds": list(self.holds)})
+            | ({} if self.node is None else {"node": self.node})
         )
 
 
@@ -202,9 +215,14 @@ def decode_document(
                 world_size=_int(body["world_size"]),
                 ranks=tuple(_rank_entry(r) for r in _list(body["ranks"])),
                 metadata=_map(body["metadata"]),
+                holds=tuple(_int(r) for r in _list(body["holds"])) if "holds" in body else None,
+                node=_str(body["node"]) if "node" in body else None,
             )
             if not 1 < marker.world_size == len(marker.ranks):
                 raise ValueError(f"{len(marker.ranks)} rank entries for a world of {marker.world_size}")
+            held = marker.holds
+            if held is not None and (not held or len(set(held)) != len(held) or max(held) >= marker.world_size):
+                raise ValueError(f"holds ranks {_short(list(held), 200)} of a world of {marker.world_size}")
             if step is not None and marker.step != step:
                 raise bad(f"records step {marker.step}")
             return marker

@@ -256,6 +256,7 @@ class FollowerFlusher(_GroupFlusher):
         assert located is not None
         located.lease.release()
         await channel.group.put(channel.key("report", n, me), {"part": list(staged.part) if staged.part else None})
+        await self.tier.settle(staged)
         outcome = await self._outcome(n)
         if outcome is None or "error" in outcome:
             await self.tier.abort(staged)

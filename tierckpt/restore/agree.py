@@ -48,7 +48,7 @@ async def restore_agreed(
     by_path = template_leaves(template)
     peer = next((t for t in tiers if isinstance(t, PeerTier)), None)
     own = [t for t in tiers if t is not peer]
-    mine = sorted({info.step for tier in own for info in tier.versions()}, reverse=True)
+    mine = sorted({info.step for tier in own for info in tier.versions() if tier.has_part(info.step)}, reverse=True)
     held = await asyncio.to_thread(group.all_gather, [mine, copies_held(peer)])
     holders = holders_of([h[1] for h in held])
     can = [set(h[0]) | {step for owner, step in holders if owner == r} for r, h in enumerate(held)]
@@ -57,7 +57,7 @@ async def restore_agreed(
     for step in common:
         with contextlib.ExitStack() as held_open:
             attempt = Attempt(f"rank {group.rank} holds no step {step} any more")
-            order = [t for t in own if any(info.step == step for info in t.versions())]
+            order = [t for t in own if t.has_part(step) and any(info.step == step for info in t.versions())]
             if peer is not None:
                 # Cheapest first: this rank's own host memory; then a copy a peer holds (for a rank whose
                 # memory lacks the step, or whose copy there does not verify); then its disk tiers.
@@ -134,7 +134,7 @@ async def _first_of(
         except NotHere:  # this rank's host memory holds only its own part: a slower tier may do
             continue
         except CorruptCheckpointError as exc:
-            attempt.verdict = str(exc)
+            attempt.verdict = str(exc) if tier.place is None else f"{exc}, on {tier.place}"
         except Exception as exc:  # a template that does not match, say: raised on every rank below
             attempt.error = exc
             return

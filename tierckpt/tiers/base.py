@@ -119,6 +119,17 @@ class Tier(abc.ABC):
 
         return Lease(release)
 
+    @property
+    def place(self) -> str | None:
+        """Where this rank's copies on this tier are, when the tier's name does not say (a node-local
+        tier: which node's directory), for messages."""
+        return None
+
+    def has_part(self, step: int) -> bool:
+        """Whether this rank can read its own part of ``step`` here without another rank's help (a
+        node-local tier: only when this rank's node holds it)."""
+        return True
+
     def leased(self, step: int) -> bool:
         return self._leases.get(step, 0) > 0
 
@@ -184,7 +195,7 @@ class GroupTier(Tier):
 
     Follower (every other rank):
         1. ``staged = await write(source, staging)`` (the same ``staging``), reports ``staged.part``
-           (or its failure).
+           (or its failure), then ``await settle(staged)``: its share of the leader's commit, if any.
         2. Waits for the leader's outcome: committed: ``await adopt(staged, nbytes)`` indexes the
            version; abandoned or no outcome in time: ``await abort(staged)``.
         3. ``await forget(step)`` for each step the leader's retention deleted.
@@ -208,6 +219,11 @@ class GroupTier(Tier):
     @abc.abstractmethod
     async def abort(self, staged: Staged) -> None:
         """Either role: give back what this rank staged of a version that will not be committed."""
+
+    async def settle(self, staged: Staged) -> None:  # noqa: B027 - optional hook
+        """A follower, its part reported, before it waits for the outcome: its share of the leader's
+        commit (a node-local tier: a node's first rank commits the node's directory). Raises only when
+        the group's store is lost; a failure is reported to the leader, which abandons the version."""
 
     @abc.abstractmethod
     async def adopt(self, staged: Staged, nbytes: int) -> VersionInfo:

@@ -10,7 +10,8 @@ is damaged is kept (never delete what may be someone's only copy) and fails veri
 Replacing a committed version of the same step takes two renames (a non-empty directory cannot be
 renamed over): the old one goes to ``.replaced-step-...``, then the new one into place. A crash between
 the two leaves no ``step-...`` directory, so open renames the ``.replaced-`` copy back instead of
-sweeping it: the step keeps its old, committed content rather than vanishing (:mod:`~tierckpt.tiers.fssweep`).
+sweeping it: the step keeps its old, committed content rather than vanishing (:mod:`~tierckpt.tiers.fssweep`;
+the renames: :mod:`~tierckpt.tiers.fscommit`).
 
 This class decides what is stored and in which order it becomes durable and visible; every write,
 rename and removal goes through :attr:`FilesystemTier.store`, a :class:`~tierckpt.storage.store.ByteStore`
@@ -29,8 +30,9 @@ Several ranks (a :class:`~tierckpt.ranks.RankGroup`) share the tier's directory.
 data file and its rank manifest into one staging directory whose name the leader's decision fixes;
 once every rank reported its part durable, the leader writes the commit marker there (:meth:`seal`)
 and renames the directory into place (:meth:`commit`); the other ranks only index it (:meth:`adopt`).
-Only the leader sweeps, locks, deletes and renames: a follower never removes anything but its own
-files of a version that was abandoned.
+Only the directory's *keeper* (rank 0; on a node-local tier, each node's first rank:
+:mod:`~tierckpt.tiers.nodelocal`) sweeps, locks, deletes and renames: another rank never removes
+anything but its own files of a version that was abandoned.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ from tierckpt.tiers.base import GroupTier, Part, Staged, VersionInfo, VersionSou
 from tierckpt.tiers.encoding import TierEncoding
 from tierckpt.tiers.fslayout import filesystem_layout
 from tierckpt.tiers.fsread import FilesystemSource, open_source, read_head, read_manifest, resolve_shared  # noqa: F401 - FilesystemSource lived here
-from tierckpt.tiers.fssweep import MEMBER, REPLACED, sweep
+from tierckpt.tiers.fscommit import Left, PlaceFailed, place, take_back
+from tierckpt.tiers.fssweep import MEMBER, sweep
 from tierckpt.tiers.fswrite import write_data_file
 
 log = logging.getLogger("tierckpt")
@@ -92,6 +95,20 @@ class FilesystemTier(GroupTier):
         self.store = LocalStore(self.root, self.executor, tier=config.name)
         self._index: dict[int, VersionInfo] = {}
         self._leftovers: set[str] = set()  # containers a failed removal left: retried before each write
+        # The rank that locks, sweeps, commits and deletes in this directory (a group position): rank 0
+        # of a shared directory; a node-local tier's node has its own.
+        self.keeper = 0
+        # Of a value stored once between ranks: the ranks sharing its chunks here (None: as saved).
+        self.sharing: tuple[int, ...] | None = None
+
+    @property
+    def keeps(self) -> bool:
+        """Whether this rank is the directory's keeper (a single process is)."""
+        return self.group is None or self.rank == self.keeper
+
+    @property
+    def _open_key(self) -> str:
+        return f"open/{self.name}"
 
     @property
     def direct(self) -> bool:
@@ -104,8 +121,8 @@ class FilesystemTier(GroupTier):
             return
         # The leader opens (locks, sweeps, indexes) first; the others only index what it left, and
         # check that they see the same directory.
-        key, member = f"open/{self.name}", f"{MEMBER}{self.group.run}"
-        if self.group.leader:
+        key, member = self._open_key, f"{MEMBER}{self.group.run}"
+        if self.keeps:
             try:
                 await self._open()
                 await self.store.write_small(member, b"")
@@ -115,13 +132,13 @@ class FilesystemTier(GroupTier):
             await self.group.put(key, "")
             return
         if not await self.group.wait_for([key], self.group.timeout_s):
-            raise ConfigError(f"tier {self.name!r}: rank 0 did not open {str(self.root)!r} within {self.group.timeout_s:g} s", tier=self.name)
+            raise ConfigError(f"tier {self.name!r}: rank {self.keeper} did not open {str(self.root)!r} within {self.group.timeout_s:g} s", tier=self.name)
         problem = await self.group.get(key)
         if problem:
-            raise ConfigError(f"tier {self.name!r}: rank 0 could not open it: {problem}", tier=self.name, key=f"tiers.{self.name}.path")
+            raise ConfigError(f"tier {self.name!r}: rank {self.keeper} could not open it: {problem}", tier=self.name, key=f"tiers.{self.name}.path")
         if not await self.store.exists(member):
             raise ConfigError(
-                f"tier {self.name!r}: {str(self.root)!r} is not the directory rank 0 opened: every rank must "
+                f"tier {self.name!r}: {str(self.root)!r} is not the directory rank {self.keeper} opened: every rank must "
                 "see the same directory (a shared file system, or one node's disk for all its ranks)",
                 tier=self.name,
                 key=f"tiers.{self.name}.path",
@@ -129,7 +146,7 @@ class FilesystemTier(GroupTier):
         await self._open()
 
     async def _open(self) -> None:
-        leader = self.group is None or self.group.leader
+        leader = self.keeps
         try:
             await self.store.open(exclusive=leader)
         except OSError as exc:
@@ -146,11 +163,15 @@ class FilesystemTier(GroupTier):
         path = self.root / name
         try:
             head = await _read_head(path, tier=self.name, step=step)
+            self._seen(step, head)
             return VersionInfo(self.name, step, head.stored_bytes, head.created, str(path))
         except CorruptCheckpointError as exc:
             log.warning("tier %r: %s", self.name, exc)
             stat = await _lstat(path)  # it may be a symlink, refused: not followed here either
             return VersionInfo(self.name, step, 0, stat.st_mtime, str(path), valid=False)
+
+    def _seen(self, step: int, head: Manifest | CommitMarker) -> None:
+        """A committed version found at open, its head verified (a hook for subclasses)."""
 
     async def _manifest(self, step: int, path: Path) -> Manifest:
         """This rank's manifest of a version (raises LayoutError when another number of ranks saved it)."""
@@ -190,6 +211,7 @@ class FilesystemTier(GroupTier):
                 threads=self.config.io_threads,
                 rank=self.rank,
                 store=self.store,
+                shared_by=self.sharing,
             )
             self.encoding.finish(encoding, time.perf_counter() - started)
             manifest = Manifest(
@@ -241,61 +263,41 @@ class FilesystemTier(GroupTier):
                 log.warning("tier %r: could not remove %s (%s); the leader sweeps it", self.name, self.root / key, exc)
 
     async def commit(self, staged: Staged) -> VersionInfo:
-        final = version_dirname(staged.step)
-        old = None
-        if await self.store.exists(final):
-            old = f"{REPLACED}{final}-{uuid.uuid4().hex[:12]}"
-            await self.store.withdraw(final, old)  # if this fails, nothing moved
-        moved = False
-        try:
-            await self.store.publish(staged.location, final)
-            moved = True
-            await self.store.sync()
-        except BaseException:
-            await self._undo_commit(staged, final, old, moved=moved)
-            raise
+        old = await self._place(staged)
         if old is not None:
             await self._discard(old)
-        info = VersionInfo(self.name, staged.step, staged.nbytes, staged.created, str(self.root / final))
+        return self._indexed(staged)
+
+    def _indexed(self, staged: Staged) -> VersionInfo:
+        info = VersionInfo(self.name, staged.step, staged.nbytes, staged.created, str(self.root / version_dirname(staged.step)))
         self._index[staged.step] = info
         return info
 
-    async def _undo_commit(self, staged: Staged, final: str, old: str | None, *, moved: bool) -> None:
-        """Put the directory back as it was before a commit that failed part way, as far as the disk allows.
-
-        A failed commit leaves the step as it was. If the disk refuses even that, nothing committed is
-        removed: the new version stays in place (whole and fsynced; only its rename is unconfirmed) and
-        is indexed, or the old one waits under ``.replaced-`` for the next open to put back.
-        """
+    async def _place(self, staged: Staged) -> str | None:
+        """Rename a staged version into place, durably; returns where an older version of its step was
+        moved aside (None: there was none), for the caller to remove. Undone as far as the disk allows
+        when it fails: see :func:`~tierckpt.tiers.fscommit.take_back`."""
         try:
-            if moved:
-                await self.store.withdraw(final, staged.location)
-                moved = False
-            if old is not None:
-                await self.store.publish(old, final)
-                old = None
-            await self.store.sync()
-        except OSError as exc:
-            if moved:
-                self._index[staged.step] = VersionInfo(self.name, staged.step, staged.nbytes, staged.created, str(self.root / final))
-                if old is not None:
-                    self._leftovers.add(old)  # the step is in place: the old copy goes once the directory syncs
-                log.error(
-                    "tier %r: step %d could not be taken back after its commit failed (%s); it stays in place",
-                    self.name, staged.step, exc,
-                )
-            elif old is not None:
-                self._index.pop(staged.step, None)
-                log.error(
-                    "tier %r: step %d's committed version could not be put back from %s (%s); "
-                    "the tier puts it back when it next opens",
-                    self.name, staged.step, old, exc,
-                )
-            else:
-                log.warning("tier %r: fsync of %s failed after a commit was taken back: %s", self.name, self.root, exc)
+            return await place(self.store, staged.location, version_dirname(staged.step), tier=self.name)
+        except PlaceFailed as exc:
+            self._after_take_back(staged, exc.left)
+            assert exc.__cause__ is not None
+            raise exc.__cause__ from None
+
+    async def _undo_commit(self, staged: Staged, old: str | None) -> None:
+        """Take back a version :meth:`_place` put in place (its older copy ``old`` back in its place)."""
+        self._after_take_back(staged, await take_back(self.store, staged.location, version_dirname(staged.step), old, moved=True, tier=self.name))
+
+    def _after_take_back(self, staged: Staged, left: Left) -> None:
+        if left.new_in_place:
+            self._index[staged.step] = VersionInfo(self.name, staged.step, staged.nbytes, staged.created, str(self.root / version_dirname(staged.step)))
+            if left.old_aside is not None:
+                self._leftovers.add(left.old_aside)  # the step is in place: the old copy goes once the directory syncs
+        elif left.old_aside is not None:
+            self._index.pop(staged.step, None)  # put back when the tier next opens
 
     async def abort(self, staged: Staged) -> None:
-        if self.group is not None and not self.group.leader:
+        if not self.keeps:
             await self._discard_part(
                 f"{staged.location}/{DATA_FILE.format(rank=self.rank)}", f"{staged.location}/{RANK_MANIFEST_FILE.format(rank=self.rank)}"
             )
@@ -362,8 +364,8 @@ class FilesystemTier(GroupTier):
         return layout
 
     async def delete(self, step: int) -> None:
-        if self.group is not None and not self.group.leader:
-            raise RuntimeError(f"tier {self.name!r}: only rank 0 deletes versions of a shared directory")
+        if not self.keeps:
+            raise RuntimeError(f"tier {self.name!r}: only rank {self.keeper} deletes versions in {str(self.root)!r}")
         if self.leased(step):
             raise RuntimeError(f"tier {self.name!r}: step {step} is leased and cannot be deleted")
         info = self._index.pop(step, None)
@@ -388,7 +390,7 @@ class FilesystemTier(GroupTier):
             raise error
 
     async def close(self) -> None:
-        if self.group is not None and self.group.leader:
+        if self.group is not None and self.keeps:
             try:
                 await self.store.remove_object(f"{MEMBER}{self.group.run}")
             except OSError:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+from collections.abc import Sequence
 from pathlib import Path
 
 from tierckpt._buffers import align_up
@@ -52,6 +53,7 @@ def write_data_file(
     threads: int = 2,
     rank: int = 0,
     store: ByteStore | None = None,
+    shared_by: Sequence[int] | None = None,
 ) -> tuple[TensorRecord, ...]:
     """Write every record of ``source`` into data object ``path`` and make it durable; returns the
     stored records.
@@ -59,9 +61,12 @@ def write_data_file(
     ``store``: where ``path`` (then a key) lives, written as the store writes (its own ``direct``);
     None: ``path`` is a local file, written with O_DIRECT when ``direct``. ``threads`` of ``executor`` and the calling thread write the chunks (see
     :class:`ChunkJobs`); ``rank`` is the writing rank: of a shared record, only its own chunks are written.
+    ``shared_by``: the ranks that share values on this tier (a node-local tier: the node's ranks), a
+    shared record's other ranks left out; None: as the source says.
     """
-    codecs = [encoding.codec_for(r) for r in source.records]
-    plan = plan_write(source.records, codecs, rank=rank, raw_layout=encoding.raw_layout)
+    records = source.records if shared_by is None else tuple(narrow(r, shared_by) for r in source.records)
+    codecs = [encoding.codec_for(r) for r in records]
+    plan = plan_write(records, codecs, rank=rank, raw_layout=encoding.raw_layout)
     if store is None:
         writer: DataWriter = LocalDataWriter(Path(path), plan, direct=direct)
     else:
@@ -80,8 +85,17 @@ def write_data_file(
             codec=plan.codecs[ri],
             chunks=tuple(_chunk(chunks.get((ri, c)), plan.codecs[ri]) for c in range(len(r.chunks))),
         )
-        for ri, r in enumerate(source.records)
+        for ri, r in enumerate(records)
     )
+
+
+def narrow(record: TensorRecord, ranks: Sequence[int]) -> TensorRecord:
+    """``record`` shared only by those of its ranks in ``ranks``, in the same turn order (every rank
+    of them computes the same); a record left with one rank is that rank's own."""
+    if record.shared is None:
+        return record
+    kept = tuple(q for q in record.shared if q in ranks)
+    return dataclasses.replace(record, shared=kept if len(kept) > 1 else None)
 
 
 def _chunk(placed: tuple[int, tuple[int, int, str]] | None, codec: str) -> Chunk | None:

@@ -1,0 +1,136 @@
+"""One rank of a node-local tier test (tests/test_node_local.py): ``python node_worker.py <save|restore> <dir>``.
+
+Started once per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and:
+    STEPS           save: the steps to save, "1,2,3"
+    KILL_NODE       save: the ranks of this node die by SIGKILL once every rank saved everything
+    DIE_MID_COMMIT  save: node 1's keeper dies by SIGKILL right after it renamed this step into place
+    RESUME          restore: then save this step, and report whether it committed on nvme
+    PEER=1          add a peer tier (one copy on the other node), RAM tiers on <dir>/ram-<node>
+    TIMEOUT         distributed.timeout (default 20s)
+    SIMULATE=0      nodes by torchrun's GROUP_RANK (set here: ranks 0, 1 on node 0, ranks 2, 3 on node
+                    1; SWAP=1 exchanges them), not ``distributed.nodes``
+The job is 2 nodes (simulated: ``distributed.nodes: 2``).
+Tiers: RAM (keep 2), ``nvme`` node-local at ``<dir>/local-{node}/nvme`` (keep 2), ``pfs`` shared at
+``<dir>/pfs`` taking every 2nd step. The state holds a value replicated on every rank (stored once
+per node on nvme, once in all on pfs). Each rank writes ``<dir>/<mode>-<rank>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tierckpt import Checkpointer, FlushError
+from tierckpt.tiers.nodelocal import NodeLocalTier
+
+from helpers import bitwise_equal, zeroed
+
+NODES = 2
+
+
+def config(root: Path) -> dict[str, Any]:
+    ram: dict[str, Any] = {"name": "ram", "type": "memory", "keep": {"last": 2}}
+    tiers: list[dict[str, Any]] = [
+        ram,
+        {"name": "nvme", "type": "filesystem", "scope": "node", "path": str(root / "local-{node}" / "nvme"), "keep": {"last": 2}},
+        {"name": "pfs", "type": "filesystem", "path": str(root / "pfs"), "flush": {"every_steps": 2}},
+    ]
+    if os.environ.get("PEER") == "1":
+        node = os.environ.get("GROUP_RANK") or str(int(os.environ["RANK"]) // 2)
+        ram["path"] = str(root / f"ram-{node}")
+        tiers.insert(1, {"name": "peer", "type": "peer", "keep": {"last": 2}})
+    distributed: dict[str, Any] = {"timeout": os.environ.get("TIMEOUT", "20s")}
+    if os.environ.get("SIMULATE", "1") == "1":
+        distributed["nodes"] = NODES
+    return {"host": {"capacity": "48MiB", "snapshots": 2}, "tiers": tiers, "distributed": distributed}
+
+
+def state(rank: int, step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    shared = torch.Generator().manual_seed(step)  # the same on every rank: replicated
+    return {
+        "model": {"w": torch.randn(1 << 20, generator=shared), "b": torch.arange(4096, dtype=torch.float32) + step},
+        "optim": {"m": torch.randn(300_000, generator=g), "v": torch.randn(64, 64, generator=g).to(torch.bfloat16)},
+        "rank": rank,
+        "step": step,
+    }
+
+
+def die_mid_commit(step: int) -> None:
+    """Node 1's keeper dies by SIGKILL just after renaming ``step`` into place, before it says so."""
+    place = NodeLocalTier._place
+
+    async def placed_then_killed(self: NodeLocalTier, staged: Any) -> Any:
+        old = await place(self, staged)
+        if staged.step == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return old
+
+    NodeLocalTier._place = placed_then_killed  # type: ignore[method-assign]
+
+
+def main() -> None:
+    mode, root = sys.argv[1], Path(sys.argv[2])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    node = rank // 2
+    if os.environ.get("SIMULATE", "1") == "0":  # the job requeued with its ranks on each other's nodes
+        os.environ["GROUP_RANK"] = str(1 - node if os.environ.get("SWAP") == "1" else node)
+    out: dict[str, Any] = {}
+    if mode == "save" and os.environ.get("DIE_MID_COMMIT") and rank == 2:
+        die_mid_commit(int(os.environ["DIE_MID_COMMIT"]))
+    ckpt = Checkpointer(config(root))
+    if mode == "save":
+        for step in (int(s) for s in os.environ["STEPS"].split(",")):
+            handle = ckpt.save_sync(step, state(rank, step), replicated=["model"])
+            try:
+                out[str(step)] = handle.committed_sync("nvme", 120)
+            except FlushError as exc:
+                out[str(step)] = {"error": str(exc), "ranks": list(getattr(exc, "ranks", ()))}
+        if os.environ.get("DIE_MID_COMMIT"):
+            (root / f"{mode}-{rank}.json").write_text(json.dumps(out))
+            try:
+                ckpt.close_sync()  # rank 2 is gone: each rank waits out the timeout at most once
+            except FlushError:
+                pass  # step 3's failure, raised again by close: recorded above
+            os._exit(0)  # no barrier of the training group with a rank dead
+        ckpt.wait_sync()
+        out["versions"] = {t: [v.step for v in ckpt.versions() if v.tier == t] for t in ckpt.tiers}
+        (root / f"{mode}-{rank}.json").write_text(json.dumps(out))
+        if os.environ.get("KILL_NODE"):
+            dist.barrier()
+            if node == int(os.environ["KILL_NODE"]):
+                os.kill(os.getpid(), signal.SIGKILL)
+            ckpt.close_sync()  # the lost node's ranks never leave: waited for up to the timeout
+            os._exit(0)
+    else:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            restored = ckpt.restore_latest_sync(zeroed(state(rank, 0)))
+        assert restored is not None
+        out = {
+            "step": restored.step,
+            "tier": restored.tier,
+            "bitwise": bitwise_equal(restored.state, state(rank, restored.step)),
+            "warnings": [str(w.message) for w in caught],
+        }
+        if os.environ.get("RESUME"):  # training goes on: the next version commits on every node
+            step = int(os.environ["RESUME"])
+            out["resumed"] = ckpt.save_sync(step, state(rank, step), replicated=["model"]).committed_sync("nvme", 120)
+            ckpt.wait_sync()
+            out["versions"] = {t: [v.step for v in ckpt.versions() if v.tier == t] for t in ckpt.tiers}
+        (root / f"{mode}-{rank}.json").write_text(json.dumps(out))
+    ckpt.close_sync()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

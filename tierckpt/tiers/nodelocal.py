@@ -1,0 +1,313 @@
+"""A node-local filesystem tier across several nodes (``scope: node``): each node's own directory, and a
+version committed on every node or on none.
+
+Each node's ranks write their parts into their node's directory (the tier's ``path``, ``{node}``
+replaced by the node's name), and the node's first rank, its *keeper*, locks, sweeps, seals, renames
+and deletes there, as rank 0 does in a shared directory. Flush and retention decisions stay rank 0's
+(:mod:`tierckpt.pipeline.ranked`); a commit runs in three phases over the group's store:
+
+1. Prepare: every rank writes and fsyncs its part into its node's staging directory and reports it
+   (the flusher's report).
+2. Seal: with every part reported, rank 0 writes its node's marker (the commit marker of every rank's
+   part, plus ``holds``: the ranks whose parts this directory holds), posts the *seal order* (the
+   parts and the metadata) and renames its staging directory into place. Every other keeper
+   (:meth:`NodeLocalTier.settle`) writes its node's marker from the order, renames into place, and
+   posts that it is done, or why not.
+3. Decide: rank 0 waits for every keeper up to ``distributed.timeout``. All done: committed, and the
+   flusher publishes the outcome. A node not done: rank 0 takes its own copy back and raises a
+   :class:`~tierckpt.errors.RankFailureError` naming the node's ranks; the flusher publishes the
+   abandonment, and every keeper that renamed takes its copy back on it (or when no outcome comes).
+   An older copy of the same step, moved aside by the rename, is put back then, and removed only once
+   the version is committed.
+
+So "committed" can be judged from the disks alone when the job restarts: at construction every
+keeper reports what its directory holds (:meth:`NodeLocalTier.holdings`), and a step is listed
+(:meth:`NodeLocalTier.learn`) only if the nodes' markers agree and together hold every rank's part. A
+step some node lacks (it was wiped, replaced, or its keeper died mid-commit) is not listed; its copies
+on the other nodes are removed once a newer version commits. A version of another world size is
+ignored with one warning, never half-read, never deleted.
+
+A value stored once between ranks (``save(replicated=...)``) is stored once per node: its chunks are
+shared among the node's ranks only, so that a node's directory holds every byte its ranks restore.
+
+A node-local tier serves only the layout that saved it, as host memory does (:meth:`read_layout` is
+this rank's part alone): a restore into another layout reads a shared tier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from tierckpt.config import TierConfig
+from tierckpt.errors import RankFailureError
+from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, version_dirname
+from tierckpt.format.saved_layout import SavedLayout
+from tierckpt.ranks.group import RankGroup
+from tierckpt.tiers.base import Part, Staged, Tier, VersionInfo
+from tierckpt.tiers.filesystem import FilesystemTier
+
+log = logging.getLogger("tierckpt")
+
+__all__ = ["NodeLocalTier", "Holding", "complete_versions"]
+
+
+@dataclass(frozen=True)
+class Holding:
+    """One version in one node's directory, as its keeper reports it at construction."""
+
+    step: int
+    world: int  # the world size that saved it
+    parts: tuple[int, ...]  # every rank's manifest checksum, from the marker: the version's identity
+    holds: tuple[int, ...]  # the ranks whose parts this directory holds
+    created: float
+    nbytes: int
+
+    def pack(self) -> list[Any]:
+        return [self.step, self.world, list(self.parts), list(self.holds), self.created, self.nbytes]
+
+    @classmethod
+    def unpack(cls, raw: Sequence[Any]) -> Holding:
+        step, world, parts, holds, created, nbytes = raw
+        return cls(int(step), int(world), tuple(parts), tuple(holds), float(created), int(nbytes))
+
+
+def complete_versions(reports: dict[int, list[Holding]], world: int) -> dict[int, tuple[dict[int, int], Holding]]:
+    """The steps committed across the nodes: ``{step: ({rank: node holding its part}, holding)}``.
+
+    ``reports``: what each node's directory holds (by node index). A step counts when every node
+    holding it holds the same version (their markers name the same parts), saved by ``world`` ranks,
+    and the nodes together hold every rank's part.
+
+    Example:
+        >>> a = Holding(5, 2, (11, 22), (0,), 1.0, 8)
+        >>> b = Holding(5, 2, (11, 22), (1,), 1.0, 8)
+        >>> complete_versions({0: [a], 1: [b]}, 2)[5][0]
+        {0: 0, 1: 1}
+        >>> complete_versions({0: [a]}, 2)
+        {}
+    """
+    by_step: dict[int, dict[int, Holding]] = {}
+    for node, held in reports.items():
+        for h in held:
+            by_step.setdefault(h.step, {})[node] = h
+    complete = {}
+    for step, nodes in sorted(by_step.items()):
+        first = next(iter(nodes.values()))
+        if any((h.world, h.parts) != (world, first.parts) for h in nodes.values()):
+            continue
+        where = {r: node for node, h in sorted(nodes.items()) for r in h.holds}
+        if sorted(where) == list(range(world)):
+            complete[step] = (dict(sorted(where.items())), first)
+    return complete
+
+
+class NodeLocalTier(FilesystemTier):
+    """A filesystem tier with ``scope: node`` in a job on several nodes. See the module docstring.
+
+    ``nodes``: the group positions of each node's ranks, ascending, this rank's node among them;
+    ``node_name``: what names this rank's node in messages (default: its index in ``nodes``).
+    """
+
+    def __init__(self, config: TierConfig, group: RankGroup, nodes: Sequence[Sequence[int]], node_name: str | None = None) -> None:
+        super().__init__(config, group)
+        self.nodes = tuple(tuple(n) for n in nodes)
+        self.node_index = next(i for i, n in enumerate(self.nodes) if group.rank in n)
+        self.node = self.nodes[self.node_index]
+        self.node_name = str(self.node_index) if node_name is None else node_name
+        self.keeper = self.node[0]
+        self.sharing = self.node
+        self.group: RankGroup = group
+        self._local: dict[int, VersionInfo] = {}  # what this node's directory holds, committed or not
+        self._held: dict[int, Holding] = {}  # of those, each version's marker, as read at open
+        self._orphans: set[int] = set()  # held here, committed on no other node: removed once a newer commits
+        self._placed: dict[str, str | None] = {}  # a keeper's staged versions renamed into place, not yet decided
+        self._sealed: set[str] = set()  # rank 0: the staged versions whose seal order is posted
+        self._doomed: set[int] = set()  # a keeper: steps retention deleted while this rank held a lease
+
+    @property
+    def place(self) -> str:
+        return f"node {self.node_name} ({self.root})"
+
+    @property
+    def _open_key(self) -> str:
+        return f"open/{self.name}/node-{self.node_index}"
+
+    def _key(self, staged: Staged, *parts: Any) -> str:
+        return "/".join(("nodes", self.name, str(staged.location), *map(str, parts)))
+
+    # -- opening, and learning what is committed across the nodes ------------------------------------
+
+    async def _open(self) -> None:
+        await super()._open()
+        self._local, self._index = self._index, {}  # listed once learn() knows what every node holds
+
+    def _seen(self, step: int, head: Manifest | CommitMarker) -> None:
+        if isinstance(head, CommitMarker) and head.holds is not None:
+            self._held[step] = Holding(step, head.world_size, tuple(p[1] for p in head.ranks), head.holds, head.created, head.stored_bytes)
+
+    def holdings(self) -> list[list[Any]]:
+        """What this node's directory holds (its keeper reports; the others report nothing)."""
+        return [h.pack() for step, h in sorted(self._held.items()) if step in self._local] if self.keeps else []
+
+    def learn(self, reports: Sequence[Sequence[Sequence[Any]]]) -> None:
+        """List the versions committed across the nodes, from every rank's :meth:`holdings` (rank order)."""
+        world = self.group.world
+        by_node = {i: [Holding.unpack(raw) for raw in reports[node[0]]] for i, node in enumerate(self.nodes)}
+        complete = complete_versions(by_node, world)
+        foreign = sorted(s for s, info in self._local.items() if info.valid and (s not in self._held or self._held[s].world != world))
+        if foreign and self.keeps:
+            log.warning(
+                "tier %r: %s holds step(s) %s saved by another number of ranks, or not by a node-local tier of "
+                "this job; ignored, and left as they are (this job has %d ranks on %d nodes)",
+                self.name, self.root, foreign, world, len(self.nodes),
+            )
+        for step, (where, held) in complete.items():
+            local = self._local.get(step)
+            self._index[step] = VersionInfo(self.name, step, held.nbytes, held.created, local.path if local else None)
+        mine = self._held.keys() & self._local.keys()
+        self._orphans = {s for s in mine if s not in complete and self._held[s].world == world}
+        self._held = {s: h for s, h in self._held.items() if s in complete}
+
+    def has_part(self, step: int) -> bool:
+        held = self._held.get(step)
+        return step in self._index and held is not None and self.rank in held.holds
+
+    # -- committing across the nodes -------------------------------------------------------------------
+
+    def _marker(self, staged: Staged, parts: Sequence[Part], metadata: dict[str, Any]) -> CommitMarker:
+        return CommitMarker(
+            step=staged.step, created=staged.created, world_size=len(parts), ranks=tuple(parts), metadata=metadata, holds=self.node, node=self.node_name
+        )
+
+    async def seal(self, staged: Staged, parts: list[Part], metadata: dict[str, Any]) -> None:
+        """Rank 0: its node's marker, then the seal order for every other node's keeper."""
+        marker = self._marker(staged, parts, metadata)
+        await self.store.write_small(f"{staged.location}/{MANIFEST_FILE}", marker.encode())
+        await self.store.sync(staged.location)
+        staged.nbytes = marker.stored_bytes
+        await self.group.put(self._key(staged, "seal"), {"parts": [list(p) for p in parts], "metadata": metadata})
+        self._sealed.add(staged.location)
+
+    async def commit(self, staged: Staged) -> VersionInfo:
+        """Rank 0: into place on its node, then committed once every other node's keeper is done."""
+        self._placed[staged.location] = await self._place(staged)
+        others = [i for i in range(len(self.nodes)) if i != self.node_index]
+        keys = {i: self._key(staged, "done", i) for i in others}
+        await self.group.wait_for(list(keys.values()), self.group.timeout_s)
+        failures: dict[int, str] = {}
+        for i, key in keys.items():
+            said = await self.group.get(key) if await self.group.has([key]) else {"error": f"no word within {self.group.timeout_s:g} s"}
+            if said.get("error"):
+                failures[i] = str(said["error"])
+        if failures:
+            await self._take_back(staged)
+            ranks = tuple(sorted(r for i in failures for r in self.nodes[i]))
+            said = "; ".join(f"node {i} (ranks {', '.join(map(str, self.nodes[i]))}): {why}" for i, why in sorted(failures.items()))
+            raise RankFailureError(
+                f"tier {self.name!r}: step {staged.step} was abandoned on every node: not committed on {said}",
+                tier=self.name,
+                step=staged.step,
+                ranks=ranks,
+            )
+        return await self._committed(staged)
+
+    async def settle(self, staged: Staged) -> None:
+        """A keeper other than rank 0: seal and rename its node's copy on rank 0's order, and say so."""
+        if not self.keeps:
+            return
+        key = self._key(staged, "seal")
+        if not await self.group.wait_for([key], 2 * self.group.timeout_s):
+            return  # no order: the outcome (or its absence) aborts
+        order = await self.group.get(key)
+        if "parts" not in order:
+            return  # abandoned before it was sealed
+        try:
+            marker = self._marker(staged, [Part(*p) for p in order["parts"]], order["metadata"])
+            await self.store.write_small(f"{staged.location}/{MANIFEST_FILE}", marker.encode())
+            await self.store.sync(staged.location)
+            staged.nbytes = marker.stored_bytes
+            self._placed[staged.location] = await self._place(staged)
+            reply: dict[str, Any] = {}
+        except Exception as exc:
+            log.error("tier %r: node %d could not commit step %d: %s", self.name, self.node_index, staged.step, exc)
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        await self.group.put(self._key(staged, "done", self.node_index), reply)
+
+    async def adopt(self, staged: Staged, nbytes: int) -> VersionInfo:
+        if not self.keeps:
+            info = VersionInfo(self.name, staged.step, nbytes, staged.created, str(self.root / version_dirname(staged.step)))
+            self._index[staged.step] = info
+            self._held[staged.step] = Holding(staged.step, self.group.world, (), self.node, staged.created, nbytes)
+            return info
+        staged.nbytes = nbytes
+        return await self._committed(staged)
+
+    async def _committed(self, staged: Staged) -> VersionInfo:
+        """A keeper: the version is committed on every node; the copy its rename moved aside goes, and
+        so do the versions older than it that no other node holds."""
+        old = self._placed.pop(staged.location, None)
+        if old is not None:
+            await self._discard(old)
+        info = self._indexed(staged)
+        self._local[staged.step] = info
+        self._held[staged.step] = Holding(staged.step, self.group.world, (), self.node, staged.created, staged.nbytes)
+        for step in sorted(s for s in self._orphans if s < staged.step):
+            self._orphans.discard(step)
+            self._local.pop(step, None)
+            log.info("tier %r: removing step %d, which the other nodes do not hold", self.name, step)
+            await self._remove(step)
+        self._orphans.discard(staged.step)
+        return info
+
+    async def abort(self, staged: Staged) -> None:
+        if self.group.leader and staged.location not in self._sealed:
+            await self.group.put(self._key(staged, "seal"), {"abandoned": True})  # keepers stop waiting
+        self._sealed.discard(staged.location)
+        if self.keeps and staged.location in self._placed:
+            await self._take_back(staged)
+        await super().abort(staged)
+
+    async def _take_back(self, staged: Staged) -> None:
+        """Undo this node's rename of a version the other nodes did not commit, old copy put back."""
+        old = self._placed.pop(staged.location)
+        await self._undo_commit(staged, old)
+        self._index.pop(staged.step, None)  # committed on no node, whatever the disk left here
+
+    # -- retention -------------------------------------------------------------------------------------
+
+    async def forget(self, step: int) -> None:
+        """Rank 0's retention deleted ``step``: the node's keeper deletes it here, the others forget it."""
+        self._held.pop(step, None)
+        if not self.keeps:
+            self._index.pop(step, None)
+            return
+        if self.leased(step):
+            self._index.pop(step, None)
+            self._doomed.add(step)  # read here now (a flush below, a restore): deleted on release
+            return
+        await self.delete(step)
+
+    async def delete(self, step: int) -> None:
+        await super().delete(step)
+        self._local.pop(step, None)
+        self._held.pop(step, None)
+
+    def on_release(self, step: int) -> None:
+        if step in self._doomed and not self.leased(step):
+            self._doomed.discard(step)
+            asyncio.get_running_loop().create_task(self._remove(step))
+
+    async def _remove(self, step: int) -> None:
+        try:
+            await self.delete(step)
+        except Exception as exc:
+            log.warning("tier %r: could not delete step %d: %s", self.name, step, exc)
+
+    # -- reading -----------------------------------------------------------------------------------------
+
+    async def read_layout(self, step: int, rank: int) -> SavedLayout:
+        # This rank's part alone: another layout is read from a shared tier.
+        return await Tier.read_layout(self, step, rank)
