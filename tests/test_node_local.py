@@ -37,6 +37,15 @@ def cli(command: str, path: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "tierckpt", command, str(path)], capture_output=True, text=True, timeout=120)
 
 
+def damage(version: Path, *, rank: int) -> None:
+    """One bit of ``rank``'s own tensor ``optim.m`` in its data file of ``version``."""
+    marker = decode_document((version / MANIFEST_FILE).read_bytes())
+    assert isinstance(marker, CommitMarker)
+    manifest = Manifest.decode((version / marker.ranks[rank][0]).read_bytes())
+    chunk = next(c for r in manifest.records if r.key == "['optim']['m']" for c in r.chunks if c is not None)
+    flip_bits(version / DATA_FILE.format(rank=rank), chunk.offset + 100, 1)
+
+
 def steps_on(root: Path, node: int) -> list[int]:
     return sorted(int(p.name.split("-")[1]) for p in (root / f"local-{node}" / "nvme").glob("step-*"))
 
@@ -102,26 +111,34 @@ def test_a_keeper_killed_mid_commit_leaves_no_version_and_later_saves_commit(tmp
     assert steps_on(tmp_path, 0) == steps_on(tmp_path, 1) == [2, 4]
 
 
-def test_ranks_requeued_onto_each_others_nodes_fall_back_together_and_read_nothing_half(tmp_path: Path) -> None:
+def test_ranks_requeued_onto_each_others_nodes_fetch_their_parts_from_the_other_node(tmp_path: Path) -> None:
     run("save", tmp_path, STEPS="1,2,3", SIMULATE="0")
     restored = run("restore", tmp_path, SIMULATE="0", SWAP="1", RESUME="4")
     for s in restored:
-        # No rank finds its own part of steps 2 and 3 on its node's disk now: all take pfs's step 2.
-        assert s["step"] == 2 and s["tier"] == "pfs" and s["bitwise"] is True and not s["warnings"], s
+        # Every rank's part of step 3 is on the other node's disk now, and pfs holds only step 2.
+        assert s["step"] == 3 and s["tier"] == "nvme" and s["bitwise"] is True and not s["warnings"], s
         assert s["resumed"] is True and s["versions"]["nvme"] == [3, 4], s
     # Step 4's parts are where their ranks run now: ranks 0 and 1 on the disk that held 2 and 3.
     marker = decode_document((tmp_path / "local-1" / "nvme" / version_dirname(4) / MANIFEST_FILE).read_bytes())
     assert isinstance(marker, CommitMarker) and marker.holds == (0, 1) and marker.node == "1"
+    assert not list(tmp_path.glob("local-*/nvme/.tmp-*")), "the fetched copies are gone after the restore"
+
+
+def test_a_damaged_part_on_the_serving_node_makes_every_rank_fall_back_together(tmp_path: Path) -> None:
+    run("save", tmp_path, STEPS="1,2,3", SIMULATE="0")
+    damage(tmp_path / "local-1" / "nvme" / version_dirname(3), rank=3)
+    restored = run("restore", tmp_path, SIMULATE="0", SWAP="1")
+    for s in restored:
+        # Rank 3's part of step 3 came over damaged (its server sent zeros for the chunk it could not
+        # read): every rank takes step 2, each fetched from the other node again.
+        assert s["step"] == 2 and s["tier"] == "nvme" and s["bitwise"] is True, s
+        said = [w for w in s["warnings"] if "step 3" in w]
+        assert len(said) == 1 and "rank(s) 3" in said[0] and "fetched from node 1" in said[0], s
 
 
 def test_one_nodes_damaged_part_makes_every_rank_fall_back_with_one_warning(tmp_path: Path) -> None:
     run("save", tmp_path, STEPS="1,2,3")
-    version = tmp_path / "local-1" / "nvme" / version_dirname(3)
-    marker = decode_document((version / MANIFEST_FILE).read_bytes())
-    assert isinstance(marker, CommitMarker)
-    manifest = Manifest.decode((version / marker.ranks[3][0]).read_bytes())
-    chunk = next(c for r in manifest.records if r.key == "['optim']['m']" for c in r.chunks if c is not None)
-    flip_bits(version / DATA_FILE.format(rank=3), chunk.offset + 100, 1)
+    damage(tmp_path / "local-1" / "nvme" / version_dirname(3), rank=3)
     restored = run("restore", tmp_path)
     for s in restored:
         assert s["step"] == 2 and s["tier"] == "nvme" and s["bitwise"] is True, s

@@ -75,7 +75,7 @@ class Checkpointer:
         peer = any(t.type == "peer" for t in self.config.tiers)
         local = any(t.scope == "node" for t in self.config.tiers)
         self._group = RankGroup.discover(
-            group, self.config.distributed.timeout_s, bulk=peer, find_nodes=local, nodes=self.config.distributed.nodes
+            group, self.config.distributed.timeout_s, bulk=peer or local, find_nodes=local, nodes=self.config.distributed.nodes
         )
         self._layouts = LayoutCache(self._group.ranks if self._group else (0,))
         try:

@@ -1,10 +1,12 @@
 """Restore by several ranks: they agree on one step, and every rank returns it, or none does.
 
 ``restore_latest`` is collective. The ranks first exchange the steps each can get from some tier (its
-own host memory, or a filesystem tier, where only globally committed versions are listed) or from a
-peer holding a copy of its part (a peer tier), and try the newest step that every rank can get, each
-from the cheapest place holding it: its own host memory, else a peer's (the peer sends the copy over;
-:mod:`tierckpt.tiers.peer.recovery`), else its disk tiers, falling back to those for that same step.
+own host memory, or a filesystem tier, where only globally committed versions are listed), from a
+peer holding a copy of its part (a peer tier), or from another node's directory of a node-local tier,
+and try the newest step that every rank can get, each from the cheapest place holding it: its own
+host memory, else a peer's (the peer sends the copy over; :mod:`tierckpt.tiers.peer.recovery`), else
+its disk tiers down to the node-local one, else the node whose directory holds its part (a rank of
+that node sends it over: :mod:`tierckpt.tiers.nodefetch`), else the slower tiers below.
 Each rank reads and verifies its whole part into staging memory; the ranks then exchange verdicts,
 and only if every rank verified does any rank copy into its template. If one rank's files fail their
 checksums, every rank warns once (naming the rank and its file) and all fall back together to the
@@ -25,7 +27,7 @@ import contextlib
 import functools
 import logging
 import warnings
-from typing import Any, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 from tierckpt.errors import CorruptCheckpointError, RestoreError
 from tierckpt.format.saved_layout import NotHere
@@ -35,6 +37,8 @@ from tierckpt.restore.landing import finish
 from tierckpt.restore.read import read_version
 from tierckpt.tiers.base import Tier
 from tierckpt.tiers.memory import MemoryTier
+from tierckpt.tiers.nodefetch import exchange as node_exchange
+from tierckpt.tiers.nodelocal import NodeLocalTier
 from tierckpt.tiers.peer import PeerTier
 from tierckpt.tiers.peer.recovery import copies_held, exchange, fetch_plan, holders_of
 
@@ -48,7 +52,8 @@ async def restore_agreed(
     by_path = template_leaves(template)
     peer = next((t for t in tiers if isinstance(t, PeerTier)), None)
     own = [t for t in tiers if t is not peer]
-    mine = sorted({info.step for tier in own for info in tier.versions() if tier.has_part(info.step)}, reverse=True)
+    node_local = [t for t in own if isinstance(t, NodeLocalTier)]
+    mine = sorted({info.step for tier in own for info in tier.versions() if tier.has_part(info.step) or _fetchable(tier, info.step)}, reverse=True)
     held = await asyncio.to_thread(group.all_gather, [mine, copies_held(peer)])
     holders = holders_of([h[1] for h in held])
     can = [set(h[0]) | {step for owner, step in holders if owner == r} for r, h in enumerate(held)]
@@ -74,8 +79,16 @@ async def restore_agreed(
                         log.warning("tierckpt: %s; trying the other tiers", exc)
                     else:
                         order = ([fetched] if fetched is not None else []) + order
+            # Then the tiers down to the node-local one, a part on another node's disk, the slower rest.
+            # (A peer's copy, fetched above, is in none of them: it comes first.)
+            cut = 1 + max((own.index(t) for t in node_local), default=len(own))
+            below = [t for t in order if any(t is u for u in own[cut:])]
             if attempt.wants:
-                await first_of(held_open, order, step, attempt)
+                await first_of(held_open, [t for t in order if t not in below], step, attempt)
+            if node_local:
+                await _fetch_from_nodes(group, node_local, step, attempt, held_open, first_of)
+            if attempt.wants:
+                await first_of(held_open, below, step, attempt)
             loaded, verdict, error = attempt.loaded, attempt.verdict, attempt.error
             # One exchange per step, whatever happened here: every rank leaves the step together.
             said = None if error is None else f"{type(error).__name__}: {error}"
@@ -98,6 +111,37 @@ async def restore_agreed(
         log.warning(message)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
     return None
+
+
+def _fetchable(tier: Tier, step: int) -> bool:
+    return isinstance(tier, NodeLocalTier) and tier.fetchable(step)
+
+
+async def _fetch_from_nodes(
+    group: RankGroup,
+    tiers: Sequence[NodeLocalTier],
+    step: int,
+    attempt: Attempt,
+    held_open: contextlib.ExitStack,
+    first_of: Callable[[contextlib.ExitStack, Sequence[Tier], int, Attempt], Awaitable[None]],
+) -> None:
+    """Every rank still without a verified part of ``step`` whose part lies on another node's disk
+    fetches it from there (collective: every rank calls it once per step tried, with a node-local tier)."""
+    wanting = await asyncio.to_thread(group.all_gather, attempt.wants)
+    tier = next((t for t in tiers if any(info.step == step for info in t.versions())), None)
+    if tier is None:
+        return
+    fetchers = tier.fetch_plan(step, [r for r, wants in enumerate(wanting) if wants])
+    if not fetchers:
+        return
+    try:
+        fetched = await node_exchange(tier, step, fetchers, held_open)
+    except CorruptCheckpointError as exc:
+        attempt.verdict = str(exc)
+        log.warning("tierckpt: %s; trying the other tiers", exc)
+        return
+    if fetched is not None:
+        await first_of(held_open, [fetched], step, attempt)
 
 
 class Attempt:

@@ -30,7 +30,10 @@ ignored with one warning, never half-read, never deleted.
 A value stored once between ranks (``save(replicated=...)``) is stored once per node: its chunks are
 shared among the node's ranks only, so that a node's directory holds every byte its ranks restore.
 
-A node-local tier serves only the layout that saved it, as host memory does (:meth:`read_layout` is
+A rank reads its own part from its node's directory (:meth:`NodeLocalTier.has_part`); a rank whose
+part lies on another live node's directory (the job came back with its ranks on other nodes) fetches
+it from there in a restore (:meth:`NodeLocalTier.fetch_plan`, :mod:`tierckpt.tiers.nodefetch`). A
+node-local tier serves only the layout that saved it, as host memory does (:meth:`read_layout` is
 this rank's part alone): a restore into another layout reads a shared tier.
 """
 
@@ -117,6 +120,7 @@ class NodeLocalTier(FilesystemTier):
         self.node_index = next(i for i, n in enumerate(self.nodes) if group.rank in n)
         self.node = self.nodes[self.node_index]
         self.node_name = str(self.node_index) if node_name is None else node_name
+        self.node_names = tuple(str(i) for i in range(len(self.nodes)))  # every node's, once learn() heard them
         self.keeper = self.node[0]
         self.sharing = self.node
         self.group: RankGroup = group
@@ -126,6 +130,7 @@ class NodeLocalTier(FilesystemTier):
         self._placed: dict[str, str | None] = {}  # a keeper's staged versions renamed into place, not yet decided
         self._sealed: set[str] = set()  # rank 0: the staged versions whose seal order is posted
         self._doomed: set[int] = set()  # a keeper: steps retention deleted while this rank held a lease
+        self._where: dict[int, dict[int, int]] = {}  # of each listed step: rank -> the node whose directory holds its part
 
     @property
     def place(self) -> str:
@@ -148,14 +153,17 @@ class NodeLocalTier(FilesystemTier):
         if isinstance(head, CommitMarker) and head.holds is not None:
             self._held[step] = Holding(step, head.world_size, tuple(p[1] for p in head.ranks), head.holds, head.created, head.stored_bytes)
 
-    def holdings(self) -> list[list[Any]]:
-        """What this node's directory holds (its keeper reports; the others report nothing)."""
-        return [h.pack() for step, h in sorted(self._held.items()) if step in self._local] if self.keeps else []
+    def holdings(self) -> list[Any]:
+        """This node's name and what its directory holds (its keeper reports; the others report nothing)."""
+        if not self.keeps:
+            return []
+        return [self.node_name, [h.pack() for step, h in sorted(self._held.items()) if step in self._local]]
 
-    def learn(self, reports: Sequence[Sequence[Sequence[Any]]]) -> None:
+    def learn(self, reports: Sequence[Sequence[Any]]) -> None:
         """List the versions committed across the nodes, from every rank's :meth:`holdings` (rank order)."""
         world = self.group.world
-        by_node = {i: [Holding.unpack(raw) for raw in reports[node[0]]] for i, node in enumerate(self.nodes)}
+        self.node_names = tuple(str(reports[node[0]][0]) for node in self.nodes)
+        by_node = {i: [Holding.unpack(raw) for raw in reports[node[0]][1]] for i, node in enumerate(self.nodes)}
         complete = complete_versions(by_node, world)
         foreign = sorted(s for s, info in self._local.items() if info.valid and (s not in self._held or self._held[s].world != world))
         if foreign and self.keeps:
@@ -165,6 +173,7 @@ class NodeLocalTier(FilesystemTier):
                 self.name, self.root, foreign, world, len(self.nodes),
             )
         for step, (where, held) in complete.items():
+            self._where[step] = where
             local = self._local.get(step)
             self._index[step] = VersionInfo(self.name, step, held.nbytes, held.created, local.path if local else None)
         mine = self._held.keys() & self._local.keys()
@@ -174,6 +183,31 @@ class NodeLocalTier(FilesystemTier):
     def has_part(self, step: int) -> bool:
         held = self._held.get(step)
         return step in self._index and held is not None and self.rank in held.holds
+
+    def _as_saved(self) -> dict[int, int]:
+        """Where the parts of a version committed in this run are: each rank's on its own node."""
+        return {r: i for i, node in enumerate(self.nodes) for r in node}
+
+    def node_of(self, rank: int) -> int:
+        """The index of the node ``rank`` (a group position) runs on."""
+        return next(i for i, node in enumerate(self.nodes) if rank in node)
+
+    def fetchable(self, step: int) -> bool:
+        """Whether this rank's part of listed ``step`` lies on another node's directory (fetched in a restore)."""
+        where = self._where.get(step)
+        return where is not None and where.get(self.rank, self.node_index) != self.node_index
+
+    def fetch_plan(self, step: int, wanting: Sequence[int]) -> dict[int, int]:
+        """Which of the ``wanting`` ranks fetch their part of ``step`` from another node, and from
+        which rank of it (spread over that node's ranks by the fetching rank). The same on every rank."""
+        where = self._where.get(step, {})
+        plan = {}
+        for rank in wanting:
+            node = where.get(rank)
+            if node is not None and node != self.node_of(rank):
+                holders = self.nodes[node]
+                plan[rank] = holders[rank % len(holders)]
+        return plan
 
     # -- committing across the nodes -------------------------------------------------------------------
 
@@ -240,6 +274,7 @@ class NodeLocalTier(FilesystemTier):
         if not self.keeps:
             info = VersionInfo(self.name, staged.step, nbytes, staged.created, str(self.root / version_dirname(staged.step)))
             self._index[staged.step] = info
+            self._where[staged.step] = self._as_saved()
             self._held[staged.step] = Holding(staged.step, self.group.world, (), self.node, staged.created, nbytes)
             return info
         staged.nbytes = nbytes
@@ -252,6 +287,7 @@ class NodeLocalTier(FilesystemTier):
         if old is not None:
             await self._discard(old)
         info = self._indexed(staged)
+        self._where[staged.step] = self._as_saved()
         self._local[staged.step] = info
         self._held[staged.step] = Holding(staged.step, self.group.world, (), self.node, staged.created, staged.nbytes)
         for step in sorted(s for s in self._orphans if s < staged.step):
@@ -281,6 +317,7 @@ class NodeLocalTier(FilesystemTier):
     async def forget(self, step: int) -> None:
         """Rank 0's retention deleted ``step``: the node's keeper deletes it here, the others forget it."""
         self._held.pop(step, None)
+        self._where.pop(step, None)
         if not self.keeps:
             self._index.pop(step, None)
             return
@@ -294,6 +331,7 @@ class NodeLocalTier(FilesystemTier):
         await super().delete(step)
         self._local.pop(step, None)
         self._held.pop(step, None)
+        self._where.pop(step, None)
 
     def on_release(self, step: int) -> None:
         if step in self._doomed and not self.leased(step):

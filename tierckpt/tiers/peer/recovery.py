@@ -71,14 +71,12 @@ async def exchange(peer: PeerTier, step: int, fetchers: dict[int, int], held_ope
         for owner, holder in sorted(fetchers.items())
         if holder == me
     ]
-    fetching = [asyncio.to_thread(_fetch, peer, step, group.ranks[fetchers[me]])] if me in fetchers else []
-    results = await asyncio.gather(*fetching, *serving, return_exceptions=True)
-    for outcome in results[len(fetching) :]:
-        if isinstance(outcome, BaseException):
-            log.warning("tier %r: serving a copy of step %d failed: %s", peer.name, step, outcome)
-    if not fetching:
+    fetching = asyncio.to_thread(_fetch, peer, step, group.ranks[fetchers[me]]) if me in fetchers else None
+    fetched, failed = await wire.transfers(fetching, serving)
+    for exc in failed:
+        log.warning("tier %r: serving a copy of step %d failed: %s", peer.name, step, exc)
+    if fetching is None:
         return None
-    fetched = results[0]
     if isinstance(fetched, BaseException):
         if isinstance(fetched, CorruptCheckpointError):
             raise fetched

@@ -12,11 +12,12 @@ ahead of the receiver's memory; every call gives up after the group's timeout.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import threading
 import time
 import warnings
-from typing import Any, Sequence
+from typing import Any, Awaitable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -178,6 +179,16 @@ def send_copy(source: VersionSource, dsts: Sequence[int], group: Any, tag: int, 
     if failed:
         raise CopyFailed(failed)
     return sums
+
+
+async def transfers(fetch: Awaitable[Any] | None, serves: Sequence[Awaitable[Any]]) -> tuple[Any, list[BaseException]]:
+    """Run this rank's fetch (None: it fetches nothing) and what it serves at once, to the end of all:
+    a failed serve never stops the fetch, nor the other serves. Returns the fetch's result, or its
+    exception (None without a fetch), and the serves' exceptions."""
+    results = await asyncio.gather(*([fetch] if fetch is not None else []), *serves, return_exceptions=True)
+    skip = 1 if fetch is not None else 0
+    failed = [r for r in results[skip:] if isinstance(r, BaseException)]
+    return (results[0] if fetch is not None else None), failed
 
 
 def drain(sizes: Sequence[int], src: int, group: Any, tag: int) -> None:

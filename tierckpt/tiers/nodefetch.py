@@ -1,0 +1,169 @@
+"""A rank's part of a node-local version fetched from the node whose disk holds it, in a restore.
+
+When a job restarts with its ranks on other nodes (torchrun's re-rendezvous, a requeue), a rank's
+part of a committed version may lie on another live node's local disk. A rank of that node opens it
+there (its manifest checked against the node's commit marker, every shared chunk resolved), and sends
+it over the bulk gloo group as the peer tier's recovery does (:mod:`tierckpt.tiers.peer.recovery`): a
+header (manifest length, data length; -1 when it cannot serve), the manifest of the copy, then every
+chunk in record order, each verified against its checksum as it is read. The fetching rank receives
+them into a one-process version under ``.tmp-fetch-…`` in its own node's directory (swept at the next
+open if a crash leaves it) and reads that like any version, every chunk verified again on the way in
+(:class:`FetchedPart`); it is removed once the restore is over. Every rank knows the plan (who fetches
+from whom: :meth:`NodeLocalTier.fetch_plan <tierckpt.tiers.nodelocal.NodeLocalTier.fetch_plan>`) from
+the same exchange, so each transfer has exactly one sender and one receiver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import mmap
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import cast
+
+import torch
+
+from tierckpt.errors import CorruptCheckpointError
+from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, version_dirname
+from tierckpt.format.manifest import MAX_MANIFEST_BYTES
+from tierckpt.tiers.base import Tier, VersionInfo, VersionSource
+from tierckpt.tiers.fsread import check_records, open_source, read_head, read_rank_manifest, resolve_shared
+from tierckpt.tiers.nodelocal import NodeLocalTier
+from tierckpt.tiers.peer import wire
+
+log = logging.getLogger("tierckpt")
+
+TAG_NODE = 3  # a node-local part from the node holding it, in a restore
+
+
+class FetchedPart(Tier):
+    """This rank's part of one version, fetched from another node into its own node's directory."""
+
+    def __init__(self, tier: NodeLocalTier, step: int, path: Path, manifest: Manifest, nbytes: int, node: str) -> None:
+        super().__init__(tier.config)
+        self.executor = tier.executor
+        self.path = path
+        self.manifest = manifest
+        self.node = node  # the name of the node it came from
+        self._info = VersionInfo(tier.name, step, nbytes, manifest.created, str(path))
+
+    @property
+    def place(self) -> str:
+        return f"the copy fetched from node {self.node} into {self.path}"
+
+    def versions(self) -> list[VersionInfo]:
+        return [self._info]
+
+    async def read(self, step: int) -> VersionSource:
+        return await asyncio.to_thread(open_source, self.name, self.path, self.manifest)
+
+    async def delete(self, step: int) -> None:
+        await asyncio.to_thread(shutil.rmtree, self.path, True)
+
+
+async def exchange(tier: NodeLocalTier, step: int, fetchers: dict[int, int], held_open: contextlib.ExitStack) -> FetchedPart | None:
+    """Serve the parts of ``step`` this rank sends (``fetchers``: rank -> the rank it fetches from),
+    and fetch this rank's own if it is one of them.
+
+    Returns this rank's fetched part (removed when ``held_open`` closes), or None when it fetches
+    nothing. Raises CorruptCheckpointError when its fetch failed; what it serves is served all the same.
+    """
+    group = tier.group
+    me = group.rank
+    serving = [asyncio.to_thread(_serve, tier, step, owner, group.ranks[owner]) for owner, server in sorted(fetchers.items()) if server == me]
+    fetching = asyncio.to_thread(_fetch, tier, step, group.ranks[fetchers[me]]) if me in fetchers else None
+    fetched, failed = await wire.transfers(fetching, serving)
+    for exc in failed:
+        log.warning("tier %r: serving a part of step %d to another node failed: %s", tier.name, step, exc)
+    if fetching is None:
+        return None
+    source_node = tier.node_names[tier.node_of(fetchers[me])]
+    if isinstance(fetched, BaseException):
+        if isinstance(fetched, CorruptCheckpointError):
+            raise fetched
+        raise CorruptCheckpointError(
+            f"tier {tier.name!r}: fetching rank {me}'s part of step {step} from node {source_node} (rank {fetchers[me]}) failed: {fetched}",
+            tier=tier.name,
+            step=step,
+        ) from fetched
+    path, manifest, nbytes = cast("tuple[Path, Manifest, int]", fetched)  # gather() loses the type
+    held_open.callback(shutil.rmtree, path, True)
+    log.info("tier %r: rank %d's part of step %d came from node %s (%d bytes)", tier.name, me, step, source_node, nbytes)
+    return FetchedPart(tier, step, path, manifest, nbytes, source_node)
+
+
+def _serve(tier: NodeLocalTier, step: int, owner: int, dst: int) -> None:
+    bulk = tier.group.bulk_group()
+    path = tier.root / version_dirname(step)
+    try:
+        head = read_head(path, tier=tier.name, step=step)
+        if not isinstance(head, CommitMarker) or head.holds is None or owner not in head.holds:
+            raise CorruptCheckpointError(f"{path} holds no part of rank {owner}", tier=tier.name, step=step)
+        resolved = resolve_shared(path, head, read_rank_manifest(path, head, owner, tier=tier.name), tier=tier.name)
+        source = open_source(tier.name, path, resolved, direct=tier.direct)
+    except (OSError, CorruptCheckpointError) as exc:
+        wire.send(torch.tensor([-1, 0], dtype=torch.int64).numpy().data, dst, bulk, TAG_NODE)
+        raise CorruptCheckpointError(f"tier {tier.name!r}: rank {owner}'s part of step {step} cannot be served: {exc}") from exc
+    try:
+        records, size = wire.relocate(source.records)
+        sums = [source.checksum_of(r, i) for r in source.records for i in range(len(r.chunks))]
+        manifest = Manifest(
+            step=step,
+            created=resolved.created,
+            skeleton=resolved.skeleton,
+            records=wire.with_checksums(records, [-1 if s is None else s for s in sums]),
+            metadata=resolved.metadata,
+        ).encode()
+        wire.send(torch.tensor([len(manifest), size], dtype=torch.int64).numpy().data, dst, bulk, TAG_NODE)
+        wire.send(memoryview(bytearray(manifest)), dst, bulk, TAG_NODE)
+        # Every chunk is verified as it is read here; one that is not goes out as zeros, which the
+        # fetching rank's check refuses (send_copy raises at the end, logged above).
+        wire.send_copy(source, [dst], bulk, TAG_NODE, wire.Throttle(None))
+    finally:
+        source.close()
+
+
+def _fetch(tier: NodeLocalTier, step: int, src: int) -> tuple[Path, Manifest, int]:
+    bulk = tier.group.bulk_group()
+    header = torch.zeros(2, dtype=torch.int64)
+    wire.receive(header.numpy().data, src, bulk, TAG_NODE)
+    length, size = (int(v) for v in header.tolist())
+    if length < 0:
+        raise CorruptCheckpointError(f"tier {tier.name!r}: the node holding this rank's part of step {step} could not serve it (see its log)", tier=tier.name, step=step)
+    if not 0 < length <= MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"tier {tier.name!r}: a part of step {step} came with a manifest of {length} bytes", tier=tier.name, step=step)
+    encoded = bytearray(length)
+    wire.receive(memoryview(encoded), src, bulk, TAG_NODE)
+    manifest = Manifest.decode(bytes(encoded), tier=tier.name, step=step)
+    end = max((c.offset + c.stored for r in manifest.records for c in r.chunks if c is not None), default=0)
+    if manifest.step != step or size != end:
+        raise CorruptCheckpointError(f"tier {tier.name!r}: the part sent for step {step} is not one (step {manifest.step}, {size} bytes for {end})", tier=tier.name, step=step)
+    check_records(manifest.records, {wire.COPY_FILE: size}, tier=tier.name, step=step)
+    path = tier.root / f".tmp-fetch-{version_dirname(step)}-r{tier.group.rank:05d}-{uuid.uuid4().hex[:8]}"
+    path.mkdir()
+    try:
+        fd = os.open(path / wire.COPY_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            data = mmap.mmap(fd, size) if size else None
+        finally:
+            os.close(fd)
+        view = memoryview(data) if data is not None else memoryview(b"")
+        try:
+            wire.receive_copy(view, manifest.records, src, bulk, TAG_NODE)
+        finally:
+            view.release()
+            if data is not None:
+                try:
+                    data.close()
+                except BufferError:  # a failed receive's traceback still holds a view: the mapping goes with it
+                    pass
+        (path / MANIFEST_FILE).write_bytes(bytes(encoded))
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    return path, manifest, size
