@@ -5,6 +5,7 @@ Started once per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and:
     KILL_NODE       save: the ranks of this node die by SIGKILL once every rank saved everything
     DIE_MID_COMMIT  save: node 1's keeper dies by SIGKILL right after it renamed this step into place
     RESUME          restore: then save this step, and report whether it committed on nvme
+    COMPRESS=1      nvme and pfs compress alike (zstd), so pfs takes each version from nvme, not RAM
     PEER=1          add a peer tier (one copy on the other node), RAM tiers on <dir>/ram-<node>
     TIMEOUT         distributed.timeout (default 20s)
     SIMULATE=0      nodes by torchrun's GROUP_RANK (set here: ranks 0, 1 on node 0, ranks 2, 3 on node
@@ -43,6 +44,9 @@ def config(root: Path) -> dict[str, Any]:
         {"name": "nvme", "type": "filesystem", "scope": "node", "path": str(root / "local-{node}" / "nvme"), "keep": {"last": 2}},
         {"name": "pfs", "type": "filesystem", "path": str(root / "pfs"), "flush": {"every_steps": 2}},
     ]
+    if os.environ.get("COMPRESS") == "1":  # pfs then copies nvme's stored chunks: it reads the node-local tier
+        for tier in tiers[1:]:
+            tier["compression"] = {"codec": "zstd", "level": 1}
     if os.environ.get("PEER") == "1":
         node = os.environ.get("GROUP_RANK") or str(int(os.environ["RANK"]) // 2)
         ram["path"] = str(root / f"ram-{node}")

@@ -96,6 +96,24 @@ def test_a_lost_node_is_restored_by_every_rank_from_pfs_and_training_goes_on(tmp
     assert steps_on(tmp_path, 0) == steps_on(tmp_path, 1) == [6]
 
 
+def test_a_shared_tier_below_takes_each_ranks_part_from_the_node_local_tier(tmp_path: Path) -> None:
+    # Compressed alike, pfs copies nvme's stored chunks instead of compressing the host slot again.
+    run("save", tmp_path, STEPS="1,2,3,4", COMPRESS="1")
+    shutil.rmtree(tmp_path / "local-0")
+    shutil.rmtree(tmp_path / "local-1")
+    version = tmp_path / "pfs" / version_dirname(4)
+    marker = decode_document((version / MANIFEST_FILE).read_bytes())
+    assert isinstance(marker, CommitMarker) and marker.holds is None
+    for r in range(WORLD):
+        manifest = Manifest.decode((version / marker.ranks[r][0]).read_bytes())
+        w = next(rec for rec in manifest.records if rec.key == "['model']['w']")
+        # Stored once across all 4 ranks on pfs, as saved (not per node, as on nvme).
+        assert w.shared is not None and sorted(w.shared) == [0, 1, 2, 3] and w.codec == "zstd", (r, w.shared, w.codec)
+    restored = run("restore", tmp_path)
+    for s in restored:
+        assert s["step"] == 4 and s["tier"] == "pfs" and s["bitwise"] is True and not s["warnings"], s
+
+
 def test_a_keeper_killed_mid_commit_leaves_no_version_and_later_saves_commit(tmp_path: Path) -> None:
     saved = run("save", tmp_path, dead=(2,), STEPS="1,2,3", DIE_MID_COMMIT="3", TIMEOUT="8s")
     for rank, s in zip((0, 1, 3), saved):

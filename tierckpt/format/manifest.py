@@ -239,7 +239,7 @@ def decode_document(
         if manifest.world_size < 1 or manifest.rank >= manifest.world_size:
             raise ValueError(f"rank {manifest.rank} of a world of {manifest.world_size}")
         for r in records:
-            if r.shared is not None and any(q >= manifest.world_size for q in r.shared):
+            if any(q >= manifest.world_size for q in (r.shared or ()) + (r.saved_shared or ())):
                 raise ValueError(f"{_short(r.key)}: shared by a rank outside the world of {manifest.world_size}")
     except KeyError as exc:
         raise bad(f"malformed field (missing {_short(exc.args[0] if exc.args else None)})") from exc

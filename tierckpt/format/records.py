@@ -7,6 +7,7 @@ disk; :mod:`tierckpt.format.manifest` uses them for the rest of a manifest too.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +68,13 @@ class TensorRecord(TensorInfo):
     codec: str
     chunk_bytes: int  # logical bytes per chunk; the last one may be shorter
     chunks: tuple[Chunk | None, ...]  # None: a shared chunk another rank stores
+    # On a tier that shares a value among fewer ranks than saved it (a node-local tier: among the
+    # node's ranks), ``shared`` as saved, for a flush further down; None: ``shared`` is that.
+    saved_shared: tuple[int, ...] | None = field(default=None, kw_only=True)
+
+    def as_saved(self) -> TensorRecord:
+        """This record shared as it was saved (see ``saved_shared``)."""
+        return self if self.saved_shared is None else dataclasses.replace(self, shared=self.saved_shared, saved_shared=None)
 
     @property
     def stored(self) -> int:
@@ -108,6 +116,8 @@ def chunk_count(nbytes: int, chunk_bytes: int = CHUNK_BYTES) -> int:
 
 def _encode_record(r: TensorRecord) -> dict[str, Any]:
     extra: dict[str, Any] = {} if r.shared is None else {"shared": list(r.shared)}
+    if r.saved_shared is not None:
+        extra["saved_shared"] = list(r.saved_shared)
     if r.region is not None:
         extra["region"] = [list(r.region.global_shape), list(r.region.offset)]
     return extra | {
@@ -143,11 +153,7 @@ def _decode_record(raw: Any) -> TensorRecord:
     if type(raw) is not dict:
         raise ValueError("record is not a map")
     shape = tuple(_int(d) for d in _list(raw["shape"]))
-    shared = None
-    if "shared" in raw:
-        shared = tuple(_int(q) for q in _list(raw["shared"]))
-        if not shared or len(set(shared)) != len(shared):
-            raise ValueError(f"{_short(raw.get('key'))}: shared by {_short(len(shared))} ranks, some twice or none")
+    shared, saved_shared = (_ranks(raw, name) for name in ("shared", "saved_shared"))
     chunks = tuple(None if c is None and shared is not None else _decode_chunk(c) for c in _list(raw["chunks"]))
     record = TensorRecord(
         index=_int(raw["index"]),
@@ -162,12 +168,23 @@ def _decode_record(raw: Any) -> TensorRecord:
         chunks=chunks,
         shared=shared,
         region=_region(raw["region"], shape) if "region" in raw else None,
+        saved_shared=saved_shared,
     )
     if record.kind not in ("torch", "numpy"):
         raise ValueError(f"unknown kind {_short(record.kind)}")
     if record.chunk_bytes <= 0 or len(chunks) != chunk_count(record.nbytes, record.chunk_bytes):
         raise ValueError(f"{_short(record.key)}: {len(chunks)} chunks do not cover {record.nbytes} bytes")
     return record
+
+
+def _ranks(raw: dict[str, Any], name: str) -> tuple[int, ...] | None:
+    """A record's ``shared`` or ``saved_shared``: distinct ranks, at least one; None when absent."""
+    if name not in raw:
+        return None
+    ranks = tuple(_int(q) for q in _list(raw[name]))
+    if not ranks or len(set(ranks)) != len(ranks):
+        raise ValueError(f"{_short(raw.get('key'))}: {name} by {_short(len(ranks))} ranks, some twice or none")
+    return ranks
 
 
 def _region(value: Any, shape: tuple[int, ...]) -> Region:

@@ -64,7 +64,7 @@ class RankGroup:
         self._server = server  # the leader keeps the store's server alive
         self._pg = pg
         self._bulk: Any = None
-        # The group positions of the ranks on each node (found only when a peer tier needs them).
+        # The group positions of the ranks on each node (found only when a peer or node-local tier needs them).
         self.nodes: list[list[int]] | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-store")
         self._lost: str | None = None
@@ -79,7 +79,7 @@ class RankGroup:
 
         Collective over ``group``: every rank of it must call this, at the same point of its program.
         A group of one process is None too: it saves as a single process does. With ``bulk`` (a peer
-        tier is configured), also makes the bulk group. With ``bulk`` or ``find_nodes`` (a node-local
+        or node-local tier is configured: copies and parts move between nodes), also makes the bulk group. With ``bulk`` or ``find_nodes`` (a node-local
         tier), finds which ranks share a node (:attr:`nodes`): ``nodes`` consecutive blocks of ranks if
         given, else by each rank's :func:`~tierckpt.ranks.nodes.node_identity`.
         """

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import time
@@ -95,20 +96,15 @@ class FilesystemTier(GroupTier):
         self.store = LocalStore(self.root, self.executor, tier=config.name)
         self._index: dict[int, VersionInfo] = {}
         self._leftovers: set[str] = set()  # containers a failed removal left: retried before each write
-        # The rank that locks, sweeps, commits and deletes in this directory (a group position): rank 0
-        # of a shared directory; a node-local tier's node has its own.
-        self.keeper = 0
+        self.keeper = 0  # the rank (group position) locking, sweeping, committing, deleting here
         # Of a value stored once between ranks: the ranks sharing its chunks here (None: as saved).
         self.sharing: tuple[int, ...] | None = None
 
     @property
-    def keeps(self) -> bool:
-        """Whether this rank is the directory's keeper (a single process is)."""
+    def keeps(self) -> bool:  # whether this rank is the directory's keeper (a single process is)
         return self.group is None or self.rank == self.keeper
 
-    @property
-    def _open_key(self) -> str:
-        return f"open/{self.name}"
+    _open_key = property(lambda self: f"open/{self.name}")  # the keeper's word that it opened
 
     @property
     def direct(self) -> bool:
@@ -119,7 +115,7 @@ class FilesystemTier(GroupTier):
         if self.group is None:
             await self._open()
             return
-        # The leader opens (locks, sweeps, indexes) first; the others only index what it left, and
+        # The keeper opens (locks, sweeps, indexes) first; the others only index what it left, and
         # check that they see the same directory.
         key, member = self._open_key, f"{MEMBER}{self.group.run}"
         if self.keeps:
@@ -343,7 +339,8 @@ class FilesystemTier(GroupTier):
         manifest = await self._manifest(step, path)
         return await asyncio.to_thread(open_source, self.name, path, manifest, direct=self.direct)
 
-    async def read_whole(self, step: int) -> VersionSource:
+    async def read_whole(self, step: int, *, as_saved: bool = False) -> VersionSource:
+        # as_saved: each value shared as it was saved (TensorRecord.as_saved), for a flush further down.
         if self.group is None:
             return await self.read(step)  # one process's version holds every chunk it restores
         path = self.root / version_dirname(step)
@@ -352,6 +349,8 @@ class FilesystemTier(GroupTier):
         def whole() -> FilesystemSource:
             head = read_head(path, tier=self.name, step=step)
             resolved = resolve_shared(path, head, manifest, tier=self.name) if isinstance(head, CommitMarker) else manifest
+            if as_saved:
+                resolved = dataclasses.replace(resolved, records=tuple(r.as_saved() for r in resolved.records))
             return open_source(self.name, path, resolved, direct=self.direct)
 
         return await asyncio.to_thread(whole)

@@ -95,7 +95,10 @@ def narrow(record: TensorRecord, ranks: Sequence[int]) -> TensorRecord:
     if record.shared is None:
         return record
     kept = tuple(q for q in record.shared if q in ranks)
-    return dataclasses.replace(record, shared=kept if len(kept) > 1 else None)
+    if kept == record.shared:
+        return record
+    # As saved, for a flush from this tier to one that shares among every rank again.
+    return dataclasses.replace(record, shared=kept if len(kept) > 1 else None, saved_shared=record.shared)
 
 
 def _chunk(placed: tuple[int, tuple[int, int, str]] | None, codec: str) -> Chunk | None:

@@ -49,7 +49,7 @@ from tierckpt.errors import RankFailureError
 from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, version_dirname
 from tierckpt.format.saved_layout import SavedLayout
 from tierckpt.ranks.group import RankGroup
-from tierckpt.tiers.base import Part, Staged, Tier, VersionInfo
+from tierckpt.tiers.base import Part, Staged, Tier, VersionInfo, VersionSource
 from tierckpt.tiers.filesystem import FilesystemTier
 
 log = logging.getLogger("tierckpt")
@@ -345,6 +345,12 @@ class NodeLocalTier(FilesystemTier):
             log.warning("tier %r: could not delete step %d: %s", self.name, step, exc)
 
     # -- reading -----------------------------------------------------------------------------------------
+
+    async def read(self, step: int) -> VersionSource:
+        """This rank's part for a flush further down: every chunk it saved (those of a replicated value
+        that its node's other ranks stored here included), each value shared as it was saved, so that
+        the tier below shares it among every rank, as it does a version read from host memory."""
+        return await self.read_whole(step, as_saved=True)
 
     async def read_layout(self, step: int, rank: int) -> SavedLayout:
         # This rank's part alone: another layout is read from a shared tier.

@@ -80,7 +80,7 @@ def relocate(records: Sequence[TensorRecord]) -> tuple[tuple[TensorRecord, ...],
                 raise ValueError(f"{r.key}: a chunk this rank does not hold cannot be copied")
             chunks.append(Chunk(offset, c.stored, -1, codec=c.codec))
             offset += c.stored
-        out.append(dataclasses.replace(r, file=COPY_FILE, chunks=tuple(chunks), shared=None))
+        out.append(dataclasses.replace(r, file=COPY_FILE, chunks=tuple(chunks), shared=None, saved_shared=None))
     return tuple(out), offset
 
 
