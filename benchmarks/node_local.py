@@ -14,9 +14,12 @@ Per repeat, on fresh directories:
    saves of the slowest rank. ``node-local``: RAM, then ``nvme`` with ``scope: node`` at
    ``local-{node}``; ``shared``: the same tier with ``scope: shared`` (one directory); ``dcp.async_save``:
    PyTorch DCP (benchmarks/distributed.py's recipe) into one directory, from its staging future to
-   its upload future. The limit: one process, O_DIRECT from a state-sized buffer, write + fsync of 4 ×
-   ``--mib`` MiB on the same disk, before the runs, with 2 threads (one rank's io_threads) and with 8
-   (every rank's at once); the faster is the limit.
+   its upload future; ``torch_checkpointing`` (where installed: ``pip install --no-deps
+   torch_checkpointing==0.1.1``): its async ``CheckpointManager`` on every rank, from staged to its
+   write future plus the fsyncs its writer leaves out (save_restore.py's recipe). The limit: one
+   process, O_DIRECT from a state-sized buffer, write + fsync of 4 × ``--mib`` MiB on the same disk,
+   before the runs, with 2 threads (one rank's io_threads) and with 8 (every rank's at once); the
+   faster is the limit.
 2. Restores, from one save run with RAM tiers on /dev/shm (``ram-<node>``, outliving the processes),
    a peer tier, ``nvme`` node-local and ``pfs`` shared (every save); two saves, then every rank dies by
    SIGKILL. Each restore starts four new processes; each rank faults in twice its state's bytes first
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import shutil
@@ -110,6 +114,41 @@ def dcp_worker(job: dict[str, Any], rank: int) -> dict[str, Any]:
     return {"rank": rank, "durable_s": [s["durable_s"] - s["captured_s"] for s in samples]}
 
 
+def tc_worker(job: dict[str, Any], rank: int) -> dict[str, Any]:
+    """torch_checkpointing's async recipe on every rank, as save_restore.py runs it in one process: each
+    rank's files into one directory per step, from staged (``manager.lock()``) to its write future, plus
+    the fsync of the files and directories its writer leaves out (its future means written, not durable)."""
+    import torch.distributed as dist
+    from torch_checkpointing import AsyncCheckpointSaverConfig, CheckpointManager, CheckpointStagerConfig
+
+    import peer
+    from save_restore import fsync_tree, tc_storage
+
+    state = peer.make_state(job["nbytes"], rank)
+    staging = CheckpointStagerConfig(use_pinned_memory=False, use_non_blocking_copy=False)  # no accelerator here
+    manager = CheckpointManager(CheckpointManager.Config(save=AsyncCheckpointSaverConfig(staging_config=staging), storage_config=tc_storage()))
+    root = Path(job["dir"]) / "tc"
+    samples = []
+    try:
+        for step in range(1, job["saves"] + 1):
+            peer.advance(state, step)
+            dist.barrier()
+            target = root / f"step-{step}"
+            future = manager.save(str(target), {"model": state["model"]})
+            with manager.lock():  # staged: what training would wait for
+                t = time.perf_counter()
+            assert future is not None
+            future.result()
+            fsync_tree(target)
+            samples.append(time.perf_counter() - t)
+            dist.barrier()
+            if rank == 0 and step > 2:
+                shutil.rmtree(root / f"step-{step - 2}")
+    finally:
+        manager.close()
+    return {"rank": rank, "durable_s": samples}
+
+
 def save_worker(job: dict[str, Any], rank: int) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -163,7 +202,7 @@ def rank_worker(job: dict[str, Any]) -> None:
     rank = int(os.environ["RANK"])
     os.environ["GROUP_RANK"] = str(node_of(rank, job["swapped"]))  # as torchrun sets it per node
     dist.init_process_group("gloo")
-    work = {"durable": durable_worker, "dcp": dcp_worker, "save": save_worker, "restore": restore_worker}[job["mode"]]
+    work = {"durable": durable_worker, "dcp": dcp_worker, "tc": tc_worker, "save": save_worker, "restore": restore_worker}[job["mode"]]
     out = work(job, rank)
     Path(job["results"], f"rank-{rank}.json").write_text(json.dumps(out))
     dist.barrier()
@@ -202,10 +241,13 @@ def one_repeat(base: Path, ram_base: Path, job: dict[str, Any], rep: int) -> dic
             (work / "limit.bin").unlink(missing_ok=True)
         out["limit_write_s"] = min(out["limit_write_2_s"], out["limit_write_8_s"])
         job = job | {"dir": str(work), "ram": str(ram), "results": str(base / "results"), "swapped": False}
-        for name, extra in (("node-local", {"mode": "durable", "scope": "node"}), ("shared", {"mode": "durable", "scope": "shared"}), ("dcp.async_save", {"mode": "dcp", "scope": "shared"})):
-            ranks = run(job | extra, logs / name)
+        runs = [("node-local", "durable", "node"), ("shared", "durable", "shared"), ("dcp.async_save", "dcp", "shared")]
+        if importlib.util.find_spec("torch_checkpointing") is not None:  # optional: its row is left out without it
+            runs.append(("torch_checkpointing", "tc", "shared"))
+        for name, mode, scope in runs:
+            ranks = run(job | {"mode": mode, "scope": scope}, logs / name)
             out[name] = [max(r["durable_s"][i] for r in ranks) for i in range(1, job["saves"])]
-            for sub in ("local-0", "local-1", "shared", "dcp"):
+            for sub in ("local-0", "local-1", "shared", "dcp", "tc"):
                 shutil.rmtree(work / sub, ignore_errors=True)
         run(job | {"mode": "save", "scope": "node"}, logs / "save")
         pfs = work / "pfs"
@@ -254,7 +296,9 @@ def table(report: dict[str, Any]) -> list[str]:
         "| save: time to durable (slowest rank, from captured) | s | GB/s | % of the write limit |",
         "| --- | ---: | ---: | ---: |",
     ]
-    for name in ("node-local", "shared", "dcp.async_save"):
+    for name in ("node-local", "shared", "dcp.async_save", "torch_checkpointing"):
+        if name not in reps[0]:
+            continue
         s = statistics.median(v for r in reps for v in r[name])
         lines.append(f"| {name} | {s:.3f} | {total / s / 1e9:.2f} | {100 * limit_w / s:.0f}% |")
     lines += ["", "| restore (new processes, cold cache) | slowest rank s | GB/s | % of the read limit |", "| --- | ---: | ---: | ---: |"]

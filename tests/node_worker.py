@@ -4,6 +4,7 @@ Started once per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and:
     STEPS           save: the steps to save, "1,2,3"
     KILL_NODE       save: the ranks of this node die by SIGKILL once every rank saved everything
     DIE_MID_COMMIT  save: node 1's keeper dies by SIGKILL right after it renamed this step into place
+    DIE_COMMITTED   save: rank 0 dies by SIGKILL once every node committed this step, before it says so
     RESUME          restore: then save this step, and report whether it committed on nvme
     COMPRESS=1      nvme and pfs compress alike (zstd), so pfs takes each version from nvme, not RAM
     PEER=1          add a peer tier (one copy on the other node), RAM tiers on <dir>/ram-<node>
@@ -68,17 +69,20 @@ def state(rank: int, step: int) -> dict[str, Any]:
     }
 
 
-def die_mid_commit(step: int) -> None:
-    """Node 1's keeper dies by SIGKILL just after renaming ``step`` into place, before it says so."""
-    place = NodeLocalTier._place
+def die_at(method: str, step: int) -> None:
+    """This rank dies by SIGKILL as NodeLocalTier's ``method`` starts for ``step`` (``_place``: just
+    after its rename instead: the node's copy is in place, and nobody was told)."""
+    original = getattr(NodeLocalTier, method)
 
-    async def placed_then_killed(self: NodeLocalTier, staged: Any) -> Any:
-        old = await place(self, staged)
+    async def killed(self: NodeLocalTier, staged: Any, *args: Any) -> Any:
+        if method != "_place" and staged.step == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        done = await original(self, staged, *args)
         if staged.step == step:
             os.kill(os.getpid(), signal.SIGKILL)
-        return old
+        return done
 
-    NodeLocalTier._place = placed_then_killed  # type: ignore[method-assign]
+    setattr(NodeLocalTier, method, killed)
 
 
 def main() -> None:
@@ -90,7 +94,9 @@ def main() -> None:
         os.environ["GROUP_RANK"] = str(1 - node if os.environ.get("SWAP") == "1" else node)
     out: dict[str, Any] = {}
     if mode == "save" and os.environ.get("DIE_MID_COMMIT") and rank == 2:
-        die_mid_commit(int(os.environ["DIE_MID_COMMIT"]))
+        die_at("_place", int(os.environ["DIE_MID_COMMIT"]))
+    if mode == "save" and os.environ.get("DIE_COMMITTED") and rank == 0:
+        die_at("_committed", int(os.environ["DIE_COMMITTED"]))
     ckpt = Checkpointer(config(root))
     if mode == "save":
         for step in (int(s) for s in os.environ["STEPS"].split(",")):
@@ -99,7 +105,7 @@ def main() -> None:
                 out[str(step)] = handle.committed_sync("nvme", 120)
             except FlushError as exc:
                 out[str(step)] = {"error": str(exc), "ranks": list(getattr(exc, "ranks", ()))}
-        if os.environ.get("DIE_MID_COMMIT"):
+        if os.environ.get("DIE_MID_COMMIT") or os.environ.get("DIE_COMMITTED"):
             (root / f"{mode}-{rank}.json").write_text(json.dumps(out))
             try:
                 ckpt.close_sync()  # rank 2 is gone: each rank waits out the timeout at most once

@@ -154,6 +154,19 @@ def test_a_damaged_part_on_the_serving_node_makes_every_rank_fall_back_together(
         assert len(said) == 1 and "rank(s) 3" in said[0] and "fetched from node 1" in said[0], s
 
 
+def test_rank_0_killed_once_every_node_committed_leaves_the_version_whole_on_both(tmp_path: Path) -> None:
+    saved = run("save", tmp_path, dead=(0,), STEPS="1,2,3", DIE_COMMITTED="3", TIMEOUT="6s")
+    for s in saved:
+        assert s["1"] is True and s["2"] is True and "error" in s["3"], s  # no outcome came
+    # Node 1's keeper heard nothing after it committed: it kept its copy rather than unmake a version
+    # rank 0 may have committed (it had), and the next start finds step 3 whole on both nodes. (Step 1
+    # is still there: rank 0 died before its retention ran.)
+    assert steps_on(tmp_path, 0) == steps_on(tmp_path, 1) == [1, 2, 3]
+    restored = run("restore", tmp_path)
+    for s in restored:
+        assert s["step"] == 3 and s["tier"] == "nvme" and s["bitwise"] is True, s
+
+
 def test_one_nodes_damaged_part_makes_every_rank_fall_back_with_one_warning(tmp_path: Path) -> None:
     run("save", tmp_path, STEPS="1,2,3")
     damage(tmp_path / "local-1" / "nvme" / version_dirname(3), rank=3)

@@ -255,9 +255,14 @@ class FollowerFlusher(_GroupFlusher):
             return
         assert located is not None
         located.lease.release()
-        await channel.group.put(channel.key("report", n, me), {"part": list(staged.part) if staged.part else None})
-        await self.tier.settle(staged)
-        outcome = await self._outcome(n)
+        try:
+            await channel.group.put(channel.key("report", n, me), {"part": list(staged.part) if staged.part else None})
+            await self.tier.settle(staged, channel.key("outcome", n))
+            outcome = await self._outcome(n)
+        except CoordinationLost as exc:  # rank 0 is gone: no outcome will come for this one either
+            await self.tier.abort(staged)
+            self._events.failed(self.tier.name, candidate, rank_failure(self.tier.name, candidate.step, {0: str(exc)}))
+            raise
         if outcome is None or "error" in outcome:
             await self.tier.abort(staged)
             if outcome is None:

@@ -154,6 +154,19 @@ class RankGroup:
             delay = min(delay * 2, poll_max_s)
         return True
 
+    async def wait_any(self, keys: Sequence[str], timeout_s: float) -> str | None:
+        """The first of ``keys`` (in their order) that is set, waited for up to ``timeout_s``; None if none was."""
+        deadline = time.monotonic() + timeout_s
+        delay = _POLL_MIN_S
+        while True:
+            for key in keys:
+                if await self.has([key]):
+                    return key
+            if time.monotonic() >= deadline:
+                return None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX_S)
+
     # -- collectives (every rank at once, from its own call) -----------------------------------------
 
     def bulk_group(self) -> Any:

@@ -127,11 +127,15 @@ async def _fetch_from_nodes(
 ) -> None:
     """Every rank still without a verified part of ``step`` whose part lies on another node's disk
     fetches it from there (collective: every rank calls it once per step tried, with a node-local tier)."""
-    wanting = await asyncio.to_thread(group.all_gather, attempt.wants)
-    tier = next((t for t in tiers if any(info.step == step for info in t.versions())), None)
-    if tier is None:
+    listed = [any(info.step == step for info in t.versions()) for t in tiers]
+    said = await asyncio.to_thread(group.all_gather, [attempt.wants, listed])
+    # Decided from what every rank said, so that every rank plans the same transfers: the first tier
+    # that every rank lists the step on (a rank that does not would serve nothing it is asked for).
+    i = next((i for i in range(len(tiers)) if all(s[1][i] for s in said)), None)
+    if i is None:
         return
-    fetchers = tier.fetch_plan(step, [r for r, wants in enumerate(wanting) if wants])
+    tier = tiers[i]
+    fetchers = tier.fetch_plan(step, [r for r, s in enumerate(said) if s[0]])
     if not fetchers:
         return
     try:

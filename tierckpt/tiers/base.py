@@ -195,13 +195,15 @@ class GroupTier(Tier):
 
     Follower (every other rank):
         1. ``staged = await write(source, staging)`` (the same ``staging``), reports ``staged.part``
-           (or its failure), then ``await settle(staged)``: its share of the leader's commit, if any.
+           (or its failure), then ``await settle(staged, outcome)``: its share of the leader's commit,
+           if any (``outcome``: the store key of the leader's outcome of this decision).
         2. Waits for the leader's outcome: committed: ``await adopt(staged, nbytes)`` indexes the
            version; abandoned or no outcome in time: ``await abort(staged)``.
         3. ``await forget(step)`` for each step the leader's retention deleted.
 
-    A follower never commits, seals or deletes: the leader's decisions are the only ones, so every
-    rank says the same thing of every version.
+    A follower decides nothing: the leader's decisions are the only ones, so every rank says the same
+    thing of every version. (Where a tier has several directories, a follower may carry a decision out
+    in its own: a node-local tier's keepers seal, rename and delete in their node's directory.)
     """
 
     @abc.abstractmethod
@@ -220,10 +222,11 @@ class GroupTier(Tier):
     async def abort(self, staged: Staged) -> None:
         """Either role: give back what this rank staged of a version that will not be committed."""
 
-    async def settle(self, staged: Staged) -> None:  # noqa: B027 - optional hook
-        """A follower, its part reported, before it waits for the outcome: its share of the leader's
-        commit (a node-local tier: a node's first rank commits the node's directory). Raises only when
-        the group's store is lost; a failure is reported to the leader, which abandons the version."""
+    async def settle(self, staged: Staged, outcome: str) -> None:  # noqa: B027 - optional hook
+        """A follower, its part reported, before it waits for the outcome (at store key ``outcome``):
+        its share of the leader's commit (a node-local tier: a node's first rank commits the node's
+        directory). Raises only when the group's store is lost; a failure is reported to the leader,
+        which abandons the version."""
 
     @abc.abstractmethod
     async def adopt(self, staged: Staged, nbytes: int) -> VersionInfo:
@@ -231,4 +234,5 @@ class GroupTier(Tier):
 
     @abc.abstractmethod
     async def forget(self, step: int) -> None:
-        """A follower: the leader deleted ``step``; drop it from this rank's index."""
+        """A follower: the leader deleted ``step``; drop it from this rank's index (a node-local tier's
+        keeper deletes it from its node's directory too). Logs what it cannot do; never raises."""

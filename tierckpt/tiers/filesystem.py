@@ -256,7 +256,7 @@ class FilesystemTier(GroupTier):
             except FileNotFoundError:
                 pass
             except OSError as exc:
-                log.warning("tier %r: could not remove %s (%s); the leader sweeps it", self.name, self.root / key, exc)
+                log.warning("tier %r: could not remove %s (%s); the directory's keeper sweeps it", self.name, self.root / key, exc)
 
     async def commit(self, staged: Staged) -> VersionInfo:
         old = await self._place(staged)

@@ -144,14 +144,21 @@ def _fetch(tier: NodeLocalTier, step: int, src: int) -> tuple[Path, Manifest, in
         raise CorruptCheckpointError(f"tier {tier.name!r}: the part sent for step {step} is not one (step {manifest.step}, {size} bytes for {end})", tier=tier.name, step=step)
     check_records(manifest.records, {wire.COPY_FILE: size}, tier=tier.name, step=step)
     path = tier.root / f".tmp-fetch-{version_dirname(step)}-r{tier.group.rank:05d}-{uuid.uuid4().hex[:8]}"
-    path.mkdir()
     try:
+        path.mkdir()
         fd = os.open(path / wire.COPY_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            os.ftruncate(fd, size)
+            if size:
+                os.posix_fallocate(fd, 0, size)  # a full disk fails here, not as SIGBUS in a write to the mapping
             data = mmap.mmap(fd, size) if size else None
         finally:
             os.close(fd)
+    except OSError:
+        # The sender sends every chunk all the same: take them off the wire, or they would wait out the timeout.
+        wire.drain([c.stored for r in manifest.records for c in r.all_chunks()], src, bulk, TAG_NODE)
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    try:
         view = memoryview(data) if data is not None else memoryview(b"")
         try:
             wire.receive_copy(view, manifest.records, src, bulk, TAG_NODE)

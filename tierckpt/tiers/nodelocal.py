@@ -18,14 +18,18 @@ and deletes there, as rank 0 does in a shared directory. Flush and retention dec
    :class:`~tierckpt.errors.RankFailureError` naming the node's ranks; the flusher publishes the
    abandonment, and every keeper that renamed takes its copy back on it (or when no outcome comes).
    An older copy of the same step, moved aside by the rename, is put back then, and removed only once
-   the version is committed.
+   the version is committed. A keeper that said it committed and then hears nothing from rank 0
+   keeps its copy: rank 0 may have committed before it died, and the next start judges.
 
 So "committed" can be judged from the disks alone when the job restarts: at construction every
 keeper reports what its directory holds (:meth:`NodeLocalTier.holdings`), and a step is listed
 (:meth:`NodeLocalTier.learn`) only if the nodes' markers agree and together hold every rank's part. A
 step some node lacks (it was wiped, replaced, or its keeper died mid-commit) is not listed; its copies
 on the other nodes are removed once a newer version commits. A version of another world size is
-ignored with one warning, never half-read, never deleted.
+ignored with one warning, never half-read, and deleted only when this job saves the same step.
+Not handled yet: a step saved a second time whose commit a keeper's crash cuts short after its
+rename; the next open then removes that node's older copy (moved aside) as it does on a shared tier,
+so the nodes' copies of the step differ and neither is listed (older steps are unaffected).
 
 A value stored once between ranks (``save(replicated=...)``) is stored once per node: its chunks are
 shared among the node's ranks only, so that a node's directory holds every byte its ranks restore.
@@ -48,9 +52,10 @@ from tierckpt.config import TierConfig
 from tierckpt.errors import RankFailureError
 from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, version_dirname
 from tierckpt.format.saved_layout import SavedLayout
-from tierckpt.ranks.group import RankGroup
+from tierckpt.ranks.group import CoordinationLost, RankGroup
 from tierckpt.tiers.base import Part, Staged, Tier, VersionInfo, VersionSource
 from tierckpt.tiers.filesystem import FilesystemTier
+from tierckpt.tiers.fscommit import Left
 
 log = logging.getLogger("tierckpt")
 
@@ -128,8 +133,9 @@ class NodeLocalTier(FilesystemTier):
         self._held: dict[int, Holding] = {}  # of those, each version's marker, as read at open
         self._orphans: set[int] = set()  # held here, committed on no other node: removed once a newer commits
         self._placed: dict[str, str | None] = {}  # a keeper's staged versions renamed into place, not yet decided
-        self._sealed: set[str] = set()  # rank 0: the staged versions whose seal order is posted
+        self._outcomes: dict[str, str] = {}  # a keeper: the store key of rank 0's outcome of each staged version
         self._doomed: set[int] = set()  # a keeper: steps retention deleted while this rank held a lease
+        self._tasks: set[asyncio.Task[None]] = set()  # deletions deferred to a lease's release
         self._where: dict[int, dict[int, int]] = {}  # of each listed step: rank -> the node whose directory holds its part
 
     @property
@@ -223,7 +229,6 @@ class NodeLocalTier(FilesystemTier):
         await self.store.sync(staged.location)
         staged.nbytes = marker.stored_bytes
         await self.group.put(self._key(staged, "seal"), {"parts": [list(p) for p in parts], "metadata": metadata})
-        self._sealed.add(staged.location)
 
     async def commit(self, staged: Staged) -> VersionInfo:
         """Rank 0: into place on its node, then committed once every other node's keeper is done."""
@@ -248,16 +253,15 @@ class NodeLocalTier(FilesystemTier):
             )
         return await self._committed(staged)
 
-    async def settle(self, staged: Staged) -> None:
+    async def settle(self, staged: Staged, outcome: str) -> None:
         """A keeper other than rank 0: seal and rename its node's copy on rank 0's order, and say so."""
         if not self.keeps:
             return
+        self._outcomes[staged.location] = outcome
         key = self._key(staged, "seal")
-        if not await self.group.wait_for([key], 2 * self.group.timeout_s):
-            return  # no order: the outcome (or its absence) aborts
+        if await self.group.wait_any([key, outcome], 2 * self.group.timeout_s) != key:
+            return  # abandoned before it was sealed (the outcome came first), or no word: the outcome aborts
         order = await self.group.get(key)
-        if "parts" not in order:
-            return  # abandoned before it was sealed
         try:
             marker = self._marker(staged, [Part(*p) for p in order["parts"]], order["metadata"])
             await self.store.write_small(f"{staged.location}/{MANIFEST_FILE}", marker.encode())
@@ -266,7 +270,7 @@ class NodeLocalTier(FilesystemTier):
             self._placed[staged.location] = await self._place(staged)
             reply: dict[str, Any] = {}
         except Exception as exc:
-            log.error("tier %r: node %d could not commit step %d: %s", self.name, self.node_index, staged.step, exc)
+            log.error("tier %r: node %s could not commit step %d: %s", self.name, self.node_name, staged.step, exc)
             reply = {"error": f"{type(exc).__name__}: {exc}"}
         await self.group.put(self._key(staged, "done", self.node_index), reply)
 
@@ -283,6 +287,8 @@ class NodeLocalTier(FilesystemTier):
     async def _committed(self, staged: Staged) -> VersionInfo:
         """A keeper: the version is committed on every node; the copy its rename moved aside goes, and
         so do the versions older than it that no other node holds."""
+        self._outcomes.pop(staged.location, None)
+        self._doomed.discard(staged.step)  # a lease on the earlier save of this step no longer dooms it
         old = self._placed.pop(staged.location, None)
         if old is not None:
             await self._discard(old)
@@ -299,18 +305,40 @@ class NodeLocalTier(FilesystemTier):
         return info
 
     async def abort(self, staged: Staged) -> None:
-        if self.group.leader and staged.location not in self._sealed:
-            await self.group.put(self._key(staged, "seal"), {"abandoned": True})  # keepers stop waiting
-        self._sealed.discard(staged.location)
+        outcome = self._outcomes.pop(staged.location, None)
         if self.keeps and staged.location in self._placed:
+            if not self.group.leader and not await self._abandoned(outcome):
+                # This node said it committed, and rank 0 said nothing since: rank 0 may have committed
+                # the version before it died or stalled. Taking this copy back could unmake a committed
+                # version; left in place (and not listed), the next start judges it from every node's disk.
+                self._placed.pop(staged.location)
+                log.warning(
+                    "tier %r: no outcome of step %d from rank 0 after node %s committed its part; its copy is kept "
+                    "and judged at the next start", self.name, staged.step, self.node_name,
+                )
+                return
             await self._take_back(staged)
         await super().abort(staged)
+
+    async def _abandoned(self, outcome: str | None) -> bool:
+        """Whether rank 0 published the abandonment of the version whose outcome is at store key ``outcome``."""
+        try:
+            return outcome is not None and await self.group.has([outcome]) and "error" in await self.group.get(outcome)
+        except CoordinationLost:
+            return False
 
     async def _take_back(self, staged: Staged) -> None:
         """Undo this node's rename of a version the other nodes did not commit, old copy put back."""
         old = self._placed.pop(staged.location)
         await self._undo_commit(staged, old)
-        self._index.pop(staged.step, None)  # committed on no node, whatever the disk left here
+        if old is None:
+            self._index.pop(staged.step, None)  # else the earlier save of the step, put back, stays listed
+
+    def _after_take_back(self, staged: Staged, left: Left) -> None:
+        # Nothing is committed here before every node is: a version the disk would not take back is not
+        # listed, and an older copy left aside stays for the next open to put back.
+        if left.new_in_place or left.old_aside is not None:
+            log.error("tier %r: node %s's directory holds step %d as the disk left it; judged at the next start", self.name, self.node_name, staged.step)
 
     # -- retention -------------------------------------------------------------------------------------
 
@@ -325,7 +353,7 @@ class NodeLocalTier(FilesystemTier):
             self._index.pop(step, None)
             self._doomed.add(step)  # read here now (a flush below, a restore): deleted on release
             return
-        await self.delete(step)
+        await self._remove(step)
 
     async def delete(self, step: int) -> None:
         await super().delete(step)
@@ -336,7 +364,9 @@ class NodeLocalTier(FilesystemTier):
     def on_release(self, step: int) -> None:
         if step in self._doomed and not self.leased(step):
             self._doomed.discard(step)
-            asyncio.get_running_loop().create_task(self._remove(step))
+            task = asyncio.get_running_loop().create_task(self._remove(step))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def _remove(self, step: int) -> None:
         try:
