@@ -69,16 +69,22 @@ def state(rank: int, step: int) -> dict[str, Any]:
     }
 
 
-def die_at(method: str, step: int) -> None:
-    """This rank dies by SIGKILL as NodeLocalTier's ``method`` starts for ``step`` (``_place``: just
-    after its rename instead: the node's copy is in place, and nobody was told)."""
+def die_at(method: str, when: str) -> None:
+    """This rank dies by SIGKILL as NodeLocalTier's ``method`` starts for step ``when`` (``_place``:
+    just after its rename instead: the node's copy is in place, and nobody was told). ``"3x2"``: the
+    second time for step 3 (a step saved again)."""
     original = getattr(NodeLocalTier, method)
+    step, nth = (int(v) for v in (when.split("x") if "x" in when else (when, "1")))
+    seen = [0]
 
     async def killed(self: NodeLocalTier, staged: Any, *args: Any) -> Any:
-        if method != "_place" and staged.step == step:
+        if staged.step == step:
+            seen[0] += 1
+        due = staged.step == step and seen[0] == nth
+        if method != "_place" and due:
             os.kill(os.getpid(), signal.SIGKILL)
         done = await original(self, staged, *args)
-        if staged.step == step:
+        if due:
             os.kill(os.getpid(), signal.SIGKILL)
         return done
 
@@ -94,9 +100,9 @@ def main() -> None:
         os.environ["GROUP_RANK"] = str(1 - node if os.environ.get("SWAP") == "1" else node)
     out: dict[str, Any] = {}
     if mode == "save" and os.environ.get("DIE_MID_COMMIT") and rank == 2:
-        die_at("_place", int(os.environ["DIE_MID_COMMIT"]))
+        die_at("_place", os.environ["DIE_MID_COMMIT"])
     if mode == "save" and os.environ.get("DIE_COMMITTED") and rank == 0:
-        die_at("_committed", int(os.environ["DIE_COMMITTED"]))
+        die_at("_committed", os.environ["DIE_COMMITTED"])
     ckpt = Checkpointer(config(root))
     if mode == "save":
         for step in (int(s) for s in os.environ["STEPS"].split(",")):

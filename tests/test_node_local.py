@@ -154,6 +154,21 @@ def test_a_damaged_part_on_the_serving_node_makes_every_rank_fall_back_together(
         assert len(said) == 1 and "rank(s) 3" in said[0] and "fetched from node 1" in said[0], s
 
 
+def test_a_step_saved_again_whose_commit_a_keeper_cut_short_keeps_its_committed_save(tmp_path: Path) -> None:
+    run("save", tmp_path, STEPS="1,2,3")
+    # The job resumes from step 2 and saves step 3 again; node 1's keeper dies in its commit.
+    saved = run("save", tmp_path, dead=(2,), STEPS="3", DIE_MID_COMMIT="3", TIMEOUT="8s")
+    for s in saved:
+        assert "error" in s["3"], s
+    # Node 1's keeper died with the new save in place and the committed one moved aside.
+    assert [p.name.startswith(".replaced-") for p in (tmp_path / "local-1" / "nvme").glob(".replaced-*")] == [True]
+    restored = run("restore", tmp_path)
+    for s in restored:
+        assert s["step"] == 3 and s["tier"] == "nvme" and s["bitwise"] is True and not s["warnings"], s
+    assert steps_on(tmp_path, 0) == steps_on(tmp_path, 1) == [2, 3]
+    assert not list((tmp_path / "local-1" / "nvme").glob(".replaced-*")), "put back in place"
+
+
 def test_rank_0_killed_once_every_node_committed_leaves_the_version_whole_on_both(tmp_path: Path) -> None:
     saved = run("save", tmp_path, dead=(0,), STEPS="1,2,3", DIE_COMMITTED="3", TIMEOUT="6s")
     for s in saved:

@@ -130,7 +130,7 @@ class Runtime:
 
         async def learn() -> None:
             for i, tier in enumerate(tiers):
-                tier.learn([reply[i] for reply in replies])
+                await tier.learn([reply[i] for reply in replies])
 
         self.engine.run_sync(learn())
 

@@ -67,7 +67,7 @@ from tierckpt.tiers.encoding import TierEncoding
 from tierckpt.tiers.fslayout import filesystem_layout
 from tierckpt.tiers.fsread import FilesystemSource, open_source, read_head, read_manifest, resolve_shared  # noqa: F401 - FilesystemSource lived here
 from tierckpt.tiers.fscommit import Left, PlaceFailed, place, take_back
-from tierckpt.tiers.fssweep import MEMBER, sweep
+from tierckpt.tiers.fssweep import MEMBER, KeepAside, sweep
 from tierckpt.tiers.fswrite import write_data_file
 
 log = logging.getLogger("tierckpt")
@@ -153,7 +153,7 @@ class FilesystemTier(GroupTier):
             ) from exc
         if not self.direct:
             log.info("tier %r: %s refuses O_DIRECT; writing through the page cache", self.name, self.root)
-        self._index.update(await sweep(self.store, self.name, leader=leader, describe=self._describe))
+        self._index.update(await sweep(self.store, self.name, leader=leader, describe=self._describe, keep_aside=self._keep_aside))
 
     async def _describe(self, step: int, name: str) -> VersionInfo:
         path = self.root / name
@@ -165,6 +165,8 @@ class FilesystemTier(GroupTier):
             log.warning("tier %r: %s", self.name, exc)
             stat = await _lstat(path)  # it may be a symlink, refused: not followed here either
             return VersionInfo(self.name, step, 0, stat.st_mtime, str(path), valid=False)
+
+    _keep_aside: KeepAside | None = None  # see fssweep.sweep; a node-local tier keeps such copies
 
     def _seen(self, step: int, head: Manifest | CommitMarker) -> None:
         """A committed version found at open, its head verified (a hook for subclasses)."""

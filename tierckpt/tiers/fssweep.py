@@ -31,6 +31,8 @@ MEMBER = ".member-"  # + run id: the leader's sign that a follower sees the dire
 _LEFTOVERS = (".tmp-", ".trash-")
 
 Describe = Callable[[int, str], Awaitable[VersionInfo]]
+# Whether to keep a copy moved aside whose step has a version in place (else it is removed).
+KeepAside = Callable[[int, str], Awaitable[bool]]
 
 
 def classify(entry: Entry) -> str:
@@ -47,8 +49,11 @@ def classify(entry: Entry) -> str:
     return "other"
 
 
-async def sweep(store: ByteStore, tier: str, *, leader: bool, describe: Describe) -> dict[int, VersionInfo]:
-    """Index the committed versions at the store's root; the ``leader`` also sweeps what is no version."""
+async def sweep(store: ByteStore, tier: str, *, leader: bool, describe: Describe, keep_aside: KeepAside | None = None) -> dict[int, VersionInfo]:
+    """Index the committed versions at the store's root; the ``leader`` also sweeps what is no version.
+
+    ``keep_aside``: asked of each copy moved aside whose step has a version in place (a node-local
+    tier's, where the copy in place may be a save the other nodes never committed); None: removed."""
     index: dict[int, VersionInfo] = {}
     replaced = []
     for entry in await store.list():
@@ -71,11 +76,13 @@ async def sweep(store: ByteStore, tier: str, *, leader: bool, describe: Describe
             log.info("tier %r: sweeping %s left by an interrupted write or delete", tier, entry.name)
             await store.remove(entry.name)
     for name in replaced:
-        await _recover_replaced(store, tier, name, index, describe)
+        await _recover_replaced(store, tier, name, index, describe, keep_aside)
     return index
 
 
-async def _recover_replaced(store: ByteStore, tier: str, name: str, index: dict[int, VersionInfo], describe: Describe) -> None:
+async def _recover_replaced(
+    store: ByteStore, tier: str, name: str, index: dict[int, VersionInfo], describe: Describe, keep_aside: KeepAside | None
+) -> None:
     """A committed version moved aside by an interrupted replacement: put it back if it is the only copy."""
     step = parse_version_dirname(name[len(REPLACED) :].rsplit("-", 1)[0])
     if step is not None and step not in index:
@@ -86,5 +93,7 @@ async def _recover_replaced(store: ByteStore, tier: str, name: str, index: dict[
             await store.sync()
             index[step] = await describe(step, final)
             return
+    if step is not None and step in index and keep_aside is not None and await keep_aside(step, name):
+        return
     log.info("tier %r: sweeping %s left by an interrupted replacement", tier, name)
     await store.remove(name)

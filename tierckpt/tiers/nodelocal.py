@@ -27,9 +27,9 @@ keeper reports what its directory holds (:meth:`NodeLocalTier.holdings`), and a 
 step some node lacks (it was wiped, replaced, or its keeper died mid-commit) is not listed; its copies
 on the other nodes are removed once a newer version commits. A version of another world size is
 ignored with one warning, never half-read, and deleted only when this job saves the same step.
-Not handled yet: a step saved a second time whose commit a keeper's crash cuts short after its
-rename; the next open then removes that node's older copy (moved aside) as it does on a shared tier,
-so the nodes' copies of the step differ and neither is listed (older steps are unaffected).
+A step saved again whose commit a keeper's crash cut short after its rename leaves that node with
+the new save in place and the committed one moved aside: the keeper keeps both at open (a shared
+tier removes the one aside), reports both, and puts back the one the other nodes hold.
 
 A value stored once between ranks (``save(replicated=...)``) is stored once per node: its chunks are
 shared among the node's ranks only, so that a node's directory holds every byte its ranks restore.
@@ -44,72 +44,25 @@ this rank's part alone): a restore into another layout reads a shared tier.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-from dataclasses import dataclass
+import uuid
 from typing import Any, Sequence
 
 from tierckpt.config import TierConfig
-from tierckpt.errors import RankFailureError
+from tierckpt.errors import CorruptCheckpointError, RankFailureError
 from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, version_dirname
 from tierckpt.format.saved_layout import SavedLayout
 from tierckpt.ranks.group import CoordinationLost, RankGroup
 from tierckpt.tiers.base import Part, Staged, Tier, VersionInfo, VersionSource
 from tierckpt.tiers.filesystem import FilesystemTier
 from tierckpt.tiers.fscommit import Left
+from tierckpt.tiers.fsread import read_head
+from tierckpt.tiers.nodeplan import Holding, complete_versions
 
 log = logging.getLogger("tierckpt")
 
-__all__ = ["NodeLocalTier", "Holding", "complete_versions"]
-
-
-@dataclass(frozen=True)
-class Holding:
-    """One version in one node's directory, as its keeper reports it at construction."""
-
-    step: int
-    world: int  # the world size that saved it
-    parts: tuple[int, ...]  # every rank's manifest checksum, from the marker: the version's identity
-    holds: tuple[int, ...]  # the ranks whose parts this directory holds
-    created: float
-    nbytes: int
-
-    def pack(self) -> list[Any]:
-        return [self.step, self.world, list(self.parts), list(self.holds), self.created, self.nbytes]
-
-    @classmethod
-    def unpack(cls, raw: Sequence[Any]) -> Holding:
-        step, world, parts, holds, created, nbytes = raw
-        return cls(int(step), int(world), tuple(parts), tuple(holds), float(created), int(nbytes))
-
-
-def complete_versions(reports: dict[int, list[Holding]], world: int) -> dict[int, tuple[dict[int, int], Holding]]:
-    """The steps committed across the nodes: ``{step: ({rank: node holding its part}, holding)}``.
-
-    ``reports``: what each node's directory holds (by node index). A step counts when every node
-    holding it holds the same version (their markers name the same parts), saved by ``world`` ranks,
-    and the nodes together hold every rank's part.
-
-    Example:
-        >>> a = Holding(5, 2, (11, 22), (0,), 1.0, 8)
-        >>> b = Holding(5, 2, (11, 22), (1,), 1.0, 8)
-        >>> complete_versions({0: [a], 1: [b]}, 2)[5][0]
-        {0: 0, 1: 1}
-        >>> complete_versions({0: [a]}, 2)
-        {}
-    """
-    by_step: dict[int, dict[int, Holding]] = {}
-    for node, held in reports.items():
-        for h in held:
-            by_step.setdefault(h.step, {})[node] = h
-    complete = {}
-    for step, nodes in sorted(by_step.items()):
-        first = next(iter(nodes.values()))
-        if any((h.world, h.parts) != (world, first.parts) for h in nodes.values()):
-            continue
-        where = {r: node for node, h in sorted(nodes.items()) for r in h.holds}
-        if sorted(where) == list(range(world)):
-            complete[step] = (dict(sorted(where.items())), first)
-    return complete
+__all__ = ["NodeLocalTier"]
 
 
 class NodeLocalTier(FilesystemTier):
@@ -133,6 +86,7 @@ class NodeLocalTier(FilesystemTier):
         self._held: dict[int, Holding] = {}  # of those, each version's marker, as read at open
         self._orphans: set[int] = set()  # held here, committed on no other node: removed once a newer commits
         self._placed: dict[str, str | None] = {}  # a keeper's staged versions renamed into place, not yet decided
+        self._aside: dict[int, Holding] = {}  # a keeper: copies moved aside by a replacement cut short, kept at open
         self._outcomes: dict[str, str] = {}  # a keeper: the store key of rank 0's outcome of each staged version
         self._doomed: set[int] = set()  # a keeper: steps retention deleted while this rank held a lease
         self._tasks: set[asyncio.Task[None]] = set()  # deletions deferred to a lease's release
@@ -159,14 +113,28 @@ class NodeLocalTier(FilesystemTier):
         if isinstance(head, CommitMarker) and head.holds is not None:
             self._held[step] = Holding(step, head.world_size, tuple(p[1] for p in head.ranks), head.holds, head.created, head.stored_bytes)
 
+    async def _keep_aside(self, step: int, name: str) -> bool:
+        """At open: a copy of ``step`` moved aside by a replacement that a crash cut short is kept, for
+        :meth:`learn` to tell which copy the other nodes committed (a shared tier removes it)."""
+        try:
+            head = await asyncio.to_thread(read_head, self.root / name, tier=self.name, step=step)
+        except CorruptCheckpointError:
+            return False
+        if not isinstance(head, CommitMarker) or head.holds is None:
+            return False
+        self._aside[step] = Holding(step, head.world_size, tuple(p[1] for p in head.ranks), head.holds, head.created, head.stored_bytes, name)
+        return True
+
     def holdings(self) -> list[Any]:
         """This node's name and what its directory holds (its keeper reports; the others report nothing)."""
         if not self.keeps:
             return []
-        return [self.node_name, [h.pack() for step, h in sorted(self._held.items()) if step in self._local]]
+        held = [h for step, h in sorted(self._held.items()) if step in self._local] + list(self._aside.values())
+        return [self.node_name, [h.pack() for h in held]]
 
-    def learn(self, reports: Sequence[Sequence[Any]]) -> None:
-        """List the versions committed across the nodes, from every rank's :meth:`holdings` (rank order)."""
+    async def learn(self, reports: Sequence[Sequence[Any]]) -> None:
+        """List the versions committed across the nodes, from every rank's :meth:`holdings` (rank order);
+        a keeper puts back a copy moved aside when that is the one the other nodes committed."""
         world = self.group.world
         self.node_names = tuple(str(reports[node[0]][0]) for node in self.nodes)
         by_node = {i: [Holding.unpack(raw) for raw in reports[node[0]][1]] for i, node in enumerate(self.nodes)}
@@ -179,12 +147,32 @@ class NodeLocalTier(FilesystemTier):
                 self.name, self.root, foreign, world, len(self.nodes),
             )
         for step, (where, held) in complete.items():
+            await self._settle_aside(step, held)
             self._where[step] = where
             local = self._local.get(step)
             self._index[step] = VersionInfo(self.name, step, held.nbytes, held.created, local.path if local else None)
         mine = self._held.keys() & self._local.keys()
         self._orphans = {s for s in mine if s not in complete and self._held[s].world == world}
         self._held = {s: h for s, h in self._held.items() if s in complete}
+
+    async def _settle_aside(self, step: int, committed: Holding) -> None:
+        """Of a step committed across the nodes, keep this node's copy of that version: the one moved
+        aside is put back in place of one the other nodes never committed, or removed if not needed."""
+        aside = self._aside.get(step)
+        if aside is None or aside.aside is None:
+            return
+        del self._aside[step]
+        final = version_dirname(step)
+        if aside.parts == committed.parts and self._held.get(step, aside).parts != committed.parts:
+            log.warning("tier %r: putting back %s's committed copy from %s (the save in place was never committed)", self.name, final, aside.aside)
+            trash = f".trash-{final}-{uuid.uuid4().hex[:12]}"
+            await self.store.withdraw(final, trash)
+            await self.store.publish(aside.aside, final)
+            await self.store.sync()
+            await self._discard(trash)
+            self._held[step] = dataclasses.replace(aside, aside=None)
+        else:
+            await self._discard(aside.aside)
 
     def has_part(self, step: int) -> bool:
         held = self._held.get(step)
