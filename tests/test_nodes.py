@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from tierckpt.ranks import nodes as nodes_module
 from tierckpt.ranks.nodes import group_nodes, node_identity, placement, senders, split_nodes
 from tierckpt.errors import ConfigError
+from tierckpt.tiers import nodeplan
+from tierckpt.tiers.nodeplan import Holding, complete_versions
 
 
 def test_doctests() -> None:
@@ -200,3 +202,39 @@ def test_split_nodes_properties(world: int, count: int) -> None:
     assert {len(node) for node in split} == {world // count}
     # Consecutive ranks, as group_nodes would find them had each block its own identity.
     assert group_nodes([str(rank // (world // count)) for rank in range(world)]) == split
+
+
+# -- what is committed across node-local directories (tiers.nodeplan) ----------------------------------
+
+
+def _held(step: int, parts: tuple[int, ...], holds: tuple[int, ...], *, world: int = 4, aside: str | None = None) -> Holding:
+    return Holding(step, world, parts, holds, 1.0, 8, aside)
+
+
+def test_a_step_is_committed_when_the_nodes_holding_one_version_hold_every_rank() -> None:
+    a, b = (11, 22, 33, 44), (55, 66, 77, 88)
+    reports = {
+        0: [_held(1, a, (0, 1)), _held(2, a, (0, 1)), _held(3, a, (0, 1))],
+        1: [_held(1, a, (2, 3)), _held(2, b, (2, 3)), _held(4, a, (2, 3))],
+    }
+    complete = complete_versions(reports, 4)
+    assert sorted(complete) == [1]  # 2: two different saves; 3 and 4: one node each
+    assert complete[1][0] == {0: 0, 1: 0, 2: 1, 3: 1}
+
+
+def test_requeued_nodes_hold_each_others_ranks_and_another_world_is_not_counted() -> None:
+    a = (1, 2, 3, 4)
+    assert complete_versions({0: [_held(5, a, (2, 3))], 1: [_held(5, a, (0, 1))]}, 4)[5][0] == {0: 1, 1: 1, 2: 0, 3: 0}
+    # Saved by 2 ranks: not a version of this job of 4, whatever it holds.
+    assert complete_versions({0: [_held(5, a, (0, 1), world=2)], 1: [_held(5, a, (2, 3), world=2)]}, 4) == {}
+    assert doctest.testmod(nodeplan).failed == 0
+
+
+def test_a_copy_moved_aside_counts_when_it_is_the_version_the_other_nodes_hold() -> None:
+    old, new = (1, 2, 3, 4), (5, 6, 7, 8)
+    reports = {0: [_held(3, old, (0, 1))], 1: [_held(3, new, (2, 3)), _held(3, old, (2, 3), aside=".replaced-x")]}
+    where, holding = complete_versions(reports, 4)[3]
+    assert holding.parts == old and where == {0: 0, 1: 0, 2: 1, 3: 1}
+    # With both versions whole, the one in place on most nodes wins.
+    reports[0] = [_held(3, new, (0, 1)), _held(3, old, (0, 1), aside=".replaced-y")]
+    assert complete_versions(reports, 4)[3][1].parts == new
