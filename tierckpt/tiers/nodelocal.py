@@ -290,6 +290,10 @@ class NodeLocalTier(FilesystemTier):
             log.info("tier %r: removing step %d, which the other nodes do not hold", self.name, step)
             await self._remove(step)
         self._orphans.discard(staged.step)
+        for step in sorted(s for s in self._aside if s < staged.step):  # a copy aside no node needed
+            name = self._aside.pop(step).aside
+            if name is not None:
+                await self._discard(name)
         return info
 
     async def abort(self, staged: Staged) -> None:
