@@ -16,8 +16,7 @@ and deletes there, as rank 0 does in a shared directory. Flush and retention dec
 3. Decide: rank 0 waits for every keeper up to ``distributed.timeout``. All done: committed, and the
    flusher publishes the outcome. A node not done: rank 0 takes its own copy back and raises a
    :class:`~tierckpt.errors.RankFailureError` naming the node's ranks; the flusher publishes the
-   abandonment, and every keeper that renamed takes its copy back on it (or when no outcome comes).
-   An older copy of the same step, moved aside by the rename, is put back then, and removed only once
+   abandonment, and every keeper that renamed takes its copy back on it. An older copy of the same step, moved aside by the rename, is put back then, and removed only once
    the version is committed. A keeper that said it committed and then hears nothing from rank 0
    keeps its copy: rank 0 may have committed before it died, and the next start judges.
 
@@ -232,7 +231,7 @@ class NodeLocalTier(FilesystemTier):
         if failures:
             await self._take_back(staged)
             ranks = tuple(sorted(r for i in failures for r in self.nodes[i]))
-            said = "; ".join(f"node {i} (ranks {', '.join(map(str, self.nodes[i]))}): {why}" for i, why in sorted(failures.items()))
+            said = "; ".join(f"node {self.node_names[i]} (ranks {', '.join(map(str, self.nodes[i]))}): {why}" for i, why in sorted(failures.items()))
             raise RankFailureError(
                 f"tier {self.name!r}: step {staged.step} was abandoned on every node: not committed on {said}",
                 tier=self.name,
