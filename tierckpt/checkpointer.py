@@ -23,7 +23,7 @@ from tierckpt.runtime import TierFactory, assemble
 from tierckpt.snapshot import LayoutCache
 from tierckpt.state import flatten
 from tierckpt.tiers.base import VersionInfo
-from tierckpt.tiers.filesystem import FilesystemTier
+from tierckpt.tiers.encoding import TierEncoding
 from tierckpt.units import format_size
 
 __all__ = ["Checkpointer", "SaveHandle", "TierFactory"]
@@ -140,7 +140,7 @@ class Checkpointer:
         ``flush_errors`` counts failed flushes and deletions; ``failed[tier]`` per tier, and
         ``last_error[tier]`` is the latest such :class:`FlushError` (tier, step, errno, path).
         """
-        compression = {t.name: t.encoding.stats for t in self._pipeline.tiers if isinstance(t, FilesystemTier)}
+        compression = {t.name: e.stats for t in self._pipeline.tiers if isinstance(e := getattr(t, "encoding", None), TierEncoding)}
         return dataclasses.replace(self._pipeline.counters, compression=compression)
 
     # -- capture ---------------------------------------------------------------------------------

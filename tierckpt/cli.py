@@ -1,7 +1,9 @@
 """``python -m tierckpt ls|verify DIR`` and ``export VERSION OUT``: stored versions without a Checkpointer.
 
 ``DIR`` is a filesystem tier's directory (every ``step-<12 digits>`` directory in it is a version) or
-one version directory. Nothing is written, and no lock is taken: both work beside a running job.
+one version directory; or an object tier's ``s3://bucket/prefix`` (every committed version under it,
+or the one it names), with ``--endpoint`` for a server other than AWS and the credentials found as
+the tier finds them. Nothing is written, and no lock is taken: both work beside a running job.
 
 - ``ls`` prints one line per version: step, stored and logical bytes, creation time, and whether it
   looks valid: its manifest verifies and its records fit its data files (no tensor byte is read; use
@@ -52,7 +54,7 @@ from tierckpt.errors import CorruptCheckpointError, UnsupportedStateError
 from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, TensorRecord, parse_version_dirname
 from tierckpt.format.layout import where
 from tierckpt.tiers.fsio import scratch, scratch2
-from tierckpt.tiers.fsread import FilesystemSource, open_source, read_head, read_rank_manifest
+from tierckpt.tiers.fsread import StoredSource, VersionFiles, open_source, read_head, read_rank_manifest, version_files
 from tierckpt.tiers.fswrite import scratch_bytes
 
 __all__ = ["main"]
@@ -66,27 +68,29 @@ class _UsageError(Exception):
 
 @dataclass(frozen=True)
 class _Version:
-    path: Path
+    path: Path | None  # None: a version of an object tier
     step: int | None  # None: a version directory under another name (a copy)
+    files: VersionFiles
+    name: str
 
-    @property
-    def name(self) -> str:
-        return self.path.name
+    @classmethod
+    def local(cls, path: Path, step: int | None) -> _Version:
+        return cls(path, step, version_files(path), path.name)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (see the module docstring)."""
     parser = argparse.ArgumentParser(
-        prog="python -m tierckpt", description="Look at, check and export tierckpt versions on a filesystem tier."
+        prog="python -m tierckpt", description="Look at, check and export tierckpt versions on a filesystem or object tier."
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="{ls,verify,export}")
     ls = commands.add_parser("ls", help="list versions: step, sizes, creation time, valid (reads manifests only)")
-    ls.add_argument("dir", type=Path, help="a tier directory, or one version directory")
+    ls.add_argument("dir", help="a tier directory or one version directory; or s3://bucket/prefix")
     verify = commands.add_parser("verify", help="check every version: manifest, every chunk's checksum, decoding")
-    verify.add_argument("dir", type=Path, help="a tier directory, or one version directory")
+    verify.add_argument("dir", help="a tier directory or one version directory; or s3://bucket/prefix")
     verify.add_argument("--threads", type=int, default=2, help="threads reading and checking chunks (default 2)")
     export = commands.add_parser("export", help="write one version's consolidated state as safetensors or torch.save")
-    export.add_argument("version", type=Path, help="a version directory (step-<12 digits>) of a filesystem tier")
+    export.add_argument("version", help="a version directory (step-<12 digits>) of a filesystem tier, or s3://bucket/prefix/step-...")
     export.add_argument("out", type=Path, help="the file to write")
     export.add_argument(
         "--to", choices=exporting.FORMATS, default=None,
@@ -94,13 +98,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     export.add_argument("--force", action="store_true", help="replace OUT if it exists")
     export.add_argument("--threads", type=int, default=2, help="threads reading and checking chunks (default 2)")
+    for command in (ls, verify, export):
+        command.add_argument("--endpoint", default=None, help="the S3-compatible server of an s3:// URL (default: AWS)")
     args = parser.parse_args(argv)
     if args.command == "export":
         return _export(parser.prog, args)
     try:
         if args.command == "verify" and args.threads < 1:
             raise _UsageError(f"--threads must be at least 1, not {args.threads}")
-        versions = _versions(args.dir)
+        versions = _bucket_versions(args.dir, args.endpoint) if args.dir.startswith("s3://") else _versions(Path(args.dir))
     except _UsageError as exc:
         print(f"{parser.prog} {args.command}: {exc}", file=sys.stderr)
         return USAGE
@@ -110,6 +116,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "ls":
         return _ls(versions)
     return _verify(versions, args.threads)
+
+
+def _bucket_versions(url: str, endpoint: str | None) -> list[_Version]:
+    """The committed versions under an object tier's prefix, or the one it names."""
+    from tierckpt.errors import ConfigError
+    from tierckpt.tiers.objread import list_versions, open_bucket
+
+    try:
+        return [_Version(None, step, files, files.container) for step, files in list_versions(open_bucket(url, endpoint))]
+    except ConfigError as exc:
+        raise _UsageError(f"{url}: {exc}") from None
+    except OSError as exc:
+        raise _UsageError(f"{url}: cannot be listed ({exc})") from None
 
 
 def _versions(directory: Path) -> list[_Version]:
@@ -123,7 +142,7 @@ def _versions(directory: Path) -> list[_Version]:
     directory = directory.resolve()
     own = parse_version_dirname(directory.name)
     if own is not None or os.path.lexists(directory / MANIFEST_FILE):
-        return [_Version(directory, own)]
+        return [_Version.local(directory, own)]
     found = []
     try:
         entries = os.listdir(directory)
@@ -132,7 +151,7 @@ def _versions(directory: Path) -> list[_Version]:
     for name in entries:
         step = parse_version_dirname(name)
         if step is not None:  # a symlink or a file by that name is listed, and refused when read
-            found.append(_Version(directory / name, step))
+            found.append(_Version.local(directory / name, step))
     return sorted(found, key=lambda v: v.step or 0)
 
 
@@ -156,7 +175,7 @@ class _Opened:
     """A version's manifests and open files: one per rank that saved it."""
 
     head: Manifest | CommitMarker
-    parts: list[tuple[Manifest, FilesystemSource]]
+    parts: list[tuple[Manifest, StoredSource]]
 
     @property
     def tensors(self) -> int:
@@ -176,16 +195,16 @@ class _Opened:
 
 
 def _open(version: _Version) -> _Opened:
-    head = read_head(version.path, tier=None, step=version.step)
+    head = read_head(version.files, tier=None, step=version.step)
     if isinstance(head, Manifest):
         manifests = [head]
     else:  # a node-local tier's directory holds its node's ranks' parts
         held = range(head.world_size) if head.holds is None else head.holds
-        manifests = [read_rank_manifest(version.path, head, r, tier=None) for r in held]
+        manifests = [read_rank_manifest(version.files, head, r, tier=None) for r in held]
     opened = _Opened(head, [])
     try:
         for manifest in manifests:
-            opened.parts.append((manifest, open_source(None, version.path, manifest)))
+            opened.parts.append((manifest, open_source(None, version.files, manifest)))
     except BaseException:
         opened.close()
         raise
@@ -213,8 +232,9 @@ def _ls(versions: list[_Version]) -> int:
         except CorruptCheckpointError as exc:
             status = DAMAGED
             try:
+                assert version.path is not None
                 created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(os.lstat(version.path).st_mtime))
-            except OSError:
+            except (OSError, AssertionError):
                 created = "-"
             step = "-" if version.step is None else str(version.step)
             rows.append((version.name, step, "-", "-", created, f"no: {_message(exc, version)}"))
@@ -230,7 +250,7 @@ def _ls(versions: list[_Version]) -> int:
     return status
 
 
-def _check_chunk(source: FilesystemSource, record: TensorRecord, chunk: int) -> str | None:
+def _check_chunk(source: StoredSource, record: TensorRecord, chunk: int) -> str | None:
     """None if the chunk verifies (and decodes), else the damage."""
     _, length = record.chunk_span(chunk)
     out = scratch2(record.chunk_bytes)[:length]
@@ -298,7 +318,7 @@ def _export(prog: str, args: argparse.Namespace) -> int:
     bar = _ProgressLine(sys.stderr) if sys.stderr.isatty() else None
     try:
         summary = exporting.export(
-            args.version, args.out, to=args.to, force=args.force, threads=args.threads, progress=bar
+            args.version, args.out, to=args.to, force=args.force, threads=args.threads, progress=bar, endpoint=args.endpoint
         )
     except (FileNotFoundError, FileExistsError, UnsupportedStateError) as exc:  # NoCheckpointError too
         status, text = USAGE, str(exc)

@@ -232,6 +232,10 @@ def _tier(cfg: TierConfig, first: TierConfig, group: RankGroup | None, config: C
         if cfg.scope == "node" and group is not None and group.nodes is not None and len(group.nodes) > 1:
             return NodeLocalTier(cfg, group, group.nodes, _node_name(config, group))
         return FilesystemTier(cfg, group)  # of one node, its ranks share its directory as they do a shared one
+    if cfg.type == "object":
+        from tierckpt.tiers.objecttier import ObjectTier  # obstore is imported only by a config that has one
+
+        return ObjectTier(cfg, group)
     assert group is not None and group.nodes is not None  # check_peer made sure
     # Copies live beside the memory tier's pool, so that they too outlive the process.
     root = None if first.path is None else Path(first.path).expanduser().absolute() / f"{cfg.name}-rank-{group.rank:05d}"

@@ -22,6 +22,8 @@ from tierckpt.config.schema import (
     check_int,
     check_mapping,
     check_path,
+    check_seconds,
+    read_duration,
     is_default,
     optional,
     read,
@@ -42,7 +44,7 @@ from tierckpt.errors import ConfigError
 
 __all__ = ["TierConfig"]
 
-_TIER_TYPES = ("memory", "filesystem", "peer")
+_TIER_TYPES = ("memory", "filesystem", "peer", "object")
 _SCOPES = ("shared", "node")
 _NODE = "{node}"
 _PLACEHOLDER = re.compile(r"\{[A-Za-z_][A-Za-z0-9_]*\}")
@@ -56,6 +58,18 @@ _PEER_ONLY = {
     "bandwidth": "bandwidth applies to peer tiers: it limits the copying of snapshots to other nodes",
 }
 _SCOPE_FS = "scope applies to filesystem tiers: whether every node sees one directory (shared) or its own (node)"
+_OBJECT_ONLY = {
+    "url": "url applies to object tiers (s3://bucket/prefix); a filesystem tier has a path",
+    "endpoint": "endpoint applies to object tiers: the S3-compatible server's address",
+    "region": "region applies to object tiers",
+    "concurrency": "concurrency applies to object tiers (requests in flight); a filesystem tier has io_threads",
+    "part_size": "part_size applies to object tiers: the size of a multipart upload's parts",
+    "retries": "retries applies to object tiers: how often a failed request is tried again",
+    "timeout": "timeout applies to object tiers: how long a request may take, retries included",
+}
+_S3_URL = re.compile(r"s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(/[^\x00]*)?")
+_MIN_PART = 5 << 20  # S3 refuses smaller parts, but for the last
+_MAX_PART = 5 << 30
 _NOT_FOR_TYPE: dict[str, dict[str, str]] = {
     "memory": {
         "scope": _SCOPE_FS,
@@ -63,13 +77,21 @@ _NOT_FOR_TYPE: dict[str, dict[str, str]] = {
         "compression": "a memory tier holds snapshots uncompressed; compress on a filesystem tier",
         "io_threads": "a memory tier does no file I/O; io_threads applies to filesystem tiers",
         **_PEER_ONLY,
+        **_OBJECT_ONLY,
     },
-    "filesystem": dict(_PEER_ONLY),
+    "filesystem": {**_PEER_ONLY, **_OBJECT_ONLY},
     "peer": {
         "scope": _SCOPE_FS,
         "path": "a peer tier's copies live in the memory tier's directory, or in process memory",
         "compression": "a peer tier holds snapshots uncompressed in other nodes' memory",
         "io_threads": "a peer tier does no file I/O; io_threads applies to filesystem tiers",
+        **_OBJECT_ONLY,
+    },
+    "object": {
+        **_PEER_ONLY,
+        "scope": "an object tier is one bucket every node sees; scope applies to filesystem tiers",
+        "path": "an object tier lives at url: s3://bucket/prefix, not at a path",
+        "io_threads": "an object tier's requests in flight are its concurrency",
     },
 }
 
@@ -101,6 +123,18 @@ class TierConfig:
         copies: how many other nodes hold a copy of each rank's snapshot (1 or 2); peer tiers only.
         bandwidth_bytes: at most this many bytes per second copied to other nodes (YAML ``bandwidth``:
             bytes or ``"500MiB/s"``, the ``/s`` optional; > 0), or ``None`` for no limit; peer tiers only.
+        url: ``s3://bucket/prefix`` of an object tier, required there; object tiers only.
+        endpoint: an S3-compatible server's address (``http://127.0.0.1:8333``, ``https://...``), or
+            None for AWS; object tiers only.
+        region: the bucket's region (None: ``AWS_REGION``/``AWS_DEFAULT_REGION``, else us-east-1);
+            object tiers only.
+        concurrency: requests in flight (upload parts, ranged reads; 1..256); object tiers only.
+        part_size: bytes per part of a multipart upload (5 MiB..5 GiB; YAML accepts ``"32MiB"``);
+            object tiers only.
+        retries: how often a request that failed in a way worth retrying (throttled, 5xx, timed out,
+            reset) is sent again, with exponential backoff and jitter (0..50); object tiers only.
+        timeout_s: how long one request may take, its retries included (YAML ``timeout``: ``"2m"``);
+            object tiers only.
 
     Raises:
         ConfigError: a value is missing, of the wrong type or out of range, or a key does not apply to
@@ -121,6 +155,13 @@ class TierConfig:
     scope: str = "shared"
     copies: int = 1
     bandwidth_bytes: int | None = None
+    url: str | None = None
+    endpoint: str | None = None
+    region: str | None = None
+    concurrency: int = 8
+    part_size: int = 16 << 20
+    retries: int = 6
+    timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         at = site("tier")
@@ -144,6 +185,7 @@ class TierConfig:
         if self.path is not None:
             _check_placeholders(at, str(self.path), self.scope)
         check_int(at, "copies", self.copies, low=1, high=_MAX_COPIES)
+        _check_object(at, self)
         bandwidth = self.bandwidth_bytes
         if bandwidth is not None and (isinstance(bandwidth, bool) or not isinstance(bandwidth, int) or bandwidth < 1):
             raise at.error("bandwidth", problem=f"{bandwidth!r} is not allowed", hint=_BANDWIDTH_HINT)
@@ -153,6 +195,21 @@ class TierConfig:
         if self.path is None or _NODE not in str(self.path):
             return self
         return replace(self, path=Path(str(self.path).replace(_NODE, node)))
+
+
+def _check_object(at: Site, tier: TierConfig) -> None:
+    if tier.type == "object" and tier.url is None:
+        raise at.error("url", problem="missing", hint="an object tier needs url: s3://bucket/prefix")
+    if tier.url is not None and (not isinstance(tier.url, str) or not _S3_URL.fullmatch(tier.url)):
+        raise at.error("url", problem=f"{tier.url!r} is not allowed", hint="use s3://bucket/prefix (a bucket name of 3-63 lowercase letters, digits, '.' and '-')")
+    if tier.endpoint is not None and (not isinstance(tier.endpoint, str) or not re.fullmatch(r"https?://[^/\s]+/?", tier.endpoint)):
+        raise at.error("endpoint", problem=f"{tier.endpoint!r} is not allowed", hint="use http://host:port or https://host[:port]")
+    if tier.region is not None and (not isinstance(tier.region, str) or not tier.region):
+        raise at.error("region", problem=f"{tier.region!r} is not allowed", hint="use a region name, e.g. us-east-1")
+    check_int(at, "concurrency", tier.concurrency, low=1, high=256)
+    check_int(at, "part_size", tier.part_size, low=_MIN_PART, high=_MAX_PART)
+    check_int(at, "retries", tier.retries, low=0, high=50)
+    check_seconds(at, "timeout", tier.timeout_s, positive=True)
 
 
 def _check_placeholders(at: Site, path: str, scope: str) -> None:
@@ -168,7 +225,7 @@ def _check_placeholders(at: Site, path: str, scope: str) -> None:
 def _check_keys_for_type(at: Site, tier_type: str, keys: Collection[str]) -> None:
     for key, reason in _NOT_FOR_TYPE[tier_type].items():
         if key in keys:
-            raise at.error(key, problem=f"not allowed on a {tier_type} tier", hint=reason)
+            raise at.error(key, problem=f"not allowed on {'an' if tier_type[0] in 'aeiou' else 'a'} {tier_type} tier", hint=reason)
 
 
 def _read_tier(data: Any, at: Site) -> TierConfig:
@@ -195,7 +252,8 @@ def _write_tiers(tiers: tuple[TierConfig, ...]) -> list[dict[str, Any]]:
             _TIER_KEYS,
             skip=frozenset(_NOT_FOR_TYPE[tier.type])
             | ({"keep"} if tier.keep.keeps_all else set())
-            | ({"path"} if tier.path is None else set()),
+            | ({"path"} if tier.path is None else set())
+            | {k for k in ("url", "endpoint", "region") if getattr(tier, k) is None},
         )
         for tier in tiers
     ]
@@ -230,4 +288,11 @@ _TIER_KEYS = (
     Key("scope", "scope"),
     Key("copies", "copies"),
     Key("bandwidth", "bandwidth_bytes", optional(_read_bandwidth)),
+    Key("url", "url"),
+    Key("endpoint", "endpoint"),
+    Key("region", "region"),
+    Key("concurrency", "concurrency"),
+    Key("part_size", "part_size", read_size),
+    Key("retries", "retries"),
+    Key("timeout", "timeout_s", read_duration),
 )

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from tierckpt.export.reader import _layout, _nbytes, _Reader, _Writer
+from tierckpt.export.reader import _object_layout, _layout, _nbytes, _Reader, _Writer
 from tierckpt.export.safetensors_writer import _SafetensorsWriter
 from tierckpt.export.torch_writer import _TorchWriter
 from tierckpt.storage.posix import fsync_dir
@@ -60,15 +60,18 @@ def export(
     force: bool = False,
     threads: int = 2,
     progress: Callable[[ExportProgress], None] | None = None,
+    endpoint: str | None = None,
 ) -> ExportSummary:
     """Write the consolidated state of the version in ``version_dir`` to the file ``out`` (blocking).
 
     Args:
-        version_dir: a ``step-<12 digits>`` directory of a filesystem tier (or a copy of one).
+        version_dir: a ``step-<12 digits>`` directory of a filesystem tier (or a copy of one), or the
+            URL of a version of an object tier (``s3://bucket/prefix/step-...``).
         out: the file to write; replaced only with ``force``.
         to: ``"safetensors"`` or ``"torch"`` (see :mod:`tierckpt.export`); None: :func:`format_for`.
         threads: threads reading and verifying chunks.
         progress: called after each tensor is written.
+        endpoint: the S3-compatible server of an ``s3://`` URL (None: AWS).
 
     Raises:
         NoCheckpointError: ``version_dir`` is missing or not a version directory.
@@ -84,13 +87,14 @@ def export(
 
         export("ckpt/disk/step-000000001000", "model.safetensors")
     """
+    url = str(version_dir) if str(version_dir).startswith("s3://") else None
     version, out = Path(version_dir), Path(out)
     to = format_for(out) if to is None else to
     if to not in FORMATS:
         raise ValueError(f"to={to!r}: the formats are {', '.join(FORMATS)}")
     if threads < 1:
         raise ValueError(f"threads={threads}: at least 1")
-    layout = _layout(version)
+    layout = _object_layout(url, endpoint) if url is not None else _layout(version)
     if out.is_dir():
         raise FileExistsError(f"{out} is a directory; name the file to write")
     if os.path.lexists(out) and not force:

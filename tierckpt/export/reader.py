@@ -25,6 +25,27 @@ from tierckpt.tiers.fslayout import filesystem_layout
 from tierckpt.state import Leaf, numpy_dtype, skeleton_leaf_count, torch_dtype
 
 
+def _object_layout(url: str, endpoint: str | None) -> SavedLayout:
+    """The saved layout of the version at ``url`` (``s3://bucket/prefix/step-...``) of an object tier."""
+    from tierckpt.errors import ConfigError
+    from tierckpt.tiers.objread import list_versions, open_bucket
+
+    try:
+        bucket = open_bucket(url, endpoint)
+    except ConfigError as exc:
+        raise NoCheckpointError(f"{url}: {exc}") from None
+    try:
+        found = list_versions(bucket)
+    except OSError as exc:
+        raise NoCheckpointError(f"{url}: cannot be listed ({exc})") from None
+    if parse_version_dirname(bucket.prefix.rpartition("/")[2]) is None or len(found) != 1:
+        if found:
+            raise NoCheckpointError(f"{url} is a tier prefix; name one of its versions, e.g. {bucket.url_of(found[-1][1].container)}")
+        raise NoCheckpointError(f"{url}: not a committed version (no {MANIFEST_FILE})")
+    (_, files), = found
+    return _checked(filesystem_layout(bucket.url.rpartition("/")[0], files, 0, direct=False))
+
+
 def _layout(version: Path) -> SavedLayout:
     """The saved layout of ``version``, seen as rank 0 of a job consolidating it."""
     if not version.exists():
@@ -38,7 +59,11 @@ def _layout(version: Path) -> SavedLayout:
             raise NoCheckpointError(f"{version} is a tier directory; name one of its versions, e.g. {version / steps[-1]}")
         raise NoCheckpointError(f"{version}: not a version directory (no {MANIFEST_FILE}: not one, or never committed)")
     # Messages then name the tier directory: "step 7 on tier '/ckpt/disk': data-r00000.bin: ...".
-    layout = filesystem_layout(str(version.parent), version, 0, direct=False)
+    return _checked(filesystem_layout(str(version.parent), version, 0, direct=False))
+
+
+def _checked(layout: SavedLayout) -> SavedLayout:
+    """``layout``, its skeleton checked against its tensor records."""
     try:
         leaves = skeleton_leaf_count(layout.skeleton)
     except CorruptCheckpointError as exc:

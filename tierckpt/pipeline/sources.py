@@ -62,7 +62,7 @@ class Sources:
         self.tiers = list(tiers)
         self._index = {tier.name: i for i, tier in enumerate(self.tiers)}
         # Per filesystem tier: step -> the token of the save it committed under that step in this process.
-        self._tokens: dict[str, dict[int, int]] = {t.name: {} for t in self.tiers[1:] if t.config.type == "filesystem"}
+        self._tokens: dict[str, dict[int, int]] = {t.name: {} for t in self.tiers[1:] if t.config.type in ("filesystem", "object")}
         self._flushers = flushers
 
     def committed(self, tier: str, candidate: Candidate) -> None:

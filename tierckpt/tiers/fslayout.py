@@ -12,12 +12,12 @@ from typing import Sequence
 from tierckpt.format import Manifest, TensorRecord
 from tierckpt.format.saved_layout import SavedLayout, home_rank
 from tierckpt.format.source import VersionSource
-from tierckpt.tiers.fsread import FilesystemSource, read_head, read_rank_manifest, resolve_shared
+from tierckpt.tiers.fsread import VersionFiles, read_head, read_rank_manifest, resolve_shared, version_files
 
 __all__ = ["filesystem_layout"]
 
 
-def filesystem_layout(tier: str, path: Path, rank: int, *, direct: bool) -> SavedLayout:
+def filesystem_layout(tier: str, path: Path | VersionFiles, rank: int, *, direct: bool) -> SavedLayout:
     """The layout of the committed version at ``path`` of a filesystem tier (blocking).
 
     Raises CorruptCheckpointError when a manifest does not verify or the pieces do not add up.
@@ -33,7 +33,7 @@ def filesystem_layout(tier: str, path: Path, rank: int, *, direct: bool) -> Save
 
     def open_pieces(records: Sequence[TensorRecord], shared: bool) -> VersionSource:
         manifest = Manifest(step, head.created, parts[home].skeleton, tuple(records), head.metadata)
-        return FilesystemSource(tier, path, manifest, direct=direct and not shared)
+        return version_files(path).open_source(tier, manifest, direct=direct and not shared)
 
     return SavedLayout(
         tier=tier,

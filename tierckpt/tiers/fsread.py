@@ -42,13 +42,32 @@ from tierckpt.tiers.base import VersionSource
 from tierckpt.storage.local import LocalReader
 from tierckpt.storage.store import ObjectReader
 from tierckpt.tiers.fscheck import MAX_CHUNK_BYTES, ZSTD_MAX_EXPANSION, check_records
+from tierckpt.tiers.versionfiles import VersionFiles
 from tierckpt.storage.posix import O_DIRECT
 
 # MAX_CHUNK_BYTES, ZSTD_MAX_EXPANSION and check_records live in fscheck; imported from here too.
 __all__ = [
-    "MAX_CHUNK_BYTES", "ZSTD_MAX_EXPANSION", "FilesystemSource", "check_records", "open_source", "read_head",
-    "read_manifest", "read_rank_manifest", "resolve_shared",
+    "MAX_CHUNK_BYTES", "ZSTD_MAX_EXPANSION", "FilesystemSource", "LocalVersion", "StoredSource", "VersionFiles", "check_records",
+    "open_source", "read_head", "read_manifest", "read_rank_manifest", "resolve_shared", "version_files",
 ]
+
+
+class LocalVersion:
+    """A version directory on a file system (see the module docstring for what a read refuses)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def read_small(self, name: str, *, tier: str | None, step: int | None) -> bytes:
+        return _read_small(self.path, name, tier=tier, step=step)
+
+    def open_source(self, tier: str | None, manifest: Manifest, *, direct: bool) -> StoredSource:
+        return FilesystemSource(tier, self.path, manifest, direct=direct)
+
+
+def version_files(where: Path | VersionFiles) -> VersionFiles:
+    """``where`` as :class:`VersionFiles` (a path: its directory)."""
+    return LocalVersion(where) if isinstance(where, Path) else where
 
 def _open_at(dir_fd: int | None, name: str | Path, flags: int) -> tuple[int, os.stat_result]:
     """Open without following a symlink in the last component, and without blocking on a FIFO."""
@@ -102,7 +121,7 @@ def open_file(dir_fd: int, name: str, *, tier: str | None, step: int | None, lab
     return fd, st.st_size
 
 
-def read_manifest(path: Path, *, tier: str | None, step: int | None, rank: int = 0, world: int | None = None) -> Manifest:
+def read_manifest(path: Path | VersionFiles, *, tier: str | None, step: int | None, rank: int = 0, world: int | None = None) -> Manifest:
     """Read and decode rank ``rank``'s manifest of the version directory ``path`` (blocking).
 
     ``world``: the number of ranks reading the version; None takes whatever saved it.
@@ -125,16 +144,16 @@ def read_manifest(path: Path, *, tier: str | None, step: int | None, rank: int =
     return read_rank_manifest(path, head, rank, tier=tier)
 
 
-def read_head(path: Path, *, tier: str | None, step: int | None) -> Manifest | CommitMarker:
+def read_head(path: Path | VersionFiles, *, tier: str | None, step: int | None) -> Manifest | CommitMarker:
     """``manifest.msgpack`` of the version directory ``path``: a manifest, or several ranks' commit marker."""
-    return decode_document(_read_small(path, MANIFEST_FILE, tier=tier, step=step), tier=tier, step=step)
+    return decode_document(version_files(path).read_small(MANIFEST_FILE, tier=tier, step=step), tier=tier, step=step)
 
 
-def read_rank_manifest(path: Path, marker: CommitMarker, rank: int, *, tier: str | None) -> Manifest:
+def read_rank_manifest(path: Path | VersionFiles, marker: CommitMarker, rank: int, *, tier: str | None) -> Manifest:
     """Rank ``rank``'s manifest of a version several ranks saved, checked against its commit marker."""
     step = marker.step
     name, digest, _ = marker.ranks[rank]
-    data = _read_small(path, name, tier=tier, step=step)
+    data = version_files(path).read_small(name, tier=tier, step=step)
     if checksum(data) != digest:
         raise CorruptCheckpointError(
             f"{where(tier, step)}: {name} does not match the checksum its commit marker records (rank {rank})",
@@ -153,7 +172,7 @@ def read_rank_manifest(path: Path, marker: CommitMarker, rank: int, *, tier: str
 
 
 def resolve_shared(
-    path: Path, marker: CommitMarker, manifest: Manifest, *, tier: str | None, manifests: Mapping[int, Manifest] | None = None
+    path: Path | VersionFiles, marker: CommitMarker, manifest: Manifest, *, tier: str | None, manifests: Mapping[int, Manifest] | None = None
 ) -> Manifest:
     """``manifest`` with each chunk another rank stored filled in from that rank's manifest (blocking).
 
@@ -349,7 +368,7 @@ class FilesystemSource(StoredSource):
             raise
 
 
-def open_source(tier: str | None, path: Path, manifest: Manifest, *, direct: bool = False) -> FilesystemSource:
+def open_source(tier: str | None, path: Path | VersionFiles, manifest: Manifest, *, direct: bool = False) -> StoredSource:
     """The version at ``path`` opened for a restore or a promotion (blocking).
 
     Checks the skeleton first (it must be well formed and refer to exactly the records): a manifest
@@ -369,4 +388,4 @@ def open_source(tier: str | None, path: Path, manifest: Manifest, *, direct: boo
             tier=tier,
             step=manifest.step,
         )
-    return FilesystemSource(tier, path, manifest, direct=direct)
+    return version_files(path).open_source(tier, manifest, direct=direct)

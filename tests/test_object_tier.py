@@ -1,0 +1,362 @@
+"""The object tier against a real S3 server: SeaweedFS's ``weed mini`` on 127.0.0.1 (conftest's ``s3``).
+
+Faults a server cannot produce on demand (503 storms, a request stalled at an exact point) come from
+:class:`tierckpt.testing.s3proxy.S3Proxy`, a real proxy between the client and the server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import obstore
+import pytest
+import torch
+from obstore.store import S3Store
+
+from tierckpt import Checkpointer
+from tierckpt.errors import ConfigError, FlushError
+from tierckpt.testing import failures, launch_ranks
+from tierckpt.testing.s3proxy import S3Proxy
+from tierckpt.storage.s3uploads import Signer, list_uploads
+from tierckpt.testing.s3server import ACCESS_KEY, SECRET_KEY, start_s3
+
+from helpers import SHUFFLED_ZSTD, held, tier_config
+
+WORKER = Path(__file__).with_name("object_worker.py")
+RESHARD = Path(__file__).with_name("reshard_worker.py")
+FAST_FAIL = {"retries": 1, "timeout": "5s"}
+
+
+def config(s3: Any, *, endpoint: str | None = None, prefix: str | None = None, **tier: Any) -> dict[str, Any]:
+    section = s3.tier("s3", prefix=prefix or s3.prefix, **tier)
+    if endpoint is not None:
+        section["endpoint"] = endpoint
+    return tier_config(section, capacity="96MiB", snapshots=2)
+
+
+def client(s3: Any) -> S3Store:
+    return S3Store(s3.bucket, endpoint=s3.endpoint, access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY, region="us-east-1",
+                   client_options={"allow_http": True})
+
+
+def listing(s3: Any, prefix: str) -> dict[str, int]:
+    """Every object under ``prefix``, relative to it: name -> size."""
+    return {m["path"][len(prefix) + 1:]: m["size"] for batch in obstore.list(client(s3), prefix + "/") for m in batch}
+
+
+def state(step: int, big: bool = False) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    # big: a value of more than one stored chunk (16 MiB), so a data object holds several parts.
+    w = torch.randn(2100 * (2100 if big else 100), generator=g).reshape(2100, -1)
+    return {"model": {"w": w, "b": torch.arange(step, step + 7)}, "step": step, "note": f"step {step}"}
+
+
+def template() -> dict[str, Any]:
+    return {"model": {"w": torch.zeros(2100, 100), "b": torch.zeros(7, dtype=torch.long)}, "step": 0, "note": ""}
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(torch.equal(a["model"][k], b["model"][k]) for k in ("w", "b")) and (a["step"], a["note"]) == (b["step"], b["note"])
+
+
+@pytest.mark.parametrize("compression", [None, SHUFFLED_ZSTD], ids=["raw", "zstd"])
+def test_round_trip_commits_the_manifest_last_and_restores_bitwise_in_a_new_checkpointer(s3: Any, compression: Any) -> None:
+    tier = {"compression": compression} if compression else {}
+    with Checkpointer(config(s3, **tier)) as ckpt:
+        for step in (1, 2, 3):
+            assert ckpt.save_sync(step, state(step, big=True)).committed_sync("s3", timeout=120)
+        assert held(ckpt, "s3") == [1, 2, 3]
+    names = sorted(listing(s3, s3.prefix))
+    # Per version: its commit object and one data object with a write id; nothing else but nothing.
+    assert [n for n in names if n.startswith("step-000000000003/")][-1] == "step-000000000003/manifest.msgpack"
+    data = [n for n in names if n.startswith("step-000000000003/data-r00000.")]
+    assert len(data) == 1 and data[0].endswith(".bin")
+    raw_bytes = 2100 * 2100 * 4
+    stored = listing(s3, s3.prefix)[data[0]]
+    assert (stored < raw_bytes * 0.95) if compression else (stored >= raw_bytes)
+    assert ".writer-lease" not in names  # given back at close
+    with Checkpointer(config(s3, **tier)) as ckpt:
+        assert held(ckpt, "s3") == [1, 2, 3]
+        restored = ckpt.restore_latest_sync(None)
+        assert (restored.step, restored.tier) == (3, "s3")
+        want = state(3, big=True)
+        assert torch.equal(restored.state["model"]["w"], want["model"]["w"]) and restored.state["note"] == "step 3"
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "manifest"])
+def test_a_damaged_or_missing_object_is_detected_and_restore_falls_back(s3: Any, damage: str) -> None:
+    with Checkpointer(config(s3)) as ckpt:
+        for step in (1, 2):
+            assert ckpt.save_sync(step, state(step)).committed_sync("s3", timeout=60)
+    store = client(s3)
+    names = listing(s3, s3.prefix)
+    data = f"{s3.prefix}/" + next(n for n in names if n.startswith("step-000000000002/data-"))
+    if damage == "manifest":
+        obstore.delete(store, f"{s3.prefix}/step-000000000002/manifest.msgpack")
+    elif damage == "delete":
+        obstore.delete(store, data)
+    else:
+        body = bytearray(obstore.get(store, data).bytes())
+        if damage == "flip":
+            body[len(body) // 2] ^= 0x10
+        else:
+            del body[len(body) // 2:]
+        obstore.put(store, data, bytes(body))
+    with Checkpointer(config(s3)) as ckpt:
+        if damage == "manifest":  # a version without its commit object is not a version at all
+            assert held(ckpt, "s3") == [1]
+            restored = ckpt.restore_latest_sync(template())
+        else:
+            said = {"flip": "checksum mismatch", "truncate": "ends before|bytes", "delete": "data object data-r00000.* is missing"}[damage]
+            with pytest.warns(RuntimeWarning, match=rf"step 2 on tier 's3' does not verify.*({said})"):
+                restored = ckpt.restore_latest_sync(template())
+        assert restored.step == 1 and same(restored.state, state(1))
+    if damage == "manifest":  # and what it left was swept when the tier opened
+        assert not [n for n in listing(s3, s3.prefix) if n.startswith("step-000000000002/")]
+
+
+def test_retention_deletes_the_commit_object_first_and_leaves_no_objects_behind(s3: Any) -> None:
+    with Checkpointer(config(s3, keep={"last": 2})) as ckpt:
+        for step in (1, 2, 3, 4):
+            assert ckpt.save_sync(step, state(step)).committed_sync("s3", timeout=60)
+        ckpt.wait_sync()
+    assert {n.split("/")[0] for n in listing(s3, s3.prefix)} == {"step-000000000003", "step-000000000004"}
+
+
+def test_saving_a_step_again_replaces_it_and_removes_the_older_write(s3: Any) -> None:
+    with Checkpointer(config(s3)) as ckpt:
+        assert ckpt.save_sync(5, state(5)).committed_sync("s3", timeout=60)
+    with Checkpointer(config(s3)) as ckpt:
+        again = state(6) | {"step": 5}
+        assert ckpt.save_sync(5, again).committed_sync("s3", timeout=60)
+    names = [n for n in listing(s3, s3.prefix) if n.startswith("step-000000000005/data-")]
+    assert len(names) == 1  # the first write's data object went once the second committed
+    with Checkpointer(config(s3)) as ckpt:
+        restored = ckpt.restore_latest_sync(template())
+        assert restored.step == 5 and torch.equal(restored.state["model"]["w"], again["model"]["w"])
+
+
+def test_a_second_checkpointer_on_the_prefix_is_refused_until_the_first_closes(s3: Any) -> None:
+    first = Checkpointer(config(s3))
+    try:
+        with pytest.raises(ConfigError, match=rf"in use by another Checkpointer \(pid {os.getpid()} on"):
+            Checkpointer(config(s3))
+    finally:
+        first.close_sync()
+    Checkpointer(config(s3)).close_sync()
+
+
+def test_bad_bucket_credentials_or_endpoint_are_config_errors_naming_tier_url_and_cause(s3: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match=r"tier 's3'.*s3://no-such-bucket/x.*HTTP 404.*NoSuchBucket"):
+        Checkpointer(tier_config(s3.tier("s3", prefix="x", **FAST_FAIL) | {"url": "s3://no-such-bucket/x"}))
+    with pytest.raises(ConfigError, match=r"no answer"):
+        Checkpointer(config(s3, endpoint="http://127.0.0.1:9", **FAST_FAIL))
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    with pytest.raises(ConfigError, match=r"tier 's3'.*HTTP 403.*SignatureDoesNotMatch"):
+        Checkpointer(config(s3, **FAST_FAIL))
+
+
+def test_a_503_storm_within_the_retry_bound_still_commits(s3: Any) -> None:
+    proxy = S3Proxy(s3.endpoint)
+    try:
+        proxy.fail("PUT", "/step-", status=503, code="SlowDown", times=4)
+        with Checkpointer(config(s3, endpoint=proxy.endpoint)) as ckpt:
+            assert ckpt.save_sync(1, state(1)).committed_sync("s3", timeout=60)
+        assert proxy.failed["PUT"] == 4
+    finally:
+        proxy.close()
+    with Checkpointer(config(s3)) as ckpt:
+        assert same(ckpt.restore_latest_sync(template()).state, state(1))
+
+
+def test_throttling_past_the_bound_is_a_flush_error_and_the_last_good_version_stays(s3: Any) -> None:
+    proxy = S3Proxy(s3.endpoint)
+    try:
+        with Checkpointer(config(s3, endpoint=proxy.endpoint, keep={"last": 1}, **FAST_FAIL)) as ckpt:
+            assert ckpt.save_sync(1, state(1)).committed_sync("s3", timeout=60)
+            proxy.fail("PUT", "/step-000000000002/", status=503, code="SlowDown")
+            with pytest.raises(FlushError, match=r"tier 's3'.*step 2.*HTTP 503.*SlowDown.*step-000000000002/data-r00000"):
+                ckpt.save_sync(2, state(2)).committed_sync("s3", timeout=60)
+            assert held(ckpt, "s3") == [1]  # the failed flush took nothing away: step 1 is the last good one
+            proxy.clear()
+            assert ckpt.save_sync(3, state(3)).committed_sync("s3", timeout=60)  # training went on; this one commits
+            ckpt.wait_sync()
+            assert held(ckpt, "s3") == [3]
+    finally:
+        proxy.close()
+    with Checkpointer(config(s3)) as ckpt:
+        assert same(ckpt.restore_latest_sync(template()).state, state(3))
+
+
+def test_the_server_stopped_mid_upload_fails_the_flush_and_the_next_flush_after_a_restart_commits(tmp_path: Path, s3: Any) -> None:
+    server = start_s3(tmp_path / "own")
+    proxy = S3Proxy(server.endpoint)
+    tier = {**FAST_FAIL}
+    try:
+        cfg = tier_config(server.tier("s3", prefix="p", **tier) | {"endpoint": proxy.endpoint}, capacity="96MiB")
+        with Checkpointer(cfg) as ckpt:
+            assert ckpt.save_sync(1, state(1)).committed_sync("s3", timeout=60)
+            held_upload = proxy.hold("PUT", "/step-000000000002/data-r00000")
+            handle = ckpt.save_sync(2, state(2))
+            assert held_upload.reached.wait(60)
+            server.stop()  # mid-upload: the held request goes on to a server that is gone
+            held_upload.release()
+            with pytest.raises(FlushError, match=r"tier 's3'.*step 2"):
+                handle.committed_sync("s3", timeout=60)
+            proxy.clear()
+            server.start()
+            assert ckpt.save_sync(3, state(3)).committed_sync("s3", timeout=60)
+            assert held(ckpt, "s3") == [1, 3]
+    finally:
+        proxy.close()
+        server.stop()
+
+
+def kill_writer_at(tmp_path: Path, s3: Any, method: str, where: str) -> None:
+    """Run tests/object_worker.py saving steps 1 and 2 through a proxy; SIGKILL it once a request to
+    ``where`` arrives (held there, then dropped: it never reaches the server)."""
+    proxy = S3Proxy(s3.endpoint)
+    try:
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps(config(s3, endpoint=proxy.endpoint, part_size="5MiB", concurrency=2)))
+        stall = proxy.hold(method, where)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(WORKER.parent), *sys.path])}
+        log = tmp_path / "worker.log"
+        with open(log, "wb") as out:
+            child = subprocess.Popen([sys.executable, str(WORKER), str(path), "1,2"], env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            assert stall.reached.wait(120), log.read_text()
+            child.send_signal(signal.SIGKILL)
+        finally:
+            child.wait()
+        stall.drop()
+    finally:
+        proxy.close()
+
+
+def test_a_writer_killed_before_its_commit_object_leaves_nothing_committed_and_is_swept(tmp_path: Path, s3: Any) -> None:
+    kill_writer_at(tmp_path, s3, "PUT", "/step-000000000002/manifest.msgpack")  # its data object complete
+    before = listing(s3, s3.prefix)
+    assert any(n.startswith("step-000000000002/data-") for n in before) and "step-000000000002/manifest.msgpack" not in before
+    with Checkpointer(config(s3)) as ckpt:  # the dead writer's lease is taken over: its pid is gone
+        assert held(ckpt, "s3") == [1]
+        assert ckpt.restore_latest_sync(None).state["step"] == 1
+    assert not [n for n in listing(s3, s3.prefix) if n.startswith("step-000000000002/")]
+
+
+def reshard_run(tmp_path: Path, s3: Any, world: int, mode: str, mesh: str, place: str = "S0", **more: str) -> list[dict[str, Any]]:
+    """Run ``world`` ranks of tests/reshard_worker.py with an object tier in place of its disk tier."""
+    env = {"S3_TIER": json.dumps(s3.tier("disk", prefix=s3.prefix, **json.loads(more.pop("TIER", "{}")))), **s3.env()}
+    exits = launch_ranks([sys.executable, str(RESHARD), mode, str(tmp_path)], world, env={"MESH": mesh, "PLACE": place, **env, **more})
+    failed = failures(exits)
+    assert not failed, failed
+    return [json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in range(max(world, 1))]
+
+
+def test_two_ranks_save_their_parts_and_one_process_and_two_ranks_reshard_reading_only_what_overlaps(tmp_path: Path, s3: Any) -> None:
+    assert [r["committed"] for r in reshard_run(tmp_path, s3, 2, "save", "2")] == [True, True]
+    names = listing(s3, s3.prefix)
+    assert {n.split("/")[1].split(".")[0] for n in names} == {"manifest", "data-r00000", "data-r00001", "manifest-r00000", "manifest-r00001"}
+    (alone,) = reshard_run(tmp_path, s3, 1, "restore", "none", TEMPLATE="plain")
+    assert all(alone[k] for k in ("w", "emb", "big", "norm")) and alone["tier"] == "disk"
+    halves = reshard_run(tmp_path, s3, 2, "restore", "2", "S1")
+    assert all(r[k] for r in halves for k in ("w", "emb", "big", "norm"))
+    same_dim = reshard_run(tmp_path, s3, 2, "restore", "2", "S0")
+    row = 2100 * 4
+    # Rank r restores rows it saved: the ranged GETs fetch only those chunks (one saved piece each).
+    assert [r["read_bytes"]["['model']['big']"] for r in same_dim] == [1025 * row, 1025 * row]
+
+
+def test_four_ranks_save_compressed_and_two_ranks_restore_the_other_dimension(tmp_path: Path, s3: Any) -> None:
+    tier = json.dumps({"compression": SHUFFLED_ZSTD})
+    assert [r["committed"] for r in reshard_run(tmp_path, s3, 4, "save", "4", "S0", TIER=tier)] == [True] * 4
+    two = reshard_run(tmp_path, s3, 2, "restore", "2", "S1", TIER=tier)
+    assert all(r[k] for r in two for k in ("w", "emb", "big", "norm")), two
+    assert [r["rank_value"] for r in two] == [0, 1]
+
+
+def test_a_writer_killed_mid_upload_leaves_an_incomplete_upload_that_the_next_open_aborts(tmp_path: Path, s3: Any) -> None:
+    signer = Signer.of(s3.endpoint, "us-east-1", {"access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY})
+    assert signer is not None
+    kill_writer_at(tmp_path, s3, "PUT", "/step-000000000002/data-r00000")  # a part of its data object
+    # The second part's request was dropped with the writer: the upload stays incomplete, invisible.
+    (upload,) = list_uploads(signer, s3.bucket, f"{s3.prefix}/")
+    assert "/step-000000000002/data-r00000." in upload.key
+    assert not [n for n in listing(s3, s3.prefix) if n.startswith("step-000000000002/")]
+    with Checkpointer(config(s3)) as ckpt:
+        assert held(ckpt, "s3") == [1]
+    assert list_uploads(signer, s3.bucket, f"{s3.prefix}/") == []
+
+
+def test_the_command_line_lists_verifies_and_exports_versions_in_a_bucket(tmp_path: Path, s3: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from safetensors.torch import load_file
+
+    from tierckpt.cli import main
+
+    with Checkpointer(config(s3)) as ckpt:
+        for step in (1, 2):
+            assert ckpt.save_sync(step, state(step)).committed_sync("s3", timeout=60)
+    url = f"s3://{s3.bucket}/{s3.prefix}"
+    assert main(["ls", url, "--endpoint", s3.endpoint]) == 0
+    out = capsys.readouterr().out
+    assert "step-000000000001" in out and "step-000000000002" in out and out.count("yes") == 2
+    assert main(["export", f"{url}/step-000000000002", str(tmp_path / "m.safetensors"), "--endpoint", s3.endpoint]) == 0
+    exported = load_file(tmp_path / "m.safetensors")
+    assert torch.equal(exported["model.w"], state(2)["model"]["w"])
+    assert main(["export", url, str(tmp_path / "n.safetensors"), "--endpoint", s3.endpoint]) == 2
+    assert "is a tier prefix; name one of its versions" in capsys.readouterr().err
+    data = f"{s3.prefix}/" + next(n for n in listing(s3, s3.prefix) if n.startswith("step-000000000002/data-"))
+    body = bytearray(obstore.get(client(s3), data).bytes())
+    body[100] ^= 1
+    obstore.put(client(s3), data, bytes(body))
+    assert main(["verify", url, "--endpoint", s3.endpoint]) == 1
+    out = capsys.readouterr().out
+    assert "step-000000000001  OK" in out and "step-000000000002  DAMAGED" in out and "checksum mismatch" in out
+    assert main(["ls", f"s3://{s3.bucket}/nothing-here", "--endpoint", s3.endpoint]) == 0
+    assert "no versions" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("section", "says"),
+    [
+        ({}, r"tiers\[1\]\.url.*missing.*s3://bucket/prefix"),
+        ({"url": "https://bucket/x"}, r"tiers\[1\]\.url.*not allowed"),
+        ({"url": "s3://B/x"}, r"tiers\[1\]\.url.*not allowed"),
+        ({"url": "s3://bk1/x", "endpoint": "127.0.0.1:9000"}, r"tiers\[1\]\.endpoint.*http://host:port"),
+        ({"url": "s3://bk1/x", "part_size": "1MiB"}, r"tiers\[1\]\.part_size.*5242880"),
+        ({"url": "s3://bk1/x", "concurrency": 0}, r"tiers\[1\]\.concurrency"),
+        ({"url": "s3://bk1/x", "io_threads": 4}, r"io_threads.*not allowed on an object tier.*concurrency"),
+        ({"url": "s3://bk1/x", "path": "/tmp/x"}, r"path.*not allowed on an object tier"),
+    ],
+)
+def test_object_tier_settings_are_checked_when_the_config_is_read(section: dict[str, Any], says: str) -> None:
+    from tierckpt.config import Config
+
+    with pytest.raises(ConfigError, match=says):
+        Config.from_dict(tier_config({"name": "s3", "type": "object", **section}))
+
+
+def test_a_filesystem_tier_refuses_object_keys() -> None:
+    from tierckpt.config import Config
+
+    with pytest.raises(ConfigError, match=r"url.*not allowed on a filesystem tier.*s3://bucket/prefix"):
+        Config.from_dict(tier_config({"name": "nvme", "type": "filesystem", "path": "/tmp/x", "url": "s3://bk1/x"}))
+
+
+def test_credentials_come_from_the_environment_then_the_profile_files_and_never_the_metadata_service_when_disabled(tmp_path: Path) -> None:
+    from tierckpt.storage.s3 import credentials
+
+    assert credentials({"AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "b"}) == {"access_key_id": "a", "secret_access_key": "b"}
+    (tmp_path / "credentials").write_text("[default]\naws_access_key_id = c\naws_secret_access_key = d\n[dev]\naws_access_key_id = e\naws_secret_access_key = f\naws_session_token = t\n")
+    files = {"AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "credentials"), "AWS_CONFIG_FILE": str(tmp_path / "none")}
+    assert credentials(files) == {"access_key_id": "c", "secret_access_key": "d"}
+    assert credentials(files | {"AWS_PROFILE": "dev"}) == {"access_key_id": "e", "secret_access_key": "f", "session_token": "t"}
+    empty = {"AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_CONFIG_FILE": str(tmp_path / "none")}
+    assert credentials(empty | {"AWS_EC2_METADATA_DISABLED": "true"}) == {"skip_signature": True}  # anonymous
+    assert credentials(empty) == {}  # the client's own chain (instance metadata) where it is allowed
