@@ -11,7 +11,8 @@ Per repeat, on the same bytes (a model-like state of ``--gib``):
   construction, as a training job's is), and ``restore_latest`` into a template by a new Checkpointer
   of the same config (only the bucket has the version; construction is not timed);
 - DCP ``save``/``load`` through its fsspec path (s3fs) to the same bucket, its ``thread_count`` set
-  to the tier's concurrency; s3torchconnector's DCP writer when it is installed and works here.
+  to the tier's concurrency; and through s3torchconnector's DCP writer and reader (AWS's CRT client)
+  when it is installed (``pip install --no-deps s3torchconnector s3torchconnectorclient tenacity``).
 
 Medians over the repeats; a JSON file and a markdown section (for RESULTS.md).
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import importlib.util
 import json
 import os
 import shutil
@@ -113,6 +115,33 @@ def dcp(server: Any, state: dict[str, Any], prefix: str) -> tuple[float, float, 
     return save_s, load_s, all(torch.equal(a, b) for a, b in zip(tensors(template), tensors(state)))
 
 
+def s3torchconnector(server: Any, state: dict[str, Any], prefix: str) -> tuple[float, float, bool]:
+    """DCP through s3torchconnector's writer and reader (AWS's CRT client); its S3FileSystem is given
+    this server's endpoint (path-style), which its DCP classes do not take."""
+    import torch.distributed.checkpoint as dcp
+    from s3torchconnector import S3ClientConfig
+    from s3torchconnector._s3client import S3Client
+    from s3torchconnector.dcp import S3FileSystem, S3StorageReader, S3StorageWriter
+
+    def filesystem() -> S3FileSystem:
+        config = S3ClientConfig(force_path_style=True, part_size=PART)
+        return S3FileSystem("us-east-1", s3_client=S3Client("us-east-1", endpoint=server.endpoint, s3client_config=config))
+
+    url = f"s3://{server.bucket}/{prefix}"
+    writer = S3StorageWriter("us-east-1", url, thread_count=CONCURRENCY)
+    writer.fs = filesystem()
+    t = time.perf_counter()
+    dcp.save(state, storage_writer=writer)
+    save_s = time.perf_counter() - t
+    template = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "rng": torch.zeros_like(state["rng"]), "step": 0}
+    reader = S3StorageReader("us-east-1", url)
+    reader.fs = filesystem()
+    t = time.perf_counter()
+    dcp.load(template, storage_reader=reader)
+    load_s = time.perf_counter() - t
+    return save_s, load_s, all(torch.equal(a, b) for a, b in zip(tensors(template), tensors(state)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=float, default=1.0)
@@ -133,8 +162,13 @@ def main() -> None:
             save_s, restore_s, right = ours(server, state, f"tierckpt/{rep}")
             dcp_save_s, dcp_load_s, dcp_right = dcp(server, state, f"dcp/{rep}")
             checks += [right, dcp_right]
-            for key, value in (("limit put", put_s), ("limit get", get_s), ("tierckpt save", save_s), ("tierckpt restore", restore_s),
-                               ("dcp save", dcp_save_s), ("dcp load", dcp_load_s)):
+            timed = [("limit put", put_s), ("limit get", get_s), ("tierckpt save", save_s), ("tierckpt restore", restore_s),
+                     ("dcp save", dcp_save_s), ("dcp load", dcp_load_s)]
+            if importlib.util.find_spec("s3torchconnector") is not None:
+                tc_save_s, tc_load_s, tc_right = s3torchconnector(server, state, f"s3tc/{rep}")
+                checks.append(tc_right)
+                timed += [("s3tc save", tc_save_s), ("s3tc load", tc_load_s)]
+            for key, value in timed:
                 rows.setdefault(key, []).append(value)
             print(f"repeat {rep}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in rows.items()), flush=True)
     finally:
@@ -152,11 +186,13 @@ def main() -> None:
         "| | seconds | GB/s | % of the client limit |",
         "| --- | ---: | ---: | ---: |",
     ]
-    for key, base in (("limit put", "limit put"), ("tierckpt save", "limit put"), ("dcp save", "limit put"),
-                      ("limit get", "limit get"), ("tierckpt restore", "limit get"), ("dcp load", "limit get")):
+    order = (("limit put", "limit put"), ("tierckpt save", "limit put"), ("dcp save", "limit put"), ("s3tc save", "limit put"),
+             ("limit get", "limit get"), ("tierckpt restore", "limit get"), ("dcp load", "limit get"), ("s3tc load", "limit get"))
+    for key, base in [(k, b) for k, b in order if k in med]:
         name = {"limit put": "limit: obstore multipart put", "limit get": "limit: obstore concurrent ranged GETs",
                 "tierckpt save": "tierckpt: save to committed", "tierckpt restore": "tierckpt: restore_latest (new Checkpointer)",
-                "dcp save": "DCP save (fsspec/s3fs)", "dcp load": "DCP load (fsspec/s3fs)"}[key]
+                "dcp save": "DCP save (fsspec/s3fs)", "dcp load": "DCP load (fsspec/s3fs)",
+                "s3tc save": "DCP save (s3torchconnector)", "s3tc load": "DCP load (s3torchconnector)"}[key]
         lines.append(f"| {name} | {med[key]:.2f} | {gb / med[key]:.2f} | {100 * med[base] / med[key]:.0f}% |")
     results = args.dir / "object_store.json"
     results.write_text(json.dumps({"rows": rows, "bytes": nbytes, "machine": host}, indent=1))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -87,6 +88,23 @@ def test_round_trip_commits_the_manifest_last_and_restores_bitwise_in_a_new_chec
         assert (restored.step, restored.tier) == (3, "s3")
         want = state(3, big=True)
         assert torch.equal(restored.state["model"]["w"], want["model"]["w"]) and restored.state["note"] == "step 3"
+
+
+def test_ram_nvme_and_s3_the_cloud_three_tier_setup_restores_from_the_bucket_when_the_local_disk_is_gone(tmp_path: Path, s3: Any) -> None:
+    cfg = tier_config(
+        {"name": "nvme", "type": "filesystem", "path": str(tmp_path / "nvme"), "keep": {"last": 2}},
+        s3.tier("s3", prefix=s3.prefix, flush={"every_steps": 2}, keep={"last": 2}, compression=SHUFFLED_ZSTD),
+        capacity="96MiB",
+    )
+    with Checkpointer(cfg) as ckpt:
+        for step in (1, 2, 3, 4, 5):
+            ckpt.save_sync(step, state(step)).committed_sync("nvme", timeout=60)
+        ckpt.wait_sync()
+        assert held(ckpt, "nvme") == [4, 5] and held(ckpt, "s3") == [2, 4]
+    shutil.rmtree(tmp_path / "nvme")  # the node is replaced: its local disk is empty
+    with Checkpointer(cfg) as ckpt:
+        restored = ckpt.restore_latest_sync(template())
+        assert (restored.step, restored.tier) == (4, "s3") and same(restored.state, state(4))
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "manifest"])
