@@ -179,7 +179,8 @@ def main() -> None:
     lines = [
         f"## Object tier (issue 23) ({time.strftime('%Y-%m-%d %H:%M')})",
         "",
-        f"{host}; SeaweedFS `weed mini` {server_version()} on 127.0.0.1, its data on the same disk. "
+        f"{host['cpu']}, {host['cores']} cores, {host['ram_gib']} GiB RAM, {host['disk']}, Python {host['python']}, torch {host['torch']}; "
+        f"SeaweedFS `weed mini` {server_version()} on 127.0.0.1, its data on the same disk. "
         f"State {nbytes / 2**30:.2f} GiB (model-like, ~200 tensors); medians of {args.repeats}; parts {PART >> 20} MiB, "
         f"{CONCURRENCY} in flight. Every restored byte compared: {'all equal' if all(checks) else 'MISMATCH'}.",
         "",

@@ -212,6 +212,20 @@ def test_throttling_past_the_bound_is_a_flush_error_and_the_last_good_version_st
         assert same(ckpt.restore_latest_sync(template()).state, state(3))
 
 
+def test_a_commit_whose_answers_are_all_lost_is_found_stored_and_counts_as_committed(s3: Any) -> None:
+    proxy = S3Proxy(s3.endpoint)
+    try:
+        with Checkpointer(config(s3, endpoint=proxy.endpoint, **FAST_FAIL)) as ckpt:
+            proxy.lose("PUT", "/step-000000000001/manifest.msgpack")  # stored, every answer lost
+            assert ckpt.save_sync(1, state(1)).committed_sync("s3", timeout=60)
+            assert proxy.failed["PUT"] == 2  # the request and its one retry
+            proxy.clear()
+    finally:
+        proxy.close()
+    with Checkpointer(config(s3)) as ckpt:
+        assert same(ckpt.restore_latest_sync(template()).state, state(1))
+
+
 def test_the_server_stopped_mid_upload_fails_the_flush_and_the_next_flush_after_a_restart_commits(tmp_path: Path, s3: Any) -> None:
     server = start_s3(tmp_path / "own")
     proxy = S3Proxy(server.endpoint)

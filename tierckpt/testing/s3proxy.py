@@ -3,7 +3,7 @@
 A real server cannot be made to throttle (503 SlowDown) or to stall a request on demand. This proxy
 forwards each request to the server as it came (the ``Host`` header kept, so the client's signature
 still verifies) and can, for requests that match a rule, answer an S3 error itself, drop the
-connection, or hold the request until the test releases it (to kill a writer at an exact point)::
+connection (before or after forwarding the request), or hold the request until the test releases it (to kill a writer at an exact point)::
 
     proxy = S3Proxy(server.endpoint)
     proxy.fail("PUT", "/manifest.msgpack", status=503, code="SlowDown", times=3)   # a 503 storm
@@ -33,7 +33,7 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "up
 class _Rule:
     method: str
     path: str
-    action: str  # "fail", "reset" or "hold"
+    action: str  # "fail", "reset", "lose" or "hold"
     times: int | None  # None: every matching request
     status: int = 503
     code: str = "SlowDown"
@@ -103,6 +103,12 @@ class S3Proxy:
         with self._lock:
             self.rules.append(_Rule(method, path, "reset", times))
 
+    def lose(self, method: str, path: str, *, times: int | None = None) -> None:
+        """Forward matching requests, then close the connection instead of answering: the server did
+        the work, and the client never hears of it."""
+        with self._lock:
+            self.rules.append(_Rule(method, path, "lose", times))
+
     def hold(self, method: str, path: str) -> Held:
         """Hold matching requests until :meth:`Held.release` (or :meth:`close`)."""
         held = Held()
@@ -145,7 +151,7 @@ class S3Proxy:
             request.close_connection = True
             request.connection.close()
             return
-        elif rule is not None:
+        elif rule is not None and rule.action == "fail":
             self.failed[method] += 1
             payload = f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{rule.code}</Code><Message>injected by the test proxy</Message></Error>'.encode()
             request.send_response(rule.status)
@@ -168,6 +174,11 @@ class S3Proxy:
             return
         finally:
             upstream.close()
+        if rule is not None and rule.action == "lose":
+            self.failed[method] += 1
+            request.close_connection = True
+            request.connection.close()
+            return
         request.send_response(response.status, response.reason)
         for key, value in response.getheaders():
             if key.lower() not in _HOP and key.lower() != "content-length":

@@ -69,6 +69,7 @@ def version_files(where: Path | VersionFiles) -> VersionFiles:
     """``where`` as :class:`VersionFiles` (a path: its directory)."""
     return LocalVersion(where) if isinstance(where, Path) else where
 
+
 def _open_at(dir_fd: int | None, name: str | Path, flags: int) -> tuple[int, os.stat_result]:
     """Open without following a symlink in the last component, and without blocking on a FIFO."""
     fd = os.open(name, flags | os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)

@@ -52,7 +52,7 @@ from tierckpt.storage.s3 import Bucket
 from tierckpt.tiers.base import GroupTier, Part, Staged, VersionInfo, VersionSource
 from tierckpt.tiers.encoding import TierEncoding
 from tierckpt.tiers.fslayout import filesystem_layout
-from tierckpt.tiers.fsread import StoredSource, read_head, read_manifest, resolve_shared
+from tierckpt.tiers.fsread import StoredSource, open_source, read_head, read_manifest, resolve_shared
 from tierckpt.tiers.fswrite import write_data_file
 from tierckpt.tiers.objlease import WriterLease
 from tierckpt.tiers.objread import ObjectVersion, containers
@@ -87,6 +87,9 @@ class _Write:
     write: str
     keys: list[str]
     head: bytes | None = None  # the commit object, once known (a single process: its manifest)
+    # The commit's PUT failed without an answer: it may have been stored all the same, so these
+    # objects are left for the next open to judge by the commit object it finds.
+    uncertain: bool = False
 
 
 @dataclass
@@ -241,7 +244,18 @@ class ObjectTier(GroupTier):
     async def commit(self, staged: Staged) -> VersionInfo:
         done: _Write = staged.location
         assert done.head is not None, "commit before seal"
-        await self.bucket.put(f"{done.container}/{MANIFEST_FILE}", done.head)  # the commit: one atomic PUT
+        key = f"{done.container}/{MANIFEST_FILE}"
+        try:
+            await self.bucket.put(key, done.head)  # the commit: one atomic PUT
+        except OSError as exc:
+            try:  # a PUT can be stored and its answer lost: look before calling it failed
+                stored = await self.bucket.get(key, MAX_MANIFEST_BYTES)
+            except (OSError, CorruptCheckpointError):
+                done.uncertain = not isinstance(exc, FileNotFoundError)
+                raise exc from None
+            if stored != done.head:
+                raise
+            log.info("tier %r: the commit of step %d was stored though its request failed (%s)", self.name, staged.step, exc)
         return self._indexed(staged)
 
     def _indexed(self, staged: Staged) -> VersionInfo:
@@ -263,7 +277,11 @@ class ObjectTier(GroupTier):
         self._held.pop(step, None)
 
     async def abort(self, staged: Staged) -> None:
-        await self._discard(staged.location)
+        done: _Write = staged.location
+        if done.uncertain:
+            log.warning("tier %r: step %d may be committed after all; its objects stay until the tier next opens", self.name, staged.step)
+            return
+        await self._discard(done)
 
     async def _discard(self, done: _Write) -> None:
         try:
@@ -314,7 +332,7 @@ class ObjectTier(GroupTier):
 
         def opened() -> StoredSource:
             manifest = read_manifest(files, tier=self.name, step=step, rank=self.rank, world=world)
-            return files.open_source(self.name, manifest, direct=False)
+            return open_source(self.name, files, manifest)
 
         return await asyncio.to_thread(opened)
 
@@ -330,7 +348,7 @@ class ObjectTier(GroupTier):
             resolved = resolve_shared(files, head, manifest, tier=self.name) if isinstance(head, CommitMarker) else manifest
             if as_saved:
                 resolved = dataclasses.replace(resolved, records=tuple(r.as_saved() for r in resolved.records))
-            return files.open_source(self.name, resolved, direct=False)
+            return open_source(self.name, files, resolved)
 
         return await asyncio.to_thread(whole)
 
