@@ -29,12 +29,13 @@ MODEL_NUMEL = 300_000  # 1.2 MB of float32 per tensor: several shared chunks per
 
 
 def config(root: Path, timeout: float) -> dict[str, Any]:
+    # S3_TIER: a JSON tier section of type object in place of the "disk" tier (tests/test_object_tier.py).
+    disk = {"name": "disk", "type": "filesystem", "path": str(root / "disk"), "keep": {"last": 3}}
+    if "S3_TIER" in os.environ:
+        disk = json.loads(os.environ["S3_TIER"]) | {"name": "disk", "keep": {"last": 3}}
     return {
         "host": {"capacity": "64MiB", "snapshots": 2},
-        "tiers": [
-            {"name": "ram", "type": "memory"},
-            {"name": "disk", "type": "filesystem", "path": str(root / "disk"), "keep": {"last": 3}},
-        ],
+        "tiers": [{"name": "ram", "type": "memory"}, disk],
         "distributed": {"timeout": f"{timeout}s"},
     }
 

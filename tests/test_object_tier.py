@@ -305,6 +305,28 @@ def test_two_ranks_save_their_parts_and_one_process_and_two_ranks_reshard_readin
     assert [r["read_bytes"]["['model']['big']"] for r in same_dim] == [1025 * row, 1025 * row]
 
 
+def test_replicated_values_are_stored_once_across_ranks_and_a_damaged_part_makes_every_rank_fall_back(tmp_path: Path, s3: Any) -> None:
+    from test_distributed import MODEL_BYTES
+    from test_distributed import run_ranks as dist_ranks
+
+    env = {"S3_TIER": json.dumps(s3.tier("disk", prefix=s3.prefix)), **s3.env()}
+    saved = dist_ranks(2, "save", tmp_path, {"STEPS": "1,2,3", "REPLICATED": "1", **env})
+    assert [r["committed"] for r in saved] == [[True, True, True]] * 2
+    names = listing(s3, s3.prefix)
+    data = {n: size for n, size in names.items() if n.startswith("step-000000000003/data-")}
+    assert len(data) == 2 and sum(data.values()) < MODEL_BYTES + 3 * 4096 + 2 * 5000  # the model once, split
+    assert all(size < MODEL_BYTES * 0.75 for size in data.values())
+    restored = dist_ranks(2, "restore", tmp_path, env)
+    assert [r["step"] for r in restored] == [3, 3] and all(r["bitwise"] for r in restored), restored
+    key = f"{s3.prefix}/" + next(n for n in data if ".r00001." in n or "data-r00001." in n)
+    body = bytearray(obstore.get(client(s3), key).bytes())
+    body[100] ^= 0xFF
+    obstore.put(client(s3), key, bytes(body))
+    restored = dist_ranks(2, "restore", tmp_path, env)
+    assert [r["step"] for r in restored] == [2, 2] and all(r["bitwise"] for r in restored)
+    assert all(len(r["warnings"]) == 1 and "data-r00001." in r["warnings"][0] for r in restored), restored
+
+
 def test_four_ranks_save_compressed_and_two_ranks_restore_the_other_dimension(tmp_path: Path, s3: Any) -> None:
     tier = json.dumps({"compression": SHUFFLED_ZSTD})
     assert [r["committed"] for r in reshard_run(tmp_path, s3, 4, "save", "4", "S0", TIER=tier)] == [True] * 4
@@ -352,43 +374,3 @@ def test_the_command_line_lists_verifies_and_exports_versions_in_a_bucket(tmp_pa
     assert "step-000000000001  OK" in out and "step-000000000002  DAMAGED" in out and "checksum mismatch" in out
     assert main(["ls", f"s3://{s3.bucket}/nothing-here", "--endpoint", s3.endpoint]) == 0
     assert "no versions" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize(
-    ("section", "says"),
-    [
-        ({}, r"tiers\[1\]\.url.*missing.*s3://bucket/prefix"),
-        ({"url": "https://bucket/x"}, r"tiers\[1\]\.url.*not allowed"),
-        ({"url": "s3://B/x"}, r"tiers\[1\]\.url.*not allowed"),
-        ({"url": "s3://bk1/x", "endpoint": "127.0.0.1:9000"}, r"tiers\[1\]\.endpoint.*http://host:port"),
-        ({"url": "s3://bk1/x", "part_size": "1MiB"}, r"tiers\[1\]\.part_size.*5242880"),
-        ({"url": "s3://bk1/x", "concurrency": 0}, r"tiers\[1\]\.concurrency"),
-        ({"url": "s3://bk1/x", "io_threads": 4}, r"io_threads.*not allowed on an object tier.*concurrency"),
-        ({"url": "s3://bk1/x", "path": "/tmp/x"}, r"path.*not allowed on an object tier"),
-    ],
-)
-def test_object_tier_settings_are_checked_when_the_config_is_read(section: dict[str, Any], says: str) -> None:
-    from tierckpt.config import Config
-
-    with pytest.raises(ConfigError, match=says):
-        Config.from_dict(tier_config({"name": "s3", "type": "object", **section}))
-
-
-def test_a_filesystem_tier_refuses_object_keys() -> None:
-    from tierckpt.config import Config
-
-    with pytest.raises(ConfigError, match=r"url.*not allowed on a filesystem tier.*s3://bucket/prefix"):
-        Config.from_dict(tier_config({"name": "nvme", "type": "filesystem", "path": "/tmp/x", "url": "s3://bk1/x"}))
-
-
-def test_credentials_come_from_the_environment_then_the_profile_files_and_never_the_metadata_service_when_disabled(tmp_path: Path) -> None:
-    from tierckpt.storage.s3 import credentials
-
-    assert credentials({"AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "b"}) == {"access_key_id": "a", "secret_access_key": "b"}
-    (tmp_path / "credentials").write_text("[default]\naws_access_key_id = c\naws_secret_access_key = d\n[dev]\naws_access_key_id = e\naws_secret_access_key = f\naws_session_token = t\n")
-    files = {"AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "credentials"), "AWS_CONFIG_FILE": str(tmp_path / "none")}
-    assert credentials(files) == {"access_key_id": "c", "secret_access_key": "d"}
-    assert credentials(files | {"AWS_PROFILE": "dev"}) == {"access_key_id": "e", "secret_access_key": "f", "session_token": "t"}
-    empty = {"AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_CONFIG_FILE": str(tmp_path / "none")}
-    assert credentials(empty | {"AWS_EC2_METADATA_DISABLED": "true"}) == {"skip_signature": True}  # anonymous
-    assert credentials(empty) == {}  # the client's own chain (instance metadata) where it is allowed

@@ -13,6 +13,7 @@ import errno
 import mmap
 import os
 
+import numpy as np
 import torch
 
 PAGE = 4096
@@ -56,8 +57,8 @@ def copy_bytes(dst: memoryview, src: memoryview) -> None:
         raise ValueError(f"copy_bytes: {src.nbytes} bytes into {dst.nbytes}")
     if not dst.nbytes:
         return
-    if src.readonly:
-        dst[:] = src
+    if src.readonly:  # no address to hand to memmove: numpy's copy releases the GIL too
+        np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
         return
     ctypes.memmove(address(dst), address(src), dst.nbytes)
 

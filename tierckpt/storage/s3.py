@@ -34,6 +34,7 @@ from typing import Any
 import obstore
 from obstore.store import S3Store
 
+from tierckpt._buffers import copy_bytes
 from tierckpt.config import TierConfig
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.storage.plan import WriteItem, WritePlan
@@ -302,7 +303,7 @@ class S3Reader(ObjectReader):
         return self._get(offset, length, what)  # the client's own buffer: no copy
 
     def read_into(self, out: memoryview, offset: int, scratch: memoryview, *, what: str) -> None:
-        out.cast("B")[:] = self._get(offset, out.nbytes, what).cast("B")
+        copy_bytes(out.cast("B"), self._get(offset, out.nbytes, what).cast("B"))  # without the GIL
 
     def close(self) -> None:
         pass
