@@ -5,8 +5,8 @@ Per repeat, on the same bytes (a model-like state of ``--gib``):
 
 - the limit: obstore's own multipart put of one object (``part_size`` parts, ``concurrency`` in
   flight: the tier's settings) from a buffer already in memory, and concurrent ranged GETs of it
-  (``concurrency`` threads, ``part_size`` each) into a reused buffer: the best this client does
-  against this server here;
+  (``part_size`` each) into a reused buffer, the faster of the tier's restore threads and
+  ``concurrency`` threads: the best this client does against this server here;
 - tierckpt: ``save`` until committed on the object tier (RAM above it, its pool faulted at
   construction, as a training job's is), and ``restore_latest`` into a template by a new Checkpointer
   of the same config (only the bucket has the version; construction is not timed);
@@ -45,6 +45,7 @@ from tierckpt.testing.s3server import ACCESS_KEY, SECRET_KEY, start_s3
 
 PART = 16 << 20
 CONCURRENCY = 8
+READ_THREADS = (min(CONCURRENCY, 2 * (os.cpu_count() or 1)), CONCURRENCY)  # the tier's restore threads, and all in flight
 
 
 def client(server: Any) -> S3Store:
@@ -68,12 +69,14 @@ def limit(server: Any, nbytes: int, key: str) -> tuple[float, float]:
         part = obstore.get_range(store, key, start=start, length=min(PART, len(data) - start))
         out[start:start + len(part)] = memoryview(part)
 
-    t = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(CONCURRENCY) as pool:
-        list(pool.map(get, range(0, len(data), PART)))
-    get_s = time.perf_counter() - t
+    times = []
+    for threads in READ_THREADS:  # the best of them is the limit
+        t = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            list(pool.map(get, range(0, len(data), PART)))
+        times.append(time.perf_counter() - t)
     assert out == data
-    return put_s, get_s
+    return put_s, min(times)
 
 
 def tier_config(server: Any, prefix: str, nbytes: int) -> dict[str, Any]:
@@ -182,7 +185,8 @@ def main() -> None:
         f"{host['cpu']}, {host['cores']} cores, {host['ram_gib']} GiB RAM, {host['disk']}, Python {host['python']}, torch {host['torch']}; "
         f"SeaweedFS `weed mini` {server_version()} on 127.0.0.1, its data on the same disk. "
         f"State {nbytes / 2**30:.2f} GiB (model-like, ~200 tensors); medians of {args.repeats}; parts {PART >> 20} MiB, "
-        f"{CONCURRENCY} in flight. Every restored byte compared: {'all equal' if all(checks) else 'MISMATCH'}.",
+        f"{CONCURRENCY} in flight; GETs: the best of {' and '.join(map(str, READ_THREADS))} threads. "
+        f"Every restored byte compared: {'all equal' if all(checks) else 'MISMATCH'}.",
         "",
         "| | seconds | GB/s | % of the client limit |",
         "| --- | ---: | ---: | ---: |",

