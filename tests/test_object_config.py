@@ -1,4 +1,4 @@
-"""The object tier's settings and credentials, read without a server (the tier itself: test_object_tier.py)."""
+"""The object tier's settings, credentials and read grouping, without a server (the tier itself: test_object_tier.py)."""
 
 from __future__ import annotations
 
@@ -50,3 +50,18 @@ def test_credentials_come_from_the_environment_then_the_profile_files_and_never_
     empty = {"AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_CONFIG_FILE": str(tmp_path / "none")}
     assert credentials(empty | {"AWS_EC2_METADATA_DISABLED": "true"}) == {"skip_signature": True}  # anonymous
     assert credentials(empty) == {}  # the client's own chain (instance metadata) where it is allowed
+
+
+def test_small_chunks_are_grouped_only_with_close_neighbours_and_up_to_the_group_size() -> None:
+    from tierckpt.storage.coalesce import GAP, GROUP, SMALL, group_spans
+
+    k = 4096
+    # Neighbours within GAP join; a chunk further away starts a group; a group of one is not one.
+    assert group_spans([(0, k), (k, k), (2 * k + GAP, k), (10 * GAP, k)]) == [(0, 3 * k + GAP)]
+    # A large chunk is read on its own, and does not join or split the small ones around it.
+    assert group_spans([(0, k), (k, SMALL), (k + SMALL, k)]) == []
+    # Groups stop at GROUP bytes.
+    many = [(i * (SMALL // 2), SMALL // 2 - 1) for i in range(40)]
+    groups = group_spans(many)
+    assert all(end - start <= GROUP for start, end in groups) and len(groups) == 3
+    assert groups[0][0] == 0 and groups[-1][1] == many[-1][0] + many[-1][1]

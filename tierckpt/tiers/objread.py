@@ -16,6 +16,7 @@ from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import MANIFEST_FILE, Manifest, parse_version_dirname, version_dirname
 from tierckpt.format.layout import where
 from tierckpt.format.manifest import MAX_MANIFEST_BYTES
+from tierckpt.storage.coalesce import CoalescingReader, group_spans
 from tierckpt.storage.s3 import Bucket
 from tierckpt.tiers.fscheck import check_records
 from tierckpt.tiers.fsread import StoredSource
@@ -50,8 +51,8 @@ class ObjectVersion:
 
 
 class ObjectSource(StoredSource):
-    """A committed version's data objects, read with ranged GETs (one per chunk, from the reading
-    thread: the tier's ``concurrency`` threads keep that many in flight), each chunk verified."""
+    """A committed version's data objects, read with ranged GETs (one per chunk, small neighbours
+    together; from the reading threads, each keeping one in flight), each chunk verified."""
 
     def __init__(self, tier: str | None, version: ObjectVersion, manifest: Manifest) -> None:
         super().__init__(tier, manifest)
@@ -61,8 +62,16 @@ class ObjectSource(StoredSource):
             if name not in version.sizes:
                 raise CorruptCheckpointError(f"{where(tier, self.step)}: data object {name} is missing ({version.url(name)})", tier=tier, step=self.step)
             sizes[name] = version.sizes[name]
-            self.readers[name] = version.bucket.open_reader(f"{version.container}/{name}", sizes[name])
         check_records(manifest.records, sizes, tier=tier, step=self.step)
+        spans: dict[str, list[tuple[int, int]]] = {name: [] for name in files}
+        for r in manifest.records:
+            for i, c in enumerate(r.chunks):
+                if c is not None:
+                    spans[r.chunk_file(i)].append((c.offset, c.stored))
+        for name in files:  # small neighbours in one GET each (see tierckpt.storage.coalesce)
+            reader = version.bucket.open_reader(f"{version.container}/{name}", sizes[name])
+            groups = group_spans(spans[name])
+            self.readers[name] = CoalescingReader(reader, groups) if groups else reader
 
 
 def open_bucket(url: str, endpoint: str | None = None) -> Bucket:
