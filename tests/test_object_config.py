@@ -65,3 +65,18 @@ def test_small_chunks_are_grouped_only_with_close_neighbours_and_up_to_the_group
     groups = group_spans(many)
     assert all(end - start <= GROUP for start, end in groups) and len(groups) == 3
     assert groups[0][0] == 0 and groups[-1][1] == many[-1][0] + many[-1][1]
+
+
+def test_the_readmes_cloud_example_loads_as_written(tmp_path: Path) -> None:
+    import re
+
+    from tierckpt.config import Config
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("## Object storage"):]
+    block = re.search(r"```yaml\n(.*?)```", section, re.S)
+    assert block is not None
+    (tmp_path / "tiers.yaml").write_text(block.group(1))
+    ram, nvme, s3 = Config.from_yaml(tmp_path / "tiers.yaml").tiers
+    assert (s3.type, s3.url, s3.concurrency, s3.part_size) == ("object", "s3://my-bucket/runs/myjob", 8, 16 << 20)
+    assert s3.compression.codec == "zstd" and s3.keep.last == 5 and nvme.type == "filesystem"
