@@ -64,7 +64,7 @@ async def read_version(
         NotHere: the tier holds only part of a version this rank needs more of.
         RestoreError: the template does not match (see :func:`check_keys`).
     """
-    executor, threads = getattr(tier, "executor"), getattr(tier, "threads", tier.config.io_threads)
+    executor, threads = getattr(tier, "executor"), tier.threads
     try:
         source: VersionSource | None = await tier.read_whole(step)
     except LayoutError:  # saved by another number of ranks

@@ -154,15 +154,19 @@ class Bucket:
             raise store_error(exc, self.url_of(under), "listing") from exc
         return found
 
+    def _whole(self, key: str, size: int, limit: int) -> None:
+        if size > limit:
+            raise CorruptCheckpointError(f"{self.url_of(key)}: {size} bytes, more than the {limit} allowed")
+
     async def get(self, key: str, limit: int) -> bytes:
         """Object ``key`` whole, refused when it has more than ``limit`` bytes."""
         try:
             result = await obstore.get_async(self.store, key)
-            if result.meta["size"] > limit:
-                raise CorruptCheckpointError(f"{self.url_of(key)}: {result.meta['size']} bytes, more than the {limit} allowed")
+        except Exception as exc:
+            raise store_error(exc, self.url_of(key), "reading") from exc
+        self._whole(key, result.meta["size"], limit)
+        try:
             return bytes(await result.bytes_async())
-        except CorruptCheckpointError:
-            raise
         except Exception as exc:
             raise store_error(exc, self.url_of(key), "reading") from exc
 
@@ -170,11 +174,11 @@ class Bucket:
         """:meth:`get`, blocking (from a worker thread)."""
         try:
             result = obstore.get(self.store, key)
-            if result.meta["size"] > limit:
-                raise CorruptCheckpointError(f"{self.url_of(key)}: {result.meta['size']} bytes, more than the {limit} allowed")
+        except Exception as exc:
+            raise store_error(exc, self.url_of(key), "reading") from exc
+        self._whole(key, result.meta["size"], limit)
+        try:
             return bytes(result.bytes())
-        except CorruptCheckpointError:
-            raise
         except Exception as exc:
             raise store_error(exc, self.url_of(key), "reading") from exc
 

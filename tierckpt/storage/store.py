@@ -39,10 +39,11 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import Protocol
 
 from tierckpt.storage.plan import WriteItem, WritePlan
 
-__all__ = ["ByteStore", "DataWriter", "Entry", "ObjectReader"]
+__all__ = ["ByteStore", "DataStore", "DataWriter", "Entry", "ObjectReader"]
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,13 @@ class ObjectReader(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release the object."""
+
+
+class DataStore(Protocol):
+    """What writing a data object needs of a store: :meth:`ByteStore.open_data` (an object store's
+    :class:`~tierckpt.storage.s3.Bucket` has it without the rest of a ByteStore's renames)."""
+
+    def open_data(self, key: str, plan: WritePlan) -> DataWriter: ...
 
 
 class ByteStore(abc.ABC):

@@ -120,6 +120,11 @@ class Tier(abc.ABC):
         return Lease(release)
 
     @property
+    def threads(self) -> int:
+        """Threads of :attr:`executor` that read a version's chunks in a restore."""
+        return self.config.io_threads
+
+    @property
     def place(self) -> str | None:
         """Where this rank's copies on this tier are, when the tier's name does not say (a node-local
         tier: which node's directory), for messages."""

@@ -32,7 +32,7 @@ from tierckpt.codecs import decoder
 from tierckpt.format import Chunk, TensorRecord, checksum
 from tierckpt.storage.local import LocalDataWriter
 from tierckpt.storage.plan import WriteItem, WritePlan, plan_write
-from tierckpt.storage.store import ByteStore, DataWriter
+from tierckpt.storage.store import DataStore, DataWriter
 from tierckpt.tiers.base import VersionSource
 from tierckpt.tiers.encoding import VersionEncoding, element
 from tierckpt.tiers.fsio import ChunkJobs, scratch, scratch2
@@ -52,7 +52,7 @@ def write_data_file(
     direct: bool = False,
     threads: int = 2,
     rank: int = 0,
-    store: ByteStore | None = None,
+    store: DataStore | None = None,
     shared_by: Sequence[int] | None = None,
 ) -> tuple[TensorRecord, ...]:
     """Write every record of ``source`` into data object ``path`` and make it durable; returns the
