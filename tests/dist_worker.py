@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tierckpt import Checkpointer, ConfigError, FlushError, RankFailureError
+from tierckpt import Checkpointer, ConfigError, FlushError, RankFailureError, TierckptError
 from tierckpt.config import TierConfig
 from tierckpt.tiers.filesystem import FilesystemTier
 
@@ -287,7 +287,14 @@ def main() -> None:
             warnings.simplefilter("always")
             with Checkpointer(config(root, timeout)) as ckpt:
                 into = template(rank)
-                restored = ckpt.restore_latest_sync(into)
+                try:
+                    if os.environ.get("RESTORE_STEP"):  # restore(step): that step or an error, never another
+                        restored = ckpt.restore_sync(int(os.environ["RESTORE_STEP"]), into)
+                    else:
+                        restored = ckpt.restore_latest_sync(into)
+                except TierckptError as exc:
+                    out["error"] = [type(exc).__name__, str(exc), exc.step]
+                    restored = None
         out["warnings"] = [str(w.message) for w in caught if "tierckpt" in str(w.message)]
         if restored is None:
             out["step"] = None

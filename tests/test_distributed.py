@@ -93,6 +93,30 @@ def test_a_corrupted_file_of_one_rank_makes_every_rank_fall_back_together(tmp_pa
         assert "step 3" in r["warnings"][0] and "data-r00001.bin" in r["warnings"][0]
 
 
+def test_restore_of_one_step_loads_that_step_on_every_rank_or_fails_on_every_rank(tmp_path: Path) -> None:
+    """restore(step) under torch.distributed: an older step comes back on both ranks; a step no tier
+    holds is a NoCheckpointError on both, naming what there is; a step whose part on rank 1 is
+    damaged is an error on both, never a fallback to another step."""
+    run_ranks(2, "save", tmp_path, {"STEPS": "1,2,3", "REPLICATED": "1"})
+    older = run_ranks(2, "restore", tmp_path, {"RESTORE_STEP": "2"})
+    assert [(r["step"], r["bitwise"], r["template_filled"]) for r in older] == [(2, True, True)] * 2
+    missing = run_ranks(2, "restore", tmp_path, {"RESTORE_STEP": "7"})
+    for r in missing:
+        kind, message, step = r["error"]
+        assert (kind, step) == ("NoCheckpointError", 7), r
+        assert "step 7 is not held for rank(s) 0, 1" in message and "disk: 1, 2, 3" in message, message
+    data = _version(tmp_path, 3) / "data-r00001.bin"
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    damaged = run_ranks(2, "restore", tmp_path, {"RESTORE_STEP": "3"})
+    for r in damaged:
+        kind, message, step = r["error"]
+        assert (kind, step) == ("CorruptCheckpointError", 3), r
+        assert "step 3 does not verify on rank(s)" in message and "data-r00001.bin" in message, message
+        assert r["step"] is None
+
+
 def test_every_rank_commits_each_version_a_lower_tier_selects_while_the_tier_above_is_busy(tmp_path: Path) -> None:
     """The leader's decisions follow selection per tier: with nvme busy writing older saves (each write
     0.4 s slower), pfs still gets steps 5, 10, 15 and 20 on both ranks, every part of each verified.

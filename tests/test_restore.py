@@ -20,7 +20,7 @@ import torch
 from tierckpt import Checkpointer
 from tierckpt.capture import HostPool
 from tierckpt.config import TierConfig
-from tierckpt.errors import RestoreError
+from tierckpt.errors import ConfigError, CorruptCheckpointError, NoCheckpointError, RestoreError
 from tierckpt.format import CHECKSUM_ALGORITHM, MANIFEST_FILE, Manifest, checksum, version_dirname
 from tierckpt.tiers.base import VersionSource
 from tierckpt.tiers.filesystem import FilesystemTier
@@ -279,6 +279,76 @@ def test_a_flipped_byte_in_every_copy_falls_back_to_an_older_step(opened: Opened
     assert len(messages) == 2, messages
     assert "'nvme'" in messages[0] and "['opt'][0]" in messages[0]
     assert "'pfs'" in messages[1] and "['np']" in messages[1]
+
+
+# -- restore(step): one step, never another ---------------------------------------------------------------
+
+
+def test_restore_of_a_step_loads_that_step_from_the_fastest_tier_holding_it(opened: Opened, tmp_path: Path) -> None:
+    config = tier_config(fs_tier("nvme", tmp_path / "nvme"), fs_tier("pfs", tmp_path / "pfs"), snapshots=1)
+    ckpt = opened(config)
+    _commit_all(ckpt, [1, 2, 3], "pfs")
+    held = {(v.tier, v.step) for v in ckpt.versions()}
+    assert {("ram", 3), ("nvme", 1), ("nvme", 2), ("pfs", 1)} <= held  # enough to choose a step
+    newest = ckpt.restore_sync(3)
+    assert (newest.step, newest.tier) == (3, "ram")
+    template = _template()
+    older = ckpt.restore_sync(1, template)
+    assert (older.step, older.tier) == (1, "nvme")  # not ram, which holds only step 3
+    assert_bitwise(older.state, _state(1))
+    assert older.state["model"]["w"] is template["model"]["w"]
+    named = ckpt.restore_sync(2, tier="pfs")
+    assert (named.step, named.tier) == (2, "pfs")
+    assert_bitwise(named.state, _state(2))
+    opened.close()
+
+    restored = asyncio.run(_restore_async(opened(config), 2))  # the coroutine, in a new process' shape
+    assert (restored.step, restored.tier) == (2, "nvme")
+    assert_bitwise(restored.state, _state(2))
+
+
+async def _restore_async(ckpt: Checkpointer, step: int) -> Any:
+    return await ckpt.restore(step, _template())
+
+
+def test_restore_of_a_step_no_tier_holds_names_what_each_tier_holds(opened: Opened, tmp_path: Path) -> None:
+    ckpt = opened(tier_config(fs_tier("nvme", tmp_path / "nvme"), fs_tier("pfs", tmp_path / "pfs", flush={"every_steps": 2})))
+    _commit_all(ckpt, [1, 2, 3], "nvme")
+    ckpt.wait_sync()
+    template = _template()
+    with pytest.raises(NoCheckpointError, match=r"no tier holds step 5 \(ram: .*3; nvme: 1, 2, 3; pfs: 2\)") as caught:
+        ckpt.restore_sync(5, template)
+    assert isinstance(caught.value, FileNotFoundError) and caught.value.step == 5
+    assert_bitwise(template, _template())  # untouched
+    with pytest.raises(NoCheckpointError, match=r"no tier holds step 3 \(ram: .*; nvme: 1, 2, 3; pfs: 2\)"):
+        ckpt.restore_sync(3, tier="pfs")  # on nvme, but not on the tier named
+    with pytest.raises(ConfigError, match=r"restore\(tier='s3'\): there is no such tier \(the tiers are ram, nvme, pfs\)"):
+        ckpt.restore_sync(2, tier="s3")
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        ckpt.restore_sync(-1)
+    with pytest.raises(TypeError, match="step must be an int, not str"):
+        ckpt.restore_sync("2")  # type: ignore[arg-type]
+
+
+def test_restore_of_a_step_falls_back_across_tiers_but_never_to_another_step(opened: Opened, two_tiers: Any) -> None:
+    nvme, pfs, config = two_tiers
+    _corrupt_record(nvme, 2)
+    ckpt = opened(config)
+    with pytest.warns(RuntimeWarning, match="step 2 on tier 'nvme' does not verify"):
+        restored = ckpt.restore_sync(2)
+    assert (restored.step, restored.tier) == (2, "pfs")
+    assert_bitwise(restored.state, _state(2))
+
+    _corrupt_record(pfs, 2, "['np']")
+    template = _template()
+    with pytest.warns(RuntimeWarning) as warned, pytest.raises(CorruptCheckpointError) as caught:
+        ckpt.restore_sync(2, template)
+    assert len(warned) == 2
+    message = str(caught.value)
+    assert message.startswith("step 2: no copy verifies (tier 'nvme': ") and "tier 'pfs': " in message and "['np']" in message, message
+    assert caught.value.step == 2
+    assert_bitwise(template, _template())  # step 1 verifies, but it was not asked for
+    assert ckpt.restore_sync(1).step == 1
 
 
 def test_a_missing_data_file_falls_back(opened: Opened, two_tiers: Any) -> None:

@@ -2,9 +2,10 @@
 
 ``save()`` copies the state to host memory on copy threads and returns; a pipeline on the library's
 own thread flushes it down configurable tiers (host RAM, local NVMe, a parallel file system) with a
-retention and a flush policy each; ``restore_latest()`` loads the newest version that verifies.
+retention and a flush policy each; ``restore_latest()`` loads the newest version that verifies,
+``restore(step)`` one step.
 
-The rest of the error tree (``ClosedError``, ``FormatVersionError``, ``NoCheckpointError``) is in
+The rest of the error tree (``ClosedError``, ``FormatVersionError``) is in
 :mod:`tierckpt.errors`.
 """
 
@@ -16,6 +17,7 @@ from tierckpt.errors import (
     CorruptCheckpointError,
     FlushError,
     LayoutError,
+    NoCheckpointError,
     RankFailureError,
     RestoreError,
     TierckptError,
@@ -32,6 +34,7 @@ __all__ = [
     "CorruptCheckpointError",
     "FlushError",
     "LayoutError",
+    "NoCheckpointError",
     "RankFailureError",
     "RestoreError",
     "Restored",

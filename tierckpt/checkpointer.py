@@ -18,11 +18,11 @@ from tierckpt.errors import CapacityError, ClosedError, ConfigError
 from tierckpt.handle import SaveHandle
 from tierckpt.pipeline import Counters, SaveRequest
 from tierckpt.ranks import RankGroup
-from tierckpt.restore import Restored, restore_agreed, restore_latest
+from tierckpt.restore import Restored, restore_agreed, restore_latest, restore_step
 from tierckpt.runtime import TierFactory, assemble
 from tierckpt.snapshot import LayoutCache
 from tierckpt.state import flatten
-from tierckpt.tiers.base import VersionInfo
+from tierckpt.tiers.base import Tier, VersionInfo
 from tierckpt.tiers.encoding import TierEncoding
 from tierckpt.units import format_size
 
@@ -284,7 +284,50 @@ class Checkpointer:
         self._check_open()
         return self._engine.run_sync(self._restore(template, strict, cast))
 
-    def _restore(self, template: Any, strict: bool, cast: bool) -> Any:
+    async def restore(self, step: int, template: Any = None, *, tier: str | None = None, strict: bool = True, cast: bool = False) -> Restored:
+        """Load step ``step``, exactly: from the fastest tier holding a copy that verifies, or from
+        tier ``tier`` only. A copy that does not verify gives a warning and the next tier holding
+        the step is tried; never another step. Otherwise as :meth:`restore_latest` (``template``,
+        ``strict``, ``cast``; collective under torch.distributed). :meth:`versions` lists the steps
+        there are to choose from.
+
+        Raises:
+            NoCheckpointError: no tier (or not tier ``tier``) holds the step (under
+                torch.distributed: for some rank); names the step and what each tier holds.
+            CorruptCheckpointError: every copy of the step failed verification; names each failure.
+            ConfigError: there is no tier named ``tier``.
+            RestoreError: as :meth:`restore_latest`.
+        """
+        self._check_open()
+        return await self._engine.run(self._restore(template, strict, cast, self._checked_step(step), self._named(tier)))
+
+    def restore_sync(self, step: int, template: Any = None, *, tier: str | None = None, strict: bool = True, cast: bool = False) -> Restored:
+        self._check_open()
+        return self._engine.run_sync(self._restore(template, strict, cast, self._checked_step(step), self._named(tier)))
+
+    @staticmethod
+    def _checked_step(step: Any) -> int:
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"restore(step): step must be an int, not {type(step).__name__}")
+        if step < 0:
+            raise ValueError(f"restore(step): step must be >= 0, not {step} (restore_latest() loads the newest)")
+        return step
+
+    def _named(self, tier: str | None) -> list[Tier] | None:
+        if tier is None:
+            return None
+        found = [t for t in self._pipeline.tiers if t.name == tier]
+        if not found:
+            raise ConfigError(f"restore(tier={tier!r}): there is no such tier (the tiers are {', '.join(t.name for t in self._pipeline.tiers)})")
+        return found
+
+    def _restore(self, template: Any, strict: bool, cast: bool, step: int | None = None, only: list[Tier] | None = None) -> Any:
+        tiers = self._pipeline.tiers if only is None else only
+        listed = self._pipeline.tiers
+        if step is not None:
+            if self._group is not None:
+                return restore_agreed(self._group, tiers, template, self._pipeline.memory, strict=strict, cast=cast, only=step, listed=listed)
+            return restore_step(tiers, step, template, self._pipeline.memory, strict=strict, cast=cast, listed=listed)
         if self._group is not None:
             return restore_agreed(self._group, self._pipeline.tiers, template, self._pipeline.memory, strict=strict, cast=cast)
         return restore_latest(self._pipeline.tiers, template, self._pipeline.memory, strict=strict, cast=cast)

@@ -3,7 +3,8 @@
 The modules, in the order a restore runs them:
 
 - ``choose``: candidates across tiers, newest first, and the fallback to the next one
-  (:func:`restore_latest`, :class:`Restored`);
+  (:func:`restore_latest`, :class:`Restored`); or one step's copies, fastest tier first
+  (:func:`restore_step`);
 - ``agree``: the same for several ranks, which agree on one step and all load it or none does
   (:func:`restore_agreed`);
 - ``read``: one version of one tier for this rank: its source or its saved layout, the template's
@@ -22,7 +23,7 @@ The planner is imported from its module (``from tierckpt.restore.plan import pla
 """
 
 from tierckpt.restore.agree import restore_agreed
-from tierckpt.restore.choose import Restored, restore_latest, template_leaves
+from tierckpt.restore.choose import Restored, restore_latest, restore_step, template_leaves
 from tierckpt.restore.read import check_keys, read_version
 
 __all__ = [
@@ -31,5 +32,6 @@ __all__ = [
     "read_version",
     "restore_agreed",
     "restore_latest",
+    "restore_step",
     "template_leaves",
 ]

@@ -29,10 +29,10 @@ import logging
 import warnings
 from typing import Any, Awaitable, Callable, Sequence
 
-from tierckpt.errors import CorruptCheckpointError, RestoreError
+from tierckpt.errors import CorruptCheckpointError, NoCheckpointError, RestoreError
 from tierckpt.format.saved_layout import NotHere
 from tierckpt.ranks.group import RankGroup
-from tierckpt.restore.choose import Restored, template_leaves
+from tierckpt.restore.choose import Restored, held_steps, template_leaves
 from tierckpt.restore.landing import finish
 from tierckpt.restore.read import read_version
 from tierckpt.tiers.base import Tier
@@ -46,9 +46,25 @@ log = logging.getLogger("tierckpt")
 
 
 async def restore_agreed(
-    group: RankGroup, tiers: Sequence[Tier], template: Any, staging: MemoryTier | None, *, strict: bool = True, cast: bool = False
+    group: RankGroup,
+    tiers: Sequence[Tier],
+    template: Any,
+    staging: MemoryTier | None,
+    *,
+    strict: bool = True,
+    cast: bool = False,
+    only: int | None = None,
+    listed: Sequence[Tier] | None = None,
 ) -> Restored | None:
-    """The newest step every rank can load and verify, loaded on every rank; None on every rank if none."""
+    """The newest step every rank can load and verify, loaded on every rank; None on every rank if none.
+
+    With ``only``, that step or an error on every rank, never another step:
+
+    Raises:
+        NoCheckpointError: some rank can get the step from none of ``tiers``; names those ranks and
+            what each of ``listed`` (default: ``tiers``) holds on this rank.
+        CorruptCheckpointError: the step did not verify on some rank; names the rank and why.
+    """
     by_path = template_leaves(template)
     peer = next((t for t in tiers if isinstance(t, PeerTier)), None)
     own = [t for t in tiers if t is not peer]
@@ -58,6 +74,15 @@ async def restore_agreed(
     holders = holders_of([h[1] for h in held])
     can = [set(h[0]) | {step for owner, step in holders if owner == r} for r, h in enumerate(held)]
     common = sorted(set.intersection(*can), reverse=True)
+    if only is not None:
+        if only not in common:
+            lacking = [r for r, steps in enumerate(can) if only not in steps]
+            raise NoCheckpointError(
+                f"step {only} is not held for rank(s) {', '.join(map(str, lacking))} "
+                f"(on rank {group.rank}: {held_steps(listed if listed is not None else tiers)})",
+                step=only,
+            )
+        common = [only]
     first_of = functools.partial(_first_of, by_path=by_path, staging=staging, rank=group.rank, strict=strict, cast=cast)
     for step in common:
         with contextlib.ExitStack() as held_open:
@@ -104,10 +129,13 @@ async def restore_agreed(
                 state = await asyncio.to_thread(finish, read, targets)
                 return Restored(step, state, tier.name, dict(read.metadata), *keys)
         failed = {r: v[0] for r, v in enumerate(verdicts) if v[0]}
-        message = (
-            f"tierckpt: step {step} does not verify on rank(s) {', '.join(map(str, failed))} "
-            f"({'; '.join(f'rank {r}: {why}' for r, why in failed.items())}); every rank falls back to an older step"
+        verdict = (
+            f"step {step} does not verify on rank(s) {', '.join(map(str, failed))} "
+            f"({'; '.join(f'rank {r}: {why}' for r, why in failed.items())})"
         )
+        if only is not None:  # that step or nothing: every rank raises the same
+            raise CorruptCheckpointError(verdict, step=step)
+        message = f"tierckpt: {verdict}; every rank falls back to an older step"
         log.warning(message)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
     return None

@@ -1,4 +1,5 @@
-"""Restore: find the newest committed version across tiers, verify it, load it.
+"""Restore: find the newest committed version across tiers (or one step: :func:`restore_step`),
+verify it, load it.
 
 Candidates are every tier's committed versions, newest step first and, for one step, the fastest
 tier first. A version that fails verification (damaged manifest, missing file, checksum mismatch)
@@ -16,7 +17,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from tierckpt.errors import CorruptCheckpointError
+from tierckpt.errors import CorruptCheckpointError, NoCheckpointError
 from tierckpt.format.saved_layout import NotHere
 from tierckpt.restore.landing import finish
 from tierckpt.restore.read import in_thread, read_version
@@ -24,7 +25,7 @@ from tierckpt.state import Leaf, flatten, format_path
 from tierckpt.tiers.base import Tier
 from tierckpt.tiers.memory import MemoryTier
 
-__all__ = ["Restored", "restore_latest", "template_leaves"]
+__all__ = ["Restored", "held_steps", "restore_latest", "restore_step", "template_leaves"]
 
 log = logging.getLogger("tierckpt")
 
@@ -64,11 +65,60 @@ async def restore_latest(
     mapping does. ``strict`` and ``cast``: see :func:`~tierckpt.restore.read.check_keys` and
     :func:`tierckpt.restore.plan.plan`.
     """
+    restored, _ = await _first_verified(tiers, template, staging, None, strict=strict, cast=cast)
+    return restored
+
+
+async def restore_step(
+    tiers: Sequence[Tier],
+    step: int,
+    template: Any,
+    staging: MemoryTier | None = None,
+    *,
+    strict: bool = True,
+    cast: bool = False,
+    listed: Sequence[Tier] | None = None,
+) -> Restored:
+    """Step ``step`` loaded from the first of ``tiers`` (fastest first) where it verifies; never
+    another step.
+
+    Raises:
+        NoCheckpointError: none of ``tiers`` holds the step; names what each of ``listed`` (default:
+            ``tiers``) holds.
+        CorruptCheckpointError: every copy of the step failed verification; names each failure.
+    """
+    restored, failures = await _first_verified(tiers, template, staging, step, strict=strict, cast=cast)
+    if restored is not None:
+        return restored
+    if not failures:
+        raise NoCheckpointError(f"no tier holds step {step} ({held_steps(listed if listed is not None else tiers)})", step=step)
+    raise CorruptCheckpointError(f"step {step}: no copy verifies ({'; '.join(failures)})", step=step)
+
+
+def held_steps(tiers: Sequence[Tier]) -> str:
+    """What each tier holds, for an error message: ``ram: 8, 10; nvme: 4, 8, 10; pfs: none``."""
+    return "; ".join(f"{t.name}: {_steps([info.step for info in t.versions()])}" for t in tiers)
+
+
+def _steps(steps: list[int], limit: int = 8) -> str:
+    steps = sorted(set(steps))
+    if not steps:
+        return "none"
+    shown = ", ".join(map(str, steps[-limit:]))
+    return shown if len(steps) <= limit else f"{len(steps) - limit} older, {shown}"
+
+
+async def _first_verified(
+    tiers: Sequence[Tier], template: Any, staging: MemoryTier | None, only: int | None, *, strict: bool, cast: bool
+) -> tuple[Restored | None, list[str]]:
+    """The newest candidate (of step ``only`` when given) that verifies, loaded; and why each
+    candidate tried before it did not."""
     by_path = template_leaves(template)
     candidates = sorted(
-        ((info.step, i) for i, tier in enumerate(tiers) for info in tier.versions()),
+        ((info.step, i) for i, tier in enumerate(tiers) for info in tier.versions() if only is None or info.step == only),
         key=lambda c: (-c[0], c[1]),
     )
+    failures: list[str] = []
     for step, i in candidates:
         tier = tiers[i]
         try:
@@ -83,10 +133,11 @@ async def restore_latest(
                 log.info("tierckpt: %s; trying the next candidate", exc)
                 continue
             except CorruptCheckpointError as exc:
+                failures.append(f"tier {tier.name!r}: {exc}")
                 message = f"tierckpt: step {step} on tier {tier.name!r} does not verify ({exc}); trying the next candidate"
                 log.warning(message)
                 warnings.warn(message, RuntimeWarning, stacklevel=3)
                 continue
             state = await in_thread(finish, read, targets)
-            return Restored(step, state, tier.name, dict(read.metadata), *keys)
-    return None
+            return Restored(step, state, tier.name, dict(read.metadata), *keys), failures
+    return None, failures
