@@ -11,4 +11,9 @@ fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     .venv/bin/pip install -q "torch==${TIERCKPT_TORCH_VERSION:-2.13.0}"
 fi
-.venv/bin/pip install -q -e ".[test]"
+# The extras (lightning, ...) depend on torch too: the installed build is a constraint, so that no
+# resolver step swaps it for another one.
+constraints=$(mktemp)
+trap 'rm -f "$constraints"' EXIT
+.venv/bin/python -c "import torch; print('torch==' + torch.__version__)" > "$constraints"
+.venv/bin/pip install -q -c "$constraints" -e ".[test]"

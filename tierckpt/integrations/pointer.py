@@ -1,0 +1,70 @@
+"""Pointer files: a trainer's checkpoint path standing for one tierckpt step.
+
+Trainers think in checkpoint files: Lightning's ``ModelCheckpoint`` keeps its top-k by path, finds
+``last.ckpt`` by listing its directory, and resumes from ``ckpt_path=``. The state itself lives in
+the tiers; at the trainer's path goes a small JSON document naming the step, so every path-based
+feature keeps working and loading a path is ``restore(step)``. JSON, not pickle: a pointer is read
+from a path the user passes, and nothing read on the restore path may run code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+from tierckpt.errors import CorruptCheckpointError, NoCheckpointError
+
+__all__ = ["FORMAT", "read_pointer", "write_pointer"]
+
+FORMAT = "tierckpt-pointer"
+_MAX_BYTES = 64 << 10  # a pointer is a few dozen bytes; anything large is not one
+
+
+def write_pointer(path: str | os.PathLike[str], step: int, tier: str) -> None:
+    """Atomically (a temporary file, fsync, rename, fsync of the directory) make ``path`` name
+    ``step``, which is durable on ``tier``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = json.dumps({"format": FORMAT, "version": 1, "step": step, "tier": tier}).encode() + b"\n"
+    # Not named after the pointer: a temporary file a crash left behind must not look like one
+    # (Lightning finds last.ckpt by any name containing "last").
+    tmp = path.with_name(f".tierckpt-pointer-{os.getpid()}-{threading.get_ident()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(body)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_pointer(path: str | os.PathLike[str]) -> int:
+    """The step ``path`` names.
+
+    Raises:
+        NoCheckpointError: there is no file at ``path``.
+        CorruptCheckpointError: the file is not a pointer (a ``torch.save`` checkpoint, say), or a damaged one.
+    """
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_MAX_BYTES + 1)
+    except FileNotFoundError:
+        raise NoCheckpointError(f"{path}: no such checkpoint") from None
+    except IsADirectoryError:
+        raise NoCheckpointError(f"{path}: a directory, not a checkpoint written through tierckpt") from None
+    try:
+        doc = json.loads(raw) if len(raw) <= _MAX_BYTES else None
+    except ValueError:
+        doc = None
+    step = doc.get("step") if isinstance(doc, dict) and doc.get("format") == FORMAT else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CorruptCheckpointError(
+            f"{path}: not a checkpoint written through tierckpt (its pointer files are small JSON documents "
+            f"naming a step; a torch.save checkpoint is loaded with the trainer's default checkpoint I/O)"
+        )
+    return step
