@@ -1,0 +1,165 @@
+"""A Lightning training run's wall time, checkpointing every N steps: Lightning's own checkpoint I/O
+against the same run through tierckpt (issue 24).
+
+One ``lightning.Trainer.fit`` on CPU of an MLP whose weights and Adam moments make a checkpoint of
+``--mib`` MiB, ``--steps`` steps, a ``ModelCheckpoint`` every ``--every`` steps keeping the newest 2.
+Variants, each in a new process (``--worker``), in alternating order over ``--repeats``:
+
+- ``none``: no checkpoints (the baseline);
+- ``torch.save``: Lightning's default ``TorchCheckpointIO`` (synchronous; it does not fsync);
+- ``AsyncCheckpointIO``: Lightning's own asynchronous wrapper around it (a thread);
+- ``tierckpt``: ``TierckptCheckpointIO``: RAM, then a filesystem tier in the same directory (fsynced),
+  keep 2. The Checkpointer is built on the first save, inside ``fit``: its host pool is in the time.
+
+The time is ``fit()`` from call to return, which includes the plugin's ``teardown()``: every
+checkpoint is written (and, for tierckpt, durable) when it returns. Overhead = variant - ``none`` of
+the same repeat. Medians. Appends a section to RESULTS.md (``--quick``: small, no RESULTS).
+
+    flock /tmp/tierckpt-bench.lock .venv/bin/python benchmarks/lightning_run.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+VARIANTS = ("none", "torch.save", "AsyncCheckpointIO", "tierckpt")
+HERE = Path(__file__).resolve().parent
+
+
+def worker(variant: str, directory: Path, mib: int, steps: int, every: int) -> dict[str, Any]:
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import common
+    from tierckpt.integrations.lightning import TierckptCheckpointIO
+
+    # weights + 2 Adam moments: 12 bytes a parameter; `layers` square layers of `hidden`
+    layers = 4
+    hidden = int(((mib << 20) / 12 / layers) ** 0.5)
+
+    class MLP(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(hidden, hidden), nn.GELU())])
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            (x,) = batch
+            return (self.net(x) - x).pow(2).mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(TensorDataset(torch.randn(32 * 16, hidden)), batch_size=32)
+
+    torch.manual_seed(0)
+    model = MLP()
+    plugin: Any = None
+    if variant == "AsyncCheckpointIO":
+        plugin = AsyncCheckpointIO()
+    elif variant == "tierckpt":
+        state_bytes = 12 * sum(p.numel() for p in model.parameters())
+        config = common.tier_config(common.disk_tier(directory / "nvme", "nvme", keep={"last": 2}),
+                                    capacity=int(state_bytes * 1.15) + (16 << 20), snapshots=2)
+        plugin = TierckptCheckpointIO(config)
+    checkpointing = variant != "none"
+    trainer = L.Trainer(
+        max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=directory, plugins=[plugin] if plugin is not None else None, enable_checkpointing=checkpointing,
+        callbacks=[ModelCheckpoint(dirpath=directory / "ckpts", every_n_train_steps=every, save_top_k=2, monitor="step", mode="max")]
+        if checkpointing else None,
+    )
+    t = time.perf_counter()
+    trainer.fit(model)
+    fit_s = time.perf_counter() - t
+    return {"variant": variant, "fit_s": fit_s, "params": sum(p.numel() for p in model.parameters()), "hidden": hidden,
+            "saved": sorted(os.listdir(directory / "ckpts")) if checkpointing else []}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mib", type=int, default=384, help="checkpoint size: weights and Adam moments")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/tierckpt-lightning-bench"))
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quick:
+        args.mib, args.steps, args.every, args.repeats = 32, 12, 4, 1
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.dir, args.mib, args.steps, args.every)))
+        return
+
+    sys.path.insert(0, str(HERE))
+    from machine_limits import machine
+
+    runs: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    overheads: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    info: dict[str, Any] = {}
+    for r in range(args.repeats):
+        order = VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS))
+        times = {}
+        for variant in order:
+            shutil.rmtree(args.dir, ignore_errors=True)
+            args.dir.mkdir(parents=True)
+            out = subprocess.run(
+                [sys.executable, __file__, "--worker", variant, "--dir", str(args.dir), "--mib", str(args.mib),
+                 "--steps", str(args.steps), "--every", str(args.every)],
+                capture_output=True, text=True, env=os.environ | {"PYTHONPATH": str(HERE)},
+            )
+            if out.returncode != 0:
+                raise SystemExit(f"{variant} failed:\n{out.stderr[-4000:]}")
+            result = json.loads(out.stdout.strip().splitlines()[-1])
+            info = result
+            times[variant] = result["fit_s"]
+            runs[variant].append(result["fit_s"])
+            print(f"repeat {r}: {variant:18s} {result['fit_s']:7.2f} s  saved {result['saved']}", flush=True)
+        for variant in VARIANTS:
+            overheads[variant].append(times[variant] - times["none"])
+    shutil.rmtree(args.dir, ignore_errors=True)
+    args.dir.mkdir(parents=True)
+    m = machine(args.dir)
+    base = statistics.median(runs["none"])
+    lines = [
+        f"## Lightning: a training run's wall time, checkpointing every {args.every} steps (issue 24) ({time.strftime('%Y-%m-%d %H:%M')})",
+        "",
+        f"`benchmarks/lightning_run.py --mib {args.mib} --steps {args.steps} --every {args.every} --repeats {args.repeats}`. "
+        f"{m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, {m['disk']}; lightning, torch CPU. An MLP of "
+        f"{info['params'] / 1e6:.1f} M parameters (hidden {info['hidden']}): a checkpoint of {args.mib} MiB with Adam's moments; "
+        f"{args.steps} steps, a ModelCheckpoint every {args.every} (keep 2): {args.steps // args.every} checkpoints. "
+        "Each run a new process; `fit()` from call to return (the plugin's teardown included: every checkpoint written). Medians.",
+        "",
+        "| checkpoint I/O | fit (s) | overhead over no checkpoints (s) | per checkpoint (s) | durable (fsync) |",
+        "| --- | ---: | ---: | ---: | --- |",
+    ]
+    durable = {"none": "", "torch.save": "no", "AsyncCheckpointIO": "no", "tierckpt": "yes"}
+    for variant in VARIANTS:
+        over = statistics.median(overheads[variant])
+        per = over / (args.steps // args.every) if variant != "none" else 0.0
+        lines.append(f"| {variant} | {statistics.median(runs[variant]):.2f} | {over:+.2f} | {per:+.3f} | {durable[variant]} |")
+    lines += ["", "Per repeat (s): " + "; ".join(f"{v} " + " / ".join(f"{t:.2f}" for t in runs[v]) for v in VARIANTS),
+              f"(the no-checkpoint run: {base:.2f} s).", ""]
+    text = "\n".join(lines)
+    print(text)
+    if not args.quick:
+        with open(HERE / "RESULTS.md", "a") as f:
+            f.write("\n" + text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""Hugging Face ``transformers.Trainer`` through tierckpt: ``TierckptTrainer(..., tierckpt="tiers.yaml")``.
+
+The seam is the Trainer's own checkpoint methods, overridden in a mixin (:class:`TierckptMixin`, put
+before ``Trainer`` or a subclass of it such as TRL's ``SFTTrainer``): ``_save_checkpoint`` and the
+four loaders ``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``, ``_load_scaler`` and
+``_load_rng_state``. A ``TrainerCallback`` cannot replace a save (``on_save`` runs after the Trainer
+wrote its files) and the Trainer does not save through accelerate's ``save_state`` hooks, so these
+methods are the narrowest seam there is; each override keeps the parent's signature, and a
+directory written by the stock Trainer still loads through the parent's code.
+
+One save is one tierckpt step (``state.global_step``): the model's state dict, the optimizer, the LR
+scheduler, the gradient scaler and the RNG states (Python, numpy, torch CPU and CUDA). Once it is
+durable on the first tier below RAM that takes it, ``<output_dir>/checkpoint-N/`` appears, made
+atomically (written aside, then renamed), holding ``trainer_state.json`` (the Trainer reads it
+itself: global step, log history, callback states; the data position follows from the step) and
+``tierckpt.json`` (the pointer naming the step). ``resume_from_checkpoint=True`` finds the newest such
+directory, so after a crash it is one whose step can be restored; ``save_total_limit`` then prunes
+the directories, and the tiers' ``keep`` rules prune the stored steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import Trainer
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+from tierckpt.config import Config
+from tierckpt.errors import ConfigError, CorruptCheckpointError, UnsupportedStateError
+from tierckpt.integrations.pointer import read_pointer, write_pointer
+from tierckpt.integrations.saves import DurableSaves
+
+__all__ = ["POINTER_NAME", "TierckptMixin", "TierckptTrainer"]
+
+POINTER_NAME = "tierckpt.json"
+TRAINER_STATE_NAME = "trainer_state.json"
+
+
+class TierckptMixin:
+    """Checkpoints of a ``transformers.Trainer`` through tierckpt's tiers (see the module docstring).
+
+    ``tierckpt``: a tier config (a YAML path, a dict or a :class:`~tierckpt.config.Config`).
+    """
+
+    def __init__(self, *args: Any, tierckpt: Config | Mapping[str, Any] | str | os.PathLike[str], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        args_ = self.args  # type: ignore[attr-defined]
+        if args_.load_best_model_at_end:
+            raise ConfigError("TierckptTrainer does not support load_best_model_at_end yet: restore the step you want with Checkpointer.restore(step)")
+        if args_.save_only_model:
+            raise ConfigError("TierckptTrainer saves the whole training state; set save_only_model=False (or use save_model() for the weights)")
+        self.tierckpt_config = Config.coerce(tierckpt)
+        self._tierckpt = DurableSaves(self.tierckpt_config, "TierckptTrainer")
+        self._tierckpt_loaded: tuple[str, dict[str, Any]] | None = None
+
+    # -- saving --------------------------------------------------------------------------------------
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        trainer: Any = self
+        step = trainer.state.global_step
+        if trainer.hp_search_backend is None and trial is None:
+            trainer.store_flos()
+        run_dir = trainer._get_output_dir(trial=trial)
+        output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        best_step = getattr(trainer.state, "best_global_step", None)  # recorded by evaluations (transformers >= 4.50)
+        if best_step:
+            trainer.state.best_model_checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best_step}")
+        # As the Trainer does: the stateful callbacks' and TrainerControl's state go into trainer_state.json.
+        for cb in [cb for cb in trainer.callback_handler.callbacks + [trainer.control] if isinstance(cb, ExportableState)]:
+            name = cb.__class__.__name__
+            if isinstance(trainer.state.stateful_callbacks.get(name), list):
+                trainer.state.stateful_callbacks[name].append(cb.state())
+            else:
+                trainer.state.stateful_callbacks[name] = cb.state()
+        trainer_state = json.dumps(dataclasses.asdict(trainer.state), indent=2, sort_keys=True) + "\n"
+        scaler = getattr(trainer.accelerator, "scaler", None)
+        state = {
+            "model": trainer.accelerator.unwrap_model(trainer.model).state_dict(),
+            "optimizer": trainer.optimizer.state_dict(),
+            "scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else None,
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "rng": _rng_states(),
+        }
+        limit, best = trainer.args.save_total_limit, trainer.state.best_model_checkpoint
+
+        def publish(tier: str) -> None:
+            _publish(output_dir, step, tier, trainer_state)
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=best, use_mtime=False)
+
+        try:
+            self._tierckpt.save(output_dir, step, state, publish, metadata={"hf_checkpoint": output_dir})
+        except UnsupportedStateError as exc:
+            raise UnsupportedStateError(f"{exc}. tierckpt stores checkpoints without pickle: the optimizer, scheduler or scaler state must hold only numbers, strings, lists, dicts and tensors", key=exc.key) from exc
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train``; once it ends, every checkpoint is durable and its directory written."""
+        try:
+            return super().train(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._tierckpt_loaded = None
+            self._tierckpt.close()
+
+    # -- loading -------------------------------------------------------------------------------------
+
+    def _stored(self, checkpoint: str) -> dict[str, Any] | None:
+        """The tierckpt state that ``checkpoint`` (a directory) names, restored once per directory;
+        None for a directory the stock Trainer wrote."""
+        if not os.path.isfile(os.path.join(checkpoint, POINTER_NAME)):
+            return None
+        if self._tierckpt_loaded is None or self._tierckpt_loaded[0] != checkpoint:
+            step = read_pointer(os.path.join(checkpoint, POINTER_NAME))
+            self._tierckpt_loaded = (checkpoint, self._tierckpt.checkpointer.restore_sync(step).state)
+        return self._tierckpt_loaded[1]
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        stored = self._stored(resume_from_checkpoint)
+        if stored is None:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
+        trainer: Any = self
+        target = trainer.accelerator.unwrap_model(model if model is not None else trainer.model)
+        target.load_state_dict(stored["model"])
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        stored = self._stored(checkpoint) if checkpoint is not None else None
+        if stored is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+        trainer: Any = self
+        trainer.optimizer.load_state_dict(stored["optimizer"])
+        if stored["scheduler"] is not None and trainer.lr_scheduler is not None:
+            trainer.lr_scheduler.load_state_dict(stored["scheduler"])
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        stored = self._stored(checkpoint) if checkpoint is not None else None
+        if stored is None:
+            return super()._load_scaler(checkpoint)  # type: ignore[misc]
+        scaler = getattr(getattr(self, "accelerator"), "scaler", None)
+        if stored["scaler"] is not None and scaler is not None:
+            scaler.load_state_dict(stored["scaler"])
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        stored = self._stored(checkpoint) if checkpoint is not None else None
+        if stored is None:
+            return super()._load_rng_state(checkpoint)  # type: ignore[misc]
+        _set_rng_states(stored["rng"])
+
+
+class TierckptTrainer(TierckptMixin, Trainer):
+    """``transformers.Trainer`` with its checkpoints through tierckpt: ``tierckpt=`` the tier config."""
+
+
+def _publish(output_dir: str, step: int, tier: str, trainer_state: str) -> None:
+    """Make ``output_dir`` (``checkpoint-N``) appear whole: written aside, then renamed into place.
+    A directory already there (the same step saved again) is replaced."""
+    parent, name = os.path.split(output_dir)
+    os.makedirs(parent, exist_ok=True)
+    aside = os.path.join(parent, f".tierckpt-{name}-{os.getpid()}")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.mkdir(aside)
+    with open(os.path.join(aside, TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
+        f.write(trainer_state)
+        f.flush()
+        os.fsync(f.fileno())
+    write_pointer(os.path.join(aside, POINTER_NAME), step, tier)  # fsyncs its directory: aside
+    if os.path.exists(output_dir):
+        old = f"{aside}.old"
+        os.rename(output_dir, old)
+        os.rename(aside, output_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(aside, output_dir)
+    fd = os.open(parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rng_states() -> dict[str, Any]:
+    python = random.getstate()
+    numpy = np.random.get_state()
+    assert isinstance(numpy, tuple)
+    states: dict[str, Any] = {"python": python, "numpy": numpy, "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.random.get_rng_state_all()
+    return states
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    try:
+        random.setstate(states["python"])
+        np.random.set_state(states["numpy"])
+        torch.random.set_rng_state(states["cpu"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptCheckpointError(f"the stored RNG states cannot be set ({exc})") from exc
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.random.set_rng_state_all(states["cuda"])

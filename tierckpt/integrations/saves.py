@@ -1,0 +1,157 @@
+"""What every trainer integration needs: one Checkpointer, and an action once each save is durable.
+
+A trainer names a checkpoint by a path (Lightning's ``ModelCheckpoint`` file, Hugging Face's
+``checkpoint-N`` directory). The integrations write what stands at that path (a pointer naming the
+step, :mod:`tierckpt.integrations.pointer`) only once the step is durable on the first tier below
+host memory that takes it, in the order the saves were made, from one background thread: after a
+crash, every path a trainer finds names a step that can be restored.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from tierckpt.checkpointer import Checkpointer, SaveHandle
+from tierckpt.config import Config
+from tierckpt.errors import ConfigError, FlushError
+
+__all__ = ["DurableSaves"]
+
+log = logging.getLogger("tierckpt")
+
+_DURABLE = ("filesystem", "object")  # tier types whose copy outlives the process
+
+
+@dataclass
+class _Pending:
+    key: str
+    step: int
+    handle: SaveHandle
+    seq: int
+    then: Callable[[str], None]
+
+
+class DurableSaves:
+    """Saves through one Checkpointer (opened on first use, in the process that trains), each with an
+    action run once the step is durable: ``then(tier)``, on a background thread, in save order.
+
+    ``who``: the integration's name, for error messages.
+    """
+
+    def __init__(self, config: Config, who: str) -> None:
+        self.config, self.who = config, who
+        self._durable = [t.name for t in config.tiers if t.type in _DURABLE]
+        self._ckpt: Checkpointer | None = None
+        self._queue: queue.Queue[_Pending | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._pending: dict[str, _Pending] = {}  # key -> its newest save whose action has not run yet
+        self._removed: dict[str, int] = {}  # key -> seq of the newest save before cancel(key)
+        # step -> its newest save. A trainer may save one step under several keys (a top-k file,
+        # then last.ckpt): each save replaces the version, so only the newest one commits, for every key.
+        self._newest: dict[int, SaveHandle] = {}
+        self._seq = itertools.count()
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        """The open Checkpointer (opened on first use)."""
+        if self._ckpt is None:
+            if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+                raise ConfigError(
+                    f"{self.who} runs in a single process for now: the trainer saves from rank 0 only, while a "
+                    "Checkpointer under torch.distributed saves with every rank. Use tierckpt's Checkpointer "
+                    "directly in multi-process jobs"
+                )
+            self._ckpt = Checkpointer(self.config)
+            self._thread = threading.Thread(target=self._run, name="tierckpt-durable-actions", daemon=True)
+            self._thread.start()
+        return self._ckpt
+
+    def save(self, key: str, step: int, state: Any, then: Callable[[str], None], metadata: dict[str, Any] | None = None) -> bool:
+        """Save ``state`` as ``step``; return once it is captured (the trainer may then change the
+        live tensors). False when the save was skipped (``host.on_full: skip``)."""
+        ckpt = self.checkpointer
+        # Under the lock: a save of a step replaces the one before it at once, and the thread, finding
+        # that one passed over, must then see this one as the step's newest.
+        with self._lock:
+            handle = ckpt.save_sync(step, state, metadata=metadata)
+            if handle.skipped:
+                return False
+            self._newest[step] = handle
+        handle.captured_sync()
+        item = _Pending(key, step, handle, next(self._seq), then)
+        with self._lock:
+            self._pending[key] = item
+        self._queue.put(item)
+        return True
+
+    def pending_step(self, key: str) -> int | None:
+        """The step of ``key``'s newest save whose action has not run yet, if any."""
+        with self._lock:
+            item = self._pending.get(key)
+        return None if item is None else item.step
+
+    def cancel(self, key: str, also: Callable[[], None] = lambda: None) -> None:
+        """No action for the saves of ``key`` made so far; ``also()`` under the same lock (removing
+        what an earlier action wrote, so that none can run in between)."""
+        with self._lock:
+            item = self._pending.pop(key, None)
+            if item is not None:
+                self._removed[key] = item.seq
+            also()
+
+    def close(self) -> None:
+        """Wait until every save is durable and its action ran; close the Checkpointer (the next
+        use opens a new one)."""
+        ckpt, thread = self._ckpt, self._thread
+        if ckpt is None:
+            return
+        self._ckpt = self._thread = None
+        self._queue.put(None)
+        try:
+            if thread is not None:
+                thread.join()
+        finally:
+            ckpt.close_sync()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                tier, handle = self._durable_on(item)
+                with self._lock:
+                    if self._newest.get(item.step) is handle:
+                        del self._newest[item.step]
+                    if tier is not None and item.seq > self._removed.get(item.key, -1):
+                        item.then(tier)
+                    if self._pending.get(item.key) is item:
+                        del self._pending[item.key]
+            except Exception:  # one failed action must not stop the ones after it
+                log.exception("tierckpt: %s: finishing checkpoint %s (step %d) failed", self.who, item.key, item.step)
+
+    def _durable_on(self, item: _Pending) -> tuple[str | None, SaveHandle]:
+        """The first tier below host memory that commits ``item``'s step (the memory tier's name when
+        the config has none below it), None when none does; and the save that got there."""
+        handle = item.handle
+        if not self._durable:
+            return self.config.tiers[0].name, handle
+        while True:
+            for tier in self._durable:
+                try:
+                    if handle.committed_sync(tier):
+                        return tier, handle
+                except FlushError as exc:
+                    log.warning("tierckpt: %s: checkpoint %s (step %d) did not reach tier %r: %s", self.who, item.key, item.step, tier, exc)
+            with self._lock:
+                newer = self._newest.get(item.step, handle)
+            if newer is handle:
+                break
+            handle = newer  # a newer save of the same step replaced this one: its commit counts
+        log.warning("tierckpt: %s: checkpoint %s (step %d) reached no durable tier; nothing is written at its path", self.who, item.key, item.step)
+        return None, handle
