@@ -73,7 +73,7 @@ def worker(variant: str, directory: Path, mib: int, steps: int, every: int) -> d
     elif variant == "tierckpt":
         state_bytes = 12 * sum(p.numel() for p in model.parameters())
         config = common.tier_config(common.disk_tier(directory / "nvme", "nvme", keep={"last": 2}),
-                                    capacity=int(state_bytes * 1.15) + (16 << 20), snapshots=2)
+                                    capacity=2 * (int(state_bytes * 1.1) + (8 << 20)), snapshots=2)
         plugin = TierckptCheckpointIO(config)
     checkpointing = variant != "none"
     trainer = L.Trainer(
