@@ -24,6 +24,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import shutil
 from collections.abc import Mapping
 from typing import Any
@@ -42,6 +43,7 @@ from tierckpt.integrations.saves import DurableSaves
 __all__ = ["POINTER_NAME", "TierckptMixin", "TierckptTrainer"]
 
 POINTER_NAME = "tierckpt.json"
+_CHECKPOINT_DIR = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 TRAINER_STATE_NAME = "trainer_state.json"
 
 
@@ -96,18 +98,42 @@ class TierckptMixin:
             _publish(output_dir, step, tier, trainer_state)
             rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=best, use_mtime=False)
 
+        # The directory's contents also go with the step, so that a step that became durable but
+        # whose directory a crash kept from being written is published at the next resume.
+        metadata = {"hf_checkpoint": output_dir, "hf_trainer_state": trainer_state}
         try:
-            self._tierckpt.save(output_dir, step, state, publish, metadata={"hf_checkpoint": output_dir})
+            self._tierckpt.save(output_dir, step, state, publish, metadata=metadata)
         except UnsupportedStateError as exc:
             raise UnsupportedStateError(f"{exc}. tierckpt stores checkpoints without pickle: the optimizer, scheduler or scaler state must hold only numbers, strings, lists, dicts and tensors", key=exc.key) from exc
 
-    def train(self, *args: Any, **kwargs: Any) -> Any:
-        """The Trainer's ``train``; once it ends, every checkpoint is durable and its directory written."""
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train``; once it ends, every checkpoint is durable and its directory written.
+
+        With ``resume_from_checkpoint=True``, a step newer than the newest ``checkpoint-N`` directory
+        that a durable tier holds (saved by a job that died before writing its directory) gets its
+        directory first, so the Trainer resumes from it.
+        """
         try:
-            return super().train(*args, **kwargs)  # type: ignore[misc]
+            if resume_from_checkpoint is True:
+                self._publish_newer(getattr(self, "args").output_dir)
+            return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
         finally:
             self._tierckpt_loaded = None
             self._tierckpt.close()
+
+    def _publish_newer(self, run_dir: str) -> None:
+        listed = os.listdir(run_dir) if os.path.isdir(run_dir) else []
+        published = [int(m.group(1)) for m in map(_CHECKPOINT_DIR.match, listed) if m and os.path.isdir(os.path.join(run_dir, m.group(0)))]
+        ckpt = self._tierckpt.checkpointer
+        durable = {t.name for t in self.tierckpt_config.tiers if t.type in ("filesystem", "object")}
+        newer = sorted({v.step for v in ckpt.versions() if v.tier in durable and v.step > max(published, default=-1)}, reverse=True)
+        for step in newer[:1]:  # the newest: the one the Trainer would resume from
+            restored = ckpt.restore_sync(step)
+            path, trainer_state = restored.metadata.get("hf_checkpoint"), restored.metadata.get("hf_trainer_state")
+            if not isinstance(path, str) or not isinstance(trainer_state, str) or os.path.normpath(os.path.dirname(path)) != os.path.normpath(run_dir):
+                return  # not a checkpoint of this output directory
+            _publish(path, step, restored.tier, trainer_state)
+            self._tierckpt_loaded = (path, restored.state)
 
     # -- loading -------------------------------------------------------------------------------------
 

@@ -1,0 +1,83 @@
+"""The Hugging Face run the tests share (tests/test_huggingface.py), and a child that is SIGKILLed
+right after a save returns: ``python hf_worker.py <output_dir> <config.json> <kill after the save of step>``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, set_seed
+
+from tierckpt.integrations.huggingface import TierckptTrainer
+
+STEPS, EVERY = 12, 4
+
+
+class Tokens(torch.utils.data.Dataset):
+    """48 sequences of a learnable pattern, in memory."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        starts = torch.randint(0, 50, (48, 1), generator=g)
+        self.ids = (starts + torch.arange(16)) % 64
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class Losses(TrainerCallback):
+    def __init__(self, stop_at: int | None = None) -> None:
+        self.losses: dict[int, float] = {}
+        self.stop_at = stop_at
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        if logs and "loss" in logs:
+            self.losses[state.global_step] = logs["loss"]
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.stop_at:
+            control.should_training_stop = True  # the job stops here (after its checkpoint)
+
+
+def run(out: Path, config: dict[str, Any] | None, *, stop_at: int | None = None, resume: Any = None, limit: int | None = None,
+        callbacks: tuple[Any, ...] = ()) -> dict[int, float]:
+    """Train (``config`` None: with the stock Trainer) and return the logged losses by step."""
+    set_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))  # dropout 0.1: RNG matters
+    args = TrainingArguments(
+        output_dir=str(out), max_steps=STEPS, save_steps=EVERY, save_strategy="steps", logging_steps=1,
+        per_device_train_batch_size=4, learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=2,
+        report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0, save_total_limit=limit, disable_tqdm=True,
+    )
+    losses = Losses(stop_at)
+    if config is None:
+        trainer: Trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[losses, *callbacks])
+    else:
+        trainer = TierckptTrainer(model=model, args=args, train_dataset=Tokens(), callbacks=[losses, *callbacks], tierckpt=config)
+    trainer.train(resume_from_checkpoint=resume)
+    return losses.losses
+
+
+class KillAfterSave(TrainerCallback):
+    """SIGKILL the process right after the Trainer's save of ``step`` returned: the step is captured,
+    and may or may not be durable yet."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    out, config, kill_at = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text()), int(sys.argv[3])
+    run(out, config, callbacks=(KillAfterSave(kill_at),))
