@@ -288,14 +288,16 @@ def main() -> None:
             with Checkpointer(config(root, timeout)) as ckpt:
                 into = template(rank)
                 try:
+                    verify_first = os.environ.get("VERIFY_FIRST") == "1"
                     if os.environ.get("RESTORE_STEP"):  # restore(step): that step or an error, never another
-                        restored = ckpt.restore_sync(int(os.environ["RESTORE_STEP"]), into)
+                        restored = ckpt.restore_sync(int(os.environ["RESTORE_STEP"]), into, verify_first=verify_first)
                     else:
-                        restored = ckpt.restore_latest_sync(into)
+                        restored = ckpt.restore_latest_sync(into, verify_first=verify_first)
                 except TierckptError as exc:
                     out["error"] = [type(exc).__name__, str(exc), exc.step]
                     restored = None
         out["warnings"] = [str(w.message) for w in caught if "tierckpt" in str(w.message)]
+        out["template_untouched"] = bitwise_equal(into, template(rank))
         if restored is None:
             out["step"] = None
         else:

@@ -76,9 +76,9 @@ def main() -> None:
     read_bytes: dict[str, int] = {}
     original = StoredSource.read_logical
 
-    def counting(self: Any, record: Any, chunk: int, out: memoryview, scratch: memoryview) -> None:
+    def counting(self: Any, record: Any, chunk: int, out: memoryview, scratch: memoryview, **how: Any) -> None:
         read_bytes[record.key] = read_bytes.get(record.key, 0) + out.nbytes
-        original(self, record, chunk, out, scratch)
+        original(self, record, chunk, out, scratch, **how)
 
     StoredSource.read_logical = counting  # type: ignore[method-assign]
     with Checkpointer(config(root)) as ckpt:

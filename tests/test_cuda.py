@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from tierckpt import Checkpointer, ConfigError, FlushError
+from tierckpt import Checkpointer, ConfigError, CorruptCheckpointError, FlushError
 from tierckpt._buffers import address, aligned_buffer
 from tierckpt.capture import pinning
 from tierckpt.capture.copier import TornCaptureError
@@ -82,16 +82,36 @@ def test_cuda_tensors_of_every_dtype_round_trip_bitwise(tmp_path: Path) -> None:
         assert_bitwise(template[key], want, devices=False)
 
 
-def test_restore_from_disk_into_cuda_templates_through_the_pool(tmp_path: Path) -> None:
+@pytest.mark.parametrize("verify_first", [False, True], ids=["through the pinned ring", "staged, then copied"])
+def test_restore_from_disk_into_cuda_templates(tmp_path: Path, verify_first: bool) -> None:
     state = cuda_state()
     with Checkpointer(config(tmp_path)) as ckpt:
         assert ckpt.save_sync(1, state).committed_sync("nvme", timeout=DEADLINE_S)
     template = {k: torch.empty_like(v) for k, v in state.items()}
     with Checkpointer(config(tmp_path)) as ckpt:  # a new process's RAM is empty: this reads the disk
-        restored = ckpt.restore_latest_sync(template)
+        restored = ckpt.restore_latest_sync(template, verify_first=verify_first)
     assert restored is not None and restored.tier == "nvme"
     for key, want in state.items():
+        assert restored.state[key] is template[key]
         assert_bitwise(template[key], want, devices=False)
+
+
+def test_a_damaged_chunk_never_reaches_a_cuda_template(tmp_path: Path) -> None:
+    from tierckpt.format import MANIFEST_FILE, Manifest, version_dirname
+    from tierckpt.testing import flip_bits
+
+    state = {"a": random_tensor(torch.float32, (1 << 20,)), "b": random_tensor(torch.float32, (1 << 20,))}
+    with Checkpointer(config(tmp_path)) as ckpt:
+        assert ckpt.save_sync(1, state).committed_sync("nvme", timeout=DEADLINE_S)
+    version = tmp_path / "nvme" / version_dirname(1)
+    record = next(r for r in Manifest.decode((version / MANIFEST_FILE).read_bytes()).records if r.key == "['b']")
+    flip_bits(version / record.file, record.chunks[0].offset + 100, 0x01)
+    template = {k: torch.zeros_like(v) for k, v in state.items()}
+    with Checkpointer(config(tmp_path)) as ckpt, pytest.warns(RuntimeWarning):
+        with pytest.raises(CorruptCheckpointError, match="partly overwritten"):
+            ckpt.restore_latest_sync(template)
+    assert_bitwise(template["a"], state["a"], devices=False)  # verified, copied through the ring
+    assert not template["b"].any()  # failed in the ring's host buffer: nothing of it was copied
 
 
 def test_mixed_devices_round_trip_each_to_its_templates_device(tmp_path: Path) -> None:

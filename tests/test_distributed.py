@@ -87,10 +87,31 @@ def test_a_corrupted_file_of_one_rank_makes_every_rank_fall_back_together(tmp_pa
     restored = run_ranks(2, "restore", tmp_path)
     assert [r["step"] for r in restored] == [2, 2]
     assert all(r["bitwise"] for r in restored)
+    # Rank 0's part of step 3 verified and landed in its template: step 2 overwrote it.
+    assert all(r["template_filled"] for r in restored)
     for r in restored:
         # Both ranks read rank 1's bytes (rank 0 for its shared chunks): each warns once, naming the file.
         assert len(r["warnings"]) == 1, r["warnings"]
         assert "step 3" in r["warnings"][0] and "data-r00001.bin" in r["warnings"][0]
+
+
+def test_when_no_step_verifies_on_every_rank_every_rank_says_its_template_was_written(tmp_path: Path) -> None:
+    run_ranks(2, "save", tmp_path, {"STEPS": "1,2"})
+    for step in (1, 2):
+        data = _version(tmp_path, step) / "data-r00001.bin"
+        raw = bytearray(data.read_bytes())
+        raw[100] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    failed = run_ranks(2, "restore", tmp_path)
+    for r in failed:
+        kind, message, _ = r["error"]
+        assert kind == "CorruptCheckpointError" and "no step verifies on every rank" in message, r
+        assert "partly overwritten by the copies that failed (on rank(s) 0" in message, message
+        assert r["step"] is None
+    assert not failed[0]["template_untouched"]  # rank 0's parts verified and landed, in vain
+    # verify_first: no rank writes before every rank verified; nothing to restore, templates as passed.
+    kept = run_ranks(2, "restore", tmp_path, {"VERIFY_FIRST": "1"})
+    assert [(r["step"], r.get("error"), r["template_untouched"]) for r in kept] == [(None, None, True)] * 2
 
 
 def test_restore_of_one_step_loads_that_step_on_every_rank_or_fails_on_every_rank(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Any, Iterator
@@ -113,12 +114,18 @@ def test_a_checksum_mismatch_on_read_is_caught_and_the_template_is_untouched(ope
     template = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else np.zeros_like(v) if isinstance(v, np.ndarray) else 0) for k, v in state.items()}
     ckpt = opened(_config(root))
     with pytest.warns(RuntimeWarning, match=r"checksum mismatch in \['big'\] \(chunk 2\)"):
-        assert ckpt.restore_latest_sync(template) is None
+        assert ckpt.restore_latest_sync(template, verify_first=True) is None
     for key, value in template.items():
         if isinstance(value, (torch.Tensor, np.ndarray)):
             assert not value.any(), key  # nothing landed in the template
     with pytest.warns(RuntimeWarning, match="checksum mismatch"):
         assert ckpt.restore_latest_sync() is None
+    # Landing as chunks verify: the others did, the damaged one did not, and the call says so.
+    with pytest.warns(RuntimeWarning, match="checksum mismatch"), pytest.raises(CorruptCheckpointError, match="partly overwritten"):
+        ckpt.restore_latest_sync(template)
+    per_chunk = CHUNK_BYTES // 4
+    assert torch.equal(template["big"][: 2 * per_chunk], state["big"][: 2 * per_chunk])
+    assert not template["big"][2 * per_chunk :].any()
 
 
 def test_a_damaged_small_tensor_falls_back_to_the_previous_step(opened: Opened, tmp_path: Path) -> None:
@@ -389,6 +396,49 @@ def test_owned_tensors_are_aligned_exact_and_give_their_memory_back() -> None:
     del tensor
     gc.collect()
     assert gone() is None
+
+
+def _resident_pages(view: memoryview) -> int:
+    """How many pages of ``view`` are in memory (mincore(2))."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = -(-view.nbytes // PAGE)
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(address(view)), ctypes.c_size_t(view.nbytes), vec) == 0
+    return sum(b & 1 for b in vec)
+
+
+def test_prefaulting_faults_a_mapping_in_beside_the_writer_and_stops_with_the_block() -> None:
+    from tierckpt._buffers import prefaulting
+
+    probe = aligned_buffer(PAGE)
+    if not prefault(memoryview(probe)):
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14): nothing is faulted ahead")
+    buf = aligned_buffer(64 << 20)
+    view = memoryview(buf)
+    try:
+        assert _resident_pages(view) == 0  # mapped, nothing faulted: nothing waits before the first byte
+        with prefaulting(view, piece=1 << 20):
+            view[: 4 << 20] = bytes(range(256)) * (16 << 10)  # the transfer's first bytes, at once
+        # The thread is done when the block is, whatever it reached; every byte written is there.
+        assert not any(t.name == "tierckpt-prefault" for t in threading.enumerate())
+        assert bytes(view[: 4 << 20]) == bytes(range(256)) * (16 << 10)
+        # A block that outlasts the thread: it faults every page in, front to back, on its own.
+        fresh = aligned_buffer(8 << 20)
+        whole = memoryview(fresh)
+        assert _resident_pages(whole) == 0
+        with prefaulting(whole, piece=1 << 20):
+            deadline = time.monotonic() + 30
+            while _resident_pages(whole) < whole.nbytes // PAGE and time.monotonic() < deadline:
+                threading.Event().wait(0.01)
+            assert _resident_pages(whole) == whole.nbytes // PAGE
+        assert not whole.tobytes().strip(b"\0")  # faulted, not written: still zeros
+        whole.release()
+        fresh.close()
+    finally:
+        view.release()
+        buf.close()
 
 
 def test_copy_bytes_copies_exactly() -> None:

@@ -65,17 +65,18 @@ def test_without_cuda_auto_and_false_stay_pageable_and_true_is_a_config_error(tm
     assert info.value.key == "host.pinned"
 
 
-def test_the_whole_pool_is_registered_once_and_unregistered_at_close(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_slot_is_pinned_in_the_background_and_unpinned_at_close(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     runtime = FakeRuntime(monkeypatch, result=0)
     ckpt = Checkpointer(config(tmp_path))
     try:
-        assert ckpt.pinned is True
-        assert runtime.registered == [(ckpt._pool._bytes.data_ptr(), 8 << 20)]
+        assert ckpt.pinned is True  # waits for the background preparation (tierckpt.capture.prepare)
+        base, slot = ckpt._pool._bytes.data_ptr(), ckpt._pool.slot_size
+        assert runtime.registered == [(base, slot), (base + slot, slot)]  # one registration per slot
         assert ckpt.save_sync(1, {"x": torch.arange(10)}).committed_sync("nvme", timeout=30)
         assert runtime.unregistered == []
     finally:
         ckpt.close_sync()
-    assert runtime.unregistered == [runtime.registered[0][0]]
+    assert sorted(runtime.unregistered) == [base, base + slot]
     assert runtime.cleared == 0
 
 
@@ -94,18 +95,33 @@ def test_a_refused_registration_under_auto_falls_back_clears_the_error_and_warns
     assert runtime.unregistered == []  # nothing was pinned: nothing to undo
     warnings = [r.getMessage() for r in caplog.records if "page-locking" in r.getMessage()]
     assert len(warnings) == 1, warnings
-    assert "the 8MiB host pool failed" in warnings[0] and f"cudaError {_EMEM}" in warnings[0] and "pageable" in warnings[0]
+    assert "slot 0 (4MiB) of the host pool failed" in warnings[0] and f"cudaError {_EMEM}" in warnings[0] and "pageable" in warnings[0]
 
 
-def test_a_refused_registration_under_true_is_a_config_error_and_frees_the_ram_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    runtime = FakeRuntime(monkeypatch, result=_EMEM)
+def test_a_refused_registration_under_true_is_raised_by_save_and_restore_still_works(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ram = tmp_path / "shm"
-    with pytest.raises(ConfigError, match=f"cudaError {_EMEM}.*host.pinned: auto") as info:
-        Checkpointer(config(tmp_path, True, ram_path=ram))
-    assert info.value.key == "host.pinned" and runtime.cleared == 1
+    with Checkpointer(config(tmp_path, ram_path=ram)) as ckpt:
+        assert ckpt.save_sync(1, {"x": torch.arange(10)}).committed_sync("nvme", timeout=30)
+    runtime = FakeRuntime(monkeypatch, result=_EMEM)
+    with Checkpointer(config(tmp_path, True, ram_path=ram)) as ckpt:
+        restored = ckpt.restore_latest_sync()  # the pool is pinned in the background: restores go on
+        assert restored is not None and torch.equal(restored.state["x"], torch.arange(10))
+        assert ckpt.pinned is False  # waits for the preparation, which was refused
+        for step in (2, 3):  # every save says why, and saves nothing
+            with pytest.raises(ConfigError, match=f"cudaError {_EMEM}.*host.pinned: auto") as info:
+                ckpt.save_sync(step, {"x": torch.arange(10)})
+            assert info.value.key == "host.pinned"
+        assert runtime.cleared == 1 and runtime.unregistered == []
+    assert [v.step for v in ckpt_versions(tmp_path, ram)] == [1]
     runtime.result = 0
     with Checkpointer(config(tmp_path, True, ram_path=ram)) as ckpt:  # the directory's lock was let go
         assert ckpt.pinned is True
+        assert ckpt.save_sync(2, {"x": torch.arange(10)}).committed_sync("nvme", timeout=30)
+
+
+def ckpt_versions(tmp_path: Path, ram: Path) -> list:
+    with Checkpointer(config(tmp_path, False, ram_path=ram)) as ckpt:
+        return [v for v in ckpt.versions() if v.tier == "nvme"]
 
 
 def test_pinned_false_never_asks_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

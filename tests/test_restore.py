@@ -27,7 +27,7 @@ from tierckpt.tiers.filesystem import FilesystemTier
 from tierckpt.tiers.memory import MemoryTier
 from tierckpt.testing import flip_bits
 
-from helpers import Opened, assert_bitwise, fs_tier, tier_config
+from helpers import Opened, assert_bitwise, bitwise_equal, fs_tier, tier_config
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -342,13 +342,18 @@ def test_restore_of_a_step_falls_back_across_tiers_but_never_to_another_step(ope
     _corrupt_record(pfs, 2, "['np']")
     template = _template()
     with pytest.warns(RuntimeWarning) as warned, pytest.raises(CorruptCheckpointError) as caught:
-        ckpt.restore_sync(2, template)
+        ckpt.restore_sync(2, template, verify_first=True)
     assert len(warned) == 2
     message = str(caught.value)
     assert message.startswith("step 2: no copy verifies (tier 'nvme': ") and "tier 'pfs': " in message and "['np']" in message, message
-    assert caught.value.step == 2
+    assert "overwritten" not in message and caught.value.step == 2
     assert_bitwise(template, _template())  # step 1 verifies, but it was not asked for
     assert ckpt.restore_sync(1).step == 1
+
+    # Without verify_first the copies that failed wrote what verified of theirs into the template: said so.
+    with pytest.warns(RuntimeWarning), pytest.raises(CorruptCheckpointError, match="template was partly overwritten") as caught:
+        ckpt.restore_sync(2, template)
+    assert "verify_first=True" in str(caught.value)
 
 
 def test_a_missing_data_file_falls_back(opened: Opened, two_tiers: Any) -> None:
@@ -402,21 +407,68 @@ def test_an_unknown_format_version_is_skipped_with_a_warning(opened: Opened, two
     assert (nvme / version_dirname(2)).is_dir() and (pfs / version_dirname(2)).is_dir()  # kept, not deleted
 
 
-def test_a_failed_candidate_leaves_the_template_untouched_until_one_verifies(opened: Opened, two_tiers: Any) -> None:
+def test_with_verify_first_a_failed_candidate_leaves_the_template_untouched_until_one_verifies(opened: Opened, two_tiers: Any) -> None:
     nvme, pfs, config = two_tiers
     for root in (nvme, pfs):
         for step in (1, 2):
             _corrupt_record(root, step, "['np']")
     template = _template()
     with pytest.warns(RuntimeWarning):
-        assert opened(config).restore_latest_sync(template) is None
+        assert opened(config).restore_latest_sync(template, verify_first=True) is None
     for path, value in _tensors(template):
         assert not value.any(), path  # a failed attempt never leaves a half-restored model behind
 
 
+def test_a_damaged_chunk_never_lands_in_the_template_and_no_version_verifying_is_an_error(opened: Opened, two_tiers: Any) -> None:
+    nvme, pfs, config = two_tiers
+    for root in (nvme, pfs):
+        for step in (1, 2):
+            _corrupt_record(root, step, "['np']")
+    template = _template()
+    with pytest.warns(RuntimeWarning), pytest.raises(CorruptCheckpointError, match="no version verifies") as caught:
+        opened(config).restore_latest_sync(template)  # not None: the template is no longer the one passed in
+    assert "template was partly overwritten" in str(caught.value) and "['model']['w']" in str(caught.value)
+    assert not template["np"].any()  # each chunk is verified before it lands: the damaged one never did
+    assert template["model"]["w"].any()  # what verified of the last candidate (step 1 on pfs) did
+
+
+def test_a_fallback_overwrites_what_a_failed_candidate_wrote(opened: Opened, two_tiers: Any) -> None:
+    nvme, pfs, config = two_tiers
+    for root in (nvme, pfs):
+        _corrupt_record(root, 2, "['np']")
+    template = _template()
+    with pytest.warns(RuntimeWarning):
+        restored = opened(config).restore_latest_sync(template)
+    assert (restored.step, restored.tier) == (1, "nvme")
+    assert_bitwise(restored.state, _state(1))
+    assert restored.state["model"]["w"] is template["model"]["w"]
+    for (path, got), (_, want) in zip(_tensors(template), _tensors(_state(1))):
+        assert bitwise_equal(got, want), path  # every byte step 2 wrote was written again
+
+
+def test_a_fallback_lacking_a_tensor_a_failed_candidate_wrote_is_an_error(opened: Opened, tmp_path: Path) -> None:
+    nvme = tmp_path / "nvme"
+    with Checkpointer(tier_config(fs_tier("nvme", nvme))) as ckpt:
+        assert ckpt.save_sync(1, {"a": torch.ones(1000), "b": torch.ones(10)}).committed_sync("nvme", timeout=60)
+        assert ckpt.save_sync(2, {"a": torch.full((1000,), 2.0), "b": torch.full((10,), 2.0), "x": torch.full((500,), 2.0)}).committed_sync("nvme", timeout=60)
+    _corrupt_record(nvme, 2, "['b']")
+    config = tier_config(fs_tier("nvme", nvme))
+    template = {"a": torch.zeros(1000), "b": torch.zeros(10), "x": torch.zeros(500)}
+    ckpt = opened(config)
+    with pytest.warns(RuntimeWarning), pytest.raises(RestoreError, match=r"lacks template tensors .*\['x'\]") as caught:
+        ckpt.restore_latest_sync(template, strict=False)
+    assert caught.value.step == 1
+    # With verify_first, step 1 loads, and x is left as it was: a missing key, as strict=False allows.
+    template = {"a": torch.zeros(1000), "b": torch.zeros(10), "x": torch.zeros(500)}
+    with pytest.warns(RuntimeWarning):
+        restored = ckpt.restore_latest_sync(template, strict=False, verify_first=True)
+    assert restored.step == 1 and restored.missing_keys == ("['x']",)
+    assert not template["x"].any() and torch.equal(template["a"], torch.ones(1000))
+
+
 # -- staging in the host pool --------------------------------------------------------------------------------
-# From a disk, a template restore stages the bytes in free host slots (memory faulted in long ago)
-# when they fit, lent by MemoryTier.borrow for the load; else in a fresh mapping.
+# With verify_first, a template restore from a disk stages the bytes in free host slots when they fit,
+# lent by MemoryTier.borrow for the load; else in a fresh mapping.
 
 MiB = 1 << 20
 
@@ -433,11 +485,11 @@ class _GatedReads(FilesystemTier):
         source = await super().read(step)
         read_logical = source.read_logical
 
-        def gated(*args: Any) -> None:
+        def gated(*args: Any, **kwargs: Any) -> None:
             self.reading.set()
             if not self.gate.wait(60):
                 raise TimeoutError("the test never opened the gate")
-            read_logical(*args)
+            read_logical(*args, **kwargs)
 
         source.read_logical = gated  # type: ignore[method-assign]
         return source
@@ -514,7 +566,7 @@ def test_a_template_restore_stages_in_a_free_host_slot_and_gives_it_back(opened:
     ckpt, tier = _gated(opened, _restore_config(nvme, _host("8MiB", 2)))
     assert _slots(ckpt) == ([], [0, 1], 0)
     template = _template()
-    restoring = _Background(lambda: ckpt.restore_latest_sync(template))
+    restoring = _Background(lambda: ckpt.restore_latest_sync(template, verify_first=True))
     assert tier.reading.wait(30)
     lent, free, loans = _slots(ckpt)
     assert (len(lent), len(free), loans) == (1, 1, 1)  # one 4 MiB slot holds the whole staged state
@@ -548,7 +600,7 @@ def test_a_save_while_a_restore_borrows_the_only_slot_follows_on_full(opened: Op
     nvme = _written(tmp_path)
     ckpt, tier = _gated(opened, _restore_config(nvme, _host("4MiB", 1, on_full)))
     template = _template()
-    restoring = _Background(lambda: ckpt.restore_latest_sync(template))
+    restoring = _Background(lambda: ckpt.restore_latest_sync(template, verify_first=True))
     assert tier.reading.wait(30)
     assert _slots(ckpt) == ([0], [], 1)
     if on_full == "block":
@@ -580,7 +632,7 @@ def test_verification_failing_while_staged_in_the_pool_leaves_the_template_untou
     template = _template()
     # Step 2 on nvme, then on pfs: both staged in the pool and failing; step 1 on nvme verifies.
     with pytest.warns(RuntimeWarning):
-        restored = ckpt.restore_latest_sync(template)
+        restored = ckpt.restore_latest_sync(template, verify_first=True)
     assert (restored.step, restored.tier) == (1, "nvme")
     assert_bitwise(restored.state, _state(1))
     assert _slots(ckpt) == ([], [0, 1], 3)
@@ -589,7 +641,7 @@ def test_verification_failing_while_staged_in_the_pool_leaves_the_template_untou
         _corrupt_record(root, 1, "['np']")
     template = _template()
     with pytest.warns(RuntimeWarning):
-        assert ckpt.restore_latest_sync(template) is None
+        assert ckpt.restore_latest_sync(template, verify_first=True) is None
     assert _slots(ckpt) == ([], [0, 1], 3 + 4)  # every candidate was staged in the pool, and failed
     for path, value in _tensors(template):
         assert not value.any(), path
@@ -615,7 +667,7 @@ def test_a_staged_state_larger_than_a_slot_spans_adjacent_free_slots(opened: Ope
     nvme = _written(tmp_path, host=_host("8MiB", 2), state=_big)
     ckpt, tier = _gated(opened, _restore_config(nvme, _host("4MiB", 4)))
     template = _big_template()
-    restoring = _Background(lambda: ckpt.restore_latest_sync(template))
+    restoring = _Background(lambda: ckpt.restore_latest_sync(template, verify_first=True))
     assert tier.reading.wait(30)
     lent, free, loans = _slots(ckpt)
     assert (lent, loans) == ([0, 1, 2], 1) and free == [3]
@@ -631,7 +683,7 @@ def test_a_staged_state_that_fits_no_free_slots_falls_back_to_new_memory(opened:
     # Two 1 MiB slots: 2 MiB in all, too small for 2.5 MiB.
     ckpt, tier = _gated(opened, _restore_config(nvme, _host("2MiB", 2)))
     template = _big_template()
-    restoring = _Background(lambda: ckpt.restore_latest_sync(template))
+    restoring = _Background(lambda: ckpt.restore_latest_sync(template, verify_first=True))
     assert tier.reading.wait(30)
     assert _slots(ckpt) == ([], [0, 1], 0)  # nothing lent: staged in new memory
     tier.gate.set()
@@ -691,7 +743,7 @@ def test_borrow_lends_the_fewest_adjacent_free_slots_and_takes_them_back() -> No
 async def test_a_cancelled_restore_keeps_the_slot_lent_until_its_reads_are_over(opened: Opened, tmp_path: Path) -> None:
     nvme = _written(tmp_path)
     ckpt, tier = _gated(opened, _restore_config(nvme, _host("8MiB", 2)))
-    task = asyncio.ensure_future(ckpt.restore_latest(_template()))
+    task = asyncio.ensure_future(ckpt.restore_latest(_template(), verify_first=True))
     assert await asyncio.to_thread(tier.reading.wait, 30)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

@@ -8,10 +8,13 @@ straight into them: ``torch.empty`` memory sits 64 bytes past a page boundary, w
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
 import os
+import threading
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -96,6 +99,30 @@ def prefault(view: memoryview) -> bool:
         _populate_works = False
         return False
     return True
+
+
+@contextlib.contextmanager
+def prefaulting(view: memoryview, piece: int = 16 << 20) -> Iterator[None]:
+    """Fault ``view`` in from a thread of its own, front to back, while the block fills it.
+
+    For memory a transfer fills at its own pace (a copy received from another rank): the faults then
+    overlap the transfer instead of stalling each receive, and nothing is faulted before the first
+    byte moves. The thread stops at the block's end, whatever is left.
+    """
+    done = threading.Event()
+
+    def run() -> None:
+        for start in range(0, view.nbytes, piece):
+            if done.is_set() or not prefault(view[start : start + piece]):
+                return
+
+    thread = threading.Thread(target=run, name="tierckpt-prefault", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -125,7 +125,11 @@ class Checkpointer:
 
     @property
     def pinned(self) -> bool:
-        """Whether the host pool is page-locked for CUDA copies (``host.pinned``; False without CUDA)."""
+        """Whether the host pool is page-locked for CUDA copies (``host.pinned``; False without CUDA).
+
+        The pool is pinned slot by slot in the background after construction: this waits until that
+        is over.
+        """
         return self._pool.pinned
 
     @property
@@ -252,14 +256,19 @@ class Checkpointer:
         self._check_open()
         self._engine.run_sync(self._pipeline.wait())
 
-    async def restore_latest(self, template: Any = None, *, strict: bool = True, cast: bool = False) -> Restored | None:
+    async def restore_latest(
+        self, template: Any = None, *, strict: bool = True, cast: bool = False, verify_first: bool = False
+    ) -> Restored | None:
         """Load the newest committed version that verifies, from whichever tier holds it.
 
         With ``template`` (a state of the same structure), tensors are copied into the template's
-        tensors in place, keeping their device; otherwise new CPU tensors are returned. The template
-        is written only once the whole version has verified; until then the bytes are staged in free
-        host slots when they fit (a save meanwhile finds those slots busy), else in new memory.
-        Returns None when no tier holds a version.
+        tensors in place, keeping their device; otherwise new CPU tensors are returned. Each chunk
+        lands in the template as soon as it verified (read into the tier threads' reused buffers,
+        checked, copied). A version that fails verification half-way has then written part of the
+        template: the next candidate overwrites it, and if none verifies this raises instead of
+        returning None. ``verify_first=True`` keeps the template as it was until the whole version
+        verified, at the cost of staging every byte once more (README, "Performance"). Returns None
+        when no tier holds a version.
 
         The version may have been saved with another parallel layout: a DTensor of the template gets
         its own piece, whatever mesh and placements saved it and whatever mesh it has now, read from
@@ -275,21 +284,28 @@ class Checkpointer:
 
         Raises:
             RestoreError: the template's tensors do not match the stored ones (global shape, dtype,
-                kind), or ``strict`` and template keys are missing from the version.
+                kind), or ``strict`` and template keys are missing from the version; or a version
+                verified that lacks template tensors which a failed candidate had partly written.
+            CorruptCheckpointError: no version verifies, and a failed one had written into the
+                template (never with ``verify_first``).
         """
         self._check_open()
-        return await self._engine.run(self._restore(template, strict, cast))
+        return await self._engine.run(self._restore(template, strict, cast, verify_first))
 
-    def restore_latest_sync(self, template: Any = None, *, strict: bool = True, cast: bool = False) -> Restored | None:
+    def restore_latest_sync(
+        self, template: Any = None, *, strict: bool = True, cast: bool = False, verify_first: bool = False
+    ) -> Restored | None:
         self._check_open()
-        return self._engine.run_sync(self._restore(template, strict, cast))
+        return self._engine.run_sync(self._restore(template, strict, cast, verify_first))
 
-    async def restore(self, step: int, template: Any = None, *, tier: str | None = None, strict: bool = True, cast: bool = False) -> Restored:
+    async def restore(
+        self, step: int, template: Any = None, *, tier: str | None = None, strict: bool = True, cast: bool = False, verify_first: bool = False
+    ) -> Restored:
         """Load step ``step``, exactly: from the fastest tier holding a copy that verifies, or from
         tier ``tier`` only. A copy that does not verify gives a warning and the next tier holding
         the step is tried; never another step. Otherwise as :meth:`restore_latest` (``template``,
-        ``strict``, ``cast``; collective under torch.distributed). :meth:`versions` lists the steps
-        there are to choose from.
+        ``strict``, ``cast``, ``verify_first``; collective under torch.distributed). :meth:`versions`
+        lists the steps there are to choose from.
 
         Raises:
             NoCheckpointError: no tier (or not tier ``tier``) holds the step (under
@@ -299,11 +315,13 @@ class Checkpointer:
             RestoreError: as :meth:`restore_latest`.
         """
         self._check_open()
-        return await self._engine.run(self._restore(template, strict, cast, self._checked_step(step), self._named(tier)))
+        return await self._engine.run(self._restore(template, strict, cast, verify_first, self._checked_step(step), self._named(tier)))
 
-    def restore_sync(self, step: int, template: Any = None, *, tier: str | None = None, strict: bool = True, cast: bool = False) -> Restored:
+    def restore_sync(
+        self, step: int, template: Any = None, *, tier: str | None = None, strict: bool = True, cast: bool = False, verify_first: bool = False
+    ) -> Restored:
         self._check_open()
-        return self._engine.run_sync(self._restore(template, strict, cast, self._checked_step(step), self._named(tier)))
+        return self._engine.run_sync(self._restore(template, strict, cast, verify_first, self._checked_step(step), self._named(tier)))
 
     @staticmethod
     def _checked_step(step: Any) -> int:
@@ -321,16 +339,24 @@ class Checkpointer:
             raise ConfigError(f"restore(tier={tier!r}): there is no such tier (the tiers are {', '.join(t.name for t in self._pipeline.tiers)})")
         return found
 
-    def _restore(self, template: Any, strict: bool, cast: bool, step: int | None = None, only: list[Tier] | None = None) -> Any:
+    async def _restore(
+        self, template: Any, strict: bool, cast: bool, verify_first: bool, step: int | None = None, only: list[Tier] | None = None
+    ) -> Any:
         tiers = self._pipeline.tiers if only is None else only
         listed = self._pipeline.tiers
-        if step is not None:
-            if self._group is not None:
-                return restore_agreed(self._group, tiers, template, self._pipeline.memory, strict=strict, cast=cast, only=step, listed=listed)
-            return restore_step(tiers, step, template, self._pipeline.memory, strict=strict, cast=cast, listed=listed)
+        memory = self._pipeline.memory
         if self._group is not None:
-            return restore_agreed(self._group, self._pipeline.tiers, template, self._pipeline.memory, strict=strict, cast=cast)
-        return restore_latest(self._pipeline.tiers, template, self._pipeline.memory, strict=strict, cast=cast)
+            work = restore_agreed(
+                self._group, tiers, template, memory, strict=strict, cast=cast, verify_first=verify_first, only=step, listed=listed
+            )
+        elif step is not None:
+            work = restore_step(tiers, step, template, memory, strict=strict, cast=cast, verify_first=verify_first, listed=listed)
+        else:
+            work = restore_latest(tiers, template, memory, strict=strict, cast=cast, verify_first=verify_first)
+        # Faulting the host pool in the background would take cores from the restore, which every
+        # rank of the job waits for: it waits until the restore is over.
+        with self._pool.paused():
+            return await work
 
     def versions(self) -> list[VersionInfo]:
         """What each tier holds now: one :class:`VersionInfo` per committed version, per tier."""

@@ -29,8 +29,9 @@ _PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device of the proces
 _warned = False
 
 
-def pin(address: int, nbytes: int, mode: str | bool) -> bool:
+def pin(address: int, nbytes: int, mode: str | bool, *, what: str | None = None) -> bool:
     """Page-lock ``nbytes`` at ``address`` as ``host.pinned`` = ``mode`` asks; True when it is now pinned.
+    ``what`` names the memory in messages (default: ``the <size> host pool``).
 
     Raises:
         ConfigError: ``mode`` is True and CUDA is unavailable or the registration was refused.
@@ -47,7 +48,7 @@ def pin(address: int, nbytes: int, mode: str | bool) -> bool:
     if int(result) == 0:
         return True
     clear_error()
-    why = f"page-locking the {format_size(nbytes)} host pool failed: {_describe(result)}"
+    why = f"page-locking {what or f'the {format_size(nbytes)} host pool'} failed: {_describe(result)}"
     if mode is True:
         raise ConfigError(
             f"host.pinned: {why}; lower host.capacity, raise the locked-memory limit, or set host.pinned: auto "

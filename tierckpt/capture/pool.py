@@ -1,24 +1,29 @@
 """The host pool: one page-aligned allocation made at start, carved into equal slots, reused forever.
 
 Copying into memory that is already touched runs at ~16 GB/s here, into a fresh allocation at
-0.6-3.5 GB/s, so the pool is faulted in once at construction and never reallocated. Which slot is
-free is decided by the memory tier on the engine thread; the pool only owns the bytes. For the same
-reason a restore stages its bytes in free slots when they are large enough (lent by the memory tier,
+0.6-3.5 GB/s, so every slot is faulted in once, before its first capture, and never reallocated. That
+happens in the background (:mod:`tierckpt.capture.prepare`), not at construction: a 4 GiB pool took
+10 s to fault in, and a restarting job restores before it saves. A save waits only for its own slot
+(:meth:`HostPool.prepare`); a restore pauses the preparation (:meth:`HostPool.paused`). Which slot is
+free is decided by the memory tier on the engine thread; the pool only owns the bytes. A restore
+that stages its bytes uses free slots when they are large enough (lent by the memory tier,
 :meth:`MemoryTier.borrow <tierckpt.tiers.memory.MemoryTier.borrow>`, as one :meth:`HostPool.span`).
 
-With CUDA, the whole pool is page-locked once (:mod:`tierckpt.capture.pinning`): copies from and to
+With CUDA, each slot is page-locked once (:mod:`tierckpt.capture.pinning`): copies from and to
 devices are then DMAs that do not hold up the thread that queued them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 from typing import Callable, Sequence
 
 import torch
 
 from tierckpt._buffers import address, aligned_buffer
-from tierckpt.capture.pinning import pin, unpin
+from tierckpt.capture.prepare import SlotPreparer
+from tierckpt.errors import ConfigError
 from tierckpt.format import ALIGN
 from tierckpt.snapshot import Slot
 from tierckpt.state import numpy_dtype, torch_dtype
@@ -36,14 +41,21 @@ class HostPool:
         pinned: str | bool = False,
     ) -> None:
         """``memory(slot_size, slots)`` maps the pool instead of anonymous memory (a RAM tier's shared file);
-        ``pinned``: ``host.pinned`` (see :func:`~tierckpt.capture.pinning.pin`)."""
+        ``pinned``: ``host.pinned`` (see :func:`~tierckpt.capture.pinning.pin`).
+
+        Raises:
+            ConfigError: ``pinned`` is True and CUDA is unavailable (a refused registration is found
+                later, in the background: :attr:`error`).
+        """
+        if pinned is True and (not torch.cuda.is_available() or torch.cuda._is_in_bad_fork()):
+            raise ConfigError("host.pinned is true but CUDA is not available in this process; use auto or false", key="host.pinned")
         slot_size = self.slot_bytes(capacity_bytes, snapshots)
         self.slot_size = slot_size
         self.capacity_bytes = slot_size * snapshots
         if memory is not None:
             self._memory = memory(slot_size, snapshots)
         else:
-            self._memory = aligned_buffer(self.capacity_bytes, populate=True)
+            self._memory = aligned_buffer(self.capacity_bytes)  # faulted in by the preparer
             # A fork()ed child (a DataLoader worker) never uses the pool. Without this, Linux copies
             # every page of a pinned pool into each child at fork (pinned pages cannot be shared
             # copy-on-write), and every page the parent writes while a child lives otherwise.
@@ -54,11 +66,40 @@ class HostPool:
         view = memoryview(self._memory)
         self._address = address(view)
         view.release()
-        try:
-            self.pinned = pin(self._address, self.capacity_bytes, pinned)
-        except BaseException:
-            self.close()
-            raise
+        self._preparer = SlotPreparer(self._address, self.slots, pinned)
+
+    def ready(self, slot: Slot) -> bool:
+        """Whether ``slot`` is faulted in (and pinned, where it is to be)."""
+        return self._preparer.ready(slot)
+
+    def prepare(self, slot: Slot) -> None:
+        """Make ``slot`` ready now, before a capture into it (blocking; see :mod:`tierckpt.capture.prepare`).
+
+        Raises:
+            ConfigError: ``host.pinned: true`` and page-locking was refused.
+        """
+        self._preparer.prepare(slot)
+        if self._preparer.error is not None:
+            raise self._preparer.error
+
+    @property
+    def error(self) -> ConfigError | None:
+        """Page-locking refused under ``host.pinned: true`` (raised by the next save)."""
+        return self._preparer.error
+
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        """No background preparation inside the block (a restore runs)."""
+        return self._preparer.paused()
+
+    def wait_prepared(self, timeout: float | None = None) -> bool:
+        """Wait until every slot is prepared (the background thread is done); False on ``timeout``."""
+        return self._preparer.wait(timeout)
+
+    @property
+    def pinned(self) -> bool:
+        """Whether every slot is page-locked; waits for the background preparation first."""
+        self.wait_prepared()
+        return all(self._preparer.pinned)
 
     @staticmethod
     def slot_bytes(capacity_bytes: int, snapshots: int) -> int:
@@ -88,9 +129,9 @@ class HostPool:
         return flat.view(numpy_dtype(dtype)).reshape(shape)
 
     def close(self) -> None:
-        if getattr(self, "pinned", False):
-            self.pinned = False
-            unpin(self._address)
+        preparer = getattr(self, "_preparer", None)
+        if preparer is not None:
+            preparer.close()  # stopped and unpinned before the memory goes
         del self._bytes
         try:
             self._memory.close()

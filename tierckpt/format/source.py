@@ -42,8 +42,13 @@ class VersionSource(abc.ABC):
         value = record.chunk(chunk).checksum
         return value if value >= 0 else None
 
-    def read_logical(self, record: TensorRecord, chunk: int, out: memoryview, scratch: memoryview) -> None:
-        """Decode chunk ``chunk`` of ``record`` into ``out`` (exactly its logical length), verified."""
+    def read_logical(self, record: TensorRecord, chunk: int, out: memoryview, scratch: memoryview, *, private: bool = True) -> None:
+        """Decode chunk ``chunk`` of ``record`` into ``out`` (exactly its logical length), verified.
+
+        ``private``: ``out`` is memory nobody else sees yet (a new array, staging), where a chunk may
+        land before it verified; else (a template's own memory) a chunk is verified before a byte of
+        it lands. Both raise the same error for a damaged chunk.
+        """
         decoder(record.chunk_codec(chunk)).decode_into(self.read_stored(record, chunk, scratch), out)
 
     def close(self) -> None:  # noqa: B027 - optional hook

@@ -161,8 +161,19 @@ class Pipeline:
     async def save(self, request: SaveRequest) -> SaveTracker:
         step = request.step
         self.raise_pending(flushes=False)  # a failed flush never fails a later save: see the module docstring
+        pool = self.memory.pool
+        if pool.error is not None:  # host.pinned: true, and page-locking was refused
+            raise pool.error
         on_full = self.config.host.on_full
         slot = await self.memory.acquire(step, self._seq + 1, on_full=on_full)
+        if slot is not None and not pool.ready(slot):
+            # The pool is prepared in the background (tierckpt.capture.prepare): this save waits for
+            # its own slot only, which it faults in (and pins) itself, at its own priority.
+            try:
+                await asyncio.to_thread(pool.prepare, slot)
+            except BaseException:
+                self.memory.give_back(slot)
+                raise
         self.counters.saves += 1
         if slot is None:
             self.counters.skipped_saves += 1

@@ -32,7 +32,7 @@ from typing import Any, Awaitable, Callable, Sequence
 from tierckpt.errors import CorruptCheckpointError, NoCheckpointError, RestoreError
 from tierckpt.format.saved_layout import NotHere
 from tierckpt.ranks.group import RankGroup
-from tierckpt.restore.choose import Restored, held_steps, template_leaves
+from tierckpt.restore.choose import Restored, held_steps, overwritten, template_leaves, uncovered
 from tierckpt.restore.landing import finish
 from tierckpt.restore.read import read_version
 from tierckpt.tiers.base import Tier
@@ -55,15 +55,21 @@ async def restore_agreed(
     cast: bool = False,
     only: int | None = None,
     listed: Sequence[Tier] | None = None,
+    verify_first: bool = False,
 ) -> Restored | None:
     """The newest step every rank can load and verify, loaded on every rank; None on every rank if none.
 
-    With ``only``, that step or an error on every rank, never another step:
+    With ``only``, that step or an error on every rank, never another step. ``verify_first``: no
+    rank writes into its template before every rank verified its part (else each lands its chunks
+    in the template as they verify, and the ranks fall back together all the same).
 
     Raises:
         NoCheckpointError: some rank can get the step from none of ``tiers``; names those ranks and
             what each of ``listed`` (default: ``tiers``) holds on this rank.
-        CorruptCheckpointError: the step did not verify on some rank; names the rank and why.
+        CorruptCheckpointError: the step did not verify on some rank; names the rank and why. Also,
+            without ``verify_first``, when no step verifies after some rank's template was written.
+        RestoreError: a template does not match; or a step verified that lacks template tensors an
+            attempt which failed had partly written (every rank raises it).
     """
     by_path = template_leaves(template)
     peer = next((t for t in tiers if isinstance(t, PeerTier)), None)
@@ -83,7 +89,11 @@ async def restore_agreed(
                 step=only,
             )
         common = [only]
-    first_of = functools.partial(_first_of, by_path=by_path, staging=staging, rank=group.rank, strict=strict, cast=cast)
+    first_of = functools.partial(
+        _first_of, by_path=by_path, staging=staging, rank=group.rank, strict=strict, cast=cast, verify_first=verify_first
+    )
+    touched: set[str] = set()  # template keys this rank wrote into, for steps not every rank verified
+    touched_ranks: set[int] = set()
     for step in common:
         with contextlib.ExitStack() as held_open:
             attempt = Attempt(f"rank {group.rank} holds no step {step} any more")
@@ -114,16 +124,22 @@ async def restore_agreed(
                 await _fetch_from_nodes(group, node_local, step, attempt, held_open, first_of)
             if attempt.wants:
                 await first_of(held_open, below, step, attempt)
+            # Its template keys written so far: by earlier steps, by this step's tries (a step
+            # every rank leaves behind leaves what verified here written, too).
+            touched |= attempt.written
+            if attempt.loaded is not None and attempt.error is None:
+                attempt.error = uncovered(touched, attempt.loaded[2], step)
             loaded, verdict, error = attempt.loaded, attempt.verdict, attempt.error
             # One exchange per step, whatever happened here: every rank leaves the step together.
             said = None if error is None else f"{type(error).__name__}: {error}"
-            verdicts = await asyncio.to_thread(group.all_gather, [None if loaded else verdict, said])
+            verdicts = await asyncio.to_thread(group.all_gather, [None if loaded else verdict, said, bool(touched)])
+            touched_ranks |= {r for r, v in enumerate(verdicts) if v[2]}
             if error is not None:
                 raise error
             errors = [(r, v[1]) for r, v in enumerate(verdicts) if v[1]]
             if errors:
                 raise RestoreError(f"restoring step {step} failed on rank {errors[0][0]}: {errors[0][1]}", step=step)
-            if all(v == [None, None] for v in verdicts):
+            if all(v[:2] == [None, None] for v in verdicts):
                 assert loaded is not None
                 tier, read, targets, keys = loaded
                 state = await asyncio.to_thread(finish, read, targets)
@@ -134,11 +150,17 @@ async def restore_agreed(
             f"({'; '.join(f'rank {r}: {why}' for r, why in failed.items())})"
         )
         if only is not None:  # that step or nothing: every rank raises the same
-            raise CorruptCheckpointError(verdict, step=step)
+            raise CorruptCheckpointError(verdict + (f"; {overwritten(_ranks(touched_ranks))}" if touched_ranks else ""), step=step)
         message = f"tierckpt: {verdict}; every rank falls back to an older step"
         log.warning(message)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
+    if touched_ranks:
+        raise CorruptCheckpointError(f"no step verifies on every rank; {overwritten(_ranks(touched_ranks))}")
     return None
+
+
+def _ranks(ranks: set[int]) -> str:
+    return f"rank(s) {', '.join(map(str, sorted(ranks)))}"
 
 
 def _fetchable(tier: Tier, step: int) -> bool:
@@ -184,6 +206,7 @@ class Attempt:
         self.verdict = verdict
         self.loaded: tuple[Tier, Any, list[Any], Any] | None = None
         self.error: BaseException | None = None
+        self.written: set[str] = set()  # template keys its tries wrote into, whether they verified or not
 
     @property
     def wants(self) -> bool:
@@ -201,11 +224,12 @@ async def _first_of(
     rank: int,
     strict: bool,
     cast: bool,
+    verify_first: bool,
 ) -> None:
     """Read this rank's part of ``step`` from the first of ``tiers`` where it verifies, into ``attempt``."""
     for tier in tiers:
         try:
-            attempt.loaded = await _read_part(held_open, tier, step, by_path, staging, rank, strict, cast)
+            attempt.loaded = await _read_part(held_open, tier, step, by_path, staging, rank, strict, cast, verify_first, attempt.written)
             return
         except NotHere:  # this rank's host memory holds only its own part: a slower tier may do
             continue
@@ -225,9 +249,13 @@ async def _read_part(
     rank: int,
     strict: bool,
     cast: bool,
+    verify_first: bool,
+    written: set[str],
 ) -> tuple[Tier, Any, list[Any], Any]:
-    """Read and verify this rank's part of ``step`` from ``tier`` into staging memory; nothing of the
-    template is written. What it holds (lease, files, staging slots) stays held by ``held_open``.
+    """Read and verify this rank's part of ``step`` from ``tier``: with ``verify_first`` into staging
+    memory (nothing of the template is written), else into the template as chunks verify (the keys
+    it writes are added to ``written`` first). What it holds (lease, files, staging slots) stays
+    held by ``held_open``.
 
     Raises CorruptCheckpointError (this part does not verify), NotHere, or RestoreError.
     """
@@ -235,5 +263,8 @@ async def _read_part(
         held_open.enter_context(tier.lease(step))
     except KeyError:
         raise CorruptCheckpointError(f"step {step} left tier {tier.name!r} meanwhile", tier=tier.name, step=step) from None
-    read, targets, keys = await read_version(held_open, tier, step, by_path, staging, strict=strict, cast=cast, rank=rank, stage_all=True)
+    read, targets, keys = await read_version(
+        held_open, tier, step, by_path, staging, strict=strict, cast=cast, rank=rank,
+        verify_first=verify_first, stage_all=verify_first, touched=written,
+    )
     return tier, read, targets, keys

@@ -17,7 +17,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from tierckpt.errors import CorruptCheckpointError, NoCheckpointError
+from tierckpt.errors import CorruptCheckpointError, NoCheckpointError, RestoreError
 from tierckpt.format.saved_layout import NotHere
 from tierckpt.restore.landing import finish
 from tierckpt.restore.read import in_thread, read_version
@@ -25,7 +25,7 @@ from tierckpt.state import Leaf, flatten, format_path
 from tierckpt.tiers.base import Tier
 from tierckpt.tiers.memory import MemoryTier
 
-__all__ = ["Restored", "held_steps", "restore_latest", "restore_step", "template_leaves"]
+__all__ = ["Restored", "held_steps", "overwritten", "restore_latest", "restore_step", "template_leaves", "uncovered"]
 
 log = logging.getLogger("tierckpt")
 
@@ -57,15 +57,24 @@ async def restore_latest(
     *,
     strict: bool = True,
     cast: bool = False,
+    verify_first: bool = False,
 ) -> Restored | None:
     """The newest version that verifies, loaded (into ``template`` when given); None if none does.
 
     ``staging``: the memory tier whose free slots may hold the bytes staged for the template (see the
     docstring of :mod:`tierckpt.restore.read`); without it, or when they are too small, a fresh
-    mapping does. ``strict`` and ``cast``: see :func:`~tierckpt.restore.read.check_keys` and
-    :func:`tierckpt.restore.plan.plan`.
+    mapping does. ``strict``, ``cast`` and ``verify_first``: see
+    :func:`~tierckpt.restore.read.check_keys` and :func:`tierckpt.restore.plan.plan`.
+
+    Raises:
+        CorruptCheckpointError: no candidate verifies, and one that failed half-way had written into
+            the template (without ``verify_first``): the template is not as it was passed.
+        RestoreError: as :func:`~tierckpt.restore.read.check_keys`; or a candidate that failed
+            half-way wrote template tensors that the version restored instead lacks.
     """
-    restored, _ = await _first_verified(tiers, template, staging, None, strict=strict, cast=cast)
+    restored, failures, touched = await _first_verified(tiers, template, staging, None, strict=strict, cast=cast, verify_first=verify_first)
+    if restored is None and touched:
+        raise CorruptCheckpointError(f"no version verifies ({'; '.join(failures)}); {overwritten(touched)}")
     return restored
 
 
@@ -77,6 +86,7 @@ async def restore_step(
     *,
     strict: bool = True,
     cast: bool = False,
+    verify_first: bool = False,
     listed: Sequence[Tier] | None = None,
 ) -> Restored:
     """Step ``step`` loaded from the first of ``tiers`` (fastest first) where it verifies; never
@@ -85,14 +95,43 @@ async def restore_step(
     Raises:
         NoCheckpointError: none of ``tiers`` holds the step; names what each of ``listed`` (default:
             ``tiers``) holds.
-        CorruptCheckpointError: every copy of the step failed verification; names each failure.
+        CorruptCheckpointError: every copy of the step failed verification; names each failure, and
+            says so when the template was partly written (without ``verify_first``).
+        RestoreError: as :func:`restore_latest`.
     """
-    restored, failures = await _first_verified(tiers, template, staging, step, strict=strict, cast=cast)
+    restored, failures, touched = await _first_verified(tiers, template, staging, step, strict=strict, cast=cast, verify_first=verify_first)
     if restored is not None:
         return restored
     if not failures:
         raise NoCheckpointError(f"no tier holds step {step} ({held_steps(listed if listed is not None else tiers)})", step=step)
-    raise CorruptCheckpointError(f"step {step}: no copy verifies ({'; '.join(failures)})", step=step)
+    written = f"; {overwritten(touched)}" if touched else ""
+    raise CorruptCheckpointError(f"step {step}: no copy verifies ({'; '.join(failures)}){written}", step=step)
+
+
+def overwritten(whose: set[str] | str) -> str:
+    """Says that copies which failed wrote into the template: ``whose`` keys, or whose template."""
+    what = f"{_keys(sorted(whose))}" if isinstance(whose, set) else f"on {whose}"
+    return (
+        f"the template was partly overwritten by the copies that failed ({what}); restore into a new "
+        "template, or pass verify_first=True to keep a template as it is until a version verifies"
+    )
+
+
+def uncovered(touched: set[str], targets: Sequence[Any], step: int) -> RestoreError | None:
+    """The error for template keys a failed attempt wrote and the version restored does not write
+    again (only without ``strict``: its keys lack them), or None."""
+    left = touched - {t.record.key for t in targets if t.template}
+    if not left:
+        return None
+    return RestoreError(
+        f"step {step} verified, but lacks template tensors that a copy which failed verification had "
+        f"partly overwritten: {_keys(sorted(left))} (restore with verify_first=True, or rebuild the template)",
+        step=step,
+    )
+
+
+def _keys(keys: list[str], limit: int = 5) -> str:
+    return ", ".join(keys[:limit]) + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
 
 
 def held_steps(tiers: Sequence[Tier]) -> str:
@@ -109,11 +148,12 @@ def _steps(steps: list[int], limit: int = 8) -> str:
 
 
 async def _first_verified(
-    tiers: Sequence[Tier], template: Any, staging: MemoryTier | None, only: int | None, *, strict: bool, cast: bool
-) -> tuple[Restored | None, list[str]]:
-    """The newest candidate (of step ``only`` when given) that verifies, loaded; and why each
-    candidate tried before it did not."""
+    tiers: Sequence[Tier], template: Any, staging: MemoryTier | None, only: int | None, *, strict: bool, cast: bool, verify_first: bool
+) -> tuple[Restored | None, list[str], set[str]]:
+    """The newest candidate (of step ``only`` when given) that verifies, loaded; why each candidate
+    tried before it did not; and the template keys those failed attempts wrote into."""
     by_path = template_leaves(template)
+    touched: set[str] = set()
     candidates = sorted(
         ((info.step, i) for i, tier in enumerate(tiers) for info in tier.versions() if only is None or info.step == only),
         key=lambda c: (-c[0], c[1]),
@@ -127,17 +167,24 @@ async def _first_verified(
             continue  # evicted from memory since the list was made
         with contextlib.ExitStack() as held_open:
             held_open.callback(lease.release)
+            attempted: set[str] = set()
             try:
-                read, targets, keys = await read_version(held_open, tier, step, by_path, staging, strict=strict, cast=cast)
+                read, targets, keys = await read_version(
+                    held_open, tier, step, by_path, staging, strict=strict, cast=cast, verify_first=verify_first, touched=attempted
+                )
             except NotHere as exc:
                 log.info("tierckpt: %s; trying the next candidate", exc)
                 continue
             except CorruptCheckpointError as exc:
+                touched |= attempted
                 failures.append(f"tier {tier.name!r}: {exc}")
                 message = f"tierckpt: step {step} on tier {tier.name!r} does not verify ({exc}); trying the next candidate"
                 log.warning(message)
                 warnings.warn(message, RuntimeWarning, stacklevel=3)
                 continue
+            error = uncovered(touched, targets, step)
+            if error is not None:
+                raise error
             state = await in_thread(finish, read, targets)
-            return Restored(step, state, tier.name, dict(read.metadata), *keys), failures
-    return None, failures
+            return Restored(step, state, tier.name, dict(read.metadata), *keys), failures, touched
+    return None, failures, touched

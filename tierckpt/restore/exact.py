@@ -1,17 +1,28 @@
 """The exact-fit fast path of the planner: a version whose records are exactly this rank's template.
 
 Each record is read whole, chunk by chunk, straight into its destination: no chunk is copied out
-of a buffer as in the general path (:mod:`tierckpt.restore.reshard`). New tensors of 1 MiB or more
-get page-aligned memory of their own, so the disk writes straight into them; smaller ones are copied
-from an aligned scratch buffer. A template's tensors are overwritten only after the whole version has
-verified: from a disk, bytes are staged and copied into the template at the end (the one extra copy,
-~0.1 s per GiB here; template memory is rarely page-aligned, so the disk could not write into it
-directly anyway). A failed attempt therefore never leaves a half-restored model behind, and a caller
-told that nothing verifies still holds the freshly initialised model it passed in. A snapshot in host
-memory cannot fail half-way, so it is copied straight into the template.
+of a buffer as in the general path (:mod:`tierckpt.restore.reshard`).
 
-Fresh destination pages (new tensors' own mappings, a fresh staging mapping) are faulted in by the
-calling thread ahead of the tier's reader threads (:meth:`tierckpt.restore.plan.Plan.run`).
+- **Into a template** (the default): each chunk is read into the reading thread's reused, aligned
+  buffer (O_DIRECT where the tier allows), verified there, and copied into the template's own memory;
+  a chunk bound for a GPU goes through a ring of pinned buffers instead (:mod:`tierckpt.restore.device`).
+  A damaged chunk never lands, but a version that fails half-way has written its chunks that
+  verified: the caller (:mod:`tierckpt.restore.choose`) tracks which template keys a failed attempt
+  touched (:attr:`Plan.touched <tierckpt.restore.plan.Plan.touched>`) and says so. Reads into a
+  reused buffer run up to twice as fast here as reads into a state-sized destination, and the copy
+  out of it runs beside the next read: no pass over the state is left for the end.
+- **With** ``verify_first``, a template is written only after the whole version verified: its bytes
+  are staged (in free host slots, else a fresh mapping) and copied into the template at the end (the
+  one extra pass, measured in benchmarks/RESULTS.md). A caller told that nothing verifies then still
+  holds the template it passed in. A snapshot in host memory cannot fail half-way, so it is copied
+  straight into the template either way; with ``stage_all`` (ranks that agree before any writes) it
+  is staged too. A template whose memory cannot take chunks directly (a non-contiguous view) is
+  always staged.
+- **New tensors** of 1 MiB or more get page-aligned memory of their own, so the disk writes straight
+  into them (DMA into fresh pages beat faulting them by a copy here); smaller ones are copied from
+  the aligned buffer. Fresh destination pages (new tensors' own mappings, a fresh staging mapping)
+  are faulted in by the calling thread ahead of the tier's reader threads
+  (:meth:`tierckpt.restore.plan.Plan.run`).
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ from tierckpt._buffers import align_up, tensor_bytes
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import TensorRecord
 from tierckpt.format.source import VersionSource
+from tierckpt.restore.device import DeviceRing, device_bytes
 from tierckpt.restore.landing import Target, Work, new_array, over, staging_area
 from tierckpt.state import Leaf, numpy_dtype, skeleton_leaf_count, torch_dtype
 from tierckpt.tiers.fsio import scratch
@@ -32,6 +44,9 @@ from tierckpt.tiers.fswrite import scratch_bytes
 from tierckpt.tiers.memory import MemorySource
 
 __all__ = ["land", "staging_bytes"]
+
+_RING_BUFFERS = 6  # two per reader: a tier's 2 threads and the caller
+
 
 def _check(record: TensorRecord, source: VersionSource) -> Any:
     """The record's dtype, after checking its length (nothing is written yet). The template already
@@ -54,16 +69,9 @@ def _check(record: TensorRecord, source: VersionSource) -> Any:
     return dtype
 
 
-def _in_place(source: VersionSource, record: TensorRecord, value: Any) -> memoryview | None:
-    """The template's own bytes, when decoding straight into them cannot hurt; else None.
-
-    Only a snapshot in host memory qualifies: it has no checksums to fail and no codec, so once the
-    template check passed nothing can stop the copy half-way. Anything read from a disk is staged.
-    """
-    if not isinstance(source, MemorySource) or record.codec != "none" or record.nbytes == 0:
-        return None
-    if any(c.checksum >= 0 for c in record.all_chunks()):
-        return None
+def _template_bytes(value: Any) -> memoryview | None:
+    """The template's own bytes, when chunks can land in them directly: a contiguous CPU tensor (not a
+    lazily conjugated or negated view) or a writable C-contiguous array; else None (staged)."""
     if isinstance(value, torch.Tensor):
         if value.device.type == "cpu" and value.is_contiguous() and not value.is_conj() and not value.is_neg():
             return tensor_bytes(value)
@@ -73,19 +81,37 @@ def _in_place(source: VersionSource, record: TensorRecord, value: Any) -> memory
     return None
 
 
-def _staged(source: VersionSource, record: TensorRecord, template: Leaf | None, stage_all: bool = False) -> bool:
-    """Whether the record goes to a template through the staging area (every one, with ``stage_all``)."""
+def _cannot_fail(source: VersionSource, record: TensorRecord) -> bool:
+    """A snapshot in host memory without checksums or a codec: once the template check passed,
+    nothing can stop its copy half-way, so it never needs staging to keep the template whole."""
+    if not isinstance(source, MemorySource) or record.codec != "none":
+        return False
+    return not any(c.checksum >= 0 for c in record.all_chunks())
+
+
+def _staged(source: VersionSource, record: TensorRecord, template: Leaf | None, verify_first: bool, stage_all: bool = False) -> bool:
+    """Whether the record goes to a template through the staging area: with ``stage_all``, every one;
+    with ``verify_first``, every one that could fail half-way; always, a template whose own bytes
+    cannot take the chunks (on a GPU, not contiguous)."""
     if template is None or record.nbytes == 0:
         return False
-    return stage_all or _in_place(source, record, template.value) is None
+    if stage_all or not _lands_directly(template.value):
+        return True
+    return verify_first and not _cannot_fail(source, record)
 
 
-def staging_bytes(source: VersionSource, templates: dict[str, Leaf], *, stage_all: bool = False) -> int:
+def _lands_directly(value: Any) -> bool:
+    return _template_bytes(value) is not None or (isinstance(value, torch.Tensor) and device_bytes(value) is not None)
+
+
+def staging_bytes(source: VersionSource, templates: dict[str, Leaf], *, verify_first: bool, stage_all: bool = False) -> int:
     """The size of the staging area :func:`land` lays out for loading ``source`` into ``templates``."""
-    return sum(align_up(r.nbytes) for r in source.records if _staged(source, r, templates.get(r.key), stage_all))
+    return sum(align_up(r.nbytes) for r in source.records if _staged(source, r, templates.get(r.key), verify_first, stage_all))
 
 
-def _targets(source: VersionSource, templates: dict[str, Leaf], lent: memoryview | None = None, stage_all: bool = False) -> list[Target]:
+def _targets(
+    source: VersionSource, templates: dict[str, Leaf], lent: memoryview | None, verify_first: bool, stage_all: bool
+) -> list[Target]:
     """Destinations for every record, after every check: a mismatch raises before a byte moves.
 
     Staged records go to ``lent`` (memory already faulted in) when it is large enough, else to a
@@ -100,9 +126,11 @@ def _targets(source: VersionSource, templates: dict[str, Leaf], lent: memoryview
             value, out, fresh = new_array(record.kind, dtype, record.shape, record.nbytes)
             targets.append(Target(record, value, out, fresh))
             continue
-        staged = _staged(source, record, template, stage_all)
-        own = None if staged else _in_place(source, record, template.value)
-        targets.append(Target(record, template.value, own if own is not None else memoryview(b""), False, dtensor=template.dtensor))
+        staged = _staged(source, record, template, verify_first, stage_all)
+        own = None if staged else _template_bytes(template.value)
+        cuda = None if staged or own is not None else device_bytes(template.value)
+        out = own if own is not None else memoryview(b"")
+        targets.append(Target(record, template.value, out, False, dtensor=template.dtensor, template=True, cuda_bytes=cuda))
         if staged:
             to_stage.append(targets[-1])
     if to_stage:
@@ -117,11 +145,12 @@ def _targets(source: VersionSource, templates: dict[str, Leaf], lent: memoryview
 
 
 def land(
-    source: VersionSource, templates: dict[str, Leaf], lent: memoryview | None = None, *, stage_all: bool = False
-) -> tuple[list[Target], list[Work], list[tuple[int, memoryview]]]:
+    source: VersionSource, templates: dict[str, Leaf], lent: memoryview | None = None, *, verify_first: bool = True, stage_all: bool = False
+) -> tuple[list[Target], list[Work], list[tuple[int, memoryview]], DeviceRing | None]:
     """Every record of ``source`` into its destination: the targets, one chunk job per stored chunk
-    (each reads, verifies and decodes the chunk straight into its destination), and the fresh
-    destinations to fault in ahead of the jobs (job index, bytes). Nothing is read yet.
+    (each reads, verifies and decodes the chunk into its destination), the fresh destinations to
+    fault in ahead of the jobs (job index, bytes), and the ring of pinned buffers that the chunks for
+    CUDA templates go through (None without any). Nothing is read yet.
 
     ``lent``: page-aligned memory, already faulted in, to stage in when large enough (see
     :func:`_targets`); nothing uses it once :func:`~tierckpt.restore.landing.finish` returns.
@@ -137,18 +166,32 @@ def land(
             tier=source.tier,
             step=source.step,
         )
-    targets = _targets(source, templates, lent, stage_all)
+    targets = _targets(source, templates, lent, verify_first, stage_all)
     work: list[Work] = []
     ahead: list[tuple[int, memoryview]] = []
+    to_devices = [t for t in targets if t.cuda_bytes is not None]
+    ring = None
+    if to_devices:
+        # Two buffers per reader (the tier's threads and the caller) keep a copy in flight while
+        # the next chunk is read.
+        chunk = max(t.record.chunk_bytes for t in to_devices)
+        ring = DeviceRing(scratch_bytes(chunk), _RING_BUFFERS, {t.cuda_bytes.device for t in to_devices})
     for t in targets:
         for c in range(len(t.record.chunks)):
             start, length = t.record.chunk_span(c)
+            if t.cuda_bytes is not None:
+                work.append((ring_chunk, (t.record, c, t.cuda_bytes[start : start + length], ring)))
+                continue
             out = t.out[start : start + length]
-            work.append((_read_chunk, (t.record, c, out)))
+            work.append((_read_chunk, (t.record, c, out, not (t.template and t.staged is None))))
             if t.fresh:
                 ahead.append((len(work) - 1, out))
-    return targets, work, ahead
+    return targets, work, ahead, ring
 
 
-def _read_chunk(source: VersionSource, record: TensorRecord, chunk: int, out: memoryview) -> None:
-    source.read_logical(record, chunk, out, scratch(scratch_bytes(record.chunk_bytes)))
+def ring_chunk(source: VersionSource, record: TensorRecord, chunk: int, dst: Any, ring: DeviceRing) -> None:
+    ring.land(source, record, chunk, dst)
+
+
+def _read_chunk(source: VersionSource, record: TensorRecord, chunk: int, out: memoryview, private: bool) -> None:
+    source.read_logical(record, chunk, out, scratch(scratch_bytes(record.chunk_bytes)), private=private)

@@ -34,6 +34,8 @@ class Target:
     fresh: bool  # ``out`` is a new anonymous mapping, faulted in ahead of the reads
     staged: Any = None  # a tensor/array over staging bytes, copied into ``value`` once all verified
     dtensor: Any = None  # the template's DTensor whose local tensor ``value`` is: what the state holds
+    template: bool = False  # ``value`` is the template's own (else a new array)
+    cuda_bytes: Any = None  # a CUDA template's bytes, which chunks reach through a DeviceRing (device.py)
 
 
 # One chunk job of a plan: a function of the open source, and its other arguments; it reads one

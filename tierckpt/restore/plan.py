@@ -12,9 +12,10 @@ destination, fresh memory faulted in ahead of the reads; any other source is rea
 layout by the general path.
 
 Planning checks everything a template could refuse before a byte moves; nothing is read until
-:meth:`Plan.run`. Both paths leave a template untouched until every chunk verified (its bytes are
-staged, then copied by :func:`~tierckpt.restore.landing.finish`), except from host memory, which
-cannot fail half-way.
+:meth:`Plan.run`. The fast path lands each chunk in the template once it verified, unless asked to
+verify the whole version first (``verify_first``: bytes staged, then copied by
+:func:`~tierckpt.restore.landing.finish`); the general path always stages. What a run writes into a
+template before the version verified is :attr:`Plan.touched`.
 
 Bytes are read in the tier's threads with O_DIRECT where the tier allows it, chunk by chunk, each
 chunk hashed right after its read while it is in cache.
@@ -32,6 +33,7 @@ from tierckpt.format import TensorRecord
 from tierckpt.format.saved_layout import SavedLayout, source_layout
 from tierckpt.format.source import VersionSource
 from tierckpt.restore import exact, reshard
+from tierckpt.restore.device import DeviceRing
 from tierckpt.restore.landing import Target, Work, finish
 from tierckpt.state import Leaf
 from tierckpt.tiers.fsio import ChunkJobs
@@ -78,12 +80,12 @@ def _layout(saved: Saved) -> SavedLayout:
     return saved if isinstance(saved, SavedLayout) else source_layout(saved, complete=False)
 
 
-def staging_bytes(saved: Saved, templates: dict[str, Leaf], *, stage_all: bool = False) -> int:
+def staging_bytes(saved: Saved, templates: dict[str, Leaf], *, verify_first: bool = True, stage_all: bool = False) -> int:
     """The size of the staging area :func:`plan` lays out for loading ``saved`` into ``templates``:
     what a caller borrows beforehand (memory already faulted in) and passes as ``lent``."""
     source = _exact(saved, templates, None)
     if source is not None:
-        return exact.staging_bytes(source, templates, stage_all=stage_all)
+        return exact.staging_bytes(source, templates, verify_first=verify_first, stage_all=stage_all)
     return reshard.staging_bytes(saved.records, templates)
 
 
@@ -103,6 +105,7 @@ class Plan:
         ahead: Sequence[tuple[int, memoryview]] = (),
         records: Sequence[TensorRecord] | None = None,
         partial: bool = False,
+        ring: DeviceRing | None = None,
     ) -> None:
         self.saved = saved  # what finish() rebuilds the state from (its skeleton), and its metadata
         self.targets = targets  # one per planned record, for tierckpt.restore.landing.finish
@@ -114,6 +117,13 @@ class Plan:
         self.partial = partial
         self._work = work
         self._ahead = ahead  # (job index, fresh destination bytes): faulted in ahead of the readers
+        self._ring = ring  # pinned buffers the chunks bound for CUDA templates go through
+
+    @property
+    def touched(self) -> list[str]:
+        """The template keys whose own bytes :meth:`run` writes as chunks verify (not staged): what a
+        run that fails half-way leaves partly overwritten."""
+        return [t.record.key for t in self.targets if t.template and t.staged is None and t.record.nbytes]
 
     @property
     def exact(self) -> bool:
@@ -134,6 +144,15 @@ class Plan:
         ``threads`` of the tier's ``executor`` run the chunk jobs; meanwhile this thread faults the
         fresh destination pages in ahead of them, then runs jobs alongside them.
         """
+        if self._ring is not None:
+            self._ring.start()
+        try:
+            return self._run(source, executor, threads)
+        finally:
+            if self._ring is not None:
+                self._ring.close()  # every copy to a device is done before the targets are handed on
+
+    def _run(self, source: VersionSource, executor: concurrent.futures.Executor, threads: int) -> list[Target]:
         jobs = ChunkJobs([functools.partial(fn, source, *args) for fn, args in self._work], executor, threads)
         try:
             # Skip what the readers have reached already: where faults are slower than the disk, each
@@ -158,6 +177,7 @@ def plan(
     lent: memoryview | None = None,
     *,
     cast: bool = False,
+    verify_first: bool = True,
     stage_all: bool = False,
     records: Sequence[TensorRecord] | None = None,
 ) -> Plan:
@@ -168,8 +188,11 @@ def plan(
     into its destination. ``lent``: page-aligned memory, already faulted in, for the staging area
     when it is large enough (:func:`staging_bytes`), else a fresh mapping stages; keys without a
     template get new tensors of their global shape. ``cast``: convert a saved dtype to the template's
-    (general path). ``stage_all``: stage even what could be copied straight into the template (a
-    template is then written only by :func:`~tierckpt.restore.landing.finish`). ``records``: plan
+    (general path). ``verify_first``: stage what could fail half-way, so that a template is written
+    only once every chunk verified (else the fast path lands each chunk in the template's own memory
+    as soon as it verified, through the tier threads' reused buffers; the general path always
+    stages). ``stage_all``: stage even what could be copied straight into the template (a template
+    is then written only by :func:`~tierckpt.restore.landing.finish`). ``records``: plan
     only these of a layout's records (one at a time, say, to bound memory); the plan's targets are
     then theirs, not a whole state's.
 
@@ -181,8 +204,8 @@ def plan(
     """
     source = _exact(saved, templates, records)
     if source is not None:  # the fast path
-        targets, work, ahead = exact.land(source, templates, lent, stage_all=stage_all)
-        return Plan(source, targets, work, ahead=ahead)
+        targets, work, ahead, ring = exact.land(source, templates, lent, verify_first=verify_first, stage_all=stage_all)
+        return Plan(source, targets, work, ahead=ahead, ring=ring)
     layout = _layout(saved)
     targets, work, needed, partial = reshard.land(layout, templates, lent, cast=cast, records=records)
     return Plan(layout, targets, work, records=needed, partial=partial)

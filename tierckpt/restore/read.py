@@ -6,15 +6,14 @@ parallel layout, restored without a template where it holds DTensor shards, or w
 through its saved layout, by the planner's general path (:mod:`tierckpt.restore.plan`). The template's
 keys are checked against the version's first (:func:`check_keys`).
 
-The staging area is borrowed from the host pool when its free slots are large enough (one slot, or
-adjacent ones: :meth:`MemoryTier.borrow <tierckpt.tiers.memory.MemoryTier.borrow>`), which is the
-usual case at start-up: that memory was faulted in when the Checkpointer was made, and the disk
-writes into it at full speed. Otherwise it is one fresh page-aligned mapping, faulted in ahead of
-the reads; fresh memory costs 0.25-2.3 s per GiB to fault here. Measured at 4 GiB, in the same runs:
-~78-81% of the O_DIRECT read limit staged in the pool, 55-57% in a fresh mapping. Most of the rest is
-the copy into the template, which cannot start before the last chunk verified (benchmarks/RESULTS.md).
-The slots are lent until the load is over, so a save meanwhile takes another slot or waits, skips or
-evicts per ``host.on_full``.
+Bytes that are staged (``verify_first``, the general path, a template the chunks cannot land in
+directly) go to free host slots when they are large enough (one slot, or adjacent ones:
+:meth:`MemoryTier.borrow <tierckpt.tiers.memory.MemoryTier.borrow>`), else to one fresh page-aligned
+mapping, faulted in ahead of the reads (fresh memory costs 0.25-2.3 s per GiB to fault here). The
+host pool is prepared in the background and may not be faulted in yet when a job restarts
+(:mod:`tierckpt.capture.prepare`); the restore pauses that preparation meanwhile. The slots are lent
+until the load is over, so a save meanwhile takes another slot or waits, skips or evicts per
+``host.on_full``.
 """
 
 from __future__ import annotations
@@ -48,12 +47,16 @@ async def read_version(
     strict: bool,
     cast: bool,
     rank: int = 0,
+    verify_first: bool = True,
     stage_all: bool = False,
+    touched: set[str] | None = None,
 ) -> tuple[Saved, list[Target], tuple[tuple[str, ...], tuple[str, ...]]]:
     """Read and verify what this rank restores of ``step`` from ``tier``; returns what
-    :func:`~tierckpt.restore.landing.finish` takes, and the keys :func:`check_keys` found. Only a snapshot in
-    host memory may have written into the template yet (unless ``stage_all``). What it holds (files,
-    staging) is released by ``held_open``.
+    :func:`~tierckpt.restore.landing.finish` takes, and the keys :func:`check_keys` found. With
+    ``verify_first``, only a snapshot in host memory may have written into the template yet (none
+    with ``stage_all``); without, the template keys the read lands in directly are added to
+    ``touched`` before a byte is read (:attr:`Plan.touched <tierckpt.restore.plan.Plan.touched>`).
+    What it holds (files, staging) is released by ``held_open``.
 
     A version whose records are exactly this rank's template is read as it is; any other (saved with
     another parallel layout, or needing consolidation or a dtype conversion) is read from its saved
@@ -79,9 +82,11 @@ async def read_version(
         # Reading every rank's manifest is left to the versions this rank cannot read as they are.
         saved = await tier.read_layout(step, rank)
         missing, unexpected = check_keys(saved.records, templates, strict=strict, tier=tier.name, step=step)
-    arena = held_open.enter_context(_borrow(staging, staging_bytes(saved, templates, stage_all=stage_all)))
+    arena = held_open.enter_context(_borrow(staging, staging_bytes(saved, templates, verify_first=verify_first, stage_all=stage_all)))
     # Planning allocates the destinations (fresh mappings, new tensors): in a thread, off the loop.
-    planned = await in_thread(plan, saved, templates, arena, cast=cast, stage_all=stage_all)
+    planned = await in_thread(plan, saved, templates, arena, cast=cast, verify_first=verify_first, stage_all=stage_all)
+    if touched is not None:
+        touched.update(planned.touched)
     if planned.exact:
         opened = planned.open()  # the source read above
     else:

@@ -119,7 +119,7 @@ def land(
         else:
             assert arena is not None
             out = arena[offset : offset + nbytes]
-            targets.append(Target(r, template.value, out, False, over(arena, offset, nbytes, dtype, box[1], r.kind), template.dtensor))
+            targets.append(Target(r, template.value, out, False, over(arena, offset, nbytes, dtype, box[1], r.kind), template.dtensor, template=True))
             offset += align_up(nbytes)
         covered = 0
         for piece in layout.pieces(r):

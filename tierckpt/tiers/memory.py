@@ -163,6 +163,11 @@ class MemoryTier(Tier):
         ]
         return choose_slot(held, free=len(self._free), on_full=on_full)
 
+    def give_back(self, slot: Slot) -> None:
+        """A slot :meth:`acquire` gave that the save did not use after all (it failed first)."""
+        self._free.insert(0, slot)
+        self.notify()
+
     def _choose(self, step: int, seq: int, on_full: str) -> tuple[Slot | None, bool]:
         choice = self.slot_choice(step, seq, on_full)
         if choice.action in ("drop", "evict"):

@@ -138,8 +138,9 @@ class ShmStore:
 
     @staticmethod
     def _mmap(fd: int, size: int) -> mmap.mmap:
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        # Not MAP_POPULATE: the host pool faults its slots in the background (tierckpt.capture.prepare),
+        # and a restore from the snapshots found here faults only the pages it reads.
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
     def scan(self) -> list[tuple[Manifest, int | None]]:
         """The committed snapshots the directory holds, with their slot (None: no tensor bytes, any

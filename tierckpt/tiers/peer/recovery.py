@@ -19,6 +19,7 @@ import os
 from typing import cast
 import torch
 
+from tierckpt._buffers import prefaulting
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import MANIFEST_FILE, Manifest
 from tierckpt.format.manifest import MAX_MANIFEST_BYTES
@@ -143,7 +144,8 @@ def _fetch(peer: PeerTier, step: int, src: int) -> tuple[Held, Manifest, int]:
     held = Held(peer.group.world, peer.group.rank, step)
     incoming = peer.replicas.stage(held, size)
     try:
-        wire.receive_copy(incoming.data, manifest.records, src, bulk, wire.TAG_FETCH)
+        with prefaulting(incoming.data):
+            wire.receive_copy(incoming.data, manifest.records, src, bulk, wire.TAG_FETCH)
         peer.replicas.commit(incoming, bytes(encoded), manifest.created)
     except BaseException:
         peer.replicas.discard(incoming)

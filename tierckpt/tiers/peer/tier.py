@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Coroutine
 
+from tierckpt._buffers import prefaulting
 from tierckpt.config import TierConfig
 from tierckpt.ranks.group import CoordinationLost, RankGroup
 from tierckpt.ranks.nodes import placement, senders
@@ -234,8 +235,9 @@ class PeerTier(GroupTier):
         try:
 
             def receive_all() -> None:
-                for offset, size in layout:
-                    wire.receive(incoming.data[offset : offset + size], src, self._bulk, wire.TAG_COPY)
+                with prefaulting(incoming.data):
+                    for offset, size in layout:
+                        wire.receive(incoming.data[offset : offset + size], src, self._bulk, wire.TAG_COPY)
 
             await loop.run_in_executor(self._receivers, receive_all)
             key = self._key("manifest", group.rank, owner, n)

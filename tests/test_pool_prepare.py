@@ -1,0 +1,171 @@
+"""The host pool is prepared (faulted in, pinned) in the background, never on a restore's path.
+
+The kernel call that faults pages in (``MADV_POPULATE_WRITE``) is replaced by a gate for the pool's
+own thread only, so each test decides exactly how far the background preparation has got: no test
+depends on how fast this machine faults memory. Pinning, slot by slot, is in test_pinning.py.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+from tierckpt import Checkpointer
+from tierckpt._buffers import prefault as real_prefault
+from tierckpt.capture import prepare
+
+from helpers import assert_bitwise, fs_tier, memory_tier, ram_fs, tier_config
+
+DEADLINE_S = 60
+
+
+class Gate:
+    """Stands in for the pool thread's page faulting: each call waits for a permit from the test.
+
+    Calls from any other thread (a save preparing its own slot) fault for real at once.
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self._permits = threading.Semaphore(0)
+        self.calls = 0  # faulting calls the pool's thread made
+        self.entered = threading.Event()  # the pool's thread is inside a call
+        self.saver_calls = 0
+        monkeypatch.setattr(prepare, "prefault", self._prefault)
+
+    def allow(self, n: int = 1 << 20) -> None:
+        """Let the next ``n`` calls of the pool's thread through (default: all of them)."""
+        self._permits.release(n)
+
+    def _prefault(self, view: memoryview) -> bool:
+        if threading.current_thread().name != "tierckpt-pool":
+            self.saver_calls += 1
+            return real_prefault(view)
+        self.calls += 1
+        self.entered.set()
+        assert self._permits.acquire(timeout=DEADLINE_S), "the test never let the pool's thread through"
+        return real_prefault(view)
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
+    g = Gate(monkeypatch)
+    yield g
+    g.allow()  # whatever the test did, no pool thread stays blocked
+
+
+def state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(256, 256, generator=g), "b": torch.randn(300, generator=g)}
+
+
+def saved_once(tmp_path: Path, gate: Gate) -> dict:
+    """A config whose nvme tier holds step 1, saved by a Checkpointer whose pool was let through."""
+    config = ram_fs(tmp_path / "nvme", capacity="64MiB")
+    gate.allow(4)  # 64 MiB: four pieces of 16 MiB, all of this Checkpointer's pool
+    with Checkpointer(config) as ckpt:
+        assert ckpt.save_sync(1, state(1)).committed_sync("nvme", timeout=DEADLINE_S)
+        assert ckpt._pool.wait_prepared(DEADLINE_S)
+    return config
+
+
+def test_construction_and_restore_do_not_wait_for_the_pool(tmp_path: Path, gate: Gate) -> None:
+    config = saved_once(tmp_path, gate)
+    gate.calls = gate.saver_calls = 0
+    gate.entered.clear()
+    # The pool's thread is held in its first fault: construction and a whole restore go on without it.
+    with Checkpointer(config) as ckpt:
+        assert gate.entered.wait(DEADLINE_S)
+        pool = ckpt._pool
+        assert not any(pool.ready(slot) for slot in pool.slots)
+        template = {"w": torch.zeros(256, 256), "b": torch.zeros(300)}
+        restored = ckpt.restore_latest_sync(template)
+        assert restored is not None and restored.step == 1
+        assert_bitwise(template, state(1))
+        assert gate.calls == 1 and not any(pool.ready(slot) for slot in pool.slots)
+        gate.allow()
+        assert pool.wait_prepared(DEADLINE_S)
+        assert all(pool.ready(slot) for slot in pool.slots)
+
+
+def test_a_save_before_its_slot_is_ready_prepares_that_slot_without_waiting_for_the_pool_thread(tmp_path: Path, gate: Gate) -> None:
+    # 64 MiB in 2 slots: 32 MiB each, faulted in 16 MiB pieces by the pool's thread.
+    with Checkpointer(ram_fs(tmp_path / "nvme", capacity="64MiB", snapshots=2)) as ckpt:
+        assert gate.entered.wait(DEADLINE_S)  # held in slot 0's first piece, and kept there
+        pool = ckpt._pool
+        first, second = pool.slots
+        handle = ckpt.save_sync(1, state(1))  # gets slot 0, and faults it in itself
+        assert handle.committed_sync("nvme", timeout=DEADLINE_S)
+        assert pool.ready(first) and not pool.ready(second)
+        assert gate.calls == 1 and gate.saver_calls == 1
+        gate.allow()
+        assert pool.wait_prepared(DEADLINE_S) and pool.ready(second)
+        assert gate.calls == 3  # the piece it was held in, then slot 1's two: slot 0 was ready
+        restored = ckpt.restore_latest_sync()
+    assert restored is not None
+    assert_bitwise(restored.state, state(1))
+
+
+def test_a_slot_the_pool_thread_has_not_reached_is_faulted_by_whoever_needs_it(tmp_path: Path, gate: Gate) -> None:
+    with Checkpointer(ram_fs(tmp_path / "nvme", capacity="64MiB", snapshots=2)) as ckpt:
+        assert gate.entered.wait(DEADLINE_S)  # held inside slot 0
+        pool = ckpt._pool
+        first, second = pool.slots
+        pool.prepare(second)  # what a save given slot 1 does, in its own thread
+        assert pool.ready(second) and not pool.ready(first)
+        assert gate.saver_calls == 1 and gate.calls == 1
+        gate.allow()
+        assert pool.wait_prepared(DEADLINE_S) and pool.ready(first)
+        assert gate.calls == 2  # slot 0's two pieces; slot 1 was ready when the thread got there
+
+
+def test_a_restore_pauses_the_pool_thread_until_it_ends(tmp_path: Path, gate: Gate) -> None:
+    config = saved_once(tmp_path, gate)
+    gate.calls = 0
+    gate.entered.clear()
+    with Checkpointer(config) as ckpt:
+        preparer = ckpt._pool._preparer
+        assert gate.entered.wait(DEADLINE_S)
+        with preparer.paused():
+            gate.allow()  # the piece under way finishes; then the thread waits for the pause to end
+            assert preparer.idle.wait(DEADLINE_S)
+            calls = gate.calls
+            assert ckpt.restore_latest_sync() is not None
+            assert gate.calls == calls
+        assert ckpt._pool.wait_prepared(DEADLINE_S)
+        assert gate.calls > calls
+        assert all(ckpt._pool.ready(slot) for slot in ckpt._pool.slots)
+
+
+def test_close_during_the_fault_in_stops_the_pool_thread(tmp_path: Path, gate: Gate) -> None:
+    ckpt = Checkpointer(ram_fs(tmp_path / "nvme", capacity="64MiB"))
+    assert gate.entered.wait(DEADLINE_S)
+    preparer = ckpt._pool._preparer
+    closing = threading.Thread(target=ckpt.close_sync)
+    closing.start()
+    gate.allow()
+    closing.join(DEADLINE_S)
+    assert not closing.is_alive()
+    assert preparer.idle.is_set() and preparer._thread is not None and not preparer._thread.is_alive()
+    assert gate.calls == 1  # stopped after the piece it was in: 32 MiB a slot is two pieces of 16 MiB
+
+
+def test_the_ram_tier_pool_is_prepared_in_the_background_too(tmp_path: Path, gate: Gate) -> None:
+    config = tier_config(fs_tier("nvme", tmp_path / "nvme"), capacity="64MiB", ram=memory_tier(path=str(tmp_path / "shm")))
+    gate.allow(4)  # 64 MiB: four pieces of 16 MiB, all of this Checkpointer's pool
+    with Checkpointer(config) as ckpt:
+        assert ckpt._pool.wait_prepared(DEADLINE_S)
+        assert ckpt.save_sync(3, state(3)).committed_sync("nvme", timeout=DEADLINE_S)
+    assert gate.calls == 4
+    gate.entered.clear()
+    # A new process finds the snapshot in the pool file and restores it while the pool's thread is held.
+    with Checkpointer(config) as ckpt:
+        assert gate.entered.wait(DEADLINE_S)
+        restored = ckpt.restore_latest_sync()
+        assert restored is not None and restored.tier == "ram"
+        assert_bitwise(restored.state, state(3))
+        assert gate.calls == 5 and not any(ckpt._pool.ready(slot) for slot in ckpt._pool.slots)
+        gate.allow()

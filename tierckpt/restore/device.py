@@ -1,0 +1,115 @@
+"""Restoring straight into GPU memory: a small ring of pinned bounce buffers, overlapped H2D copies.
+
+A chunk bound for a CUDA template is read into a page-locked host buffer of the ring (O_DIRECT where
+the tier allows), verified there, and copied to the device with a ``non_blocking`` copy on a stream
+of the ring's own; the reader thread goes on to its next chunk at once, and the buffer is reused
+only once its copy's event completed. Only the ring is pinned (a few chunks' worth, registered when
+the first chunk comes and unregistered at the end), never the host pool: the pool may not even be
+faulted in yet when a job restarts (:mod:`tierckpt.capture.prepare`), and pinning it would put its
+whole size on the restore's path. A damaged chunk never reaches the device: it fails in the buffer.
+
+Call order: :meth:`DeviceRing.start` once (it waits for what was queued on the devices before the
+restore), :meth:`DeviceRing.land` from any number of reader threads, :meth:`DeviceRing.close` once
+they are all done (it waits for every copy).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+import torch
+
+from tierckpt._buffers import address, aligned_buffer
+from tierckpt.capture.pinning import pin, unpin
+from tierckpt.format import TensorRecord
+from tierckpt.format.source import VersionSource
+from tierckpt.tiers.fsio import scratch
+from tierckpt.tiers.fswrite import scratch_bytes
+
+__all__ = ["DeviceRing", "device_bytes"]
+
+
+def device_bytes(value: torch.Tensor) -> torch.Tensor | None:
+    """A flat byte view of a contiguous CUDA tensor's memory, which chunks can be copied into; None
+    for anything else (staged, and copied by :func:`~tierckpt.restore.landing.finish`)."""
+    if not value.is_cuda or not value.is_contiguous() or value.is_conj() or value.is_neg():
+        return None
+    return value.detach().reshape(-1).view(torch.uint8)
+
+
+class _Bounce:
+    def __init__(self, nbytes: int) -> None:
+        self.memory = aligned_buffer(nbytes, populate=True)
+        view = memoryview(self.memory)
+        self.address = address(view)
+        view.release()
+        self.pinned = pin(self.address, nbytes, "auto", what=f"a {nbytes >> 20} MiB restore buffer")
+        self.host = torch.frombuffer(self.memory, dtype=torch.uint8)
+        self.done: torch.cuda.Event | None = None  # the copy out of it, while one is queued
+
+    def close(self) -> None:
+        if self.pinned:
+            self.pinned = False
+            unpin(self.address)
+        del self.host
+        self.memory.close()
+
+
+class DeviceRing:
+    """``count`` pinned buffers of ``nbytes`` each, made on first use (see the module docstring)."""
+
+    def __init__(self, nbytes: int, count: int, devices: set[torch.device]) -> None:
+        self._nbytes = nbytes
+        self._count = count
+        self._devices = devices
+        self._free: queue.Queue[_Bounce] = queue.Queue()
+        self._made: list[_Bounce] = []
+        self._lock = threading.Lock()
+        self._streams: dict[torch.device, Any] = {}
+
+    def start(self) -> None:
+        """Wait for what was queued on the target devices before the restore (not this thread's streams:
+        a restore is rare, and a device-wide wait costs nothing then), and make the copy streams."""
+        for device in self._devices:
+            torch.cuda.synchronize(device)
+            self._streams[device] = torch.cuda.Stream(device)
+
+    def _take(self) -> _Bounce:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            pass
+        with self._lock:
+            if len(self._made) < self._count:
+                self._made.append(_Bounce(self._nbytes))
+                return self._made[-1]
+        return self._free.get()
+
+    def land(self, source: VersionSource, record: TensorRecord, chunk: int, dst: torch.Tensor) -> None:
+        """Read chunk ``chunk`` of ``record`` into a ring buffer, verify it, and queue its copy into
+        ``dst`` (bytes of a CUDA tensor, exactly the chunk's logical length)."""
+        bounce = self._take()
+        try:
+            if bounce.done is not None:
+                bounce.done.synchronize()  # its last copy has left it
+                bounce.done = None
+            nbytes = dst.numel()
+            out = memoryview(bounce.memory)[:nbytes]
+            source.read_logical(record, chunk, out, scratch(scratch_bytes(record.chunk_bytes)), private=True)
+            stream = self._streams[dst.device]
+            with torch.cuda.stream(stream):
+                dst.copy_(bounce.host[:nbytes], non_blocking=bounce.pinned)
+                bounce.done = torch.cuda.Event()
+                bounce.done.record(stream)
+        finally:
+            self._free.put(bounce)
+
+    def close(self) -> None:
+        """Wait for every copy, then unpin and free the buffers."""
+        for stream in self._streams.values():
+            stream.synchronize()
+        made, self._made = self._made, []
+        for bounce in made:
+            bounce.close()
