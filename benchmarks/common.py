@@ -63,6 +63,13 @@ def io_counters() -> tuple[int, int]:
 # -- the report ----------------------------------------------------------------------------------------
 
 
+def append_section(results: Path, lines: list[str], raw: Path) -> None:
+    """Append a markdown section to ``results`` (RESULTS.md) and say where it and the raw numbers went."""
+    with open(results, "a") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"results: {results}, {raw}")
+
+
 def show_report(lines: list[str], markdown: Path, results: Path, total_s: float) -> None:
     """Print the markdown section, write it to ``markdown``, and say where the results went."""
     text = "\n".join(lines)

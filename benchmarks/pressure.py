@@ -146,6 +146,7 @@ def run(args: argparse.Namespace, on_full: str, directory: Path, state: dict[str
 
     rss_before = status_kib("VmRSS") * 1024
     ckpt = Checkpointer(config, tier_factory=factory)
+    ckpt._pool.wait_prepared()  # the whole pool faulted in (in the background): what it costs in RSS
     rss_pool = status_kib("VmRSS") * 1024
     peak_reset = reset_peak_rss()
     save_s: list[float] = []
