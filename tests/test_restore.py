@@ -407,11 +407,17 @@ def test_an_unknown_format_version_is_skipped_with_a_warning(opened: Opened, two
     assert (nvme / version_dirname(2)).is_dir() and (pfs / version_dirname(2)).is_dir()  # kept, not deleted
 
 
-def test_with_verify_first_a_failed_candidate_leaves_the_template_untouched_until_one_verifies(opened: Opened, two_tiers: Any) -> None:
+def _every_copy_damaged(two_tiers: Any) -> dict[str, Any]:
+    """Steps 1 and 2 damaged (``['np']``) on both tiers; returns the config."""
     nvme, pfs, config = two_tiers
     for root in (nvme, pfs):
         for step in (1, 2):
             _corrupt_record(root, step, "['np']")
+    return config
+
+
+def test_with_verify_first_a_failed_candidate_leaves_the_template_untouched_until_one_verifies(opened: Opened, two_tiers: Any) -> None:
+    config = _every_copy_damaged(two_tiers)
     template = _template()
     with pytest.warns(RuntimeWarning):
         assert opened(config).restore_latest_sync(template, verify_first=True) is None
@@ -420,10 +426,7 @@ def test_with_verify_first_a_failed_candidate_leaves_the_template_untouched_unti
 
 
 def test_a_damaged_chunk_never_lands_in_the_template_and_no_version_verifying_is_an_error(opened: Opened, two_tiers: Any) -> None:
-    nvme, pfs, config = two_tiers
-    for root in (nvme, pfs):
-        for step in (1, 2):
-            _corrupt_record(root, step, "['np']")
+    config = _every_copy_damaged(two_tiers)
     template = _template()
     with pytest.warns(RuntimeWarning), pytest.raises(CorruptCheckpointError, match="no version verifies") as caught:
         opened(config).restore_latest_sync(template)  # not None: the template is no longer the one passed in

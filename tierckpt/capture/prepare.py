@@ -48,13 +48,12 @@ _PIECE = 16 << 20
 class SlotPreparer:
     """Faults in (and pins, under ``pinned``) the ``slots`` of the memory at ``base``.
 
-    ``pinned``: ``host.pinned`` (``"auto"``, True or False). ``start``: begin preparing in the
-    background now (False: only :meth:`prepare` does, slot by slot, when asked).
+    ``pinned``: ``host.pinned`` (``"auto"``, True or False). The background thread starts at once.
     Call order: :meth:`prepare` and :meth:`paused` from any thread, any number of times; :meth:`close`
     once, when nothing uses the pool any more.
     """
 
-    def __init__(self, base: int, slots: Sequence[Slot], pinned: str | bool, *, start: bool = True) -> None:
+    def __init__(self, base: int, slots: Sequence[Slot], pinned: str | bool) -> None:
         self._base = base
         self._slots = tuple(slots)
         self._mode = pinned
@@ -71,10 +70,8 @@ class SlotPreparer:
         self._pause_lock = threading.Lock()
         # Set while the background thread touches nothing: paused by a restore, stopped, or done.
         self.idle = threading.Event()
-        self._thread: threading.Thread | None = None
-        if start:
-            self._thread = threading.Thread(target=self._run, name="tierckpt-pool", daemon=True)
-            self._thread.start()
+        self._thread = threading.Thread(target=self._run, name="tierckpt-pool", daemon=True)
+        self._thread.start()
 
     # -- readiness -------------------------------------------------------------------------------
 
@@ -104,8 +101,6 @@ class SlotPreparer:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the background thread is done with every slot; False on ``timeout``."""
-        if self._thread is None:
-            return True
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
@@ -128,8 +123,7 @@ class SlotPreparer:
         """Stop the background thread (at its next piece) and wait for it; unpin every pinned slot."""
         self._stop.set()
         self._running.set()
-        if self._thread is not None:
-            self._thread.join()
+        self._thread.join()
         for slot in self._slots:
             with self._locks[slot.index]:
                 if self.pinned[slot.index]:

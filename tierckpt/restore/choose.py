@@ -20,7 +20,7 @@ from typing import Any, Sequence
 from tierckpt.errors import CorruptCheckpointError, NoCheckpointError, RestoreError
 from tierckpt.format.saved_layout import NotHere
 from tierckpt.restore.landing import finish
-from tierckpt.restore.read import in_thread, read_version
+from tierckpt.restore.read import in_thread, read_version, some_keys
 from tierckpt.state import Leaf, flatten, format_path
 from tierckpt.tiers.base import Tier
 from tierckpt.tiers.memory import MemoryTier
@@ -110,7 +110,7 @@ async def restore_step(
 
 def overwritten(whose: set[str] | str) -> str:
     """Says that copies which failed wrote into the template: ``whose`` keys, or whose template."""
-    what = f"{_keys(sorted(whose))}" if isinstance(whose, set) else f"on {whose}"
+    what = some_keys(sorted(whose)) if isinstance(whose, set) else f"on {whose}"
     return (
         f"the template was partly overwritten by the copies that failed ({what}); restore into a new "
         "template, or pass verify_first=True to keep a template as it is until a version verifies"
@@ -125,13 +125,9 @@ def uncovered(touched: set[str], targets: Sequence[Any], step: int) -> RestoreEr
         return None
     return RestoreError(
         f"step {step} verified, but lacks template tensors that a copy which failed verification had "
-        f"partly overwritten: {_keys(sorted(left))} (restore with verify_first=True, or rebuild the template)",
+        f"partly overwritten: {some_keys(sorted(left))} (restore with verify_first=True, or rebuild the template)",
         step=step,
     )
-
-
-def _keys(keys: list[str], limit: int = 5) -> str:
-    return ", ".join(keys[:limit]) + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
 
 
 def held_steps(tiers: Sequence[Tier]) -> str:

@@ -180,17 +180,14 @@ def land(
         for c in range(len(t.record.chunks)):
             start, length = t.record.chunk_span(c)
             if t.cuda_bytes is not None:
-                work.append((ring_chunk, (t.record, c, t.cuda_bytes[start : start + length], ring)))
+                assert ring is not None  # made above for every target with CUDA bytes
+                work.append((ring.land, (t.record, c, t.cuda_bytes[start : start + length])))
                 continue
             out = t.out[start : start + length]
             work.append((_read_chunk, (t.record, c, out, not (t.template and t.staged is None))))
             if t.fresh:
                 ahead.append((len(work) - 1, out))
     return targets, work, ahead, ring
-
-
-def ring_chunk(source: VersionSource, record: TensorRecord, chunk: int, dst: Any, ring: DeviceRing) -> None:
-    ring.land(source, record, chunk, dst)
 
 
 def _read_chunk(source: VersionSource, record: TensorRecord, chunk: int, out: memoryview, private: bool) -> None:

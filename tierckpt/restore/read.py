@@ -32,7 +32,7 @@ from tierckpt.state import Leaf
 from tierckpt.tiers.base import Tier
 from tierckpt.tiers.memory import MemoryTier
 
-__all__ = ["check_keys", "in_thread", "read_version"]
+__all__ = ["check_keys", "in_thread", "read_version", "some_keys"]
 
 log = logging.getLogger("tierckpt")
 
@@ -114,18 +114,19 @@ def check_keys(records: Sequence[TensorRecord], templates: dict[str, Leaf], *, s
     unexpected = [r.key for r in records if r.key not in templates]
     if missing and strict:
         raise RestoreError(
-            f"step {step} on tier {tier!r} lacks {len(missing)} array(s) of the template: {_some(missing)} "
+            f"step {step} on tier {tier!r} lacks {len(missing)} array(s) of the template: {some_keys(missing)} "
             "(restore_latest(..., strict=False) leaves them as they are)",
             tier=tier,
             step=step,
         )
     if missing or unexpected:
         log.info("tierckpt: step %d on tier %r: template keys not in the checkpoint: %s; checkpoint keys not in the template: %s",
-                 step, tier, _some(missing) or "none", _some(unexpected) or "none")
+                 step, tier, some_keys(missing) or "none", some_keys(unexpected) or "none")
     return missing, unexpected
 
 
-def _some(keys: list[str], limit: int = 5) -> str:
+def some_keys(keys: list[str], limit: int = 5) -> str:
+    """The first ``limit`` of ``keys`` for a message, and how many more there are."""
     return ", ".join(keys[:limit]) + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
 
 
