@@ -10,7 +10,9 @@ every loader), then one training step. Every restored byte is checked against th
 outside the timed phases.
 
 The loaders, on the same state and directory: tierckpt ``restore_latest(template)`` (its host pool sized
-for two snapshots, as a training run would have it), tierckpt with ``verify_first=True``, DCP
+for two snapshots, as a training run would have it), tierckpt with ``verify_first=True``, tierckpt
+from its RAM tier on /dev/shm (a restart on the same node after the process died: the snapshot
+outlived it there, and dropping the page cache leaves tmpfs alone), DCP
 ``load``, ``torch.load`` (weights_only) then ``load_state_dict``, and Meta's torch_checkpointing
 ``load(into=template)`` where it is installed. The model: an MLP whose weights and AdamW moments make
 the state size asked for (12 bytes a parameter).
@@ -30,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -38,10 +41,11 @@ import common
 from machine_limits import drop_caches, machine
 
 LAYERS = 8
-KINDS = ["tierckpt", "tierckpt_verify_first", "dcp", "torch", "tc"]
+KINDS = ["tierckpt", "tierckpt_verify_first", "tierckpt_ram", "dcp", "torch", "tc"]
 LABELS = {
     "tierckpt": "tierckpt `restore_latest(template)`",
     "tierckpt_verify_first": "tierckpt, `verify_first=True`",
+    "tierckpt_ram": "tierckpt from its RAM tier (/dev/shm: the process died, not the node)",
     "dcp": "DCP `load`",
     "torch": "`torch.load` + `load_state_dict`",
     "tc": "torch_checkpointing `load(into=)`",
@@ -92,10 +96,14 @@ def digest(model: Any, optimizer: Any) -> str:
     return h.hexdigest()
 
 
-def tier_config(directory: Path, nbytes: int) -> dict[str, Any]:
-    """RAM and a local disk, the pool sized for two snapshots of the state."""
-    nvme = {"name": "nvme", "type": "filesystem", "path": str(directory / "tierckpt"), "keep": {"last": 1}}
-    return {"host": {"capacity": 2 * (nbytes + (64 << 20)), "snapshots": 2}, "tiers": [{"name": "ram", "type": "memory"}, nvme]}
+def tier_config(directory: Path, nbytes: int, shm: str | None = None) -> dict[str, Any]:
+    """RAM and a local disk, the pool sized for two snapshots of the state. ``shm``: the RAM tier's
+    pool in this directory on /dev/shm, where it outlives the process (its own disk tier beside it)."""
+    ram: dict[str, Any] = {"name": "ram", "type": "memory"}
+    if shm is not None:
+        ram["path"] = shm
+    nvme = {"name": "nvme", "type": "filesystem", "path": str(directory / ("tierckpt-ram" if shm else "tierckpt")), "keep": {"last": 1}}
+    return {"host": {"capacity": 2 * (nbytes + (64 << 20)), "snapshots": 2}, "tiers": [ram, nvme]}
 
 
 def tc_manager() -> Any:
@@ -133,6 +141,9 @@ def setup(job: dict[str, Any]) -> None:
     state = state_of(model, optimizer)
     nbytes = sum(t.numel() * t.element_size() for t in _tensors(state))
     with Checkpointer(tier_config(directory, nbytes)) as ckpt:
+        assert ckpt.save_sync(100, state).committed_sync("nvme")
+    # The same step through a RAM tier on /dev/shm: its snapshot stays there when this process exits.
+    with Checkpointer(tier_config(directory, nbytes, job["shm"])) as ckpt:
         assert ckpt.save_sync(100, state).committed_sync("nvme")
     dcp.save(state, checkpoint_id=directory / "dcp", no_dist=True)
     torch.save(state, directory / "torch.pt")
@@ -179,13 +190,13 @@ def child(job: dict[str, Any]) -> None:
     marks["template"] = time.time()
     ckpt = manager = None
     if kind.startswith("tierckpt"):
-        ckpt = Checkpointer(tier_config(directory, job["nbytes"]))
+        ckpt = Checkpointer(tier_config(directory, job["nbytes"], job["shm"] if kind == "tierckpt_ram" else None))
     elif kind == "tc":
         manager = tc_manager()
     marks["construct"] = time.time()
     if ckpt is not None:
         restored = ckpt.restore_latest_sync(template, verify_first=kind == "tierckpt_verify_first")
-        assert restored is not None and restored.step == 100 and restored.tier == "nvme"
+        assert restored is not None and restored.step == 100 and restored.tier == ("ram" if kind == "tierckpt_ram" else "nvme")
         loaded = restored.state
     elif kind == "dcp":
         dcp.load(template, checkpoint_id=directory / "dcp", no_dist=True)
@@ -226,14 +237,15 @@ def table(size: dict[str, Any]) -> list[str]:
         f"**{size['bytes'] / 2**30:.2f} GiB** (an MLP of {LAYERS} layers, width {size['hidden']}: weights and AdamW moments; "
         f"medians of {size['repeats']}; seconds)",
         "",
-        "| loader | import | build the template | construct | restore + load_state_dict | first step | resume | vs DCP |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| loader | import | build the template | construct | restore + load_state_dict | first step | resume | vs DCP | construct + restore, vs DCP's |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    dcp_own = med["dcp"]["phases"]["construct"] + med["dcp"]["phases"]["restore"]
     for kind in size["kinds"]:
         p, total = med[kind]["phases"], med[kind]["resume_s"]
         lines.append(
             f"| {LABELS[kind]} | {p['import']:.2f} | {p['template']:.2f} | {p['construct']:.3f} | {p['restore']:.2f} | "
-            f"{p['step']:.2f} | {total:.2f} | {100 * total / dcp:.0f}% |"
+            f"{p['step']:.2f} | {total:.2f} | {100 * total / dcp:.0f}% | {100 * (p['construct'] + p['restore']) / dcp_own:.0f}% |"
         )
     return lines + [""]
 
@@ -244,6 +256,22 @@ def median_of(samples: list[dict[str, Any]]) -> dict[str, Any]:
         "phases": {n: statistics.median(s["phases"][n] for s in samples) for n in names},
         "resume_s": statistics.median(s["resume_s"] for s in samples),
     }
+
+
+def resumes(repeats: int, kinds: list[str], directory: Path, hidden: int, saved: dict[str, Any], shm: str, gib: float) -> dict[str, list[dict[str, Any]]]:
+    """Every loader's resume, ``repeats`` times each, a new process per run with the page cache dropped
+    (which leaves /dev/shm as it is: tmpfs pages are not cache)."""
+    samples: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
+    for r in range(repeats):
+        for kind in kinds if r % 2 == 0 else kinds[::-1]:  # alternate the order: no loader always goes first
+            drop_caches()
+            job = {"kind": kind, "dir": str(directory), "hidden": hidden, "nbytes": saved["nbytes"], "shm": shm, "started": time.time()}
+            out = run_child(job, "--child")
+            if out.pop("digest") != saved["digest"]:
+                raise RuntimeError(f"{kind} restored other bytes than were saved")
+            samples[kind].append(out)
+            print(f"{gib:g} GiB, repeat {r}, {kind}: " + json.dumps(out), flush=True)
+    return samples
 
 
 def main() -> None:
@@ -277,17 +305,12 @@ def main() -> None:
         shutil.rmtree(directory, ignore_errors=True)
         directory.mkdir(parents=True)
         hidden = hidden_for(int(gib * 2**30))
-        saved = run_child({"dir": str(directory), "hidden": hidden, "tc": tc}, "--setup")
-        samples: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
-        for r in range(args.repeats):
-            for kind in kinds if r % 2 == 0 else kinds[::-1]:  # alternate the order: no loader always goes first
-                drop_caches()
-                job = {"kind": kind, "dir": str(directory), "hidden": hidden, "nbytes": saved["nbytes"], "started": time.time()}
-                out = run_child(job, "--child")
-                if out.pop("digest") != saved["digest"]:
-                    raise RuntimeError(f"{kind} restored other bytes than were saved")
-                samples[kind].append(out)
-                print(f"{gib:g} GiB, repeat {r}, {kind}: " + json.dumps(out), flush=True)
+        shm = Path("/dev/shm") / f"tierckpt-resume-{uuid.uuid4().hex[:8]}"
+        try:
+            saved = run_child({"dir": str(directory), "hidden": hidden, "tc": tc, "shm": str(shm)}, "--setup")
+            samples = resumes(args.repeats, kinds, directory, hidden, saved, str(shm), gib)
+        finally:
+            shutil.rmtree(shm, ignore_errors=True)
         size = {"gib": gib, "bytes": saved["nbytes"], "hidden": hidden, "repeats": args.repeats, "kinds": kinds,
                 "median": {k: median_of(v) for k, v in samples.items()}, "samples": samples}
         report["sizes"].append(size)

@@ -52,19 +52,63 @@ def test_credentials_come_from_the_environment_then_the_profile_files_and_never_
     assert credentials(empty) == {}  # the client's own chain (instance metadata) where it is allowed
 
 
-def test_small_chunks_are_grouped_only_with_close_neighbours_and_up_to_the_group_size() -> None:
-    from tierckpt.storage.coalesce import GAP, GROUP, SMALL, group_spans
+def test_neighbouring_chunks_are_grouped_only_when_close_and_up_to_the_group_size() -> None:
+    from tierckpt.storage.coalesce import GAP, GROUP, SMALL, Group, group_spans
 
     k = 4096
     # Neighbours within GAP join; a chunk further away starts a group; a group of one is not one.
-    assert group_spans([(0, k), (k, k), (2 * k + GAP, k), (10 * GAP, k)]) == [(0, 3 * k + GAP)]
-    # A large chunk is read on its own, and does not join or split the small ones around it.
-    assert group_spans([(0, k), (k, SMALL), (k + SMALL, k)]) == []
+    assert group_spans([(0, k), (k, k), (2 * k + GAP, k), (10 * GAP, k)]) == [Group(0, 3 * k + GAP, 3)]
+    # Medium chunks join their neighbours too (a round trip each is what grouping saves), up to
+    # GROUP bytes; a chunk of GROUP bytes is a GET of its own and neither joins nor splits the others.
+    mib = 1 << 20
+    assert group_spans([(0, k), (k, 9 * mib), (k + 9 * mib, 3 * mib)]) == [Group(0, k + 12 * mib, 3)]
+    assert group_spans([(0, k), (k, GROUP), (k + GROUP, k)]) == []
+    # Where only some chunks will be read (a reshard), only chunks under SMALL join: a GET fetches
+    # little that nothing reads.
+    assert group_spans([(0, k), (k, 9 * mib), (k + 9 * mib, k), (2 * k + 9 * mib, k)], below=SMALL) == [Group(k + 9 * mib, 3 * k + 9 * mib, 2)]
     # Groups stop at GROUP bytes.
-    many = [(i * (SMALL // 2), SMALL // 2 - 1) for i in range(40)]
+    many = [(i * (mib // 2), mib // 2 - 1) for i in range(80)]
     groups = group_spans(many)
-    assert all(end - start <= GROUP for start, end in groups) and len(groups) == 3
-    assert groups[0][0] == 0 and groups[-1][1] == many[-1][0] + many[-1][1]
+    assert all(g.end - g.start <= GROUP for g in groups) and len(groups) == 3
+    assert groups[0].start == 0 and groups[-1].end == many[-1][0] + many[-1][1]
+    assert sum(g.members for g in groups) == len(many)
+
+
+class _CountingReader:
+    """An in-memory object whose ranged reads are counted (what the coalescing reader asks of a store)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.size, self.direct, self.reads = data, len(data), False, 0
+
+    def read_span(self, offset: int, length: int, scratch: memoryview, *, what: str) -> memoryview:
+        self.reads += 1
+        return memoryview(self.data)[offset:offset + length]
+
+    def read_into(self, out: memoryview, offset: int, scratch: memoryview, *, what: str) -> None:
+        out[:] = self.read_span(offset, out.nbytes, scratch, what=what)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_group_is_fetched_once_for_its_chunks_and_let_go_after_the_last() -> None:
+    import os
+
+    from tierckpt.storage.coalesce import CoalescingReader, group_spans
+
+    data = os.urandom(1 << 20)
+    spans = [(0, 1000), (1000, 3000), (8192, 50_000), (600_000, 10)]
+    inner = _CountingReader(data)
+    reader = CoalescingReader(inner, group_spans(spans))  # type: ignore[arg-type]
+    scratch = memoryview(bytearray(0))
+    for offset, length in spans[:3]:
+        assert bytes(reader.read_span(offset, length, scratch, what="x")) == data[offset:offset + length]
+    assert inner.reads == 1 and not reader._held  # one GET for the three; nothing kept after the last
+    out = memoryview(bytearray(10))
+    reader.read_into(out, 600_000, scratch, what="x")  # outside any group: its own read
+    assert bytes(out) == data[600_000:600_010] and inner.reads == 2
+    # Asked for again once let go (a restore falling back to it), a group is fetched again.
+    assert bytes(reader.read_span(1000, 3000, scratch, what="x")) == data[1000:4000] and inner.reads == 3
 
 
 def test_the_readmes_cloud_example_loads_as_written(tmp_path: Path) -> None:

@@ -33,7 +33,8 @@ def filesystem_layout(tier: str, path: Path | VersionFiles, rank: int, *, direct
 
     def open_pieces(records: Sequence[TensorRecord], shared: bool) -> VersionSource:
         manifest = Manifest(step, head.created, parts[home].skeleton, tuple(records), head.metadata)
-        return version_files(path).open_source(tier, manifest, direct=direct and not shared)
+        # Shared pieces overlap the destination only in part: some of their chunks are not read.
+        return version_files(path).open_source(tier, manifest, direct=direct and not shared, every_chunk=not shared)
 
     return SavedLayout(
         tier=tier,

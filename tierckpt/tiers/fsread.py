@@ -62,7 +62,7 @@ class LocalVersion:
     def read_small(self, name: str, *, tier: str | None, step: int | None) -> bytes:
         return _read_small(self.path, name, tier=tier, step=step)
 
-    def open_source(self, tier: str | None, manifest: Manifest, *, direct: bool) -> StoredSource:
+    def open_source(self, tier: str | None, manifest: Manifest, *, direct: bool, every_chunk: bool = True) -> StoredSource:
         return FilesystemSource(tier, self.path, manifest, direct=direct)
 
 

@@ -16,7 +16,7 @@ from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import MANIFEST_FILE, Manifest, parse_version_dirname, version_dirname
 from tierckpt.format.layout import where
 from tierckpt.format.manifest import MAX_MANIFEST_BYTES
-from tierckpt.storage.coalesce import CoalescingReader, group_spans
+from tierckpt.storage.coalesce import GROUP, SMALL, CoalescingReader, group_spans
 from tierckpt.storage.s3 import Bucket
 from tierckpt.tiers.fscheck import check_records
 from tierckpt.tiers.fsread import StoredSource
@@ -46,15 +46,19 @@ class ObjectVersion:
         except (OSError, CorruptCheckpointError) as exc:
             raise CorruptCheckpointError(f"{where(tier, step)}: {name} cannot be read ({exc})", tier=tier, step=step) from exc
 
-    def open_source(self, tier: str | None, manifest: Manifest, *, direct: bool) -> StoredSource:
-        return ObjectSource(tier, self, manifest)
+    def open_source(self, tier: str | None, manifest: Manifest, *, direct: bool, every_chunk: bool = True) -> StoredSource:
+        return ObjectSource(tier, self, manifest, every_chunk=every_chunk)
 
 
 class ObjectSource(StoredSource):
-    """A committed version's data objects, read with ranged GETs (one per chunk, small neighbours
-    together; from the reading threads, each keeping one in flight), each chunk verified."""
+    """A committed version's data objects, read with ranged GETs (one per chunk, neighbours together up
+    to 16 MiB; from the reading threads, each keeping one in flight), each chunk verified.
 
-    def __init__(self, tier: str | None, version: ObjectVersion, manifest: Manifest) -> None:
+    ``every_chunk``: every chunk of the records will be read, so any neighbours may share a GET; else
+    (a reshard reading the overlapping chunks only) only chunks under 1 MiB do, so that a GET fetches
+    little that nothing reads."""
+
+    def __init__(self, tier: str | None, version: ObjectVersion, manifest: Manifest, *, every_chunk: bool = True) -> None:
         super().__init__(tier, manifest)
         files = sorted({r.chunk_file(i) for r in manifest.records for i, c in enumerate(r.chunks) if c is not None})
         sizes = {}
@@ -68,9 +72,9 @@ class ObjectSource(StoredSource):
             for i, c in enumerate(r.chunks):
                 if c is not None:
                     spans[r.chunk_file(i)].append((c.offset, c.stored))
-        for name in files:  # small neighbours in one GET each (see tierckpt.storage.coalesce)
+        for name in files:  # neighbours in one GET of up to 16 MiB (see tierckpt.storage.coalesce)
             reader = version.bucket.open_reader(f"{version.container}/{name}", sizes[name])
-            groups = group_spans(spans[name])
+            groups = group_spans(spans[name], below=GROUP if every_chunk else SMALL)
             self.readers[name] = CoalescingReader(reader, groups) if groups else reader
 
 

@@ -21,5 +21,8 @@ class VersionFiles(Protocol):
         """A manifest-sized object, whole (refused past MAX_MANIFEST_BYTES): CorruptCheckpointError
         naming ``name`` when it is missing, too large or unreadable."""
 
-    def open_source(self, tier: str | None, manifest: Manifest, *, direct: bool) -> StoredSource:
-        """The data objects ``manifest`` names, opened and checked against its records."""
+    def open_source(self, tier: str | None, manifest: Manifest, *, direct: bool, every_chunk: bool = True) -> StoredSource:
+        """The data objects ``manifest`` names, opened and checked against its records.
+
+        ``every_chunk``: every chunk of the records will be read (a restore reads only the chunks it
+        needs otherwise): an object store may then read neighbouring chunks in one request."""
