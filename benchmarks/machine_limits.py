@@ -6,6 +6,7 @@ Used by save_restore.py, which reports every time as a fraction of the limit mea
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import mmap
 import os
 import platform
@@ -13,7 +14,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -55,17 +56,34 @@ def limit_memcpy(nbytes: int) -> float:
     return min(times)
 
 
+def read_thread_counts(threads: int) -> tuple[int, ...]:
+    """The thread counts a read limit is taken with, the best of them counting: the tier's threads,
+    one more (a restore reads with the tier's threads and its caller), and twice that (a virtio
+    disk served 4 readers faster than 2 here)."""
+    return (threads, threads + 1, 2 * (threads + 1))
+
+
+@contextlib.contextmanager
+def _workers(threads: int) -> Iterator[tuple[concurrent.futures.ThreadPoolExecutor, threading.local]]:
+    """``threads`` threads, each with a reused 16 MiB buffer (``local.view``) faulted in, all started
+    before the caller's clock does."""
+    local = threading.local()
+    ready = threading.Barrier(threads)
+
+    def start(_: int) -> None:
+        local.view = memoryview(buffer(CHUNK))
+        ready.wait()
+
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(start, range(threads)))
+        yield pool, local
+
+
 def _direct_io(path: Path, nbytes: int, threads: int, *, write: bool, whole: memoryview | None) -> float:
     """O_DIRECT (where allowed) in 16 MiB requests from/into ``whole`` (a state-sized, faulted-in
     buffer: where a checkpointer's bytes really come from and go to) or, with None, a reused 16 MiB
     buffer per thread (the disk alone: a buffer that stays in cache flatters the transfer)."""
     direct = O_DIRECT if probe_direct_io(path.parent) else 0
-    local = threading.local()
-    ready = threading.Barrier(threads)
-
-    def start(_: int) -> None:  # every thread started, its buffer faulted in, before the clock
-        local.view = memoryview(buffer(CHUNK))
-        ready.wait()
 
     def job(offset: int) -> None:
         length = min(CHUNK, nbytes - offset)
@@ -76,8 +94,7 @@ def _direct_io(path: Path, nbytes: int, threads: int, *, write: bool, whole: mem
     flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL) if write else os.O_RDONLY
     if write:
         path.unlink(missing_ok=True)  # truncating a large file costs ~0.15 s/GiB here: not the disk's speed
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        list(pool.map(start, range(threads)))
+    with _workers(threads) as (pool, local):
         t = time.perf_counter()
         fd = os.open(path, flags | direct, 0o644)
         list(pool.map(job, range(0, nbytes, CHUNK)))
@@ -93,13 +110,6 @@ def read_files(paths: list[Path], threads: int, cold: bool) -> float:
     """O_DIRECT reads of ``paths`` whole, in 16 MiB requests into a reused buffer per thread, with
     ``threads`` threads (page cache dropped first when ``cold``): the disk reading a version's own
     files, the same bytes a restore reads, at the same moment of the run."""
-    local = threading.local()
-    ready = threading.Barrier(threads)
-
-    def start(_: int) -> None:
-        local.view = memoryview(buffer(CHUNK))
-        ready.wait()
-
     fds = {path: os.open(path, os.O_RDONLY | O_DIRECT) for path in paths}
     jobs = [(fds[path], offset) for path in paths for offset in range(0, path.stat().st_size, CHUNK)]
 
@@ -110,8 +120,7 @@ def read_files(paths: list[Path], threads: int, cold: bool) -> float:
     try:
         if cold:
             drop_caches()
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            list(pool.map(start, range(threads)))
+        with _workers(threads) as (pool, local):
             t = time.perf_counter()
             list(pool.map(job, jobs))
             return time.perf_counter() - t
@@ -149,11 +158,10 @@ def limits(directory: Path, nbytes: int, threads: int, cold: bool) -> dict[str, 
         if cold:
             drop_caches()
         out[f"read{name}_s"] = _direct_io(path, nbytes, threads, write=False, whole=source)
-    # A restore reads with the tier's threads and the calling thread: the disk with one read more in
-    # flight, which it may serve faster; and a virtio disk served 4 readers faster than 2 here. The
-    # limit is the best the disk does, so measure those too.
+    # More reads in flight, which the disk may serve faster (read_thread_counts): the limit is the
+    # best the disk does, so measure those too.
     more = []
-    for n in (threads + 1, 2 * (threads + 1)):
+    for n in read_thread_counts(threads)[1:]:
         if cold:
             drop_caches()
         more.append(_direct_io(path, nbytes, n, write=False, whole=None))

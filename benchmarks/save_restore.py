@@ -35,7 +35,7 @@ import torch
 import xxhash
 
 import common
-from machine_limits import drop_caches, fault_in, limits, machine, read_files
+from machine_limits import drop_caches, fault_in, limits, machine, read_files, read_thread_counts
 from tierckpt import Checkpointer
 from tierckpt.storage.posix import fsync_dir
 LAYERS = 24  # 8 tensors each, plus a few: ~200 tensors
@@ -174,10 +174,9 @@ def bench_tierckpt(
     out.update(restore_s=first["seconds"], fault_s=first["fault_s"])
     out["restore_template_s"] = load(kind="tierckpt_template", path=directory)["seconds"]
     out["restore_verify_first_s"] = load(kind="tierckpt_verify_first", path=directory)["seconds"]
-    # The limit for those restores, measured on the very files they read: the best of the tier's
-    # threads, one more (a restore reads with the tier's threads and its caller), and twice that.
+    # The limit for those restores, measured on the very files they read (read_thread_counts).
     files = sorted(p for p in directory.glob("step-*/data-*") if p.is_file())
-    out["read_same_s"] = min(read_files(files, n, cold) for n in (threads, threads + 1, 2 * (threads + 1)))
+    out["read_same_s"] = min(read_files(files, n, cold) for n in read_thread_counts(threads))
     return out
 
 
