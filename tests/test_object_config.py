@@ -111,6 +111,103 @@ def test_a_group_is_fetched_once_for_its_chunks_and_let_go_after_the_last() -> N
     assert bytes(reader.read_span(1000, 3000, scratch, what="x")) == data[1000:4000] and inner.reads == 3
 
 
+def test_where_every_chunk_is_read_the_object_is_fetched_in_fixed_windows_cut_to_the_chunks() -> None:
+    from tierckpt.storage.coalesce import GROUP, Group, window_spans
+
+    mib = 1 << 20
+    # The raw client's GETs: [0, 16 MiB), [16, 32 MiB)... whatever the chunk boundaries; a chunk across
+    # an edge counts in both windows, one longer than a window in each it touches; each window ends
+    # where its last chunk byte does.
+    spans = [(0, 14 * mib), (14 * mib, 5 * mib), (19 * mib, 40 * mib), (59 * mib, 100)]
+    assert window_spans(spans) == [
+        Group(0, GROUP, 2), Group(GROUP, 2 * GROUP, 2), Group(2 * GROUP, 3 * GROUP, 1), Group(3 * GROUP, 59 * mib + 100, 2),
+    ]
+    # Bytes no chunk holds (the object's tail) are not fetched; an empty chunk is in no window.
+    assert window_spans([(4096, 4096), (100, 0)]) == [Group(4096, 8192, 1)]
+
+
+def test_a_chunk_across_a_window_edge_comes_in_two_pieces_and_each_window_is_fetched_once() -> None:
+    import os
+
+    from tierckpt.storage.coalesce import CoalescingReader, window_spans
+
+    window = 1 << 16
+    data = os.urandom(4 * window)
+    spans = [(0, 40_000), (40_000, 40_000), (80_000, 100_000), (180_000, 20_000)]  # the 2nd and 3rd cross edges
+    inner = _CountingReader(data)
+    reader = CoalescingReader(inner, window_spans(spans, window), ahead=True)  # type: ignore[arg-type]
+    scratch = memoryview(bytearray(200_000))
+    pieces = reader.read_pieces(40_000, 40_000, scratch, what="x")
+    assert [p.nbytes for p in pieces] == [window - 40_000, 80_000 - window]  # not joined
+    assert b"".join(pieces) == data[40_000:80_000]
+    # Joined only where one buffer is asked for: in the caller's scratch, or in the destination.
+    joined = reader.read_span(80_000, 100_000, scratch, what="x")
+    assert bytes(joined) == data[80_000:180_000] and joined.obj is scratch.obj
+    out = memoryview(bytearray(40_000))
+    reader.read_into(out, 0, scratch, what="x")
+    assert bytes(out) == data[:40_000]
+    assert bytes(reader.read_span(180_000, 20_000, scratch, what="x")) == data[180_000:200_000]
+    assert inner.reads == 4  # one GET per window, for chunks that needed six pieces between them
+    assert not reader._held  # each window let go after the last piece it held
+
+
+class _GatedReader(_CountingReader):
+    """Ranged reads recorded by start; the first waits until ``gate`` is set (a GET still in flight)."""
+
+    def __init__(self, data: bytes) -> None:
+        import threading
+
+        super().__init__(data)
+        self.gate, self.first, self.second = threading.Event(), threading.Event(), threading.Event()
+        self.starts: list[int] = []
+
+    def read_span(self, offset: int, length: int, scratch: memoryview, *, what: str) -> memoryview:
+        self.starts.append(offset)
+        (self.first if len(self.starts) == 1 else self.second).set()
+        if len(self.starts) == 1:
+            assert self.gate.wait(30)
+        return super().read_span(offset, length, scratch, what=what)
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_a_thread_waiting_for_a_window_in_flight_fetches_the_next_one_meanwhile(ahead: bool) -> None:
+    import os
+    import threading
+
+    from tierckpt.storage.coalesce import CoalescingReader, window_spans
+
+    window = 1 << 16
+    data = os.urandom(3 * window)
+    spans = [(0, window // 2), (window // 2, window // 2), (window, window), (2 * window, window)]
+    inner = _GatedReader(data)
+    reader = CoalescingReader(inner, window_spans(spans, window), ahead=ahead)  # type: ignore[arg-type]
+    scratch = memoryview(bytearray(0))
+    got: dict[int, bytes] = {}
+
+    def read(offset: int) -> None:
+        got[offset] = bytes(reader.read_span(offset, window // 2, scratch, what="x"))
+
+    first = threading.Thread(target=read, args=(0,))
+    first.start()
+    assert inner.first.wait(30)  # window 0's GET is in flight, held at the gate
+    second = threading.Thread(target=read, args=(window // 2,))
+    second.start()
+    if ahead:
+        # Rather than wait idle for window 0, the second thread fetches window 1, which nobody
+        # asked for yet, while window 0 is still in flight.
+        assert inner.second.wait(30)
+        assert inner.starts == [0, window] and not inner.gate.is_set()
+    inner.gate.set()
+    first.join(30)
+    second.join(30)
+    assert got == {0: data[:window // 2], window // 2: data[window // 2:window]}
+    # Without ``ahead`` (a reshard, where not every group will be read) it only waited.
+    assert inner.starts == ([0, window] if ahead else [0])
+    assert bytes(reader.read_span(window, window, scratch, what="x")) == data[window:2 * window]
+    assert bytes(reader.read_span(2 * window, window, scratch, what="x")) == data[2 * window:]
+    assert inner.starts == [0, window, 2 * window]  # window 1, fetched ahead, was not fetched again
+
+
 def test_the_readmes_cloud_example_loads_as_written(tmp_path: Path) -> None:
     import re
 

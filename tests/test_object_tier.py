@@ -21,7 +21,7 @@ import torch
 from obstore.store import S3Store
 
 from tierckpt import Checkpointer
-from tierckpt.errors import ConfigError, FlushError
+from tierckpt.errors import ConfigError, CorruptCheckpointError, FlushError
 from tierckpt.testing import failures, launch_ranks
 from tierckpt.testing.s3proxy import S3Proxy
 from tierckpt.storage.s3uploads import Signer, list_uploads
@@ -407,3 +407,25 @@ def test_many_small_tensors_are_restored_with_few_ranged_gets_and_each_is_still_
     obstore.put(client(s3), data, bytes(body))
     with Checkpointer(config(s3)) as ckpt, pytest.warns(RuntimeWarning, match=r"step 2 on tier 's3' does not verify.*checksum mismatch"):
         assert ckpt.restore_latest_sync(None).step == 1
+
+
+def test_a_chunk_read_across_two_windows_is_verified_whole_before_a_byte_of_it_lands_in_the_template(s3: Any) -> None:
+    quarter = (6 << 20) // 4  # three 6 MiB tensors: whichever comes third crosses the 16 MiB window edge
+    g = torch.Generator().manual_seed(0)
+    saved = {k: torch.randn(quarter, generator=g) for k in "abc"}
+    with Checkpointer(config(s3)) as ckpt:
+        assert ckpt.save_sync(1, saved).committed_sync("s3", timeout=60)
+    data = f"{s3.prefix}/" + next(n for n in listing(s3, s3.prefix) if n.startswith("step-000000000001/data-"))
+    body = bytearray(obstore.get(client(s3), data).bytes())
+    assert len(body) > 16 << 20
+    crossing = next(k for k in "abc" if bytes(saved[k].numpy().tobytes()[-4096:]) in body[16 << 20:])
+    body[(17 << 20) + 5] ^= 0x01  # in the second window: the crossing tensor's second piece
+    obstore.put(client(s3), data, bytes(body))
+    template = {k: torch.zeros(quarter) for k in "abc"}
+    with Checkpointer(config(s3)) as ckpt, pytest.warns(RuntimeWarning, match=rf"checksum mismatch in \['{crossing}'\]"):
+        with pytest.raises(CorruptCheckpointError, match="no version verifies"):
+            ckpt.restore_latest_sync(template)
+    # The other two verified and landed; of the damaged one, not a byte did.
+    assert not template[crossing].any()
+    assert all(torch.equal(template[k], saved[k]) for k in "abc" if k != crossing)
+

@@ -2,8 +2,8 @@
 
 Why obstore: its async calls run on the engine's own event loop with no thread per request, a data
 object is one multipart upload whose parts go up ``concurrency`` at a time while the writer threads
-encode the next chunks, and a chunk is one ranged GET (``get_range``) that releases the GIL while it
-waits. Measured against the local SeaweedFS server in ``benchmarks/object_store.py``.
+encode the next chunks, and a restore's 16 MiB window (:mod:`tierckpt.storage.coalesce`) is one ranged
+GET (``get_range``) that releases the GIL while it waits. Measured against the local SeaweedFS server in ``benchmarks/object_store.py``.
 
 :class:`Bucket` is the prefix ``s3://bucket/prefix`` of a tier: every key here is relative to it.
 What the tier stores there and in which order it becomes visible is :mod:`tierckpt.tiers.objecttier`'s;

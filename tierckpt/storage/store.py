@@ -38,6 +38,7 @@ Blocking methods (``open_data`` and the writer's, the reader's) run in worker th
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -94,6 +95,11 @@ class ObjectReader(abc.ABC):
     def read_span(self, offset: int, length: int, scratch: memoryview, *, what: str) -> memoryview:
         """Bytes ``[offset, offset + length)``, as a view of ``scratch`` (or of a new buffer if it is
         too small). Raises CorruptCheckpointError naming ``what`` when the object ends early."""
+
+    def read_pieces(self, offset: int, length: int, scratch: memoryview, *, what: str) -> Sequence[memoryview]:
+        """:meth:`read_span`'s bytes as consecutive pieces: a reader that fetched them in several
+        buffers returns those rather than join them (see :mod:`~tierckpt.storage.coalesce`)."""
+        return [self.read_span(offset, length, scratch, what=what)]
 
     @abc.abstractmethod
     def read_into(self, out: memoryview, offset: int, scratch: memoryview, *, what: str) -> None:

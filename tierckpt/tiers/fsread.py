@@ -30,12 +30,15 @@ import dataclasses
 import errno
 import os
 import stat
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Mapping, cast
 
-from tierckpt._buffers import copy_bytes
+from tierckpt._buffers import copy_pieces
 from tierckpt.errors import CorruptCheckpointError, LayoutError
 from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, TensorRecord, checksum, decode_document
+from tierckpt.format.checksum import checksum_pieces
 from tierckpt.format.layout import where
 from tierckpt.format.manifest import MAX_MANIFEST_BYTES
 from tierckpt.state import skeleton_leaf_count
@@ -279,9 +282,10 @@ class StoredSource(VersionSource):
     def _corrupt(self, record: TensorRecord, message: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(message, tier=self.tier, step=self.step, key=record.key)
 
-    def _verify(self, record: TensorRecord, chunk: int, data: memoryview) -> None:
+    def _verify(self, record: TensorRecord, chunk: int, data: memoryview | Sequence[memoryview]) -> None:
+        """``data``: the chunk's stored bytes, or their consecutive pieces."""
         c = record.chunk(chunk)
-        if checksum(data) != c.checksum:
+        if (checksum(data) if isinstance(data, memoryview) else checksum_pieces(data)) != c.checksum:
             raise self._corrupt(
                 record,
                 f"{where(self.tier, self.step)}: {record.chunk_file(chunk)}: checksum mismatch in {record.key} "
@@ -293,15 +297,21 @@ class StoredSource(VersionSource):
         """Whether bulk reads bypass the page cache (O_DIRECT)."""
         return any(reader.direct for reader in self.readers.values())
 
-    def read_stored(self, record: TensorRecord, chunk: int, scratch: memoryview) -> memoryview:
-        c = record.chunk(chunk)
+    @contextmanager
+    def _reading(self, record: TensorRecord, chunk: int) -> Iterator[str]:
+        """Around a read of the chunk (given what names it): its failures as a damaged chunk's."""
         what = self._where(record, chunk)
         try:
-            out = self.readers[record.chunk_file(chunk)].read_span(c.offset, c.stored, scratch, what=what)
+            yield what
         except CorruptCheckpointError as exc:
             raise self._corrupt(record, str(exc)) from None
         except OSError as exc:  # a copy that cannot be read is as good as a damaged one: restore moves on
             raise self._corrupt(record, f"{what}: read failed ({exc.strerror or exc})") from exc
+
+    def read_stored(self, record: TensorRecord, chunk: int, scratch: memoryview) -> memoryview:
+        c = record.chunk(chunk)
+        with self._reading(record, chunk) as what:
+            out = self.readers[record.chunk_file(chunk)].read_span(c.offset, c.stored, scratch, what=what)
         self._verify(record, chunk, out)
         return out
 
@@ -318,22 +328,22 @@ class StoredSource(VersionSource):
             return
         if c.stored != out.nbytes:
             raise self._corrupt(record, f"{self._where(record, chunk)} has the wrong length")
-        what = self._where(record, chunk)
+        reader = self.readers[record.chunk_file(chunk)]
         if not private:
             # Into memory others see (a template): read into this thread's reused buffer, verify it
             # there, then copy. A damaged chunk never lands; and O_DIRECT into a reused buffer runs
             # at up to twice the speed of reads into a large destination, while the copy out of it
-            # runs at memory speed beside the next read.
-            copy_bytes(out, self.read_stored(record, chunk, scratch))
+            # runs at memory speed beside the next read. A chunk an object store fetched in two
+            # GETs is hashed and copied piece by piece, never joined first.
+            with self._reading(record, chunk) as what:
+                pieces = reader.read_pieces(c.offset, c.stored, scratch, what=what)
+            self._verify(record, chunk, pieces)
+            copy_pieces(out, pieces)
             return
         # Into private memory (new arrays, staging): straight in (DMA when both are page-aligned),
         # hashed right away while in cache. Fresh pages fill faster by DMA than by a copy.
-        try:
-            self.readers[record.chunk_file(chunk)].read_into(out, c.offset, scratch, what=what)
-        except CorruptCheckpointError as exc:
-            raise self._corrupt(record, str(exc)) from None
-        except OSError as exc:
-            raise self._corrupt(record, f"{what}: read failed ({exc.strerror or exc})") from exc
+        with self._reading(record, chunk) as what:
+            reader.read_into(out, c.offset, scratch, what=what)
         self._verify(record, chunk, out)
 
     def close(self) -> None:

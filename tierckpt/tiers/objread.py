@@ -16,7 +16,7 @@ from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import MANIFEST_FILE, Manifest, parse_version_dirname, version_dirname
 from tierckpt.format.layout import where
 from tierckpt.format.manifest import MAX_MANIFEST_BYTES
-from tierckpt.storage.coalesce import GROUP, SMALL, CoalescingReader, group_spans
+from tierckpt.storage.coalesce import SMALL, CoalescingReader, group_spans, window_spans
 from tierckpt.storage.s3 import Bucket
 from tierckpt.tiers.fscheck import check_records
 from tierckpt.tiers.fsread import StoredSource
@@ -51,12 +51,12 @@ class ObjectVersion:
 
 
 class ObjectSource(StoredSource):
-    """A committed version's data objects, read with ranged GETs (one per chunk, neighbours together up
-    to 16 MiB; from the reading threads, each keeping one in flight), each chunk verified.
+    """A committed version's data objects, read with ranged GETs from the reading threads, each chunk
+    verified.
 
-    ``every_chunk``: every chunk of the records will be read, so any neighbours may share a GET; else
-    (a reshard reading the overlapping chunks only) only chunks under 1 MiB do, so that a GET fetches
-    little that nothing reads."""
+    ``every_chunk``: every chunk of the records will be read, so each object is fetched in fixed
+    16 MiB windows, the raw client's GETs; else (a reshard reading the overlapping chunks only) a GET
+    per chunk, only chunks under 1 MiB together, so that a GET fetches little that nothing reads."""
 
     def __init__(self, tier: str | None, version: ObjectVersion, manifest: Manifest, *, every_chunk: bool = True) -> None:
         super().__init__(tier, manifest)
@@ -72,10 +72,10 @@ class ObjectSource(StoredSource):
             for i, c in enumerate(r.chunks):
                 if c is not None:
                     spans[r.chunk_file(i)].append((c.offset, c.stored))
-        for name in files:  # neighbours in one GET of up to 16 MiB (see tierckpt.storage.coalesce)
+        for name in files:  # a few large GETs rather than one per chunk (see tierckpt.storage.coalesce)
             reader = version.bucket.open_reader(f"{version.container}/{name}", sizes[name])
-            groups = group_spans(spans[name], below=GROUP if every_chunk else SMALL)
-            self.readers[name] = CoalescingReader(reader, groups) if groups else reader
+            groups = window_spans(spans[name]) if every_chunk else group_spans(spans[name], below=SMALL)
+            self.readers[name] = CoalescingReader(reader, groups, ahead=every_chunk) if groups else reader
 
 
 def open_bucket(url: str, endpoint: str | None = None) -> Bucket:
