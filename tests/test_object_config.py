@@ -147,7 +147,7 @@ def test_a_chunk_across_a_window_edge_comes_in_two_pieces_and_each_window_is_fet
     reader.read_into(out, 0, scratch, what="x")
     assert bytes(out) == data[:40_000]
     assert bytes(reader.read_span(180_000, 20_000, scratch, what="x")) == data[180_000:200_000]
-    assert inner.reads == 4  # one GET per window, for chunks that needed six pieces between them
+    assert inner.reads == 4  # one GET per window, for chunks that came in seven pieces between them
     assert not reader._held  # each window let go after the last piece it held
 
 

@@ -200,16 +200,20 @@ class CoalescingReader(ObjectReader):
                 del self._held[i]  # every chunk in it served
         return fetch.data
 
-    def read_pieces(self, offset: int, length: int, scratch: memoryview, *, what: str) -> Sequence[memoryview]:
-        cover = self._cover(offset, length)
-        if cover is None:
-            return [self.inner.read_span(offset, length, scratch, what=what)]
+    def _pieces(self, cover: range, offset: int, length: int, what: str) -> list[memoryview]:
+        """``[offset, offset + length)`` from the groups ``cover``, a view of each."""
         pieces = []
         for i in cover:
             start, end, _ = self.groups[i]
             data = self._fetched(i, what)
             pieces.append(data[max(offset, start) - start:min(offset + length, end) - start])
         return pieces
+
+    def read_pieces(self, offset: int, length: int, scratch: memoryview, *, what: str) -> Sequence[memoryview]:
+        cover = self._cover(offset, length)
+        if cover is None:
+            return [self.inner.read_span(offset, length, scratch, what=what)]
+        return self._pieces(cover, offset, length, what)
 
     def read_span(self, offset: int, length: int, scratch: memoryview, *, what: str) -> memoryview:
         pieces = self.read_pieces(offset, length, scratch, what=what)
@@ -220,10 +224,11 @@ class CoalescingReader(ObjectReader):
         return out
 
     def read_into(self, out: memoryview, offset: int, scratch: memoryview, *, what: str) -> None:
-        if self._cover(offset, out.nbytes) is None:
+        cover = self._cover(offset, out.nbytes)
+        if cover is None:
             self.inner.read_into(out, offset, scratch, what=what)
             return
-        copy_pieces(out.cast("B"), self.read_pieces(offset, out.nbytes, scratch, what=what))
+        copy_pieces(out.cast("B"), self._pieces(cover, offset, out.nbytes, what))
 
     def close(self) -> None:
         with self._lock:
