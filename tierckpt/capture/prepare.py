@@ -80,9 +80,8 @@ class SlotPreparer:
         self._pause_lock = threading.Lock()
         # Set while the background thread touches nothing: paused by a restore, stopped, or done.
         self.idle = threading.Event()
-        # The background thread's CPU seconds faulting and pinning, and its seconds resting after.
+        # The background thread's CPU seconds faulting and pinning (it rests rested_s after them).
         self.worked_s = 0.0
-        self.rested_s = 0.0
         self._thread = threading.Thread(target=self._run, name="tierckpt-pool", daemon=True)
         self._thread.start()
 
@@ -187,12 +186,16 @@ class SlotPreparer:
         self._rest(time.thread_time() - began)
         return True
 
+    @property
+    def rested_s(self) -> float:
+        """Seconds the background thread rested after its work (a close cuts the last rest short)."""
+        return _rest_for(self.worked_s)
+
     def _rest(self, worked: float) -> None:
         """Wait (touching nothing) long enough that ``worked`` CPU seconds are :data:`_SHARE` of the
         time; a close ends the wait."""
-        rest = worked * (1 - _SHARE) / _SHARE
         self.worked_s += worked
-        self.rested_s += rest
+        rest = _rest_for(worked)
         if rest > 0:
             self._stop.wait(rest)
 
@@ -211,3 +214,8 @@ class SlotPreparer:
             return
         if not self.pinned[slot.index]:
             self._refused = True
+
+
+def _rest_for(worked: float) -> float:
+    """The rest after ``worked`` CPU seconds that makes them :data:`_SHARE` of the time."""
+    return worked * (1 - _SHARE) / _SHARE

@@ -8,9 +8,9 @@ the first chunk comes and unregistered at the end), never the host pool: the poo
 faulted in yet when a job restarts (:mod:`tierckpt.capture.prepare`), and pinning it would put its
 whole size on the restore's path. A damaged chunk never reaches the device: it fails in the buffer.
 
-Call order: :meth:`DeviceRing.start` once (it waits for what was queued on the devices before the
-restore), :meth:`DeviceRing.land` from any number of reader threads, :meth:`DeviceRing.close` once
-they are all done (it waits for every copy).
+Call order: :meth:`DeviceRing.start` once with the number of reader threads (it waits for what was
+queued on the devices before the restore), :meth:`DeviceRing.land` from those threads,
+:meth:`DeviceRing.close` once they are all done (it waits for every copy).
 """
 
 from __future__ import annotations
@@ -58,20 +58,22 @@ class _Bounce:
 
 
 class DeviceRing:
-    """``count`` pinned buffers of ``nbytes`` each, made on first use (see the module docstring)."""
+    """Pinned buffers of ``nbytes`` each, two per reader, made on first use (see the module docstring)."""
 
-    def __init__(self, nbytes: int, count: int, devices: set[torch.device]) -> None:
+    def __init__(self, nbytes: int, devices: set[torch.device]) -> None:
         self._nbytes = nbytes
-        self._count = count
+        self._count = 0  # set by start(): two per reader keep a copy in flight while the next chunk is read
         self._devices = devices
         self._free: queue.Queue[_Bounce] = queue.Queue()
         self._made: list[_Bounce] = []
         self._lock = threading.Lock()
         self._streams: dict[torch.device, Any] = {}
 
-    def start(self) -> None:
+    def start(self, readers: int) -> None:
         """Wait for what was queued on the target devices before the restore (not this thread's streams:
-        a restore is rare, and a device-wide wait costs nothing then), and make the copy streams."""
+        a restore is rare, and a device-wide wait costs nothing then), and make the copy streams;
+        ``readers`` threads will land chunks."""
+        self._count = 2 * readers
         for device in self._devices:
             torch.cuda.synchronize(device)
             self._streams[device] = torch.cuda.Stream(device)

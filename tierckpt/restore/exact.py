@@ -45,9 +45,6 @@ from tierckpt.tiers.memory import MemorySource
 
 __all__ = ["land", "staging_bytes"]
 
-_RING_BUFFERS = 6  # two per reader: a tier's 2 threads and the caller
-
-
 def _check(record: TensorRecord, source: VersionSource) -> Any:
     """The record's dtype, after checking its length (nothing is written yet). The template already
     matches: this path is taken only when :func:`tierckpt.restore.plan.fits` said so."""
@@ -172,10 +169,8 @@ def land(
     to_devices = [t for t in targets if t.cuda_bytes is not None]
     ring = None
     if to_devices:
-        # Two buffers per reader (the tier's threads and the caller) keep a copy in flight while
-        # the next chunk is read.
         chunk = max(t.record.chunk_bytes for t in to_devices)
-        ring = DeviceRing(scratch_bytes(chunk), _RING_BUFFERS, {t.cuda_bytes.device for t in to_devices})
+        ring = DeviceRing(scratch_bytes(chunk), {t.cuda_bytes.device for t in to_devices})
     for t in targets:
         for c in range(len(t.record.chunks)):
             start, length = t.record.chunk_span(c)

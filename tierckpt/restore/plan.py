@@ -145,7 +145,7 @@ class Plan:
         fresh destination pages in ahead of them, then runs jobs alongside them.
         """
         if self._ring is not None:
-            self._ring.start()
+            self._ring.start(threads + 1)  # the tier's threads and this one
         try:
             return self._run(source, executor, threads)
         finally:

@@ -126,10 +126,10 @@ class ObjectTier(GroupTier):
     @property
     def threads(self) -> int:
         # Ranged reads in flight on a restore: `concurrency`, whatever the cores. A thread spends most
-        # of a chunk waiting, on its GET or on the grouped GET another thread makes for the chunks
-        # beside it (tierckpt.storage.coalesce), so fewer threads leave GETs unmade. Measured on 2
-        # cores that also ran the server, 1 GiB: 8 threads 85-87% of the raw client's GETs, 12 and
-        # 16 the same, 4 threads 79%.
+        # of a chunk waiting on a GET, its own or that of the 16 MiB window its chunk lies in
+        # (tierckpt.storage.coalesce), so fewer threads leave GETs unmade. Measured on 2 cores that
+        # also ran the server, 1 GiB, chunks grouped along their boundaries: 8 threads 85-87% of the
+        # raw client's GETs, 12 and 16 the same, 4 threads 79%.
         return self.config.concurrency
 
     def _error(self, exc: BaseException) -> ConfigError:

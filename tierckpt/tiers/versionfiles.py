@@ -25,4 +25,4 @@ class VersionFiles(Protocol):
         """The data objects ``manifest`` names, opened and checked against its records.
 
         ``every_chunk``: every chunk of the records will be read (a restore reads only the chunks it
-        needs otherwise): an object store may then read neighbouring chunks in one request."""
+        needs otherwise): an object store may then read each object in a few large windows."""
