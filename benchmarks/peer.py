@@ -304,14 +304,17 @@ def run_ranks(job: dict[str, Any], log_dir: Path) -> list[dict[str, Any]]:
     return common.run_ranks(__file__, job, WORLD, log_dir, timeout_s=job["timeout"] * 4 + 60, what=job["mode"], expect_dead=dead)
 
 
-def drop_file_cache(directory: Path) -> dict[str, Any]:
-    """Drop the page cache of every file under ``directory``; how, and the bytes still resident after."""
+def drop_file_cache(directory: Path, *, whole: bool = True) -> dict[str, Any]:
+    """Drop the page cache of every file under ``directory``: with ``whole``, the machine's whole page
+    cache where allowed (root), else (or without ``whole``, leaving the rest of a shared machine's cache
+    alone) ``posix_fadvise(DONTNEED)`` on each file. Returns how, and the bytes still resident after
+    (None without ``fincore``)."""
     from machine_limits import drop_caches
 
     os.sync()
     how = "drop_caches"
     files = [p for p in directory.rglob("*") if p.is_file()]
-    if not drop_caches():
+    if not (whole and drop_caches()):
         how = "posix_fadvise(DONTNEED)"
         for path in files:
             fd = os.open(path, os.O_RDONLY)

@@ -1,4 +1,5 @@
-"""The device stage's own logic on any machine, with a fake GPU: barrier, completion, torn writes.
+"""The device stages' own logic on any machine, with a fake GPU: barrier, completion, torn writes, and
+the restore's ring of bounce buffers.
 
 ``DeviceCopies`` talks to CUDA through a handful of calls (streams, events, the current stream). Here
 they are a fake GPU whose queued work "finishes" only when the test opens :attr:`FakeGpu.done`, so
@@ -216,3 +217,86 @@ def test_a_failed_queueing_waits_for_what_was_queued_and_reports_the_failure(
     assert capture.finished.wait(DEADLINE_S)
     assert isinstance(capture.error, RuntimeError) and "illegal memory access" in str(capture.error)
     assert copies.order(timeout=DEADLINE_S) is True  # nothing left pending
+
+
+# -- the restore's ring of bounce buffers (tierckpt.restore.device) ---------------------------------------
+
+
+@pytest.fixture
+def fake_cuda_templates(gpu: FakeGpu, monkeypatch: pytest.MonkeyPatch) -> Iterator[set[int]]:
+    """Template tensors whose ids are put in the returned set land as CUDA templates do: through the
+    restore's ring of bounce buffers, on the fake GPU (whose copies are done at once)."""
+    from tierckpt.restore import device as ring_module
+    from tierckpt.restore import exact
+
+    on_gpu: set[int] = set()
+    real_template_bytes = exact._template_bytes
+
+    def template_bytes(value: Any) -> Any:
+        return None if id(value) in on_gpu else real_template_bytes(value)
+
+    def device_bytes(value: Any) -> Any:
+        return value.detach().reshape(-1).view(torch.uint8) if id(value) in on_gpu else None
+
+    made: list[Any] = []
+    real_bounce = ring_module._Bounce
+
+    def bounce(nbytes: int) -> Any:
+        made.append(real_bounce(nbytes))
+        return made[-1]
+
+    monkeypatch.setattr(exact, "_template_bytes", template_bytes)
+    monkeypatch.setattr(exact, "device_bytes", device_bytes)
+    monkeypatch.setattr(ring_module, "_Bounce", bounce)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    gpu.done.set()
+    yield on_gpu
+    assert made, "no chunk went through the ring"
+    assert all(b.memory.closed for b in made), "a ring buffer outlived its restore"
+
+
+def _save_and_damage(path: Any, states: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """``states`` saved as steps 1, 2, ... to a disk tier at ``path``; a bit of the newest one's 'b' flipped."""
+    from helpers import fs_tier, tier_config
+    from tierckpt import Checkpointer
+    from tierckpt.format import MANIFEST_FILE, Manifest, version_dirname
+    from tierckpt.testing import flip_bits
+
+    config = tier_config(fs_tier("nvme", path / "nvme"), capacity="16MiB")
+    with Checkpointer(config) as ckpt:
+        for step, state in enumerate(states, 1):
+            assert ckpt.save_sync(step, state).committed_sync("nvme", timeout=DEADLINE_S)
+    version = path / "nvme" / version_dirname(len(states))
+    record = next(r for r in Manifest.decode((version / MANIFEST_FILE).read_bytes()).records if r.key == "['b']")
+    flip_bits(version / record.file, record.chunks[0].offset + 100, 0x01)
+    return config
+
+
+def _state(value: float) -> dict[str, torch.Tensor]:
+    return {"a": torch.arange(1 << 18, dtype=torch.float32) + value, "b": torch.full((1 << 18,), value)}
+
+
+def test_a_damaged_chunk_bound_for_a_gpu_template_warns_and_falls_back(tmp_path: Any, fake_cuda_templates: set[int]) -> None:
+    from helpers import assert_bitwise
+    from tierckpt import Checkpointer
+
+    config = _save_and_damage(tmp_path, [_state(1.0), _state(2.0)])
+    template = {k: torch.zeros_like(v) for k, v in _state(0.0).items()}
+    fake_cuda_templates.update(id(v) for v in template.values())
+    with Checkpointer(config) as ckpt, pytest.warns(RuntimeWarning, match="step 2"):
+        restored = ckpt.restore_latest_sync(template)  # step 2 fails in the ring's buffer: step 1 comes back
+    assert restored is not None and restored.step == 1
+    assert_bitwise(template, _state(1.0))
+
+
+def test_a_damaged_chunk_never_reaches_a_gpu_template(tmp_path: Any, fake_cuda_templates: set[int]) -> None:
+    from tierckpt import Checkpointer, CorruptCheckpointError
+
+    config = _save_and_damage(tmp_path, [_state(1.0)])
+    template = {k: torch.zeros_like(v) for k, v in _state(0.0).items()}
+    fake_cuda_templates.update(id(v) for v in template.values())
+    with Checkpointer(config) as ckpt, pytest.warns(RuntimeWarning, match="step 1"):
+        with pytest.raises(CorruptCheckpointError, match="partly overwritten"):
+            ckpt.restore_latest_sync(template)
+    assert torch.equal(template["a"], _state(1.0)["a"])  # verified, copied through the ring
+    assert not template["b"].any()  # failed in the ring's buffer: nothing of it was copied

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import enum
 import math
+import re
 from collections import OrderedDict
 from typing import Any
 
@@ -467,3 +468,79 @@ def test_garbage_skeletons_only_ever_raise_corrupt(skeleton: Any) -> None:
         skeleton_leaf_count(skeleton)
     except CorruptCheckpointError:
         pass
+
+
+def _same_leaves(got: list[Leaf], want: list[Leaf]) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert (a.index, a.path, a.kind, a.dtype, a.shape, a.nbytes, a.replicas, a.region) == (
+            b.index, b.path, b.kind, b.dtype, b.shape, b.nbytes, b.replicas, b.region
+        )
+        assert a.value is b.value or (a.kind == "numpy" and np.array_equal(a.value, b.value, equal_nan=a.value.dtype.kind in "fc"))
+        assert type(a.shape) is tuple and type(a.nbytes) is int
+
+
+def _walks_agree(state: Any) -> None:
+    """save()'s common-case walk gives exactly the general walk's skeleton and leaves (or declines)."""
+    from tierckpt.state.leaves import _flatten_any, _flatten_common
+
+    try:
+        fast = _flatten_common(state)
+    except Exception:  # noqa: BLE001 - declined: flatten() takes the general walk
+        return
+    general = _flatten_any(state)
+    assert msgpack.packb(fast[0], use_bin_type=True) == msgpack.packb(general[0], use_bin_type=True)
+    _same_leaves(fast[1], general[1])
+
+
+@settings(deadline=None, max_examples=300)
+@given(states)
+def test_the_common_case_walk_agrees_with_the_general_one(state: Any) -> None:
+    _walks_agree(state)
+
+
+def test_the_common_case_walk_takes_a_model_and_its_optimizer() -> None:
+    from tierckpt.state.leaves import _flatten_common
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": 3, "rng": torch.get_rng_state(), "np": np.random.get_state()}
+    _flatten_common(state)  # taken, not declined
+    _walks_agree(state)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: {"k": "é"}, lambda: {"é": 1}, lambda: {(1, 2): 3}, lambda: {"x": 2**64}, lambda: {"x": {1.5: 2}},
+        lambda: {"q": torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)},
+        lambda: {"m": torch.empty(2, device="meta")}, lambda: {"s": torch.ones(2).to_sparse()},
+        lambda: {"n": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])}, lambda: {"set": {1}},
+    ],
+    ids=["non-ascii value", "non-ascii key", "tuple key", "big int", "float key", "quantized", "meta", "sparse", "nested", "set"],
+)
+def test_unusual_states_take_the_general_walk_with_its_result_or_error(make: Any) -> None:
+    unusual = make()
+    from tierckpt.state.leaves import _Unusual, _flatten_any, _flatten_common
+
+    with pytest.raises((_Unusual, UnsupportedStateError)):
+        _flatten_common(unusual)
+    try:
+        want: Any = _flatten_any(unusual)
+    except UnsupportedStateError as exc:
+        with pytest.raises(UnsupportedStateError, match=re.escape(str(exc))):
+            flatten(unusual)
+        return
+    got = flatten(unusual)
+    assert msgpack.packb(got[0], use_bin_type=True) == msgpack.packb(want[0], use_bin_type=True)
+    _same_leaves(got[1], want[1])
+
+
+def test_deep_states_take_the_general_walk() -> None:
+    state: Any = torch.ones(1)
+    for _ in range(400):
+        state = [state]
+    skeleton, leaves = flatten(state)
+    assert len(leaves) == 1 and leaves[0].path == (0,) * 400

@@ -36,22 +36,39 @@ class SaveMoment:
 
     ``versions``: each leaf's in-place version counter (-1 where it has none); ``ready``: per CUDA
     device holding a leaf, an event on the caller's current stream there (streams are per thread: the
-    copies must wait for what the caller queued before ``save()``).
+    copies must wait for what the caller queued before ``save()``); ``on_device``: the indices of the
+    leaves on a CUDA device.
     """
 
     versions: Sequence[int]
     ready: Mapping[torch.device, Any]
+    on_device: tuple[int, ...] = ()
 
 
 def moment(leaves: Sequence[Leaf]) -> SaveMoment:
-    """Read the :class:`SaveMoment` of ``leaves`` (on the saving thread, before ``save()`` returns)."""
+    """Read the :class:`SaveMoment` of ``leaves`` (on the saving thread, before ``save()`` returns).
+
+    One pass, a few attribute reads a leaf: it is part of every ``save()`` call's cost."""
     ready = {}
-    for leaf in leaves:
-        if leaf.kind == "torch" and leaf.value.is_cuda and leaf.value.device not in ready:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(leaf.value.device))
-            ready[leaf.value.device] = event
-    return SaveMoment(tuple(version_of(leaf.value) for leaf in leaves), ready)
+    versions = []
+    on_device = []
+    for index, leaf in enumerate(leaves):
+        value = leaf.value
+        if leaf.kind != "torch":
+            versions.append(-1)
+            continue
+        try:
+            versions.append(value._version)
+        except RuntimeError:  # an inference tensor: it has no version counter
+            versions.append(-1)
+        if value.is_cuda:
+            on_device.append(index)
+            device = value.device
+            if device not in ready:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
+                ready[device] = event
+    return SaveMoment(versions, ready, tuple(on_device))
 
 
 def version_of(value: Any) -> int:

@@ -46,15 +46,21 @@ class _Bounce:
         self.address = address(view)
         view.release()
         self.pinned = pin(self.address, nbytes, "auto", what=f"a {nbytes >> 20} MiB restore buffer")
-        self.host = torch.frombuffer(self.memory, dtype=torch.uint8)
+        self.host: torch.Tensor | None = torch.frombuffer(self.memory, dtype=torch.uint8)
         self.done: torch.cuda.Event | None = None  # the copy out of it, while one is queued
 
     def close(self) -> None:
+        """Unpin and unmap. A view of the buffer still alive (one held by the traceback of a chunk that
+        failed in it, say) keeps the mapping until the collector frees that view: unmapping under it
+        is refused, and must not replace the error being handled with a ``BufferError``."""
         if self.pinned:
             self.pinned = False
             unpin(self.address)
-        del self.host
-        self.memory.close()
+        self.host = None
+        try:
+            self.memory.close()
+        except BufferError:
+            pass  # freed with its last view (its pages are unpinned already)
 
 
 class DeviceRing:
@@ -99,9 +105,13 @@ class DeviceRing:
                 bounce.done = None
             nbytes = dst.numel()
             out = memoryview(bounce.memory)[:nbytes]
-            source.read_logical(record, chunk, out, scratch(scratch_bytes(record.chunk_bytes)), private=True)
+            try:
+                source.read_logical(record, chunk, out, scratch(scratch_bytes(record.chunk_bytes)), private=True)
+            finally:
+                out.release()  # else a failed read's traceback would keep the buffer exported
             stream = self._streams[dst.device]
             with torch.cuda.stream(stream):
+                assert bounce.host is not None  # until close()
                 dst.copy_(bounce.host[:nbytes], non_blocking=bounce.pinned)
                 bounce.done = torch.cuda.Event()
                 bounce.done.record(stream)
@@ -109,9 +119,11 @@ class DeviceRing:
             self._free.put(bounce)
 
     def close(self) -> None:
-        """Wait for every copy, then unpin and free the buffers."""
-        for stream in self._streams.values():
-            stream.synchronize()
+        """Wait for every copy, then unpin and free the buffers (freed even when a wait failed)."""
         made, self._made = self._made, []
-        for bounce in made:
-            bounce.close()
+        try:
+            for stream in self._streams.values():
+                stream.synchronize()
+        finally:
+            for bounce in made:
+                bounce.close()
