@@ -2,42 +2,47 @@
 # The CUDA checks of tierckpt in one command, for a lent GPU machine (README, "GPUs"; ../shared/gpu/README.md).
 #
 # Here, once:  bash ../shared/gpu/prepare-wheels.sh       (the wheels the GPU image lacks, into .whl/)
-# Then one device `run`, carry [".whl"], command:  bash scripts/gpu_check.sh [all|smoke|tests|capture|restore|correctness]
+# Then one device `run`, carry [".whl"], command:  bash scripts/gpu_check.sh [all|smoke|tests|capture|save_call|restore|correctness]
 #
 # all (the default): every part below, each under its own `timeout`, so that one hang cannot eat the
-# budget; expected ~5 minutes on an H200 (16 cores, disk ~1.2 GB/s), at most ~6.3 (the timeouts, the
+# budget; expected ~5.5 minutes on an H200 (16 cores, disk ~1.2 GB/s), at most ~7.8 (the timeouts, the
 # wheels and the machine's description add up to that):
 #   tests        ~45 s (timeout  80 s): pytest -m cuda on the test files with CUDA-marked tests that the GPU
 #                                       image can import (the whole folder imports torchtitan and others)
 #   capture      ~100 s (timeout 140 s): benchmarks/gpu_capture.py --every 1 10: 2 GiB state, batch 64,
 #                                       3 rounds (DCP: 1 round), --budget-s 115 stops starting rounds in time
-#   restore      ~70 s (timeout  90 s): benchmarks/gpu_restore.py --parts restore gds dcp: 2 GiB saved to the
+#   save_call    ~20 s (timeout  60 s): benchmarks/save_call.py --device cuda: the save() call for a model and
+#                                       AdamW of 600 tensors, and a launch-bound thread's step beside the copies
+#   restore      ~100 s (timeout 120 s): benchmarks/gpu_restore.py --parts restore gds dcp: 2 GiB saved to the
 #                                       project's disk, 2 repeats of (restore at once, restore 3 s later, read
 #                                       limits) each in a new process, GPUDirect probe, DCP load; --budget-s 70
+#                                       (on the H200 the 2 GiB restores took 54 s, and DCP's save + load did not
+#                                       end within the 36 s a 90 s limit left it)
 #   correctness  ~35 s (timeout  55 s): benchmarks/gpu_restore.py --parts correctness: 2 GiB GPT + AdamW, a
 #                                       reference before save(), optimizer.step() right after, 4 bitwise restores
 # smoke: every benchmark part at --quick sizes, and the tests collected (imported) but not run: < 100 s,
 #   to shake out GPU-only bugs before the long run.
-# tests, capture, restore, correctness: that part alone, at the sizes of `all`.
+# tests, capture, save_call, restore, correctness: that part alone, at the sizes of `all`.
 #
-# $OUT (./gpu-out without one) gets at most 6 files: gpu-summary.md (the parts' Markdown, ready for
+# $OUT (./gpu-out without one) gets at most 7 files: gpu-summary.md (the parts' Markdown, ready for
 # benchmarks/RESULTS.md, rewritten after each part), gpu-check.log (the machine, then every part's output),
-# gpu_capture.json, gpu_capture.png (where matplotlib is installed), gpu_restore.json, gpu_correctness.json.
+# gpu_capture.json, gpu_capture.png (where matplotlib is installed), gpu_save_call.json, gpu_restore.json,
+# gpu_correctness.json (7 files: the device tool brings back 8 at most).
 # While a part runs, its own files are in $OUT/parts/ (left there only if the run is cut short).
 # The exit status is 1 if any part failed or timed out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-all}"
 case "$what" in
-  all | smoke | tests | capture | restore | correctness) ;;
-  *) echo "usage: $0 [all|smoke|tests|capture|restore|correctness]" >&2; exit 2 ;;
+  all | smoke | tests | capture | save_call | restore | correctness) ;;
+  *) echo "usage: $0 [all|smoke|tests|capture|save_call|restore|correctness]" >&2; exit 2 ;;
 esac
 out="${OUT:-$PWD/gpu-out}"
 parts="$out/parts"
 log="$out/gpu-check.log"
 summary="$out/gpu-summary.md"
 rm -rf "$parts"
-rm -f "$out"/gpu_capture.json "$out"/gpu_capture.png "$out"/gpu_restore.json "$out"/gpu_correctness.json  # an earlier run's
+rm -f "$out"/gpu_capture.json "$out"/gpu_capture.png "$out"/gpu_save_call.json "$out"/gpu_restore.json "$out"/gpu_correctness.json  # an earlier run's
 mkdir -p "$out" "$parts"
 : > "$log"
 # The restore measures the disk under the project (the machine's own disk), not /tmp (a tmpfs on some images).
@@ -85,7 +90,7 @@ write_summary() {
     echo
     [ -n "$tests_line" ] && printf 'CUDA tests (%s): %s\n\n' "${cuda_tests[*]}" "$tests_line"
     [ -n "$tests_failed" ] && printf '%s\n\n' "$tests_failed"
-    for name in gpu_capture gpu_restore gpu_correctness; do
+    for name in gpu_capture gpu_save_call gpu_restore gpu_correctness; do
       [ -f "$parts/$name.md" ] && { cat "$parts/$name.md"; echo; }
     done
   } > "$summary"
@@ -130,11 +135,17 @@ run_capture() {
   fi
 }
 
+run_save_call() {
+  local saves=60
+  [ "$what" = smoke ] && saves=5
+  part save_call 60 python3 benchmarks/save_call.py --device cuda --saves "$saves" --out "$parts" --name gpu_save_call
+}
+
 run_restore() {
   if [ "$what" = smoke ]; then
     part restore 60 python3 benchmarks/gpu_restore.py --device cuda --quick --parts restore gds dcp --dir "$work" --out "$parts" --name gpu_restore
   else
-    part restore 90 python3 benchmarks/gpu_restore.py --device cuda --budget-s 70 --parts restore gds dcp --dir "$work" --out "$parts" --name gpu_restore
+    part restore 120 python3 benchmarks/gpu_restore.py --device cuda --budget-s 70 --parts restore gds dcp --dir "$work" --out "$parts" --name gpu_restore
   fi
 }
 
@@ -155,9 +166,10 @@ if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else
 fi
 
 case "$what" in
-  all | smoke) run_tests; run_capture; run_restore; run_correctness ;;
+  all | smoke) run_tests; run_capture; run_save_call; run_restore; run_correctness ;;
   tests) run_tests ;;
   capture) run_capture ;;
+  save_call) run_save_call ;;
   restore) run_restore ;;
   correctness) run_correctness ;;
 esac

@@ -69,7 +69,10 @@ def leftovers(root: Path) -> list[str]:
 
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     """A tensor's values as bytes on the host: a lazy conj/neg bit applied, any layout made contiguous."""
-    return t.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+    t = t.detach().cpu()
+    if t.element_size() == 1 and t.dtype is not torch.uint8:
+        t = t.view(torch.uint8)  # sub-byte dtypes have no copy kernel (contiguous() of a view needs one)
+    return t.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
 
 
 def assert_bitwise(got: Any, want: Any, path: str = "<root>", *, devices: bool = True) -> None:

@@ -21,7 +21,6 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from tierckpt.capture import device as device_module
 from tierckpt.capture.device import DeviceCopies
 from tierckpt.capture.pool import HostPool
 from tierckpt.capture.views import TornCaptureError, version_of
@@ -80,9 +79,11 @@ def gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGpu]:
 class Capture:
     """One snapshot of ``state`` started on ``copies`` (as the Copier does for device tensors)."""
 
-    def __init__(self, copies: DeviceCopies, pool: HostPool, state: dict[str, torch.Tensor]) -> None:
+    def __init__(self, copies: DeviceCopies, pool: HostPool, state: dict[str, torch.Tensor], layout: Snapshot | None = None) -> None:
         skeleton, leaves = flatten(state)
-        entries, nbytes = plan_entries(leaves)
+        # ``layout``: an earlier capture's snapshot whose entries this one reuses, as save() does while
+        # a state keeps its layout.
+        entries, nbytes = (layout.entries, layout.nbytes) if layout is not None else plan_entries(leaves)
         self.snapshot = Snapshot(1, 1, entries, nbytes, skeleton, {}, 0.0, pool.slots[0])
         self.pool = pool
         self.finished = threading.Event()
@@ -192,20 +193,32 @@ def test_the_sources_live_until_their_copies_are_done(gpu: FakeGpu, stage: tuple
     assert alive() is None
 
 
+def test_slot_views_are_reused_while_a_layout_stays_and_remade_for_another(gpu: FakeGpu, stage: tuple[DeviceCopies, HostPool]) -> None:
+    copies, pool = stage
+    gpu.done.set()
+    first = Capture(copies, pool, {"x": torch.arange(10.0), "y": torch.ones(3, dtype=torch.int8)})
+    assert first.finished.wait(DEADLINE_S) and first.error is None
+    views = copies._slot_views[(0, GPU)][1]
+    second = Capture(copies, pool, {"x": torch.arange(10.0) + 1, "y": torch.full((3,), 5, dtype=torch.int8)}, layout=first.snapshot)
+    assert second.finished.wait(DEADLINE_S) and second.error is None
+    assert copies._slot_views[(0, GPU)][1] is views  # the same layout: the same views
+    assert torch.equal(second.slot("x"), torch.arange(10.0) + 1) and torch.equal(second.slot("y"), torch.full((3,), 5, dtype=torch.int8))
+    third = Capture(copies, pool, {"y": torch.full((3,), 7, dtype=torch.int8), "x": torch.arange(4.0)})
+    assert third.finished.wait(DEADLINE_S) and third.error is None
+    assert copies._slot_views[(0, GPU)][1] is not views
+    assert torch.equal(third.slot("x"), torch.arange(4.0)) and torch.equal(third.slot("y"), torch.full((3,), 7, dtype=torch.int8))
+
+
 def test_a_failed_queueing_waits_for_what_was_queued_and_reports_the_failure(
     gpu: FakeGpu, stage: tuple[DeviceCopies, HostPool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     copies, pool = stage
-    calls = []
 
-    def failing_pair(*args: Any) -> Any:
-        calls.append(args)
-        if len(calls) == 2:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return real_pair(*args)
+    def failing_copies(dests: list[torch.Tensor], sources: list[torch.Tensor], non_blocking: bool = False) -> None:
+        dests[0].copy_(sources[0], non_blocking=non_blocking)  # one copy queued, then the failure
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    real_pair = device_module.tensor_pair
-    monkeypatch.setattr(device_module, "tensor_pair", failing_pair)
+    monkeypatch.setattr(torch, "_foreach_copy_", failing_copies)
     capture = Capture(copies, pool, {"a": torch.zeros(10), "b": torch.zeros(10)})
     done_queueing = threading.Thread(target=queued, args=(copies,))
     done_queueing.start()

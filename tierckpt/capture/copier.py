@@ -10,9 +10,13 @@ instead of storing a snapshot that mixes two steps.
 CUDA tensors go to :class:`~tierckpt.capture.device.DeviceCopies` (a side stream per device; the
 barrier makes the compute stream wait, not the host). Everything else is copied by copy threads:
 large contiguous tensors are split into pieces so every thread works on one big tensor at once, and
-each thread gets one batch per snapshot, balanced by bytes, and builds its own views of the slot:
-the engine thread only plans, and the threads take the GIL once per piece, not once per job
-hand-off (measured: 150 small jobs per save cost the caller 1-3 ms of GIL waits on 2 cores).
+each thread gets one batch per snapshot, balanced by bytes. The plan is made once per layout (the
+engine thread does no per-tensor work while a state keeps its layout), and each thread copies its
+batch's whole tensors with one ``torch._foreach_copy_`` into views of the slot made once per slot
+and layout. Every torch call lets go of the interpreter lock, and each time the training thread and
+a copy thread then take turns: measured here, 150 small jobs per save cost the caller 1-3 ms of
+lock waits on 2 cores, and one ``copy_`` per tensor for 600 small tensors slowed a launch-bound
+thread's next 2 ms to 10.8 ms, against 2.4 ms with one call per batch.
 """
 
 from __future__ import annotations
@@ -20,14 +24,14 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 
 from tierckpt.capture.device import DeviceCopies
 from tierckpt.capture.pool import HostPool
-from tierckpt.capture.views import SaveMoment, TornCaptureError, check_unchanged, tensor_pair
+from tierckpt.capture.views import SaveMoment, TornCaptureError, check_unchanged, slot_tensor, source_tensor, tensor_pair
 from tierckpt.snapshot import Entry, Snapshot
 from tierckpt.state import Leaf
 
@@ -67,6 +71,15 @@ _Item = tuple[int, int, Optional[int]]
 
 
 @dataclass(frozen=True)
+class _Batch:
+    """One copy thread's share of a snapshot: ``whole``, torch leaves copied in one ``_foreach_copy_``
+    call; ``items``, the rest one by one (pieces of large tensors, numpy arrays)."""
+
+    whole: tuple[int, ...]
+    items: tuple[_Item, ...]
+
+
+@dataclass(frozen=True)
 class _Plan:
     """Which thread copies what of a state's leaves. Made once per layout and reused while the state
     keeps it, so that a ``save()`` of hundreds of tensors does no per-tensor work on the engine thread
@@ -75,7 +88,10 @@ class _Plan:
     entries: tuple[Entry, ...]  # the layout it was made for (the very tuple: layouts are cached)
     on_device: tuple[int, ...]  # the leaves the device stage copies
     split: tuple[int, ...]  # leaves cut into pieces, planned for contiguous values
-    batches: tuple[tuple[_Item, ...], ...]  # one per copy thread, balanced by bytes
+    batches: tuple[_Batch, ...]  # one per copy thread, balanced by bytes
+    # Per (slot index, batch index): the slot views a batch's ``whole`` leaves are copied into, made
+    # by its thread at its first copy into that slot, then reused (a slot keeps its layout).
+    views: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict, compare=False)
 
     def fits(self, entries: tuple[Entry, ...], leaves: Sequence[Leaf], on_device: tuple[int, ...]) -> bool:
         return entries is self.entries and on_device == self.on_device and all(_contiguous(leaves[i]) for i in self.split)
@@ -124,8 +140,8 @@ class Copier:
             on_threads.add_done_callback(self._forget)
             on_threads.add_done_callback(lambda f: countdown.finish(f.exception()))
             threads = _Countdown(len(plan.batches), on_threads)
-            for batch in plan.batches:
-                self._executor.submit(_run, self._pool, snapshot, leaves, seen.versions, batch, threads)
+            for b in range(len(plan.batches)):
+                self._executor.submit(_run, self._pool, snapshot, leaves, seen.versions, plan, b, threads)
 
     def wait_captured(self, timeout: float | None = None, *, host: bool = False) -> bool:
         """The barrier: wait until what ``save()`` calls so far copy can no longer be overwritten.
@@ -148,6 +164,7 @@ class Copier:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+        self._plan = None  # its views of the pool's slots: the pool is unmapped next
         if self._devices is not None:
             self._devices.close()
 
@@ -185,7 +202,13 @@ def _make_plan(entries: tuple[Entry, ...], leaves: Sequence[Leaf], on_device: tu
         i = loads.index(min(loads))
         batches[i].append(item)
         loads[i] += nbytes
-    return _Plan(entries, on_device, tuple(split), tuple(tuple(b) for b in batches))
+    return _Plan(entries, on_device, tuple(split), tuple(_batch(b, leaves) for b in batches))
+
+
+def _batch(items: list[_Item], leaves: Sequence[Leaf]) -> _Batch:
+    whole = tuple(item[0] for item in items if item[2] is None and leaves[item[0]].kind == "torch")
+    together = set(whole)
+    return _Batch(whole, tuple(item for item in items if item[0] not in together))
 
 
 def _copy(pool: HostPool, snapshot: Snapshot, leaf: Leaf, version: int, item: _Item) -> None:
@@ -205,13 +228,31 @@ def _copy(pool: HostPool, snapshot: Snapshot, leaf: Leaf, version: int, item: _I
         np.copyto(dest, src)
 
 
-def _run(pool: HostPool, snapshot: Snapshot, leaves: Sequence[Leaf], versions: Sequence[int], batch: tuple[_Item, ...], countdown: _Countdown) -> None:
+def _run(pool: HostPool, snapshot: Snapshot, leaves: Sequence[Leaf], versions: Sequence[int], plan: _Plan, b: int, countdown: _Countdown) -> None:
     error = None
+    batch = plan.batches[b]
     try:
         # Grad mode is per thread: without this, copying a tensor that requires grad records autograd history.
         with torch.no_grad():
-            for item in batch:
+            if batch.whole:
+                # One call for all of them: one release of the interpreter lock instead of one per
+                # tensor. Each release lets the training thread in and makes this thread wait for the
+                # lock again: 600 small tensors slowed a launch-bound thread's next 2 ms by 9 ms here.
+                torch._foreach_copy_(_views(pool, snapshot, plan, b), [source_tensor(leaves[i].value) for i in batch.whole])
+                for i in batch.whole:
+                    check_unchanged(snapshot, snapshot.entries[i].key, leaves[i].value, versions[i])
+            for item in batch.items:
                 _copy(pool, snapshot, leaves[item[0]], versions[item[0]], item)
     except BaseException as exc:  # reported through the snapshot's future, re-raised at the next save()
         error = exc
     countdown.finish(error)
+
+
+def _views(pool: HostPool, snapshot: Snapshot, plan: _Plan, b: int) -> list[torch.Tensor]:
+    """The slot views batch ``b``'s whole leaves are copied into (made once per slot and plan)."""
+    key = (snapshot.slot.index, b)
+    views = plan.views.get(key)
+    if views is None:
+        entries = [snapshot.entries[i] for i in plan.batches[b].whole]
+        views = plan.views[key] = [slot_tensor(pool, snapshot, e) for e in entries]
+    return views

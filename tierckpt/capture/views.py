@@ -19,15 +19,25 @@ class TornCaptureError(RuntimeError):
 def tensor_pair(pool: HostPool, snapshot: Snapshot, leaf: Leaf, entry: Entry, first: int = 0, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(slot view, source view)`` for ``dest.copy_(src)``: elements ``[first, stop)`` of a torch leaf
     (all of it when ``stop`` is None)."""
-    dest = pool.tensor(snapshot.slot, entry.offset, entry.nbytes, entry.dtype, entry.shape)
-    src = leaf.value.detach()
-    if src.element_size() == 1 and src.dtype is not torch.uint8:
-        # Sub-byte dtypes (uint1..7, int1..7) have no copy kernel; every 1-byte dtype copies
-        # bitwise as uint8, at any strides.
-        src, dest = src.view(torch.uint8), dest.view(torch.uint8)
+    dest, src = slot_tensor(pool, snapshot, entry), source_tensor(leaf.value.detach())
     if stop is not None:
         src, dest = src.reshape(-1)[first:stop], dest.reshape(-1)[first:stop]
     return dest, src
+
+
+def slot_tensor(pool: HostPool, snapshot: Snapshot, entry: Entry) -> torch.Tensor:
+    """The slot bytes of ``entry`` as the tensor a copy goes into (see :func:`source_tensor`)."""
+    return _as_copied(pool.tensor(snapshot.slot, entry.offset, entry.nbytes, entry.dtype, entry.shape))
+
+
+def source_tensor(value: torch.Tensor) -> torch.Tensor:
+    """``value`` as a copy reads it: sub-byte dtypes (uint1..7, int1..7) have no copy kernel, and every
+    1-byte dtype copies bitwise as uint8, at any strides."""
+    return _as_copied(value)
+
+
+def _as_copied(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(torch.uint8) if tensor.element_size() == 1 and tensor.dtype is not torch.uint8 else tensor
 
 
 @dataclass(frozen=True)

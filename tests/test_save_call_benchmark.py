@@ -1,0 +1,36 @@
+"""benchmarks/save_call.py on CPU, run as a user runs it: the report complete and its numbers consistent.
+
+It measures what ``save()`` costs the training thread (the call, and a launch-bound thread's step beside
+the copies); this checks that the numbers are there and agree with each other, never a timing target.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "save_call.py"
+
+
+def test_a_short_run_reports_the_call_and_the_launch_bound_step(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    command = [sys.executable, str(SCRIPT), "--layers", "10", "--saves", "4", "--warmup", "1", "--ops", "20", "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{' '.join(command)} exited {done.returncode}\n{done.stdout}\n{done.stderr}"
+    (path,) = out.glob("save_call-*.json")
+    report = json.loads(path.read_text())
+    result = report["result"]
+    assert result["tensors"] == 80 and result["saves"] == 4  # 8 state tensors a layer
+    call = result["call_ms"]
+    assert len(call["samples"]) == 4 and call["median"] == pytest.approx(statistics.median(call["samples"]))
+    assert 0 < call["median"] <= call["p90"] <= max(call["samples"])
+    step = result["launch_step_ms"]
+    assert step["alone"] > 0 and step["slowdown_pct"] == pytest.approx(100 * (step["after_save"] / step["alone"] - 1))
+    assert report["library"] == str(ROOT / "tierckpt")
+    assert "| `save_sync` call" in path.with_suffix(".md").read_text()
