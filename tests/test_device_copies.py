@@ -23,7 +23,7 @@ import torch
 
 from tierckpt.capture.device import DeviceCopies
 from tierckpt.capture.pool import HostPool
-from tierckpt.capture.views import TornCaptureError, version_of
+from tierckpt.capture.views import TornCaptureError, moment
 from tierckpt.snapshot import Snapshot, plan_entries
 from tierckpt.state import flatten
 
@@ -88,7 +88,7 @@ class Capture:
         self.pool = pool
         self.finished = threading.Event()
         self.error: BaseException | None = None
-        items = [(leaf, entry, version_of(leaf.value)) for leaf, entry in zip(leaves, entries)]
+        items = list(zip(leaves, entries, moment(leaves).versions))
         copies.start(self.snapshot, items, {GPU: "ready"}, self._done)
 
     def _done(self, error: BaseException | None) -> None:

@@ -81,13 +81,6 @@ def moment(leaves: Sequence[Leaf]) -> SaveMoment:
     return SaveMoment(versions, ready, tuple(on_device))
 
 
-def version_of(value: Any) -> int:
-    """A tensor's in-place version counter; -1 for what has none (inference tensors, numpy arrays)."""
-    if not isinstance(value, torch.Tensor) or value.is_inference():
-        return -1
-    return value._version
-
-
 def check_unchanged(snapshot: Snapshot, key: str, value: Any, version: int) -> None:
     """Raise if ``value`` was modified in place since ``save()`` read its version counter ``version``.
 

@@ -135,12 +135,12 @@ def _node(obj: Any, path: tuple[Any, ...], leaves: list[Leaf], depth: int, count
             kk = type(key)
             if not ((kk is str and key.isascii()) or (kk is int and _INT_MIN <= key <= _INT_MAX)):
                 raise _Unusual
-            kind = type(value)
-            if kind is torch.Tensor or kind is _PARAMETER:  # most values of a state_dict: no call deeper
+            value_kind = type(value)
+            if value_kind is torch.Tensor or value_kind is _PARAMETER:  # most values of a state_dict: no call deeper
                 append([key, _tensor_node(value, (*path, key), leaves)])
             else:
                 append([key, _node(value, (*path, key), leaves, depth + 3, counted)])
-        return [_CONTAINER_TAGS[type(obj)], pairs]
+        return [_CONTAINER_TAGS[kind], pairs]
     if kind is list or kind is tuple:
         counted[0] += len(obj)
         return [_CONTAINER_TAGS[kind], [_node(v, (*path, i), leaves, depth + 2, counted) for i, v in enumerate(obj)]]
