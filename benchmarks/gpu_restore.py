@@ -251,7 +251,8 @@ def ready() -> None:
 
 def run_child(job: dict[str, Any], timeout_s: float, directory: Path | None = None, cache: str = "drop") -> dict[str, Any]:
     """``child(job)`` in a new process; its answer, or an error with the end of its stderr. With ``directory``,
-    the page cache of its files is dropped (:func:`uncache`) once the child is ready, right before its clock
+    the page cache of its files is dropped (:func:`peer.drop_file_cache`; ``cache``: ``drop``, the whole page
+    cache where allowed, or ``fadvise``, only these files') once the child is ready, right before its clock
     starts: its own imports and libraries stay cached, as a restarted job's have been loaded by then, while
     the checkpoint is read cold. The answer then holds ``uncached``."""
     command = [sys.executable, __file__, "--child", json.dumps(job)]
@@ -263,7 +264,7 @@ def run_child(job: dict[str, Any], timeout_s: float, directory: Path | None = No
         try:
             uncached = None
             if proc.stdout.readline().strip() == READY:  # else it failed before: its stderr says why
-                uncached = uncache(directory, cache) if directory is not None else None
+                uncached = drop_file_cache(directory, whole=cache == "drop") if directory is not None else None
                 proc.stdin.write("go\n")
                 proc.stdin.flush()
             out, _ = proc.communicate()
@@ -297,12 +298,6 @@ def saved_state(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     del state, handle
     release(args.device)
     return saved
-
-
-def uncache(directory: Path, how: str) -> dict[str, Any]:
-    """Drop the page cache of every file under ``directory``: ``drop``, the whole page cache where allowed;
-    ``fadvise``, only these files' (:func:`peer.drop_file_cache`)."""
-    return drop_file_cache(directory, whole=how == "drop")
 
 
 def restore_once(args: argparse.Namespace, directory: Path, saved: dict[str, Any], delay_s: float) -> dict[str, Any]:

@@ -75,7 +75,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for slot in ckpt._pool.slots:  # faulted in (and pinned) before anything is timed
             ckpt._pool.prepare(slot)
         ckpt.attach(optimizer)
-        tensors = 0
         for step in range(args.warmup + args.saves):
             alone_s, _ = launches(args.ops, args.device)
             state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
@@ -91,9 +90,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 calls.append(call_s)
                 alone.append(alone_s)
                 after.append(after_s)
-            tensors = len(tierckpt.state.flatten(state)[1])
     out = {
-        "tensors": tensors, "state_bytes": state_bytes, "saves": args.saves,
+        "tensors": len(tierckpt.state.flatten(state)[1]), "state_bytes": state_bytes, "saves": args.saves,
         "call_ms": {"median": 1e3 * statistics.median(calls), "p90": 1e3 * p90(calls), "samples": [1e3 * c for c in calls]},
         "launch_step_ms": {"alone": 1e3 * statistics.median(alone), "after_save": 1e3 * statistics.median(after)},
     }
