@@ -1,6 +1,6 @@
 """Selection per tier: does each tier receive the versions its own flush policy selects?
 
-The configuration a new user writes from the README: ``ram`` → ``nvme`` (``flush: {every: 1}``,
+The configuration a new user writes from the docs (docs/configuration.md): ``ram`` → ``nvme`` (``flush: {every: 1}``,
 ``keep: {last: 3}``) → ``pfs`` (``flush: {every_steps: 50}``, ``keep: {last: 100}``), ``host.snapshots:
 4``, a ``--mib`` MiB state, ``--steps`` steps of a training loop at each of ``--step-ms`` step times. The
 loop is simulated as in ``pressure.py``: the lazy barrier (``wait_captured``) before the in-place update

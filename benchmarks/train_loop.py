@@ -447,7 +447,7 @@ def table(report: dict[str, Any]) -> list[str]:
 
 
 def summary(report: dict[str, Any]) -> list[str]:
-    """The key numbers, one row per checkpointer: ETTR and lost work at each k (the README's table)."""
+    """The key numbers, one row per checkpointer: ETTR and lost work at each k (the table in README.md and docs/performance.md)."""
     med = {(r["variant"], r["every"]): r["median"] for r in report["rows"]}
     ks = report["every"]
     base = med["none", 0]

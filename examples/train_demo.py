@@ -8,6 +8,7 @@ and the same dropout masks, so an interrupted run ends with the same weights as 
 Run it::
 
     python examples/train_demo.py                       # 300 steps into ./checkpoints
+    python examples/train_demo.py                       # again: training is complete at step 300; says how to go on
     python examples/train_demo.py --steps 400           # later: resumes at 300, trains to 400
     python examples/train_demo.py --steps 20 --tiny --dir /tmp/ck --report /tmp/ck/report.json
 
@@ -23,6 +24,7 @@ import dataclasses
 import hashlib
 import json
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -168,6 +170,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def continue_args(args: argparse.Namespace, steps: int) -> str:
+    """The demo's arguments that train the same run on to ``steps``: ``--steps`` and the options it was given."""
+    words = ["--steps", str(steps)]
+    if args.dir != Path("checkpoints"):
+        words += ["--dir", str(args.dir)]
+    if args.config != HERE / "tiers.yaml":
+        words += ["--config", str(args.config)]
+    if args.tiny:
+        words.append("--tiny")
+    if args.seed:
+        words += ["--seed", str(args.seed)]
+    return shlex.join(words)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     size = TINY if args.tiny else DEFAULT
@@ -217,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
             last = f", loss {losses[-1]:.4f}" if losses else ""
             print(f"resumed from step {step} (tier {restored.tier}{last})")
             if step >= args.steps:
-                print(f"the checkpoint is already at step {step} (--steps {args.steps}): nothing left to do")
+                print(f"training is complete at step {step} (--steps {args.steps}); to train on, run it again with more steps:")
+                print(f"  bash scripts/demo.sh {continue_args(args, 2 * step)}")
                 return 0
 
         print("every line: step, loss | the steps each tier holds now (the step just saved may still be in flight) | counters")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA checks of tierckpt in one command, for a lent GPU machine (README, "GPUs"; ../shared/gpu/README.md).
+# The CUDA checks of tierckpt in one command, for a lent GPU machine (docs/gpus.md; ../shared/gpu/README.md).
 #
 # Here, once:  bash ../shared/gpu/prepare-wheels.sh       (the wheels the GPU image lacks, into .whl/)
 # Then one device `run`, carry [".whl"], command:  bash scripts/gpu_check.sh [all|smoke|tests|capture|save_call|restore|correctness]

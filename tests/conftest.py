@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -50,3 +52,16 @@ def s3(s3_server: Any, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureR
         monkeypatch.setenv(key, value)
     s3_server.prefix = f"t-{uuid.uuid4().hex[:10]}"
     return s3_server
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A directory under /dev/shm (a RAM tier that outlives its process) no other test uses, removed
+    afterwards; skips where there is no /dev/shm."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this machine")
+    path = Path("/dev/shm") / f"tierckpt-test-{uuid.uuid4().hex[:12]}"
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -6,11 +6,18 @@ its own folder, where no conftest is loaded. conftest.py re-exports the fixtures
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
+import pytest
 import torch
 
 from tierckpt import Checkpointer
@@ -124,6 +131,47 @@ def zeroed(like: Any) -> Any:
     if isinstance(like, np.ndarray):
         return np.zeros_like(like)
     return like
+
+
+# -- the tierckpt command ---------------------------------------------------------------------------------
+
+
+def tierckpt_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    """Run the ``tierckpt`` console script that installing the package (``pip install -e .``) puts
+    beside Python, as a user would."""
+    beside = Path(sys.executable).with_name("tierckpt")
+    found = str(beside) if beside.exists() else shutil.which("tierckpt")
+    if found is None:
+        pytest.fail("no tierckpt console script: pip install -e . (scripts/setup.sh does)")
+    return subprocess.run([found, *argv], capture_output=True, text=True, timeout=120)
+
+
+# -- what the library logs ---------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def logged_warnings(match: str | None = None) -> Iterator[list[str]]:
+    """The messages the ``tierckpt`` logger gives at WARNING or above inside the block, from any
+    thread, in order: tierckpt reports a restore that fell back (and every other warning) there only,
+    never through ``warnings.warn``. With ``match``, the block must log one that matches
+    (``re.search``), as ``pytest.warns(match=...)`` checks (not when the block raises). A plain
+    function rather than ``caplog``: the workers run without pytest.
+    """
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    handler = Keep(logging.WARNING)
+    logger = logging.getLogger("tierckpt")
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+    if match is not None:
+        assert any(re.search(match, m) for m in messages), f"no tierckpt warning matches {match!r}: {messages}"
 
 
 # -- checkpointers a test opens ------------------------------------------------------------------------

@@ -46,6 +46,9 @@ def test_a_buffer_changed_by_forward_during_the_copy_fails_the_capture_loudly(tm
             handle.captured_sync(timeout=30)
         assert isinstance(info.value.__cause__, TornCaptureError)
         assert "['6." in str(info.value) and "attach(module)" in str(info.value)
+        # In words: the step named once, the key path as the package writes it, no nested repr.
+        assert str(info.value).startswith("capturing step 1 into host memory failed: ['6."), str(info.value)
+        assert str(info.value).count("step 1") == 1 and "TornCaptureError(" not in str(info.value) and "\\'" not in str(info.value)
         with pytest.raises(FlushError):
             handle.committed_sync("nvme", timeout=30)  # a failed capture never reaches a tier
         with pytest.raises(FlushError):

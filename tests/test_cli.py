@@ -1,7 +1,9 @@
-"""``python -m tierckpt ls|verify DIR``: listing and checking versions, exit statuses, damage reports."""
+"""``tierckpt ls|verify DIR`` (and ``python -m tierckpt``): listing and checking versions, exit statuses,
+damage reports, folders holding tiers, the console script and ``--version``."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -13,12 +15,13 @@ import numpy as np
 import pytest
 import torch
 
+import tierckpt
 from tierckpt import Checkpointer
 from tierckpt.cli import main
 from tierckpt.format import CHECKSUM_ALGORITHM, DATA_FILE, MANIFEST_FILE, Manifest, checksum, version_dirname
 from tierckpt.testing import flip_bits
 
-from helpers import nvme_and_pfs
+from helpers import nvme_and_pfs, tierckpt_cli
 
 DATA = DATA_FILE.format(rank=0)
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,6 +181,7 @@ def test_an_empty_directory_has_no_versions(tmp_path: Path, capsys: pytest.Captu
     assert (status, out) == (0, f"no versions in {tmp_path}\n")
 
 
+@pytest.mark.slow
 def test_python_dash_m_tierckpt(tiers: Path) -> None:
     """The real entry point, in a subprocess: exit statuses and output as a shell sees them."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -190,3 +194,75 @@ def test_python_dash_m_tierckpt(tiers: Path) -> None:
     assert f"no: {MANIFEST_FILE}:" in bad.stdout
     usage = subprocess.run([sys.executable, "-m", "tierckpt"], capture_output=True, text=True, env=env, timeout=120)
     assert usage.returncode == 2 and "usage: python -m tierckpt" in usage.stderr
+
+
+
+
+def test_the_version_is_written_once_and_the_console_script_prints_it() -> None:
+    assert tierckpt.__version__ == importlib.metadata.version("tierckpt")
+    assert "__version__" not in tierckpt.__all__  # a module attribute, not an API name
+    done = tierckpt_cli("--version")
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"tierckpt {tierckpt.__version__}\n", "")
+    module = subprocess.run([sys.executable, "-m", "tierckpt", "--version"], capture_output=True, text=True, timeout=120)
+    assert (module.returncode, module.stdout) == (0, done.stdout)
+
+
+def test_the_console_script_and_python_dash_m_are_one_command_line() -> None:
+    script = tierckpt_cli("--help")
+    module = subprocess.run([sys.executable, "-m", "tierckpt", "--help"], capture_output=True, text=True, timeout=120)
+    assert script.returncode == module.returncode == 0
+    assert script.stdout.startswith("usage: tierckpt ")
+    assert " ".join(module.stdout.replace("python -m tierckpt", "tierckpt").split()) == " ".join(script.stdout.split())
+    for command in ("ls", "verify", "status", "export"):
+        assert command in script.stdout
+
+
+def test_export_help_speaks_in_flags_and_metavars(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["export", "--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert text.startswith("usage: tierckpt export [-h] [--to {safetensors,torch}] [--force] [--threads N] [--endpoint URL] VERSION OUT")
+    assert "positional arguments: VERSION a version directory" in text and " OUT the file to write " in text
+    for python_name in ("force=", "to=", "threads=", "torch.save", " out ", "THREADS", "ENDPOINT"):
+        assert python_name not in text, python_name
+
+
+def test_ls_of_a_folder_holding_tiers_lists_each_tier_under_its_path(tiers: Path) -> None:
+    """./checkpoints holding nvme/ and pfs/ (what examples/train_demo.py writes): every tier directory in
+    it, under a heading; an empty one beside them is a tier with no version yet; other folders are not tiers."""
+    (tiers / "ssd").mkdir()
+    (tiers / "logs").mkdir()
+    (tiers / "logs" / "train.log").write_text("x")
+    (tiers / "README").write_text("x")
+    done = tierckpt_cli("ls", str(tiers))
+    assert done.returncode == 0, done.stderr
+    blocks = done.stdout.split("\n\n")
+    assert [b.splitlines()[0] for b in blocks] == [f"{tiers / name}:" for name in ("nvme", "pfs", "ssd")]
+    for block in blocks[:2]:
+        header, *rows = block.splitlines()[1:]
+        assert header.split() == ["NAME", "STEP", "STORED", "LOGICAL", "CREATED", "VALID"]
+        assert [row.split()[:2] for row in rows] == [["step-000000000001", "1"], ["step-000000000002", "2"]]
+        assert all(row.endswith("  yes") for row in rows)
+    assert blocks[2].splitlines()[1:] == ["no versions"]
+
+    flip_bits(tiers / "pfs" / version_dirname(1) / DATA, _manifest(tiers / "pfs" / version_dirname(1)).records[0].chunks[0].offset)
+    verified = tierckpt_cli("verify", str(tiers))
+    assert verified.returncode == 1
+    blocks = verified.stdout.split("\n\n")
+    assert blocks[0].splitlines()[-1] == "2 versions: 2 OK, 0 damaged"
+    assert blocks[1].splitlines()[1].startswith("step-000000000001  DAMAGED  ")
+    assert blocks[1].splitlines()[-1] == "2 versions: 1 OK, 1 damaged"
+
+
+def test_a_folder_that_is_no_tier_and_holds_none_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plain = tmp_path / "plain"
+    (plain / "empty").mkdir(parents=True)  # an empty folder alone is no sign of a tier
+    (plain / "notes.txt").write_text("x")
+    for command in ("ls", "verify"):
+        status, out, err = _run(capsys, command, str(plain))
+        assert (status, out) == (2, "")
+        assert f"tierckpt {command}: {plain}: no tier and no version found here; pass a tier's directory" in err
+    # A tier directory with no version yet (its leftovers show what it is) is fine.
+    (plain / ".tmp-step-000000000003-abc").mkdir()
+    assert _run(capsys, "ls", str(plain)) == (0, f"no versions in {plain}\n", "")

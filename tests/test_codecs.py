@@ -23,7 +23,7 @@ from tierckpt.errors import ConfigError, CorruptCheckpointError
 from tierckpt.format import ALIGN, MANIFEST_FILE, Manifest, checksum, version_dirname
 from tierckpt.testing import Gates, flip_bits
 
-from helpers import Opened, assert_bitwise, fs_tier, tier_config
+from helpers import Opened, assert_bitwise, fs_tier, logged_warnings, tier_config
 
 # -- chunk codecs -------------------------------------------------------------------------------------
 
@@ -376,7 +376,7 @@ def test_a_corrupted_zstd_chunk_is_detected(opened: Opened, tmp_path: Path) -> N
     record = _manifest(pfs, 2).records[0]
     data_file = pfs / version_dirname(2) / "data-r00000.bin"
     flip_bits(data_file, record.chunks[0].offset + record.chunks[0].stored // 2, 0x40)
-    with pytest.warns(RuntimeWarning, match=r"step 2 on tier 'pfs'.*\['a'\]"):
+    with logged_warnings(match=r"step 2 on tier 'pfs'.*\['a'\]"):
         restored = opened(_config(_tier("pfs", pfs, "zstd"))).restore_latest_sync()
     assert restored is not None and restored.step == 1
     assert torch.equal(restored.state["a"], torch.zeros(100_000))
@@ -564,7 +564,7 @@ def test_a_damaged_chunk_of_a_shuffle_tier_names_the_key_and_chunk(opened: Opene
     chunk = record.chunks[1]
     data_file = pfs / version_dirname(2) / "data-r00000.bin"
     flip_bits(data_file, chunk.offset + chunk.stored - 100, 0x01)  # inside the compressed exponent plane
-    with pytest.warns(RuntimeWarning, match=r"step 2 on tier 'pfs'.*checksum mismatch in \['w'\] \(chunk 1\)"):
+    with logged_warnings(match=r"step 2 on tier 'pfs'.*checksum mismatch in \['w'\] \(chunk 1\)"):
         restored = opened(_config(_tier("pfs", pfs, "zstd"), capacity="40MiB")).restore_latest_sync()
     assert restored is not None and restored.step == 1
     assert_bitwise(restored.state, old)
@@ -585,7 +585,7 @@ def test_a_frame_that_matches_its_checksum_but_does_not_decode_names_the_chunk(o
     stored = bytes(data[chunk.offset : chunk.offset + chunk.stored])
     records = (dataclasses.replace(manifest.records[0], chunks=(dataclasses.replace(chunk, checksum=checksum(stored)),)),)
     (version / MANIFEST_FILE).write_bytes(dataclasses.replace(manifest, records=records).encode())
-    with pytest.warns(RuntimeWarning, match=r"\['w'\] chunk 0 does not decode"):
+    with logged_warnings(match=r"\['w'\] chunk 0 does not decode"):
         assert opened(_config(_tier("pfs", pfs, "zstd"))).restore_latest_sync() is None
 
 

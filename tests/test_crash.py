@@ -209,6 +209,7 @@ def test_kill_while_replacing_a_committed_step_keeps_that_step(spawn: Callable[.
 _CAMPAIGN = Path(__file__).resolve().parents[1] / "benchmarks" / "crash_campaign.py"
 
 
+@pytest.mark.slow
 def test_a_short_crash_campaign_loses_nothing(tmp_path: Path) -> None:
     """20 SIGKILLs (10 at random, 10 at kill points) of a run saving through ram → nvme → pfs.
 

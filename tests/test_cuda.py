@@ -21,7 +21,7 @@ from tierckpt._buffers import address, aligned_buffer
 from tierckpt.capture import pinning
 from tierckpt.capture.copier import TornCaptureError
 
-from helpers import assert_bitwise, fs_tier, tier_config
+from helpers import assert_bitwise, fs_tier, logged_warnings, tier_config
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -107,7 +107,7 @@ def test_a_damaged_chunk_never_reaches_a_cuda_template(tmp_path: Path) -> None:
     record = next(r for r in Manifest.decode((version / MANIFEST_FILE).read_bytes()).records if r.key == "['b']")
     flip_bits(version / record.file, record.chunks[0].offset + 100, 0x01)
     template = {k: torch.zeros_like(v) for k, v in state.items()}
-    with Checkpointer(config(tmp_path)) as ckpt, pytest.warns(RuntimeWarning):
+    with Checkpointer(config(tmp_path)) as ckpt, logged_warnings(match="does not verify"):
         with pytest.raises(CorruptCheckpointError, match="partly overwritten"):
             ckpt.restore_latest_sync(template)
     assert_bitwise(template["a"], state["a"], devices=False)  # verified, copied through the ring
@@ -244,6 +244,21 @@ def test_the_pool_is_pinned_under_auto_and_pageable_under_false(tmp_path: Path) 
         restored = ckpt.restore_latest_sync()
     assert restored is not None
     assert_bitwise(restored.state["x"], x, devices=False)
+
+
+def test_a_pool_sized_to_the_state_is_pinned_at_the_first_save_and_grows_for_a_larger_one(tmp_path: Path) -> None:
+    small, large = random_tensor(torch.float32, (1 << 10,)), random_tensor(torch.float32, (1 << 20,))
+    unset = {"tiers": [{"name": "ram", "type": "memory", "keep": {"last": 1}}, fs_tier("nvme", tmp_path / "nvme")]}
+    with Checkpointer(unset) as ckpt:
+        assert ckpt._pool.capacity_bytes == 0 and ckpt.pinned is False  # nothing mapped before the first save
+        assert ckpt.save_sync(1, {"x": small}).committed_sync("nvme", DEADLINE_S)
+        assert ckpt.pinned is True and ckpt._pool._bytes.is_pinned()
+        assert ckpt.save_sync(2, {"x": large}).committed_sync("nvme", DEADLINE_S)  # new, larger slots, pinned too
+        assert ckpt.pinned is True and ckpt._pool.slots[0].size >= large.nbytes
+        # Step 1's layout again: its copies go to the new slots, never to views kept of the old ones.
+        assert ckpt.save_sync(3, {"x": small + 1}).committed_sync("nvme", DEADLINE_S)
+        for step, want in ((1, small), (2, large), (3, small + 1)):
+            assert_bitwise(ckpt.restore_sync(step).state["x"], want, devices=False)
 
 
 def test_a_refused_registration_falls_back_and_leaves_no_cuda_error(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:

@@ -62,9 +62,11 @@ def test_trains_saves_through_the_tiers_and_resumes(tmp_path: Path, config: Path
     assert "resumed from step 12 (tier nvme" in out
     assert_tiers_hold(nvme, pfs, newest=20)
 
-    out = run_demo(tmp_path, config, "--steps", "20")
+    out = run_demo(tmp_path, config, "--steps", "20")  # exits 0 (run_demo checks), and says how to go on
     assert "resumed from step 20 (tier nvme" in out
-    assert "nothing left to do" in out
+    assert "training is complete at step 20 (--steps 20)" in out, out
+    assert f"bash scripts/demo.sh --steps 40 --dir {tmp_path / 'ck'} --config {config} --tiny\n" in out, out
+    assert "every line:" not in out  # nothing trained
 
 
 @pytest.mark.slow

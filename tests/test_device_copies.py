@@ -198,15 +198,38 @@ def test_slot_views_are_reused_while_a_layout_stays_and_remade_for_another(gpu: 
     gpu.done.set()
     first = Capture(copies, pool, {"x": torch.arange(10.0), "y": torch.ones(3, dtype=torch.int8)})
     assert first.finished.wait(DEADLINE_S) and first.error is None
-    views = copies._slot_views[(0, GPU)][1]
+    slot = pool.slots[0]  # the views are kept per slot (the slot itself: a pool may map new ones) and device
+    views = copies._slot_views[(slot, GPU)][1]
     second = Capture(copies, pool, {"x": torch.arange(10.0) + 1, "y": torch.full((3,), 5, dtype=torch.int8)}, layout=first.snapshot)
     assert second.finished.wait(DEADLINE_S) and second.error is None
-    assert copies._slot_views[(0, GPU)][1] is views  # the same layout: the same views
+    assert copies._slot_views[(slot, GPU)][1] is views  # the same layout: the same views
     assert torch.equal(second.slot("x"), torch.arange(10.0) + 1) and torch.equal(second.slot("y"), torch.full((3,), 5, dtype=torch.int8))
     third = Capture(copies, pool, {"y": torch.full((3,), 7, dtype=torch.int8), "x": torch.arange(4.0)})
     assert third.finished.wait(DEADLINE_S) and third.error is None
-    assert copies._slot_views[(0, GPU)][1] is not views
+    assert copies._slot_views[(slot, GPU)][1] is not views
     assert torch.equal(third.slot("x"), torch.arange(4.0)) and torch.equal(third.slot("y"), torch.full((3,), 7, dtype=torch.int8))
+
+
+def test_a_pool_that_grew_gets_views_of_its_new_slots_and_lets_go_of_the_old(gpu: FakeGpu) -> None:
+    pool = HostPool(None, 1, limit_bytes=64 << 20)  # sized to the state (no host.capacity)
+    copies = DeviceCopies(pool)
+    try:
+        gpu.done.set()
+        pool.fit(4096, 1)
+        old = pool.slots[0]
+        first = Capture(copies, pool, {"x": torch.arange(10.0)})
+        assert first.finished.wait(DEADLINE_S) and first.error is None
+        pool.fit(1 << 20, 2)  # a larger save came: new slots (the old one still holds the first)
+        # The first's layout again, in the new slot: its views are made anew, not taken from the old slot's.
+        second = Capture(copies, pool, {"x": torch.arange(10.0) + 1}, layout=first.snapshot)
+        assert second.finished.wait(DEADLINE_S) and second.error is None
+        assert second.snapshot.slot is pool.slots[0] and second.snapshot.slot is not old
+        assert torch.equal(second.slot("x"), torch.arange(10.0) + 1)
+        assert torch.equal(first.slot("x"), torch.arange(10.0))  # the old slot as the first left it
+        assert [key[0] for key in copies._slot_views] == [pool.slots[0]]  # the old slot's views let go
+    finally:
+        copies.close()
+        pool.close()
 
 
 def test_a_failed_queueing_waits_for_what_was_queued_and_reports_the_failure(
@@ -290,25 +313,26 @@ def _state(value: float) -> dict[str, torch.Tensor]:
 
 
 def test_a_damaged_chunk_bound_for_a_gpu_template_warns_and_falls_back(tmp_path: Any, fake_cuda_templates: set[int]) -> None:
-    from helpers import assert_bitwise
+    from helpers import assert_bitwise, logged_warnings
     from tierckpt import Checkpointer
 
     config = _save_and_damage(tmp_path, [_state(1.0), _state(2.0)])
     template = {k: torch.zeros_like(v) for k, v in _state(0.0).items()}
     fake_cuda_templates.update(id(v) for v in template.values())
-    with Checkpointer(config) as ckpt, pytest.warns(RuntimeWarning, match="step 2"):
+    with Checkpointer(config) as ckpt, logged_warnings(match="step 2"):
         restored = ckpt.restore_latest_sync(template)  # step 2 fails in the ring's buffer: step 1 comes back
     assert restored is not None and restored.step == 1
     assert_bitwise(template, _state(1.0))
 
 
 def test_a_damaged_chunk_never_reaches_a_gpu_template(tmp_path: Any, fake_cuda_templates: set[int]) -> None:
+    from helpers import logged_warnings
     from tierckpt import Checkpointer, CorruptCheckpointError
 
     config = _save_and_damage(tmp_path, [_state(1.0)])
     template = {k: torch.zeros_like(v) for k, v in _state(0.0).items()}
     fake_cuda_templates.update(id(v) for v in template.values())
-    with Checkpointer(config) as ckpt, pytest.warns(RuntimeWarning, match="step 1"):
+    with Checkpointer(config) as ckpt, logged_warnings(match="step 1"):
         with pytest.raises(CorruptCheckpointError, match="partly overwritten"):
             ckpt.restore_latest_sync(template)
     assert torch.equal(template["a"], _state(1.0)["a"])  # verified, copied through the ring

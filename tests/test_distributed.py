@@ -37,6 +37,7 @@ def _version(root: Path, step: int) -> Path:
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.slow
 def test_ranks_save_and_restore_bitwise_with_replicated_bytes_stored_once(tmp_path: Path, world: int) -> None:
     saved = run_ranks(world, "save", tmp_path, {"STEPS": "1,2,3", "REPLICATED": "1"})
     assert [r["committed"] for r in saved] == [[True, True, True]] * world
@@ -57,6 +58,7 @@ def test_ranks_save_and_restore_bitwise_with_replicated_bytes_stored_once(tmp_pa
     assert all(r["warnings"] == [] for r in restored)
 
 
+@pytest.mark.slow
 def test_without_replicated_every_rank_stores_its_own_copy(tmp_path: Path) -> None:
     run_ranks(2, "save", tmp_path, {"STEPS": "5"})
     marker = decode_document((_version(tmp_path, 5) / MANIFEST_FILE).read_bytes())
@@ -74,6 +76,7 @@ def test_world_of_one_saves_as_a_single_process(tmp_path: Path) -> None:
     assert restored[0]["step"] == 2 and restored[0]["bitwise"]
 
 
+@pytest.mark.slow
 def test_a_corrupted_file_of_one_rank_makes_every_rank_fall_back_together(tmp_path: Path) -> None:
     run_ranks(2, "save", tmp_path, {"STEPS": "1,2,3", "REPLICATED": "1"})
     data = _version(tmp_path, 3) / "data-r00001.bin"
@@ -93,8 +96,10 @@ def test_a_corrupted_file_of_one_rank_makes_every_rank_fall_back_together(tmp_pa
         # Both ranks read rank 1's bytes (rank 0 for its shared chunks): each warns once, naming the file.
         assert len(r["warnings"]) == 1, r["warnings"]
         assert "step 3" in r["warnings"][0] and "data-r00001.bin" in r["warnings"][0]
+        assert r["warnings"][0].endswith("; every rank falls back to step 2"), r["warnings"]  # the step it names is next
 
 
+@pytest.mark.slow
 def test_when_no_step_verifies_on_every_rank_every_rank_says_its_template_was_written(tmp_path: Path) -> None:
     run_ranks(2, "save", tmp_path, {"STEPS": "1,2"})
     for step in (1, 2):
@@ -106,6 +111,8 @@ def test_when_no_step_verifies_on_every_rank_every_rank_says_its_template_was_wr
     for r in failed:
         kind, message, _ = r["error"]
         assert kind == "CorruptCheckpointError" and "no step verifies on every rank" in message, r
+        # Step 2 fell back to step 1; step 1, the last, to nothing: no warning promises an older step then.
+        assert [w.rsplit("; ", 1)[1] for w in r["warnings"]] == ["every rank falls back to step 1", "no older step is held for every rank"], r
         assert "partly overwritten by the copies that failed (on rank(s) 0" in message, message
         assert r["step"] is None
     assert not failed[0]["template_untouched"]  # rank 0's parts verified and landed, in vain
@@ -114,6 +121,7 @@ def test_when_no_step_verifies_on_every_rank_every_rank_says_its_template_was_wr
     assert [(r["step"], r.get("error"), r["template_untouched"]) for r in kept] == [(None, None, True)] * 2
 
 
+@pytest.mark.slow
 def test_restore_of_one_step_loads_that_step_on_every_rank_or_fails_on_every_rank(tmp_path: Path) -> None:
     """restore(step) under torch.distributed: an older step comes back on both ranks; a step no tier
     holds is a NoCheckpointError on both, naming what there is; a step whose part on rank 1 is
@@ -138,6 +146,7 @@ def test_restore_of_one_step_loads_that_step_on_every_rank_or_fails_on_every_ran
         assert r["step"] is None
 
 
+@pytest.mark.slow
 def test_every_rank_commits_each_version_a_lower_tier_selects_while_the_tier_above_is_busy(tmp_path: Path) -> None:
     """The leader's decisions follow selection per tier: with nvme busy writing older saves (each write
     0.4 s slower), pfs still gets steps 5, 10, 15 and 20 on both ranks, every part of each verified.
@@ -178,6 +187,7 @@ def test_a_follower_behind_the_leader_lets_go_of_steps_the_leader_went_past(tmp_
     assert [int(p.name.split("-")[1]) for p in sorted((tmp_path / "disk").glob("step-*"))] == [1, 5]
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_flush_commits_nothing_and_the_others_go_on(tmp_path: Path) -> None:
     results = run_ranks(2, "kill", tmp_path, {"VICTIM": "1", "AT": "3", "TEST_TIMEOUT": "4"}, expect_dead=(1,))
     (leader,) = results
@@ -190,6 +200,7 @@ def test_a_rank_killed_mid_flush_commits_nothing_and_the_others_go_on(tmp_path: 
     assert not any(p.name.startswith(".tmp-") for p in (tmp_path / "disk").iterdir())
 
 
+@pytest.mark.slow
 def test_the_torchrun_example_trains_and_resumes_on_every_rank(tmp_path: Path) -> None:
     example = Path(__file__).resolve().parents[1] / "examples" / "distributed_train.py"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]

@@ -25,7 +25,7 @@ from tierckpt.tiers import fswrite
 from tierckpt.tiers.filesystem import FilesystemSource
 from tierckpt.storage.posix import probe_direct_io
 
-from helpers import Opened, assert_bitwise, fs_tier_of, leftovers, ram_fs
+from helpers import Opened, assert_bitwise, fs_tier_of, leftovers, logged_warnings, ram_fs
 
 
 CLOSE_TOLERATES = (FlushError,)  # for the opened fixture: closing raises again what a test provoked
@@ -100,7 +100,7 @@ def test_a_version_with_a_corrupted_manifest_is_kept_but_skipped(opened: Opened,
     assert (root / version_dirname(8)).is_dir()  # maybe someone's only copy: never deleted
     assert manifest.read_bytes() == bytes(data)
     assert [v.step for v in ckpt.versions()] == [4, 8]
-    with pytest.warns(RuntimeWarning, match=r"step 8 on tier 'nvme' does not verify.*checksum mismatch"):
+    with logged_warnings(match=r"step 8 on tier 'nvme' does not verify.*checksum mismatch"):
         restored = ckpt.restore_latest_sync()
     assert restored is not None and restored.step == 4
     assert_bitwise(restored.state, _state(4))
@@ -115,7 +115,7 @@ def test_a_version_with_a_garbage_manifest_is_kept_and_skipped(opened: Opened, t
     (version / MANIFEST_FILE).write_bytes(b"\xc1 garbage")
     ckpt = opened(ram_fs(root))
     assert version.is_dir()
-    with pytest.warns(RuntimeWarning, match="step 10 on tier 'nvme'"):
+    with logged_warnings(match="step 10 on tier 'nvme'"):
         assert ckpt.restore_latest_sync() is None
 
 

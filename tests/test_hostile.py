@@ -22,7 +22,6 @@ import os
 import shutil
 import threading
 import tracemalloc
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -48,7 +47,7 @@ from tierckpt.state import MAX_SKELETON_DEPTH, MAX_SKELETON_NODES, flatten, skel
 from tierckpt.tiers.fsread import MAX_CHUNK_BYTES, ZSTD_MAX_EXPANSION, open_source, read_manifest
 from tierckpt.tiers.fswrite import scratch_bytes
 
-from helpers import SHUFFLED_ZSTD, ram_fs
+from helpers import SHUFFLED_ZSTD, logged_warnings, ram_fs
 
 STEP = 5
 DATA = DATA_FILE.format(rank=0)
@@ -544,13 +543,10 @@ def test_restore_moves_on_past_a_symlinked_or_fifo_data_file(tmp_path: Path) -> 
             data.symlink_to(tmp_path / "pfs" / version_dirname(STEP) / DATA)
         else:
             os.mkfifo(data)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            with Checkpointer(config) as ckpt:
-                restored = _timed(ckpt.restore_latest_sync)
+        with logged_warnings() as messages, Checkpointer(config) as ckpt:
+            restored = _timed(ckpt.restore_latest_sync)
         assert (restored.step, restored.tier) == (STEP, "pfs")
         assert torch.equal(restored.state["model"]["w"], _state()["model"]["w"])
-        messages = [str(w.message) for w in caught]
         expected = "is a symlink" if replace == "symlink" else "is not a regular file"
         assert any(f"step {STEP} on tier 'nvme'" in m and f"data file {DATA} {expected}" in m for m in messages), messages
 

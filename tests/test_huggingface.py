@@ -69,6 +69,7 @@ def test_a_directory_the_stock_trainer_wrote_still_resumes(tmp_path: Path, confi
     assert json.loads((out / "checkpoint-12" / POINTER_NAME).read_text())["step"] == STEPS
 
 
+@pytest.mark.slow
 def test_after_a_sigkill_the_newest_durable_step_resumes_exactly(tmp_path: Path, config: dict[str, Any]) -> None:
     """A job SIGKILLed right after the save of step 8 returned (captured; durable or not yet; its
     directory written or not yet): every checkpoint-N it left names a step the tiers hold, and

@@ -32,7 +32,7 @@ from tierckpt.storage.posix import preallocate, probe_direct_io, pwrite_all, rea
 from tierckpt.tiers.fsio import ChunkJobs
 from tierckpt.testing import flip_bits
 
-from helpers import Opened, assert_bitwise, fs_tier_of, ram_fs
+from helpers import Opened, assert_bitwise, fs_tier_of, logged_warnings, ram_fs
 
 
 def _config(path: Path, **tier: Any) -> dict[str, Any]:
@@ -113,15 +113,15 @@ def test_a_checksum_mismatch_on_read_is_caught_and_the_template_is_untouched(ope
     _flip(root, 1, "['big']", 2)  # the last chunk of a large tensor: read with O_DIRECT, tail through the bounce page
     template = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else np.zeros_like(v) if isinstance(v, np.ndarray) else 0) for k, v in state.items()}
     ckpt = opened(_config(root))
-    with pytest.warns(RuntimeWarning, match=r"checksum mismatch in \['big'\] \(chunk 2\)"):
+    with logged_warnings(match=r"checksum mismatch in \['big'\] \(chunk 2\)"):
         assert ckpt.restore_latest_sync(template, verify_first=True) is None
     for key, value in template.items():
         if isinstance(value, (torch.Tensor, np.ndarray)):
             assert not value.any(), key  # nothing landed in the template
-    with pytest.warns(RuntimeWarning, match="checksum mismatch"):
+    with logged_warnings(match="checksum mismatch"):
         assert ckpt.restore_latest_sync() is None
     # Landing as chunks verify: the others did, the damaged one did not, and the call says so.
-    with pytest.warns(RuntimeWarning, match="checksum mismatch"), pytest.raises(CorruptCheckpointError, match="partly overwritten"):
+    with logged_warnings(match="checksum mismatch"), pytest.raises(CorruptCheckpointError, match="partly overwritten"):
         ckpt.restore_latest_sync(template)
     per_chunk = CHUNK_BYTES // 4
     assert torch.equal(template["big"][: 2 * per_chunk], state["big"][: 2 * per_chunk])
@@ -136,7 +136,7 @@ def test_a_damaged_small_tensor_falls_back_to_the_previous_step(opened: Opened, 
     _saved(opened, root, old, step=1)
     _saved(opened, root, new, step=2)
     _flip(root, 2, "['small']", 0)  # unaligned destination: read through the aligned scratch buffer
-    with pytest.warns(RuntimeWarning, match=r"step 2 on tier 'nvme' does not verify .*\['small'\]"):
+    with logged_warnings(match=r"step 2 on tier 'nvme' does not verify: .*\['small'\]"):
         restored = opened(_config(root)).restore_latest_sync()
     assert restored.step == 1
     assert_bitwise(restored.state, old)
@@ -156,7 +156,7 @@ def test_the_buffered_path_stores_and_restores_the_same(opened: Opened, tmp_path
     assert_bitwise(ckpt.restore_latest_sync().state, state)
     ckpt.close_sync()
     _flip(root, 1, "['bf16']", 0)
-    with pytest.warns(RuntimeWarning, match=r"checksum mismatch in \['bf16'\]"):
+    with logged_warnings(match=r"checksum mismatch in \['bf16'\]"):
         assert opened(_config(root)).restore_latest_sync() is None
 
 

@@ -208,13 +208,12 @@ def test_a_thread_waiting_for_a_window_in_flight_fetches_the_next_one_meanwhile(
     assert inner.starts == [0, window, 2 * window]  # window 1, fetched ahead, was not fetched again
 
 
-def test_the_readmes_cloud_example_loads_as_written(tmp_path: Path) -> None:
+def test_the_object_storage_pages_cloud_example_loads_as_written(tmp_path: Path) -> None:
     import re
 
     from tierckpt.config import Config
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    section = text[text.index("## Object storage"):]
+    section = (Path(__file__).resolve().parents[1] / "docs" / "object-storage.md").read_text(encoding="utf-8")
     block = re.search(r"```yaml\n(.*?)```", section, re.S)
     assert block is not None
     (tmp_path / "tiers.yaml").write_text(block.group(1))

@@ -27,7 +27,7 @@ from tierckpt.testing.s3proxy import S3Proxy
 from tierckpt.storage.s3uploads import Signer, list_uploads
 from tierckpt.testing.s3server import ACCESS_KEY, SECRET_KEY, start_s3
 
-from helpers import SHUFFLED_ZSTD, held, tier_config
+from helpers import SHUFFLED_ZSTD, held, logged_warnings, tier_config
 
 WORKER = Path(__file__).with_name("object_worker.py")
 RESHARD = Path(__file__).with_name("reshard_worker.py")
@@ -132,7 +132,7 @@ def test_a_damaged_or_missing_object_is_detected_and_restore_falls_back(s3: Any,
             restored = ckpt.restore_latest_sync(template())
         else:
             said = {"flip": "checksum mismatch", "truncate": "ends before|bytes", "delete": "data object data-r00000.* is missing"}[damage]
-            with pytest.warns(RuntimeWarning, match=rf"step 2 on tier 's3' does not verify.*({said})"):
+            with logged_warnings(match=rf"step 2 on tier 's3' does not verify.*({said})"):
                 restored = ckpt.restore_latest_sync(template())
         assert restored.step == 1 and same(restored.state, state(1))
     if damage == "manifest":  # and what it left was swept when the tier opened
@@ -226,6 +226,7 @@ def test_a_commit_whose_answers_are_all_lost_is_found_stored_and_counts_as_commi
         assert same(ckpt.restore_latest_sync(template()).state, state(1))
 
 
+@pytest.mark.slow
 def test_the_server_stopped_mid_upload_fails_the_flush_and_the_next_flush_after_a_restart_commits(tmp_path: Path, s3: Any) -> None:
     server = start_s3(tmp_path / "own")
     proxy = S3Proxy(server.endpoint)
@@ -291,6 +292,7 @@ def reshard_run(tmp_path: Path, s3: Any, world: int, mode: str, mesh: str, place
     return [json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in range(max(world, 1))]
 
 
+@pytest.mark.slow
 def test_two_ranks_save_their_parts_and_one_process_and_two_ranks_reshard_reading_only_what_overlaps(tmp_path: Path, s3: Any) -> None:
     assert [r["committed"] for r in reshard_run(tmp_path, s3, 2, "save", "2")] == [True, True]
     names = listing(s3, s3.prefix)
@@ -305,6 +307,7 @@ def test_two_ranks_save_their_parts_and_one_process_and_two_ranks_reshard_readin
     assert [r["read_bytes"]["['model']['big']"] for r in same_dim] == [1025 * row, 1025 * row]
 
 
+@pytest.mark.slow
 def test_replicated_values_are_stored_once_across_ranks_and_a_damaged_part_makes_every_rank_fall_back(tmp_path: Path, s3: Any) -> None:
     from test_distributed import MODEL_BYTES
     from test_distributed import run_ranks as dist_ranks
@@ -327,6 +330,7 @@ def test_replicated_values_are_stored_once_across_ranks_and_a_damaged_part_makes
     assert all(len(r["warnings"]) == 1 and "data-r00001." in r["warnings"][0] for r in restored), restored
 
 
+@pytest.mark.slow
 def test_four_ranks_save_compressed_and_two_ranks_restore_the_other_dimension(tmp_path: Path, s3: Any) -> None:
     tier = json.dumps({"compression": SHUFFLED_ZSTD})
     assert [r["committed"] for r in reshard_run(tmp_path, s3, 4, "save", "4", "S0", TIER=tier)] == [True] * 4
@@ -405,7 +409,7 @@ def test_many_small_tensors_are_restored_with_few_ranged_gets_and_each_is_still_
     body[200] ^= 0x01  # inside the first 4 KiB: a small tensor, packed before "w" or after it
     body[-200] ^= 0x01
     obstore.put(client(s3), data, bytes(body))
-    with Checkpointer(config(s3)) as ckpt, pytest.warns(RuntimeWarning, match=r"step 2 on tier 's3' does not verify.*checksum mismatch"):
+    with Checkpointer(config(s3)) as ckpt, logged_warnings(match=r"step 2 on tier 's3' does not verify.*checksum mismatch"):
         assert ckpt.restore_latest_sync(None).step == 1
 
 
@@ -423,7 +427,7 @@ def test_a_chunk_read_across_two_windows_is_verified_whole_before_a_byte_of_it_l
     body[(17 << 20) + 5] ^= 0x01  # in the second window: the crossing tensor's second piece
     obstore.put(client(s3), data, bytes(body))
     template = {k: torch.zeros(quarter) for k in "abc"}
-    with Checkpointer(config(s3)) as ckpt, pytest.warns(RuntimeWarning, match=rf"checksum mismatch in \['{crossing}'\]"):
+    with Checkpointer(config(s3)) as ckpt, logged_warnings(match=rf"checksum mismatch in \['{crossing}'\]"):
         with pytest.raises(CorruptCheckpointError, match="no version verifies"):
             ckpt.restore_latest_sync(template)
     # The other two verified and landed; of the damaged one, not a byte did.

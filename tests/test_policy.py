@@ -391,7 +391,7 @@ keeps_st = st.builds(
 
 
 def expected_retain(stored: list[V], policy: KeepPolicy, now: float) -> set[int]:
-    """The rules as the README states them, written out naively."""
+    """The rules as docs/configuration.md (Retention) states them, written out naively."""
     by_step = {v.step: v for v in stored}
     ordered = sorted(by_step)
     if policy.keeps_all:

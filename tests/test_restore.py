@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,7 +29,7 @@ from tierckpt.tiers.filesystem import FilesystemTier
 from tierckpt.tiers.memory import MemoryTier
 from tierckpt.testing import flip_bits
 
-from helpers import Opened, assert_bitwise, bitwise_equal, fs_tier, tier_config
+from helpers import Opened, assert_bitwise, bitwise_equal, fs_tier, logged_warnings, tier_config
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -255,14 +257,68 @@ def two_tiers(opened: Opened, tmp_path: Path) -> tuple[Path, Path, dict[str, Any
 def test_a_flipped_byte_on_nvme_falls_back_to_the_same_step_on_pfs(opened: Opened, two_tiers: Any) -> None:
     nvme, pfs, config = two_tiers
     _corrupt_record(nvme, 2)
-    with pytest.warns(RuntimeWarning) as record:
+    with logged_warnings() as record:
         restored = opened(config).restore_latest_sync()
     assert (restored.step, restored.tier) == (2, "pfs")
     assert_bitwise(restored.state, _state(2))
-    messages = [str(w.message) for w in record]
+    messages = list(record)
     assert len(messages) == 1, messages
     assert "'nvme'" in messages[0] and "step 2" in messages[0] and "['model']['w']" in messages[0]
     assert "checksum mismatch" in messages[0]
+
+
+def test_a_fallback_is_one_log_record_naming_its_tier_once_and_no_python_warning(
+    opened: Opened, two_tiers: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    nvme, pfs, config = two_tiers
+    _corrupt_record(nvme, 2)
+    ckpt = opened(config)
+    for attempt in range(2):  # the second one too: a log is not filtered once per place, as warnings are
+        caplog.clear()
+        with warnings.catch_warnings(record=True) as warned, caplog.at_level(logging.INFO, logger="tierckpt"):
+            warnings.simplefilter("always")
+            restored = ckpt.restore_latest_sync()
+        assert (restored.step, restored.tier) == (2, "pfs"), attempt
+        assert [str(w.message) for w in warned] == []  # the log is the one channel
+        records = [r for r in caplog.records if r.name == "tierckpt" and "step 2" in r.getMessage()]
+        assert [r.levelno for r in records] == [logging.WARNING], [r.getMessage() for r in records]
+        message = records[0].getMessage()
+        assert message == (
+            "tierckpt: step 2 on tier 'nvme' does not verify: data-r00000.bin: checksum mismatch in "
+            f"['model']['w'] (chunk 0) at bytes {_chunk_bytes(nvme, 2)}; trying step 2 on tier 'pfs' next"
+        ), message
+        assert message.count("'nvme'") == 1 and message.count("step 2 on") == 2  # the failed copy, then the next
+
+
+def test_the_last_candidate_says_none_is_left(opened: Opened, two_tiers: Any) -> None:
+    nvme, pfs, config = two_tiers
+    for root in (nvme, pfs):
+        _corrupt_record(root, 2)
+    ckpt = opened(config)
+    with logged_warnings() as record, pytest.raises(CorruptCheckpointError) as caught:
+        ckpt.restore_sync(2)
+    assert len(record) == 2, record
+    assert record[0].endswith("; trying step 2 on tier 'pfs' next"), record[0]
+    assert record[1].startswith("tierckpt: step 2 on tier 'pfs' does not verify: ") and record[1].count("'pfs'") == 1, record[1]
+    assert record[1].endswith("; no other copy of step 2 is left to try") and "next" not in record[1], record[1]
+    assert [str(caught.value).count(f"'{tier}'") for tier in ("nvme", "pfs")] == [1, 1], str(caught.value)
+
+    for root in (nvme, pfs):
+        _corrupt_record(root, 1)
+    with logged_warnings() as record:
+        assert ckpt.restore_latest_sync() is None
+    assert [m.split(" does not verify")[0] for m in record] == [
+        "tierckpt: step 2 on tier 'nvme'", "tierckpt: step 2 on tier 'pfs'", "tierckpt: step 1 on tier 'nvme'", "tierckpt: step 1 on tier 'pfs'",
+    ]
+    assert [m.rsplit("; ", 1)[1] for m in record] == [
+        "trying step 2 on tier 'pfs' next", "trying step 1 on tier 'nvme' next", "trying step 1 on tier 'pfs' next",
+        "no other version is left to try",
+    ]
+
+
+def _chunk_bytes(root: Path, step: int, key: str = "['model']['w']") -> str:
+    chunk = next(r for r in _manifest(root, step).records if r.key == key).chunks[0]
+    return f"{chunk.offset}..{chunk.offset + chunk.stored}"
 
 
 def test_a_flipped_byte_in_every_copy_falls_back_to_an_older_step(opened: Opened, two_tiers: Any) -> None:
@@ -270,12 +326,12 @@ def test_a_flipped_byte_in_every_copy_falls_back_to_an_older_step(opened: Opened
     _corrupt_record(nvme, 2, "['opt'][0]")
     _corrupt_record(pfs, 2, "['np']")
     template = _template()
-    with pytest.warns(RuntimeWarning) as record:
+    with logged_warnings() as record:
         restored = opened(config).restore_latest_sync(template)
     assert (restored.step, restored.tier) == (1, "nvme")
     assert_bitwise(restored.state, _state(1))
     assert restored.state["model"]["w"] is template["model"]["w"]
-    messages = [str(w.message) for w in record]
+    messages = list(record)
     assert len(messages) == 2, messages
     assert "'nvme'" in messages[0] and "['opt'][0]" in messages[0]
     assert "'pfs'" in messages[1] and "['np']" in messages[1]
@@ -334,14 +390,14 @@ def test_restore_of_a_step_falls_back_across_tiers_but_never_to_another_step(ope
     nvme, pfs, config = two_tiers
     _corrupt_record(nvme, 2)
     ckpt = opened(config)
-    with pytest.warns(RuntimeWarning, match="step 2 on tier 'nvme' does not verify"):
+    with logged_warnings(match="step 2 on tier 'nvme' does not verify"):
         restored = ckpt.restore_sync(2)
     assert (restored.step, restored.tier) == (2, "pfs")
     assert_bitwise(restored.state, _state(2))
 
     _corrupt_record(pfs, 2, "['np']")
     template = _template()
-    with pytest.warns(RuntimeWarning) as warned, pytest.raises(CorruptCheckpointError) as caught:
+    with logged_warnings() as warned, pytest.raises(CorruptCheckpointError) as caught:
         ckpt.restore_sync(2, template, verify_first=True)
     assert len(warned) == 2
     message = str(caught.value)
@@ -351,7 +407,7 @@ def test_restore_of_a_step_falls_back_across_tiers_but_never_to_another_step(ope
     assert ckpt.restore_sync(1).step == 1
 
     # Without verify_first the copies that failed wrote what verified of theirs into the template: said so.
-    with pytest.warns(RuntimeWarning), pytest.raises(CorruptCheckpointError, match="template was partly overwritten") as caught:
+    with logged_warnings(match="does not verify"), pytest.raises(CorruptCheckpointError, match="template was partly overwritten") as caught:
         ckpt.restore_sync(2, template)
     assert "verify_first=True" in str(caught.value)
 
@@ -359,14 +415,14 @@ def test_restore_of_a_step_falls_back_across_tiers_but_never_to_another_step(ope
 def test_a_missing_data_file_falls_back(opened: Opened, two_tiers: Any) -> None:
     nvme, pfs, config = two_tiers
     os.unlink(nvme / version_dirname(2) / "data-r00000.bin")
-    with pytest.warns(RuntimeWarning, match=r"step 2 on tier 'nvme'.*data file data-r00000\.bin is missing"):
+    with logged_warnings(match=r"step 2 on tier 'nvme'.*data file data-r00000\.bin is missing"):
         restored = opened(config).restore_latest_sync()
     assert (restored.step, restored.tier) == (2, "pfs")
     assert_bitwise(restored.state, _state(2))
     opened.close()
 
     os.unlink(pfs / version_dirname(2) / "data-r00000.bin")
-    with pytest.warns(RuntimeWarning, match="is missing"):
+    with logged_warnings(match="is missing"):
         restored = opened(config).restore_latest_sync()
     assert (restored.step, restored.tier) == (1, "nvme")
     assert_bitwise(restored.state, _state(1))
@@ -376,7 +432,7 @@ def test_a_truncated_data_file_falls_back(opened: Opened, two_tiers: Any) -> Non
     nvme, pfs, config = two_tiers
     data = nvme / version_dirname(2) / "data-r00000.bin"
     os.truncate(data, data.stat().st_size // 2)
-    with pytest.warns(RuntimeWarning, match=r"step 2 on tier 'nvme'"):
+    with logged_warnings(match=r"step 2 on tier 'nvme'"):
         restored = opened(config).restore_latest_sync()
     assert (restored.step, restored.tier) == (2, "pfs")
     assert_bitwise(restored.state, _state(2))
@@ -393,17 +449,17 @@ def _rewrite_version(root: Path, step: int, version: int) -> None:
 def test_an_unknown_format_version_is_skipped_with_a_warning(opened: Opened, two_tiers: Any) -> None:
     nvme, pfs, config = two_tiers
     _rewrite_version(nvme, 2, 1000)  # far past any version this code reads
-    with pytest.warns(RuntimeWarning, match=r"step 2 on tier 'nvme'.*format version 1000 is not supported"):
+    with logged_warnings(match=r"step 2 on tier 'nvme'.*format version 1000 is not supported"):
         restored = opened(config).restore_latest_sync()
     assert (restored.step, restored.tier) == (2, "pfs")
     opened.close()
 
     _rewrite_version(pfs, 2, 99)
-    with pytest.warns(RuntimeWarning) as record:
+    with logged_warnings() as record:
         restored = opened(config).restore_latest_sync()
     assert (restored.step, restored.tier) == (1, "nvme")
     assert_bitwise(restored.state, _state(1))
-    assert any("format version 99" in str(w.message) for w in record)
+    assert any("format version 99" in m for m in record)
     assert (nvme / version_dirname(2)).is_dir() and (pfs / version_dirname(2)).is_dir()  # kept, not deleted
 
 
@@ -419,7 +475,7 @@ def _every_copy_damaged(two_tiers: Any) -> dict[str, Any]:
 def test_with_verify_first_a_failed_candidate_leaves_the_template_untouched_until_one_verifies(opened: Opened, two_tiers: Any) -> None:
     config = _every_copy_damaged(two_tiers)
     template = _template()
-    with pytest.warns(RuntimeWarning):
+    with logged_warnings(match="does not verify"):
         assert opened(config).restore_latest_sync(template, verify_first=True) is None
     for path, value in _tensors(template):
         assert not value.any(), path  # a failed attempt never leaves a half-restored model behind
@@ -428,7 +484,7 @@ def test_with_verify_first_a_failed_candidate_leaves_the_template_untouched_unti
 def test_a_damaged_chunk_never_lands_in_the_template_and_no_version_verifying_is_an_error(opened: Opened, two_tiers: Any) -> None:
     config = _every_copy_damaged(two_tiers)
     template = _template()
-    with pytest.warns(RuntimeWarning), pytest.raises(CorruptCheckpointError, match="no version verifies") as caught:
+    with logged_warnings(match="does not verify"), pytest.raises(CorruptCheckpointError, match="no version verifies") as caught:
         opened(config).restore_latest_sync(template)  # not None: the template is no longer the one passed in
     assert "template was partly overwritten" in str(caught.value) and "['model']['w']" in str(caught.value)
     assert not template["np"].any()  # each chunk is verified before it lands: the damaged one never did
@@ -440,7 +496,7 @@ def test_a_fallback_overwrites_what_a_failed_candidate_wrote(opened: Opened, two
     for root in (nvme, pfs):
         _corrupt_record(root, 2, "['np']")
     template = _template()
-    with pytest.warns(RuntimeWarning):
+    with logged_warnings(match="does not verify"):
         restored = opened(config).restore_latest_sync(template)
     assert (restored.step, restored.tier) == (1, "nvme")
     assert_bitwise(restored.state, _state(1))
@@ -458,12 +514,12 @@ def test_a_fallback_lacking_a_tensor_a_failed_candidate_wrote_is_an_error(opened
     config = tier_config(fs_tier("nvme", nvme))
     template = {"a": torch.zeros(1000), "b": torch.zeros(10), "x": torch.zeros(500)}
     ckpt = opened(config)
-    with pytest.warns(RuntimeWarning), pytest.raises(RestoreError, match=r"lacks template tensors .*\['x'\]") as caught:
+    with logged_warnings(match="does not verify"), pytest.raises(RestoreError, match=r"lacks template tensors .*\['x'\]") as caught:
         ckpt.restore_latest_sync(template, strict=False)
     assert caught.value.step == 1
     # With verify_first, step 1 loads, and x is left as it was: a missing key, as strict=False allows.
     template = {"a": torch.zeros(1000), "b": torch.zeros(10), "x": torch.zeros(500)}
-    with pytest.warns(RuntimeWarning):
+    with logged_warnings(match="does not verify"):
         restored = ckpt.restore_latest_sync(template, strict=False, verify_first=True)
     assert restored.step == 1 and restored.missing_keys == ("['x']",)
     assert not template["x"].any() and torch.equal(template["a"], torch.ones(1000))
@@ -634,7 +690,7 @@ def test_verification_failing_while_staged_in_the_pool_leaves_the_template_untou
     ckpt = opened(config)
     template = _template()
     # Step 2 on nvme, then on pfs: both staged in the pool and failing; step 1 on nvme verifies.
-    with pytest.warns(RuntimeWarning):
+    with logged_warnings(match="does not verify"):
         restored = ckpt.restore_latest_sync(template, verify_first=True)
     assert (restored.step, restored.tier) == (1, "nvme")
     assert_bitwise(restored.state, _state(1))
@@ -643,7 +699,7 @@ def test_verification_failing_while_staged_in_the_pool_leaves_the_template_untou
     for root in (nvme, pfs):
         _corrupt_record(root, 1, "['np']")
     template = _template()
-    with pytest.warns(RuntimeWarning):
+    with logged_warnings(match="does not verify"):
         assert ckpt.restore_latest_sync(template, verify_first=True) is None
     assert _slots(ckpt) == ([], [0, 1], 3 + 4)  # every candidate was staged in the pool, and failed
     for path, value in _tensors(template):

@@ -312,7 +312,7 @@ def check_outcome(run: Run, root: Path) -> None:
     counters = run.ckpt.counters
     n = len(run.names)
     if run.chain.slots >= 2 * n + 1 and all(s.policy.newest_only for s in run.seen.values()):
-        # The README's rule: 2 × tiers + 1 slots keep every save off the disks' critical path.
+        # The rule in docs/configuration.md (Flushing): 2 × tiers + 1 slots keep every save off the disks' critical path.
         assert run.waited == 0 and counters.skipped_saves == 0 and counters.evicted_saves == 0
     for name in run.names:
         seen = run.seen[name]

@@ -9,9 +9,8 @@ import signal
 import subprocess
 import sys
 import textwrap
-import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import msgpack
 import pytest
@@ -22,20 +21,9 @@ from tierckpt.format import MANIFEST_FILE, Manifest, version_dirname
 from tierckpt.tiers.shm import POOL_FILE, POOL_INFO
 from tierckpt.testing import flip_bits
 
-from helpers import fs_tier, memory_tier, tier_config
+from helpers import fs_tier, logged_warnings, memory_tier, tier_config
 
 _SLOT = 8 << 20
-
-
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    if not os.path.isdir("/dev/shm"):
-        pytest.skip("no /dev/shm on this machine")
-    path = Path("/dev/shm") / f"tierckpt-test-{uuid.uuid4().hex[:12]}"
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _config(shm: Path, disk: Path, *, snapshots: int = 2, keep: int | None = 2, capacity: int = 2 * _SLOT) -> dict[str, Any]:
@@ -169,7 +157,7 @@ def test_a_damaged_snapshot_falls_back_to_the_same_step_on_disk(shm: Path, tmp_p
     chunk = next(r for r in manifest.records if r.key == "['w']").chunks[0]
     flip_bits(shm / POOL_FILE, chunk.offset + 12345, 0x10)
     with Checkpointer(_config(shm, tmp_path / "nvme")) as ckpt:
-        with pytest.warns(RuntimeWarning, match=r"step 4 on tier 'ram'.*checksum mismatch in \['w'\] \(chunk 0\)"):
+        with logged_warnings(match=r"step 4 on tier 'ram'.*checksum mismatch in \['w'\] \(chunk 0\)"):
             restored = ckpt.restore_latest_sync()
         assert restored is not None and (restored.step, restored.tier) == (4, "nvme")
         assert_state(restored.state, 4)

@@ -36,6 +36,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"base": base, "whole": whole, "first": first}
 
 
+@pytest.mark.slow
 def test_a_run_resumed_on_the_same_mesh_continues_bitwise(runs: dict[str, Any]) -> None:
     base, whole, first = runs["base"], runs["whole"], runs["first"]
     assert sorted(p.name for p in (base / "nvme").iterdir()) == ["step-000000000004", "step-000000000008"]
@@ -50,6 +51,7 @@ def test_a_run_resumed_on_the_same_mesh_continues_bitwise(runs: dict[str, Any]) 
     assert (base / "nvme" / "step-000000000012").is_dir()  # the last step, saved whole (last_save_model_only=False)
 
 
+@pytest.mark.slow
 def test_load_of_a_step_and_a_reshard_onto_one_rank(runs: dict[str, Any]) -> None:
     base, first = runs["base"], runs["first"]
     # Step 4 on 2 ranks: its parameters are the 4-step run's, and training goes on from step 5.

@@ -9,6 +9,7 @@ The rest of the error tree (``ClosedError``, ``FormatVersionError``) is in
 :mod:`tierckpt.errors`.
 """
 
+from tierckpt._version import __version__  # not in __all__: a module attribute, not an API name
 from tierckpt.checkpointer import Checkpointer, SaveHandle
 from tierckpt.config import Config
 from tierckpt.errors import (

@@ -1,5 +1,5 @@
-"""``python -m tierckpt ls|verify DIR`` and ``python -m tierckpt export VERSION OUT``: see :mod:`tierckpt.cli`."""
+"""``python -m tierckpt``: the ``tierckpt`` command line (:mod:`tierckpt.cli`), under the name it was run by."""
 
 from tierckpt.cli import main
 
-raise SystemExit(main())
+raise SystemExit(main(prog="python -m tierckpt"))

@@ -14,7 +14,7 @@ import torch
 from tierckpt.capture.barrier import attach
 from tierckpt.capture.views import moment
 from tierckpt.config import Config
-from tierckpt.errors import CapacityError, ClosedError, ConfigError
+from tierckpt.errors import ClosedError, ConfigError
 from tierckpt.handle import SaveHandle
 from tierckpt.pipeline import Counters, SaveRequest
 from tierckpt.ranks import RankGroup
@@ -24,7 +24,6 @@ from tierckpt.snapshot import LayoutCache
 from tierckpt.state import flatten
 from tierckpt.tiers.base import Tier, VersionInfo
 from tierckpt.tiers.encoding import TierEncoding
-from tierckpt.units import format_size
 
 __all__ = ["Checkpointer", "SaveHandle", "TierFactory"]
 
@@ -45,7 +44,7 @@ class Checkpointer:
         config: a :class:`Config`, a mapping in the YAML's shape, or the path of a YAML file.
         group: under ``torch.distributed``, the process group whose ranks save together (default:
             the world). Construction is then collective: every rank of the group constructs its
-            Checkpointer at the same point, and so are ``restore_latest`` and ``close`` (README,
+            Checkpointer at the same point, and so are ``restore_latest`` and ``close`` (docs/distributed.md,
             "Distributed training"). Without ``torch.distributed`` initialized, this is one process.
         tier_factory: builds a tier below host memory from its config (return None for the default); for tests and
             custom storage (see :mod:`tierckpt.testing`).
@@ -110,7 +109,7 @@ class Checkpointer:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], **kwargs: Any) -> Checkpointer:
-        """Build a Checkpointer from a YAML file (see README for every key)."""
+        """Build a Checkpointer from a YAML file (every key: docs/configuration.md)."""
         return cls(Config.from_yaml(path), **kwargs)
 
     @property
@@ -226,17 +225,6 @@ class Checkpointer:
             raise TypeError(f"metadata must hold only msgpack types (str, int, float, bool, None, bytes, lists, dicts): {exc}") from exc
         skeleton, leaves = flatten(state)
         entries, nbytes = self._layouts.entries(leaves, replicated)
-        slot = self._pool.slot_size
-        if nbytes > slot:
-            host = self.config.host
-            raise CapacityError(
-                f"step {step}: the state needs {format_size(nbytes)} of host memory but one slot holds "
-                f"{format_size(slot)} (host.capacity {format_size(host.capacity_bytes)} / host.snapshots "
-                f"{host.snapshots}); raise host.capacity to at least {format_size(nbytes * host.snapshots)} "
-                f"or lower host.snapshots",
-                step=step,
-                key="host.capacity",
-            )
         return SaveRequest(step, leaves, entries, nbytes, skeleton, meta, moment(leaves))
 
     # -- wait, restore, list -----------------------------------------------------------------------
@@ -267,7 +255,7 @@ class Checkpointer:
         checked, copied). A version that fails verification half-way has then written part of the
         template: the next candidate overwrites it, and if none verifies this raises instead of
         returning None. ``verify_first=True`` keeps the template as it was until the whole version
-        verified, at the cost of staging every byte once more (README, "Performance"). Returns None
+        verified, at the cost of staging every byte once more (docs/performance.md, "Restoring and resuming"). Returns None
         when no tier holds a version.
 
         The version may have been saved with another parallel layout: a DTensor of the template gets
@@ -302,8 +290,8 @@ class Checkpointer:
         self, step: int, template: Any = None, *, tier: str | None = None, strict: bool = True, cast: bool = False, verify_first: bool = False
     ) -> Restored:
         """Load step ``step``, exactly: from the fastest tier holding a copy that verifies, or from
-        tier ``tier`` only. A copy that does not verify gives a warning and the next tier holding
-        the step is tried; never another step. Otherwise as :meth:`restore_latest` (``template``,
+        tier ``tier`` only. A copy that does not verify is logged as a warning (``tierckpt`` logger)
+        and the next tier holding the step is tried; never another step. Otherwise as :meth:`restore_latest` (``template``,
         ``strict``, ``cast``, ``verify_first``; collective under torch.distributed). :meth:`versions`
         lists the steps there are to choose from.
 

@@ -1,9 +1,13 @@
-"""``python -m tierckpt ls|verify DIR`` and ``export VERSION OUT``: stored versions without a Checkpointer.
+"""``tierckpt ls|verify DIR``, ``tierckpt status CONFIG|DIR`` and ``tierckpt export VERSION OUT``: stored
+versions without a Checkpointer. ``python -m tierckpt`` is the same command line; ``tierckpt --version``
+prints ``tierckpt <version>``.
 
 ``DIR`` is a filesystem tier's directory (every ``step-<12 digits>`` directory in it is a version) or
-one version directory; or an object tier's ``s3://bucket/prefix`` (every committed version under it,
-or the one it names), with ``--endpoint`` for a server other than AWS and the credentials found as
-the tier finds them. Nothing is written, and no lock is taken: both work beside a running job.
+one version directory; or a folder holding tier directories (``./checkpoints`` holding ``nvme/`` and
+``pfs/``): then each tier directory in it, under a heading; or an object tier's ``s3://bucket/prefix``
+(every committed version under it, or the one it names), with ``--endpoint`` for a server other than
+AWS and the credentials found as the tier finds them. Nothing is written, and no lock is taken: every
+command works beside a running job.
 
 - ``ls`` prints one line per version: step, stored and logical bytes, creation time, and whether it
   looks valid: its manifest verifies and its records fit its data files (no tensor byte is read; use
@@ -13,8 +17,11 @@ the tier finds them. Nothing is written, and no lock is taken: both work beside 
   prints one line per version, ``OK`` or ``DAMAGED`` with the first damage found (file, key, chunk)
   and how many chunks are damaged.
 
+- ``status`` prints one line per tier of a config (:mod:`tierckpt.clistatus`) or of ``DIR``: versions,
+  newest step, stored bytes, and with ``--verify`` what ``verify`` finds.
+
 Exit status: 0 when every version is fine (or there is none), 1 when one is damaged, 2 on a usage
-error (a missing directory, a bad argument).
+error (a missing directory, a folder that is neither a tier directory nor holds one, a bad argument).
 
 ``export VERSION OUT [--to safetensors|torch] [--force] [--threads N]`` writes one version's
 consolidated state (DTensor shards of every rank put together; every other value as rank 0 saved it)
@@ -29,11 +36,11 @@ anything is written.
 
 Example::
 
-    $ python -m tierckpt verify ./checkpoints/nvme
+    $ tierckpt verify ./checkpoints/nvme
     step-000000000100  OK       5 tensors, 1.2 GiB stored, 1.2 GiB logical
     step-000000000200  DAMAGED  data-r00000.bin: checksum mismatch in ['model']['w'] (chunk 3) at bytes ...
     2 versions: 1 OK, 1 damaged
-    $ python -m tierckpt export ./checkpoints/nvme/step-000000000100 model.safetensors
+    $ tierckpt export ./checkpoints/nvme/step-000000000100 model.safetensors
     exported step 100: 5 tensors, 1.2 GiB to model.safetensors
 """
 
@@ -50,12 +57,14 @@ from pathlib import Path
 from typing import TextIO
 
 from tierckpt import export as exporting
+from tierckpt._version import __version__
 from tierckpt.errors import CorruptCheckpointError, UnsupportedStateError
 from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, TensorRecord, parse_version_dirname
 from tierckpt.format.layout import where
 from tierckpt.tiers.fsio import scratch, scratch2
 from tierckpt.tiers.fsread import StoredSource, VersionFiles, open_source, read_head, read_rank_manifest, version_files
 from tierckpt.tiers.fswrite import scratch_bytes
+from tierckpt.tiers.fsfind import holds_a_tier, tier_dirs
 
 __all__ = ["main"]
 
@@ -78,44 +87,103 @@ class _Version:
         return cls(path, step, version_files(path), path.name)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (see the module docstring)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m tierckpt", description="Look at, check and export tierckpt versions on a filesystem or object tier."
-    )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{ls,verify,export}")
-    ls = commands.add_parser("ls", help="list versions: step, sizes, creation time, valid (reads manifests only)")
-    ls.add_argument("dir", help="a tier directory or one version directory; or s3://bucket/prefix")
-    verify = commands.add_parser("verify", help="check every version: manifest, every chunk's checksum, decoding")
-    verify.add_argument("dir", help="a tier directory or one version directory; or s3://bucket/prefix")
-    verify.add_argument("--threads", type=int, default=2, help="threads reading and checking chunks (default 2)")
-    export = commands.add_parser("export", help="write one version's consolidated state as safetensors or torch.save")
-    export.add_argument("version", help="a version directory (step-<12 digits>) of a filesystem tier, or s3://bucket/prefix/step-...")
-    export.add_argument("out", type=Path, help="the file to write")
-    export.add_argument(
-        "--to", choices=exporting.FORMATS, default=None,
-        help="the format (default: torch for a .pt or .pth OUT, else safetensors)",
-    )
-    export.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    export.add_argument("--threads", type=int, default=2, help="threads reading and checking chunks (default 2)")
-    for command in (ls, verify, export):
-        command.add_argument("--endpoint", default=None, help="the S3-compatible server of an s3:// URL (default: AWS)")
+def main(argv: Sequence[str] | None = None, *, prog: str = "tierckpt") -> int:
+    """Run the command line; returns the exit status (see the module docstring).
+
+    Args:
+        argv: the arguments after the program's name (None: ``sys.argv[1:]``).
+        prog: the program's name in usage and error messages (``python -m tierckpt`` passes its own).
+    """
+    parser = _parser(prog)
     args = parser.parse_args(argv)
     if args.command == "export":
         return _export(parser.prog, args)
     try:
-        if args.command == "verify" and args.threads < 1:
+        if args.command in ("verify", "status") and args.threads < 1:
             raise _UsageError(f"--threads must be at least 1, not {args.threads}")
-        versions = _bucket_versions(args.dir, args.endpoint) if args.dir.startswith("s3://") else _versions(Path(args.dir))
+        if args.command == "status":
+            from tierckpt.clistatus import status as tier_status  # it reads versions with this module's helpers
+
+            return tier_status(args.target, verify=args.verify, threads=args.threads, endpoint=args.endpoint)
+        tiers = [_Tier(None, _bucket_versions(args.dir, args.endpoint))] if args.dir.startswith("s3://") else _local_tiers(args.dir)
     except _UsageError as exc:
         print(f"{parser.prog} {args.command}: {exc}", file=sys.stderr)
         return USAGE
-    if not versions:
+    if len(tiers) == 1 and tiers[0].heading is None and not tiers[0].versions:
         print(f"no versions in {args.dir}")
         return OK
-    if args.command == "ls":
-        return _ls(versions)
-    return _verify(versions, args.threads)
+    status = OK
+    for i, tier in enumerate(tiers):
+        if tier.heading is not None:
+            if i:
+                print()
+            print(f"{tier.heading}:", flush=True)
+        if not tier.versions:
+            print("no versions", flush=True)
+        elif args.command == "ls":
+            status = max(status, _ls(tier.versions))
+        else:
+            status = max(status, _verify(tier.versions, args.threads))
+    return status
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Look at, check and export tierckpt versions on a filesystem or object tier.")
+    parser.add_argument("--version", action="version", version=f"tierckpt {__version__}", help="print tierckpt's version and exit")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{ls,verify,status,export}")
+    where = "a tier directory, a folder holding tier directories, or one version directory; or s3://bucket/prefix"
+    ls = commands.add_parser("ls", help="list versions: step, sizes, creation time, valid (reads manifests only)")
+    ls.add_argument("dir", metavar="DIR", help=where)
+    verify = commands.add_parser("verify", help="check every version: manifest, every chunk's checksum, decoding")
+    verify.add_argument("dir", metavar="DIR", help=where)
+    status = commands.add_parser("status", help="per tier: versions held, newest step, stored bytes; --verify checks them")
+    status.add_argument(
+        "target", metavar="CONFIG|DIR",
+        help="a YAML config (every tier it names, in its order), or a DIR as ls takes it (one line per tier directory)",
+    )
+    status.add_argument("--verify", action="store_true", help="check every version as verify does; count OK and DAMAGED per tier")
+    export = commands.add_parser("export", help="write one version's consolidated state as a safetensors or a torch file")
+    export.add_argument("version", metavar="VERSION", help="a version directory (step-<12 digits>) of a filesystem tier, or s3://bucket/prefix/step-...")
+    export.add_argument("out", metavar="OUT", type=Path, help="the file to write")
+    export.add_argument(
+        "--to", choices=exporting.FORMATS, default=None,
+        help="safetensors, or torch (a file torch.load reads); default: torch when OUT ends in .pt or .pth, else safetensors",
+    )
+    export.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    for command in (verify, status, export):
+        threads = "threads reading and checking chunks (default 2)"
+        command.add_argument("--threads", metavar="N", type=int, default=2, help=threads if command is not status else f"with --verify: {threads}")
+    for command in (ls, verify, status, export):
+        endpoint = "the S3-compatible server of an s3:// URL (default: AWS)"
+        command.add_argument("--endpoint", metavar="URL", default=None, help=endpoint if command is not status else f"{endpoint}; a config's tiers name their own")
+    return parser
+
+
+@dataclass(frozen=True)
+class _Tier:
+    """The versions of one tier directory or prefix; ``heading``: its path when DIR holds several."""
+
+    heading: str | None
+    versions: list[_Version]
+
+
+def _local_tiers(argument: str) -> list[_Tier]:
+    """DIR's versions: its own (a tier directory, or a version directory), or those of each tier directory
+    it holds (a folder of tiers), each under its path as given; a usage error when it is neither."""
+    directory = Path(argument)
+    versions = _versions(directory)
+    if versions or holds_a_tier(directory):
+        return [_Tier(None, versions)]
+    inside = tier_dirs(directory)
+    if not inside:
+        raise _UsageError(f"{argument}: {_NO_TIER_HINT}")
+    return [_Tier(str(directory / name), _versions(directory / name)) for name in inside]
+
+
+_NO_TIER_HINT = (
+    "no tier and no version found here; pass a tier's directory (the path: of a filesystem tier, holding "
+    "step-<12 digits> directories), a folder holding tier directories, one version directory, or s3://bucket/prefix"
+)
 
 
 def _bucket_versions(url: str, endpoint: str | None) -> list[_Version]:

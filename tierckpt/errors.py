@@ -20,6 +20,17 @@ flush is raised by its save's ``handle.committed(tier)``, counted, kept as the t
 nothing since, and no later ``save()`` ever raises it: training goes on, the next save tries again. A
 failed capture (a torn snapshot: a bug in the training loop) is also raised once by the next ``save``,
 ``wait`` or ``close``. Background failures keep their own type, chained to the original exception.
+
+What is not raised is logged, on the ``tierckpt`` logger only, once per event: WARNING for what an
+operator should know of though the call went on (a version that did not verify and was passed over,
+naming tier, step, key, and the candidate tried next; a tier that could not be locked), INFO for
+routine recovery (leftovers swept, a save skipped under ``host.on_full: skip``), ERROR for a
+background failure, which is raised later as above. The package never calls :func:`warnings.warn`:
+a restore that fell back did its job, so there is nothing in the caller's code to fix; Python shows a
+warning once per place and text (a fallback in the next restore would be hidden), and turns it
+into an exception under ``-W error``, in the middle of a fallback. A message names each tier and
+step once and says what happens next only when something is left to try; it is built from
+``str(error)``, not from a ``repr``.
 """
 
 from __future__ import annotations
@@ -65,7 +76,8 @@ class ConfigError(TierckptError, ValueError):
 
 
 class CapacityError(TierckptError, ValueError):
-    """A state does not fit in one host slot (``host.capacity / host.snapshots``)."""
+    """A state does not fit in one host slot (``host.capacity / host.snapshots``), or, without
+    ``host.capacity``, a pool sized to it would take more than half of the host's memory."""
 
 
 class UnsupportedStateError(TierckptError, TypeError):

@@ -1,8 +1,9 @@
 """Assembling a Checkpointer's parts from its config, and stopping them exactly once.
 
 :func:`assemble` makes, in order: the host pool (on a RAM file system when the memory tier has a
-``path``), the copy threads, every tier (an implicit host-memory tier first when the config names
-none), the pipeline and the engine thread, and opens the tiers. :class:`Runtime` holds what must be
+``path``; without ``host.capacity`` an empty one, sized to the state at the first save), the copy
+threads, every tier (an implicit host-memory tier first when the config names none), the pipeline
+and the engine thread, and opens the tiers. :class:`Runtime` holds what must be
 drained and stopped, and is what the exit hook holds.
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from tierckpt.capture import Copier, HostPool
+from tierckpt.capture.pool import FILE_POOL_BYTES
 from tierckpt.config import Config, TierConfig, check_disjoint_paths
 from tierckpt.pipeline import Engine, Pipeline
 from tierckpt.pipeline.flusher import Flusher
@@ -162,20 +164,25 @@ def assemble(config: Config, group: RankGroup | None, tier_factory: TierFactory 
         tier_configs.insert(0, TierConfig(name=implicit, type="memory"))
     first = tier_configs[0]
     store = None
+    # Without host.capacity the pool is sized to the state at the first save (tierckpt.capture.pool),
+    # unless it lives in a file that the next process maps again: that one keeps a fixed size.
+    capacity = host.capacity_bytes
     if first.path is not None:
         # A RAM tier that outlives the process: the pool is its shared file, mapped (and locked) first.
         # Each rank has its own pool, in a directory of its own under the configured one.
         ram = Path(first.path).expanduser().absolute()
         if group is not None:
             ram = ram / f"rank-{group.rank:05d}"
-        store = ShmStore(ram, first.name, HostPool.slot_bytes(host.capacity_bytes, host.snapshots), host.snapshots)
+        capacity = FILE_POOL_BYTES if capacity is None else capacity
+        store = ShmStore(ram, first.name, HostPool.slot_bytes(capacity, host.snapshots), host.snapshots)
     try:
         opened = store
         pool = HostPool(
-            host.capacity_bytes,
+            capacity,
             host.snapshots,
             memory=None if opened is None else (lambda size, slots: opened.open()),
             pinned=host.pinned,
+            configured=host.capacity_bytes is not None,
         )
     except BaseException:
         if store is not None:

@@ -32,7 +32,7 @@ import torch
 from tierckpt.capture.device import DeviceCopies
 from tierckpt.capture.pool import HostPool
 from tierckpt.capture.views import SaveMoment, TornCaptureError, check_unchanged, slot_tensor, source_tensor, tensor_pair
-from tierckpt.snapshot import Entry, Snapshot
+from tierckpt.snapshot import Entry, Slot, Snapshot
 from tierckpt.state import Leaf
 
 __all__ = ["Copier", "TornCaptureError"]
@@ -89,9 +89,9 @@ class _Plan:
     on_device: tuple[int, ...]  # the leaves the device stage copies
     split: tuple[int, ...]  # leaves cut into pieces, planned for contiguous values
     batches: tuple[_Batch, ...]  # one per copy thread, balanced by bytes
-    # Per (slot index, batch index): the slot views a batch's ``whole`` leaves are copied into, made
+    # Per (slot, batch index): the slot views a batch's ``whole`` leaves are copied into, made
     # by its thread at its first copy into that slot, then reused (a slot keeps its layout).
-    views: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict, compare=False)
+    views: dict[tuple[Slot, int], list[torch.Tensor]] = field(default_factory=dict, compare=False)
 
     def fits(self, entries: tuple[Entry, ...], leaves: Sequence[Leaf], on_device: tuple[int, ...]) -> bool:
         return entries is self.entries and on_device == self.on_device and all(_contiguous(leaves[i]) for i in self.split)
@@ -249,8 +249,9 @@ def _run(pool: HostPool, snapshot: Snapshot, leaves: Sequence[Leaf], versions: S
 
 
 def _views(pool: HostPool, snapshot: Snapshot, plan: _Plan, b: int) -> list[torch.Tensor]:
-    """The slot views batch ``b``'s whole leaves are copied into (made once per slot and plan)."""
-    key = (snapshot.slot.index, b)
+    """The slot views batch ``b``'s whole leaves are copied into (made once per slot and plan). Keyed
+    by the slot itself, not its index: a pool sized to the state maps new slots as the state grows."""
+    key = (snapshot.slot, b)
     views = plan.views.get(key)
     if views is None:
         entries = [snapshot.entries[i] for i in plan.batches[b].whole]

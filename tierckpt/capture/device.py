@@ -37,7 +37,7 @@ import torch
 
 from tierckpt.capture.pool import HostPool
 from tierckpt.capture.views import TornCaptureError, check_unchanged, slot_tensor, source_tensor
-from tierckpt.snapshot import Entry, Snapshot
+from tierckpt.snapshot import Entry, Slot, Snapshot
 from tierckpt.state import Leaf
 
 
@@ -66,8 +66,8 @@ class DeviceCopies:
         self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-cuda-wait")
         self._pending: list[_Batch] = []
         self._lock = threading.Lock()
-        # Per (slot index, device): the entries last copied there, and their slot views (_views).
-        self._slot_views: dict[tuple[int, torch.device], tuple[list[Entry], list[torch.Tensor]]] = {}
+        # Per (slot, device): the entries last copied there, and their slot views (_views).
+        self._slot_views: dict[tuple[Slot, torch.device], tuple[list[Entry], list[torch.Tensor]]] = {}
 
     def start(
         self,
@@ -169,10 +169,14 @@ class DeviceCopies:
     def _views(self, snapshot: Snapshot, device: torch.device, items: list[tuple[Leaf, Entry, int]]) -> list[torch.Tensor]:
         """The slot views ``items``' copies go into: made at the first copy of a layout into a slot,
         then reused while saves keep that layout (a slot's layout is its entries)."""
-        key = (snapshot.slot.index, device)
+        key = (snapshot.slot, device)  # the slot itself: a pool sized to the state maps new ones as it grows
         entries = [entry for _, entry, _ in items]
         cached = self._slot_views.get(key)
         if cached is None or len(cached[0]) != len(entries) or any(a is not b for a, b in zip(cached[0], entries)):
+            if cached is None:  # a slot not seen before: let go of the views of slots the pool no longer hands out
+                current = self._pool.slots
+                for old in [k for k in self._slot_views if not any(k[0] is s for s in current)]:
+                    del self._slot_views[old]
             cached = self._slot_views[key] = (entries, [slot_tensor(self._pool, snapshot, e) for e in entries])
         return cached[1]
 

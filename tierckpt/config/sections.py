@@ -40,11 +40,15 @@ class HostConfig:
 
     Attributes:
         capacity_bytes: host memory for snapshots in flight (YAML ``capacity``: bytes or ``"4GiB"``),
-            pinned when CUDA is present, split evenly into ``snapshots`` slots of at least 4 KiB each.
+            pinned when CUDA is present, split evenly into ``snapshots`` slots of at least 4 KiB each,
+            mapped at construction. ``None`` (the default): sized to the state at the first save,
+            ``snapshots`` slots of its laid-out size and an eighth more, and mapped again, larger, for
+            a save that does not fit; at most half of the host's memory (see
+            :mod:`tierckpt.capture.pool`). A memory tier with a ``path`` then has a pool of 1 GiB.
         snapshots: at most this many snapshots are held at once (>= 1).
         on_full: what ``save()`` does when every slot is busy: ``"block"`` waits for a free slot,
             ``"skip"`` drops that save, ``"evict"`` drops the oldest snapshot that is neither being
-            copied nor read, even one a tier was still waiting to take (see the README).
+            copied nor read, even one a tier was still waiting to take (see docs/configuration.md).
         copy_threads: threads that copy tensors into host slots (1..64).
         pinned: page-lock the pool for CUDA copies: ``"auto"`` when CUDA is available, falling back to
             pageable memory (logged once) if the system refuses; ``True`` requires it (refusal is a
@@ -56,9 +60,11 @@ class HostConfig:
     Example:
         >>> HostConfig(capacity_bytes=8 << 30, snapshots=4).slot_bytes == 2 << 30
         True
+        >>> HostConfig().slot_bytes is None  # sized to the state at the first save
+        True
     """
 
-    capacity_bytes: int = 1 << 30
+    capacity_bytes: int | None = None
     snapshots: int = 2
     on_full: str = "block"
     copy_threads: int = 2
@@ -66,22 +72,22 @@ class HostConfig:
 
     def __post_init__(self) -> None:
         at = site("host")
-        check_int(at, "capacity", self.capacity_bytes, low=0)
+        check_int(at, "capacity", self.capacity_bytes, low=0, optional=True)
         check_int(at, "snapshots", self.snapshots, low=1)
         check_choice(at, "on_full", self.on_full, _ON_FULL)
         check_int(at, "copy_threads", self.copy_threads, low=1, high=64)
         if not isinstance(self.pinned, bool) and self.pinned != "auto":
             raise at.error("pinned", problem=f"{self.pinned!r} is not allowed", hint="use auto, true or false")
-        if self.slot_bytes < _MIN_SLOT_BYTES:
+        if self.capacity_bytes is not None and self.slot_bytes is not None and self.slot_bytes < _MIN_SLOT_BYTES:
             capacity, slot = format_size(self.capacity_bytes), format_size(self.slot_bytes)
             problem = f"{capacity} over {self.snapshots} snapshots leaves {slot} per snapshot"
             hint = "a snapshot needs at least 4KiB; raise host.capacity or lower host.snapshots"
             raise at.error("capacity", problem=problem, hint=hint)
 
     @property
-    def slot_bytes(self) -> int:
-        """Bytes of one host slot: ``capacity_bytes // snapshots``."""
-        return self.capacity_bytes // self.snapshots
+    def slot_bytes(self) -> int | None:
+        """Bytes of one host slot: ``capacity_bytes // snapshots``; None when the pool is sized to the state."""
+        return None if self.capacity_bytes is None else self.capacity_bytes // self.snapshots
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -263,7 +269,7 @@ class CompressionConfig:
 
 # One row per YAML key: a new key is a row here, plus its field and its check in the dataclass.
 _HOST_KEYS = (
-    Key("capacity", "capacity_bytes", read_size),
+    Key("capacity", "capacity_bytes", optional(read_size)),
     Key("snapshots", "snapshots"),
     Key("on_full", "on_full"),
     Key("copy_threads", "copy_threads"),

@@ -29,6 +29,13 @@ def where(tier: str | None, step: int | None) -> str:
     return f"{text} on tier {tier!r}" if tier is not None else text
 
 
+def after_where(error: BaseException, tier: str | None, step: int | None) -> str:
+    """What ``error`` says, less the ``"step 7 on tier 'nvme': "`` (:func:`where`) it starts with, for
+    a message that names that tier and step itself: each is named once. Its whole text otherwise."""
+    text, prefix = str(error), f"{where(tier, step)}: "
+    return text[len(prefix) :] if text.startswith(prefix) else text
+
+
 def version_dirname(step: int) -> str:
     return f"step-{step:012d}"
 

@@ -3,7 +3,7 @@
 ``TierckptCheckpointManager.Config(enable=True, interval=500, tiers="tiers.yaml")`` in place of the
 trainer's ``checkpoint`` config. Every rank saves its own part: FSDP2/TP parameters and optimizer
 moments as DTensor shards, replicated values once, the dataloader's position per rank. A restore
-into another mesh reshards (see "Changing the parallel layout" in README).
+into another mesh reshards (see "Changing the parallel layout" in docs/distributed.md).
 
 - ``save(curr_step, last_step)`` saves on ``interval``, the last step and, with
   ``enable_first_step_checkpoint``, step 1 (as torchtitan's DCP manager does). It returns at once:
@@ -42,7 +42,7 @@ class TierckptCheckpointManager(BaseCheckpointManager):
     @dataclass(kw_only=True, slots=True)
     class Config(BaseCheckpointManager.Config):
         tiers: str = ""
-        """The tier config: a YAML file (README, Configuration)."""
+        """The tier config: a YAML file (docs/configuration.md)."""
 
         tiers_inline: dict[str, Any] = field(default_factory=dict)
         """The tier config inline (the YAML's mapping), instead of ``tiers``."""

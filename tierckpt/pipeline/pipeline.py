@@ -29,8 +29,10 @@ import traceback
 from typing import Callable, Sequence
 
 from tierckpt.capture import Copier
+from tierckpt.capture.views import TornCaptureError
 from tierckpt.config import Config
-from tierckpt.errors import CorruptCheckpointError, FlushError, flush_failure
+from tierckpt.errors import CorruptCheckpointError, FlushError, TierckptError, flush_failure
+from tierckpt.format.layout import after_where
 from tierckpt.pipeline.flusher import Flusher
 from tierckpt.pipeline.saves import Counters, SaveRequest, SaveTracker
 from tierckpt.pipeline.sources import Sources
@@ -162,6 +164,11 @@ class Pipeline:
         step = request.step
         self.raise_pending(flushes=False)  # a failed flush never fails a later save: see the module docstring
         pool = self.memory.pool
+        # Without host.capacity the pool is sized to the state: mapped at the first save, and again,
+        # larger, for a save that does not fit (tierckpt.capture.pool); CapacityError past its limit.
+        grown = pool.fit(request.nbytes, step)
+        if grown is not None:
+            self.memory.take_slots(grown)
         if pool.error is not None:  # host.pinned: true, and page-locking was refused
             raise pool.error
         on_full = self.config.host.on_full
@@ -217,7 +224,7 @@ class Pipeline:
             snapshot.state = SnapshotState.FAILED
             self.counters.captures_failed += 1
             failure = FlushError(
-                f"capturing step {snapshot.step} into host memory failed: {error!r}",
+                f"capturing step {snapshot.step} into host memory failed: {_said(error, snapshot.step)}",
                 tier=self.memory.name,
                 step=snapshot.step,
             )
@@ -400,3 +407,13 @@ class Pipeline:
                 await tier.close()
             except Exception as exc:
                 log.error("tier %r: close failed: %s", tier.name, exc)
+
+
+def _said(error: BaseException, step: int) -> str:
+    """A failed capture's error in words, for the FlushError that reports it: its message less the
+    ``step N:`` that FlushError names already, led by its type where it is not one of tierckpt's
+    (``RuntimeError: CUDA error: ...``); never a nested ``repr``."""
+    text = after_where(error, None, step)
+    if isinstance(error, (TierckptError, TornCaptureError)) and text:
+        return text
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

@@ -9,9 +9,11 @@ its disk tiers down to the node-local one, else the node whose directory holds i
 that node sends it over: :mod:`tierckpt.tiers.nodefetch`), else the slower tiers below.
 Each rank reads and verifies its whole part into staging memory; the ranks then exchange verdicts,
 and only if every rank verified does any rank copy into its template. If one rank's files fail their
-checksums, every rank warns once (naming the rank and its file) and all fall back together to the
-next older common step. A version saved by another number
+checksums, every rank logs one warning (naming the rank, its file, and the step they fall back to)
+and all fall back together to the next older common step. A version saved by another number
 of ranks, or with other placements, is read from its saved layout (:mod:`tierckpt.restore.plan`).
+As everywhere in the package, a warning goes to the ``tierckpt`` logger only, never also through
+:func:`warnings.warn` (the rule is in :mod:`tierckpt.errors`).
 
 The collectives run on the group's own gloo process group, from a worker thread, while each rank's
 caller waits in ``restore_latest``: never on the training process group.
@@ -26,10 +28,10 @@ import asyncio
 import contextlib
 import functools
 import logging
-import warnings
 from typing import Any, Awaitable, Callable, Sequence
 
 from tierckpt.errors import CorruptCheckpointError, NoCheckpointError, RestoreError
+from tierckpt.format.layout import after_where
 from tierckpt.format.saved_layout import NotHere
 from tierckpt.ranks.group import RankGroup
 from tierckpt.restore.choose import Restored, held_steps, overwritten, template_leaves, uncovered
@@ -94,7 +96,7 @@ async def restore_agreed(
     )
     touched: set[str] = set()  # template keys this rank wrote into, for steps not every rank verified
     touched_ranks: set[int] = set()
-    for step in common:
+    for n, step in enumerate(common):
         with contextlib.ExitStack() as held_open:
             attempt = Attempt(f"rank {group.rank} holds no step {step} any more")
             order = [t for t in own if t.has_part(step) and any(info.step == step for info in t.versions())]
@@ -111,7 +113,7 @@ async def restore_agreed(
                         fetched = await exchange(peer, step, fetchers, held_open)
                     except CorruptCheckpointError as exc:
                         attempt.verdict = str(exc)
-                        log.warning("tierckpt: %s; trying the other tiers", exc)
+                        log.warning("tierckpt: %s; %s", exc, _then(order))
                     else:
                         order = ([fetched] if fetched is not None else []) + order
             # Then the tiers down to the node-local one, a part on another node's disk, the slower rest.
@@ -121,7 +123,7 @@ async def restore_agreed(
             if attempt.wants:
                 await first_of(held_open, [t for t in order if t not in below], step, attempt)
             if node_local:
-                await _fetch_from_nodes(group, node_local, step, attempt, held_open, first_of)
+                await _fetch_from_nodes(group, node_local, step, attempt, held_open, first_of, below)
             if attempt.wants:
                 await first_of(held_open, below, step, attempt)
             # Its template keys written so far: by earlier steps, by this step's tries (a step
@@ -151,9 +153,8 @@ async def restore_agreed(
         )
         if only is not None:  # that step or nothing: every rank raises the same
             raise CorruptCheckpointError(verdict + (f"; {overwritten(_ranks(touched_ranks))}" if touched_ranks else ""), step=step)
-        message = f"tierckpt: {verdict}; every rank falls back to an older step"
-        log.warning(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        older = f"every rank falls back to step {common[n + 1]}" if n + 1 < len(common) else "no older step is held for every rank"
+        log.warning("tierckpt: %s; %s", verdict, older)
     if touched_ranks:
         raise CorruptCheckpointError(f"no step verifies on every rank; {overwritten(_ranks(touched_ranks))}")
     return None
@@ -161,6 +162,13 @@ async def restore_agreed(
 
 def _ranks(ranks: set[int]) -> str:
     return f"rank(s) {', '.join(map(str, sorted(ranks)))}"
+
+
+def _then(tiers: Sequence[Tier]) -> str:
+    """What this rank tries after a copy failed: ``tiers``, named, if any."""
+    if tiers:
+        return f"trying tier(s) {', '.join(repr(t.name) for t in tiers)} next"
+    return "no other tier of this rank holds it"
 
 
 def _fetchable(tier: Tier, step: int) -> bool:
@@ -174,9 +182,11 @@ async def _fetch_from_nodes(
     attempt: Attempt,
     held_open: contextlib.ExitStack,
     first_of: Callable[[contextlib.ExitStack, Sequence[Tier], int, Attempt], Awaitable[None]],
+    later: Sequence[Tier],
 ) -> None:
     """Every rank still without a verified part of ``step`` whose part lies on another node's disk
-    fetches it from there (collective: every rank calls it once per step tried, with a node-local tier)."""
+    fetches it from there (collective: every rank calls it once per step tried, with a node-local tier).
+    ``later``: the tiers this rank tries after it, named when a fetched part does not verify."""
     listed = [any(info.step == step for info in t.versions()) for t in tiers]
     said = await asyncio.to_thread(group.all_gather, [attempt.wants, listed])
     # Decided from what every rank said, so that every rank plans the same transfers: the first tier
@@ -192,7 +202,7 @@ async def _fetch_from_nodes(
         fetched = await node_exchange(tier, step, fetchers, held_open)
     except CorruptCheckpointError as exc:
         attempt.verdict = str(exc)
-        log.warning("tierckpt: %s; trying the other tiers", exc)
+        log.warning("tierckpt: %s; %s", exc, _then(later))
         return
     if fetched is not None:
         await first_of(held_open, [fetched], step, attempt)
@@ -234,7 +244,9 @@ async def _first_of(
         except NotHere:  # this rank's host memory holds only its own part: a slower tier may do
             continue
         except CorruptCheckpointError as exc:
-            attempt.verdict = str(exc) if tier.place is None else f"{exc}, on {tier.place}"
+            # The verdict follows "step N does not verify on rank(s) ...": it names the tier, not the step again.
+            why = f"tier {tier.name!r}: {after_where(exc, tier.name, step)}"
+            attempt.verdict = why if tier.place is None else f"{why}, on {tier.place}"
         except Exception as exc:  # a template that does not match, say: raised on every rank below
             attempt.error = exc
             return

@@ -3,21 +3,28 @@ verify it, load it.
 
 Candidates are every tier's committed versions, newest step first and, for one step, the fastest
 tier first. A version that fails verification (damaged manifest, missing file, checksum mismatch)
-gives a warning naming tier, step and key, and the next candidate is tried: the same step on a slower
-tier, then older steps. A tier holding only part of a version this rank needs more of (one process's
-host memory) is passed over the same way, with a log line. How one candidate is read:
-:mod:`tierckpt.restore.read`; several ranks agreeing on one step: :mod:`tierckpt.restore.agree`.
+is logged as a warning naming tier, step and key, and the next candidate, which the warning names,
+is tried: the same step on a slower tier, then older steps. A tier holding only part of a version
+this rank needs more of (one process's host memory) is passed over the same way, with an info line.
+How one candidate is read: :mod:`tierckpt.restore.read`; several ranks agreeing on one step:
+:mod:`tierckpt.restore.agree`.
+
+Warnings go to the ``tierckpt`` logger only, once per event, never also through
+:func:`warnings.warn` (the package's rule, in :mod:`tierckpt.errors`): a restore that falls back
+went on and returned a version, so it is an event for the operator's log, not a fault in the
+caller's code; and Python's warning filters would show it once per process (or raise it in the
+middle of the fallback under ``-W error``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from tierckpt.errors import CorruptCheckpointError, NoCheckpointError, RestoreError
+from tierckpt.format.layout import after_where, where
 from tierckpt.format.saved_layout import NotHere
 from tierckpt.restore.landing import finish
 from tierckpt.restore.read import in_thread, read_version, some_keys
@@ -155,12 +162,13 @@ async def _first_verified(
         key=lambda c: (-c[0], c[1]),
     )
     failures: list[str] = []
-    for step, i in candidates:
+    for n, (step, i) in enumerate(candidates):
         tier = tiers[i]
         try:
             lease = tier.lease(step)
         except KeyError:
             continue  # evicted from memory since the list was made
+        after = _next(candidates[n + 1 :], tiers, only)
         with contextlib.ExitStack() as held_open:
             held_open.callback(lease.release)
             attempted: set[str] = set()
@@ -169,14 +177,13 @@ async def _first_verified(
                     held_open, tier, step, by_path, staging, strict=strict, cast=cast, verify_first=verify_first, touched=attempted
                 )
             except NotHere as exc:
-                log.info("tierckpt: %s; trying the next candidate", exc)
+                log.info("tierckpt: %s; %s", exc, after)
                 continue
             except CorruptCheckpointError as exc:
                 touched |= attempted
-                failures.append(f"tier {tier.name!r}: {exc}")
-                message = f"tierckpt: step {step} on tier {tier.name!r} does not verify ({exc}); trying the next candidate"
-                log.warning(message)
-                warnings.warn(message, RuntimeWarning, stacklevel=3)
+                why = after_where(exc, tier.name, step)
+                failures.append(f"tier {tier.name!r}: {why}" if only is not None else f"{where(tier.name, step)}: {why}")
+                log.warning("tierckpt: %s does not verify: %s; %s", where(tier.name, step), why, after)
                 continue
             error = uncovered(touched, targets, step)
             if error is not None:
@@ -184,3 +191,11 @@ async def _first_verified(
             state = await in_thread(finish, read, targets)
             return Restored(step, state, tier.name, dict(read.metadata), *keys), failures, touched
     return None, failures, touched
+
+
+def _next(left: Sequence[tuple[int, int]], tiers: Sequence[Tier], only: int | None) -> str:
+    """What a restore does after a candidate failed: try the next of those ``left``, named, if any."""
+    if left:
+        step, i = left[0]
+        return f"trying {where(tiers[i].name, step)} next"
+    return f"no other copy of step {only} is left to try" if only is not None else "no other version is left to try"

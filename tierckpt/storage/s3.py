@@ -279,7 +279,7 @@ class S3DataWriter(DataWriter):
             # An exception through the context manager aborts the multipart upload: no object appears.
             self._writer.__exit__(RuntimeError, RuntimeError("aborted"), None)
         except Exception:
-            pass  # the unfinished upload is the server's to expire (see README: a lifecycle rule)
+            pass  # the unfinished upload is the server's to expire (see docs/object-storage.md: a lifecycle rule)
 
 
 class S3Reader(ObjectReader):

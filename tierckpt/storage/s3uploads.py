@@ -5,7 +5,7 @@ parts are stored (and billed) until someone aborts it. obstore has no call for t
 (ListMultipartUploads, AbortMultipartUpload), so they are made here with the standard library and
 AWS Signature Version 4 (a few HMACs), with the credentials :func:`tierckpt.storage.s3.credentials`
 found. Where those come from the client's own chain (instance metadata) there is nothing to sign
-with here: the sweep is skipped, and the bucket's lifecycle rule expires such uploads (README).
+with here: the sweep is skipped, and the bucket's lifecycle rule expires such uploads (docs/object-storage.md).
 
 The answer is XML from the configured server; it is parsed with the standard library's expat
 parser, which refuses external entities.

@@ -18,6 +18,12 @@ Free slots can also be lent for a while (:meth:`MemoryTier.borrow`): a restore s
 reads from a disk there, in memory faulted in long ago, instead of in a fresh mapping. A lent slot
 is not free: a save meanwhile takes another slot, or waits, skips or evicts per ``on_full`` as it
 would while that slot were being read; it comes back when the borrower is done, failure included.
+
+A pool sized to the state (no ``host.capacity``) has no slots before the first save, and maps a new
+generation of them for a save larger than its slots (:meth:`HostPool.fit`, called by the pipeline
+before :meth:`MemoryTier.acquire`): saves then take the new slots (:meth:`MemoryTier.take_slots`),
+and a slot of an older generation goes back to the pool, not to the free slots, once it holds
+nothing (:meth:`HostPool.release`).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from tierckpt.capture.pool import HostPool
 from tierckpt.config import TierConfig
@@ -165,7 +171,17 @@ class MemoryTier(Tier):
 
     def give_back(self, slot: Slot) -> None:
         """A slot :meth:`acquire` gave that the save did not use after all (it failed first)."""
-        self._free.insert(0, slot)
+        if self.pool.release(slot):
+            self._free.insert(0, slot)
+        self.notify()
+
+    def take_slots(self, slots: Sequence[Slot]) -> None:
+        """The pool mapped a new generation of slots for a save (:meth:`HostPool.fit`): saves take
+        those from now on. The free slots of the generation before go back to the pool now, the
+        others as their snapshots are dropped (retention, or a save needing a slot)."""
+        old, self._free = self._free, list(slots)
+        for slot in old:
+            self.pool.release(slot)
         self.notify()
 
     def _choose(self, step: int, seq: int, on_full: str) -> tuple[Slot | None, bool]:
@@ -174,10 +190,11 @@ class MemoryTier(Tier):
             assert choice.token is not None
             victim = self._snapshots[choice.token]
             self.drop(victim)
-            slot = self._free.pop(0)
             if choice.action == "evict":
                 self._hooks.evicted(victim)
-            return slot, False
+            if not self._free:  # its slot was of a generation the pool has grown past: choose again
+                return self._choose(step, seq, on_full)
+            return self._free.pop(0), False
         if choice.action == "free":
             return self._free.pop(0), False
         return None, choice.action == "wait"
@@ -225,7 +242,8 @@ class MemoryTier(Tier):
         finally:
             for slot in slots:
                 self.lent.remove(slot)
-            self._free.extend(slots)
+                if self.pool.release(slot):
+                    self._free.append(slot)
             self.notify()
 
     def _lend(self, nbytes: int) -> list[Slot] | None:
@@ -272,7 +290,8 @@ class MemoryTier(Tier):
             # describes the bytes its slot holds.
             path, snapshot.persisted = snapshot.persisted, None
             self.store.remove_dir(path)
-        self._free.append(snapshot.slot)
+        if self.pool.release(snapshot.slot):
+            self._free.append(snapshot.slot)
         self.notify()
 
     def prune(self) -> None:

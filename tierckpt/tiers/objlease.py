@@ -6,7 +6,7 @@ on its ETag). A second Checkpointer finds it and is refused, naming the holder's
 holder that died stops renewing: after :data:`STALE_S` without renewal (by the server's clock), or at
 once when the holder was a process of this host that no longer exists, the lease is taken over with a
 conditional PUT on the ETag read, so two successors cannot both win. A server that ignores
-conditional writes gives no such protection (README: the limit).
+conditional writes gives no such protection (docs/object-storage.md: the limit).
 """
 
 from __future__ import annotations
