@@ -136,14 +136,19 @@ def zeroed(like: Any) -> Any:
 # -- the tierckpt command ---------------------------------------------------------------------------------
 
 
-def tierckpt_cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    """Run the ``tierckpt`` console script that installing the package (``pip install -e .``) puts
-    beside Python, as a user would."""
+def tierckpt_cli_argv() -> list[str]:
+    """The ``tierckpt`` console script that installing the package (``pip install -e .``) puts beside
+    Python, as the start of a command line."""
     beside = Path(sys.executable).with_name("tierckpt")
     found = str(beside) if beside.exists() else shutil.which("tierckpt")
     if found is None:
         pytest.fail("no tierckpt console script: pip install -e . (scripts/setup.sh does)")
-    return subprocess.run([found, *argv], capture_output=True, text=True, timeout=120)
+    return [found]
+
+
+def tierckpt_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    """Run the ``tierckpt`` console script, as a user would."""
+    return subprocess.run([*tierckpt_cli_argv(), *argv], capture_output=True, text=True, timeout=120)
 
 
 # -- what the library logs ---------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from tierckpt.cli import main
 from tierckpt.format import CHECKSUM_ALGORITHM, DATA_FILE, MANIFEST_FILE, Manifest, checksum, version_dirname
 from tierckpt.testing import flip_bits
 
-from helpers import nvme_and_pfs, tierckpt_cli
+from helpers import nvme_and_pfs, tierckpt_cli, tierckpt_cli_argv
 
 DATA = DATA_FILE.format(rank=0)
 ROOT = Path(__file__).resolve().parent.parent
@@ -253,6 +253,18 @@ def test_ls_of_a_folder_holding_tiers_lists_each_tier_under_its_path(tiers: Path
     assert blocks[0].splitlines()[-1] == "2 versions: 2 OK, 0 damaged"
     assert blocks[1].splitlines()[1].startswith("step-000000000001  DAMAGED  ")
     assert blocks[1].splitlines()[-1] == "2 versions: 1 OK, 1 damaged"
+
+
+def test_a_reader_that_goes_away_stops_the_command_quietly(tiers: Path) -> None:
+    """`tierckpt ls DIR | head -1`: the pipe is closed before the command writes, so its first write
+    fails (Python ignores SIGPIPE): it stops with status 1 and no traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([*tierckpt_cli_argv(), "ls", str(tiers)], stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr) == (1, "")
 
 
 def test_a_folder_that_is_no_tier_and_holds_none_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

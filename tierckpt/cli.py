@@ -94,6 +94,16 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "tierckpt") -> int:
         argv: the arguments after the program's name (None: ``sys.argv[1:]``).
         prog: the program's name in usage and error messages (``python -m tierckpt`` passes its own).
     """
+    try:
+        return _main(argv, prog)
+    except BrokenPipeError:
+        # The reader went away (`tierckpt ls DIR | head`): stop quietly, as other commands do. Output
+        # still buffered for the closed pipe goes to /dev/null, so that exiting does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: Sequence[str] | None, prog: str) -> int:
     parser = _parser(prog)
     args = parser.parse_args(argv)
     if args.command == "export":
