@@ -138,8 +138,8 @@ class HostPool:
         limit_bytes: int | None = None,
     ) -> None:
         """``capacity_bytes``: None sizes the pool to the state. ``configured``: whether
-        ``host.capacity`` set ``capacity_bytes`` (else :meth:`fit` checks each save against the
-        slots; ``save()`` checks them when it was set). ``memory(slot_size, slots)`` maps the pool
+        ``host.capacity`` set ``capacity_bytes`` (then :meth:`fit` refuses a save larger than a slot;
+        else it sizes the pool to the save; a pool in a file refuses it). ``memory(slot_size, slots)`` maps the pool
         instead of anonymous memory (a RAM tier's shared file; needs ``capacity_bytes``);
         ``pinned``: ``host.pinned`` (see :func:`~tierckpt.capture.pinning.pin`). ``limit_bytes``:
         the most a pool sized to the state maps (default: half of the host's physical memory).
