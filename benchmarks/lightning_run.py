@@ -1,5 +1,5 @@
 """A Lightning training run's wall time, checkpointing every N steps: Lightning's own checkpoint I/O
-against the same run through tierckpt (issue 24).
+against the same run through tierckpt (issue 24; ``--ranks 2``: a DDP job of 2 processes on gloo, issue 35).
 
 One ``lightning.Trainer.fit`` on CPU of an MLP whose weights and Adam moments make a checkpoint of
 ``--mib`` MiB, ``--steps`` steps, a ``ModelCheckpoint`` every ``--every`` steps keeping the newest 2.
@@ -15,7 +15,12 @@ The time is ``fit()`` from call to return, which includes the plugin's ``teardow
 checkpoint is written (and, for tierckpt, durable) when it returns. Overhead = variant - ``none`` of
 the same repeat. Medians. Appends a section to RESULTS.md (``--quick``: small, no RESULTS).
 
+With ``--ranks 2`` the Trainer has ``devices=2, strategy="ddp"`` and Lightning starts the second rank
+itself: under tierckpt both ranks save, each writing its share of the replicated state; Lightning's
+own I/O writes from rank 0.
+
     flock /tmp/tierckpt-bench.lock .venv/bin/python benchmarks/lightning_run.py
+    flock /tmp/tierckpt-bench.lock .venv/bin/python benchmarks/lightning_run.py --ranks 2 --mib 192
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ VARIANTS = ("none", "torch.save", "AsyncCheckpointIO", "tierckpt")
 HERE = Path(__file__).resolve().parent
 
 
-def worker(variant: str, directory: Path, mib: int, steps: int, every: int) -> dict[str, Any]:
+def worker(variant: str, directory: Path, mib: int, steps: int, every: int, ranks: int) -> dict[str, Any] | None:
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -77,7 +82,7 @@ def worker(variant: str, directory: Path, mib: int, steps: int, every: int) -> d
         plugin = TierckptCheckpointIO(config)
     checkpointing = variant != "none"
     trainer = L.Trainer(
-        max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        max_steps=steps, accelerator="cpu", devices=ranks, strategy="ddp" if ranks > 1 else "auto", logger=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=directory, plugins=[plugin] if plugin is not None else None, enable_checkpointing=checkpointing,
         callbacks=[ModelCheckpoint(dirpath=directory / "ckpts", every_n_train_steps=every, save_top_k=2, monitor="step", mode="max")]
         if checkpointing else None,
@@ -85,6 +90,8 @@ def worker(variant: str, directory: Path, mib: int, steps: int, every: int) -> d
     t = time.perf_counter()
     trainer.fit(model)
     fit_s = time.perf_counter() - t
+    if trainer.global_rank != 0:
+        return None  # rank 0 reports (its stdout is the one read)
     return {"variant": variant, "fit_s": fit_s, "params": sum(p.numel() for p in model.parameters()), "hidden": hidden,
             "saved": sorted(os.listdir(directory / "ckpts")) if checkpointing else []}
 
@@ -96,13 +103,16 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=Path("/tmp/tierckpt-lightning-bench"))
+    parser.add_argument("--ranks", type=int, default=1, help="processes of a DDP job (1: one process)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
         args.mib, args.steps, args.every, args.repeats = 32, 12, 4, 1
     if args.worker:
-        print(json.dumps(worker(args.worker, args.dir, args.mib, args.steps, args.every)))
+        result = worker(args.worker, args.dir, args.mib, args.steps, args.every, args.ranks)
+        if result is not None:
+            print(json.dumps(result))
         return
 
     sys.path.insert(0, str(HERE))
@@ -119,7 +129,7 @@ def main() -> None:
             args.dir.mkdir(parents=True)
             out = subprocess.run(
                 [sys.executable, __file__, "--worker", variant, "--dir", str(args.dir), "--mib", str(args.mib),
-                 "--steps", str(args.steps), "--every", str(args.every)],
+                 "--steps", str(args.steps), "--every", str(args.every), "--ranks", str(args.ranks)],
                 capture_output=True, text=True, env=os.environ | {"PYTHONPATH": str(HERE)},
             )
             if out.returncode != 0:
@@ -136,9 +146,10 @@ def main() -> None:
     m = machine(args.dir)
     base = statistics.median(runs["none"])
     lines = [
-        f"## Lightning: a training run's wall time, checkpointing every {args.every} steps (issue 24) ({time.strftime('%Y-%m-%d %H:%M')})",
+        f"## Lightning: a training run's wall time, checkpointing every {args.every} steps"
+        f"{f', DDP on {args.ranks} ranks (issue 35)' if args.ranks > 1 else ' (issue 24)'} ({time.strftime('%Y-%m-%d %H:%M')})",
         "",
-        f"`benchmarks/lightning_run.py --mib {args.mib} --steps {args.steps} --every {args.every} --repeats {args.repeats}`. "
+        f"`benchmarks/lightning_run.py --mib {args.mib} --steps {args.steps} --every {args.every} --repeats {args.repeats} --ranks {args.ranks}`. "
         f"{m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, {m['disk']}; lightning, torch CPU. An MLP of "
         f"{info['params'] / 1e6:.1f} M parameters (hidden {info['hidden']}): a checkpoint of {args.mib} MiB with Adam's moments; "
         f"{args.steps} steps, a ModelCheckpoint every {args.every} (keep 2): {args.steps // args.every} checkpoints. "

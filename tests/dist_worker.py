@@ -281,6 +281,18 @@ def main() -> None:
         finally:
             ckpt.close_sync()
         out["elapsed_s"] = time.monotonic() - started
+    elif scenario == "resave":
+        # A step saved twice in a row (Lightning saves a step under its top-k name, then as last.ckpt):
+        # every save resolves, the newest one commits on every rank, and its bytes are what is stored.
+        # The leader may take the first save before the second arrives, and then flush the step again;
+        # rank 1 must write its part of the same save each time, not its newest for both decisions.
+        with Checkpointer(config(root, timeout)) as ckpt:
+            first = ckpt.save_sync(2, state(2, rank), replicated=["model"])
+            again = state(3, rank) | {"step": 2}
+            second = ckpt.save_sync(2, again, replicated=["model"])
+            out["committed"] = [first.committed_sync("disk", timeout=120), second.committed_sync("disk", timeout=120)]
+            restored = ckpt.restore_sync(2, template(rank)).state
+            out["bitwise"] = bitwise_equal(restored, again)
     elif scenario == "restore":
         with logged_warnings() as logged:
             with Checkpointer(config(root, timeout)) as ckpt:

@@ -1,5 +1,9 @@
 """The Hugging Face run the tests share (tests/test_huggingface.py), and a child that is SIGKILLed
-right after a save returns: ``python hf_worker.py <output_dir> <config.json> <kill after the save of step>``."""
+right after a save returns: ``python hf_worker.py <output_dir> <config.json> <kill after the save of step>``.
+
+As a rank of a DDP job (``RANK`` in the environment, started by ``launch_ranks`` as torchrun starts
+ranks): ``python hf_worker.py <output_dir> <config.json> <kill at step or 0> <resume: none|true>``; each
+rank writes ``<output_dir>/result-<rank>.json`` (logged losses, final weights) unless killed."""
 
 from __future__ import annotations
 
@@ -48,8 +52,9 @@ class Losses(TrainerCallback):
 
 
 def run(out: Path, config: dict[str, Any] | None, *, stop_at: int | None = None, resume: Any = None, limit: int | None = None,
-        callbacks: tuple[Any, ...] = ()) -> dict[int, float]:
-    """Train (``config`` None: with the stock Trainer) and return the logged losses by step."""
+        callbacks: tuple[Any, ...] = (), weights: dict[str, Any] | None = None) -> dict[int, float]:
+    """Train (``config`` None: with the stock Trainer) and return the logged losses by step; the final
+    weights go into ``weights`` (as lists) when given."""
     set_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))  # dropout 0.1: RNG matters
     args = TrainingArguments(
@@ -63,6 +68,8 @@ def run(out: Path, config: dict[str, Any] | None, *, stop_at: int | None = None,
     else:
         trainer = TierckptTrainer(model=model, args=args, train_dataset=Tokens(), callbacks=[losses, *callbacks], tierckpt=config)
     trainer.train(resume_from_checkpoint=resume)
+    if weights is not None:
+        weights.update({k: v.tolist() for k, v in model.state_dict().items()})
     return losses.losses
 
 
@@ -80,4 +87,10 @@ class KillAfterSave(TrainerCallback):
 
 if __name__ == "__main__":
     out, config, kill_at = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text()), int(sys.argv[3])
-    run(out, config, callbacks=(KillAfterSave(kill_at),))
+    if "RANK" not in os.environ:
+        run(out, config, callbacks=(KillAfterSave(kill_at),))
+    else:
+        os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])  # one node, as torchrun would set it
+        final: dict[str, Any] = {}
+        logged = run(out, config, resume=True if sys.argv[4] == "true" else None, callbacks=(KillAfterSave(kill_at),) if kill_at else (), weights=final)
+        (out / f"result-{os.environ['RANK']}.json").write_text(json.dumps({"losses": logged, "weights": final}))

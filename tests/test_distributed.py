@@ -187,6 +187,14 @@ def test_a_follower_behind_the_leader_lets_go_of_steps_the_leader_went_past(tmp_
     assert [int(p.name.split("-")[1]) for p in sorted((tmp_path / "disk").glob("step-*"))] == [1, 5]
 
 
+def test_a_step_saved_twice_in_a_row_commits_its_newest_save_on_every_rank(tmp_path: Path) -> None:
+    """Before, the leader flushed both saves (it took the first before the second came) while rank 1
+    had let the first go for the second: rank 1 wrote the second for the first decision, had nothing
+    for the next one, and the step was abandoned after the timeout."""
+    for r in run_ranks(2, "resave", tmp_path, {"TEST_TIMEOUT": "20"}):
+        assert r["committed"][1] is True and r["bitwise"] is True, r
+
+
 @pytest.mark.slow
 def test_a_rank_killed_mid_flush_commits_nothing_and_the_others_go_on(tmp_path: Path) -> None:
     results = run_ranks(2, "kill", tmp_path, {"VICTIM": "1", "AT": "3", "TEST_TIMEOUT": "4"}, expect_dead=(1,))

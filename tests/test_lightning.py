@@ -1,9 +1,13 @@
-"""Lightning through TierckptCheckpointIO: a real lightning.Trainer on CPU, stopped and resumed."""
+"""Lightning through TierckptCheckpointIO: a real lightning.Trainer on CPU, stopped and resumed; and
+DDP jobs of 2 ranks (gloo on 127.0.0.1, tests/lightning_worker.py), SIGKILLed on every rank and resumed."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,16 +15,16 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch import nn
-from torch.nn import functional as F
-from torch.utils.data import DataLoader, TensorDataset
 
-from tierckpt import Checkpointer, CorruptCheckpointError, NoCheckpointError, UnsupportedStateError
+from tierckpt import Checkpointer, ConfigError, CorruptCheckpointError, NoCheckpointError, UnsupportedStateError
+from tierckpt.integrations import lightning as tierckpt_lightning
 from tierckpt.integrations.lightning import TierckptCheckpointIO
+from tierckpt.testing.ranks import failures, launch_ranks
 
 from helpers import fs_tier, tier_config
+from lightning_worker import BATCHES, EVERY, Tiny
 
-BATCHES = 8  # per epoch
+WORKER = Path(__file__).with_name("lightning_worker.py")
 
 # Lightning's own warnings about this torch and this tiny setup (pytest turns warnings into errors).
 pytestmark = [
@@ -28,30 +32,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
     pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty"),
 ]
-
-
-class Tiny(L.LightningModule):
-    def __init__(self, hidden: int = 16, lr: float = 0.05, extra: Any = None) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.net = nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 1))
-        self.losses: dict[int, float] = {}
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = F.mse_loss(self.net(x), y)
-        self.losses[self.global_step] = loss.item()
-        return loss
-
-    def configure_optimizers(self) -> Any:
-        opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
-        return [opt], [{"scheduler": sched, "interval": "step"}]
-
-    def train_dataloader(self) -> DataLoader:
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(BATCHES * 8, 4, generator=g)
-        return DataLoader(TensorDataset(x, x.sum(1, keepdim=True) + 0.1 * x[:, :1] ** 2), batch_size=8)
 
 
 def _trainer(root: Path, max_steps: int, plugin: TierckptCheckpointIO | None, **checkpointing: Any) -> L.Trainer:
@@ -104,7 +84,7 @@ def test_the_stored_checkpoint_holds_what_lightning_put_in_it(tmp_path: Path, co
     _losses(tmp_path, BATCHES, plugin, every_n_train_steps=BATCHES)
     loaded = plugin.load_checkpoint(tmp_path / "ckpts" / "epoch=0-step=8.ckpt")
     assert loaded["global_step"] == 8 and loaded["epoch"] == 0
-    assert loaded["hyper_parameters"] == {"hidden": 16, "lr": 0.05, "extra": None}
+    assert loaded["hyper_parameters"] == {"hidden": 16, "lr": 0.05, "extra": None, "batches": BATCHES}
     assert set(loaded["state_dict"]) == {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"}
     assert loaded["optimizer_states"][0]["param_groups"][0]["betas"] == (0.9, 0.999)
     assert loaded["lr_schedulers"][0]["last_epoch"] == 8
@@ -136,10 +116,125 @@ def test_paths_that_are_not_pointers_are_clear_errors(tmp_path: Path, config: di
     plugin = TierckptCheckpointIO(config)
     with pytest.raises(NoCheckpointError, match="no such checkpoint"):
         plugin.load_checkpoint(tmp_path / "missing.ckpt")
-    torch.save({"state_dict": {}}, tmp_path / "torch.ckpt")
+    (tmp_path / "other.ckpt").write_bytes(b"\x80\x04not a pointer")
     with pytest.raises(CorruptCheckpointError, match="not a checkpoint written through tierckpt"):
-        plugin.load_checkpoint(tmp_path / "torch.ckpt")
+        plugin.load_checkpoint(tmp_path / "other.ckpt")
     (tmp_path / "gone.ckpt").write_text(json.dumps({"format": "tierckpt-pointer", "version": 1, "step": 7, "tier": "nvme"}))
     with pytest.raises(NoCheckpointError, match=r"no tier holds step 7 \(ram: none; nvme: none\)"):
         plugin.load_checkpoint(tmp_path / "gone.ckpt")
     plugin.teardown()
+
+
+def test_a_torch_save_checkpoint_loads_as_lightning_loads_it_without_running_code(tmp_path: Path, config: dict[str, Any]) -> None:
+    """ddp_spawn hands the weights back to the main process through the plugin; a checkpoint written
+    before switching to tierckpt loads too. Both through torch.load(weights_only=True)."""
+    plugin = TierckptCheckpointIO(config)
+    weights = {"w": torch.arange(4.0)}
+    plugin.save_checkpoint(weights, tmp_path / "handoff.ckpt")  # no global_step: not a training checkpoint
+    assert torch.equal(plugin.load_checkpoint(tmp_path / "handoff.ckpt")["w"], weights["w"])
+
+    class Runs:  # any class: the restricted unpickler refuses it
+        def __reduce__(self) -> Any:
+            return (print, ("ran",))
+
+    torch.save({"state_dict": {}, "x": Runs()}, tmp_path / "code.ckpt")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        plugin.load_checkpoint(tmp_path / "code.ckpt")
+    plugin.teardown()
+
+
+def test_a_sharded_strategy_is_refused_on_every_rank_with_what_to_use(config: dict[str, Any]) -> None:
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    env = LightningEnvironment()
+    env.set_world_size(2)
+    strategy = FSDPStrategy(cluster_environment=env)
+    with pytest.raises(ConfigError, match=r"DDP strategies.*FSDPStrategy saves sharded states through its own code"):
+        TierckptCheckpointIO(config).attach(strategy)
+
+
+def test_several_processes_without_the_callback_is_an_error_saying_how_to_add_it(config: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning called the plugin on rank 0 only (tierckpt on PYTHONPATH, no entry point): rank 0
+    must not open a Checkpointer that the other ranks never join."""
+    monkeypatch.setattr(tierckpt_lightning, "_world_size", lambda: 2)  # a job of 2 processes, seen from rank 0
+    plugin = TierckptCheckpointIO(config)
+    with pytest.raises(ConfigError, match=r"callbacks=\[tierckpt.integrations.lightning_ranks.EveryRankSaves\(\)\]"):
+        plugin.save_checkpoint({"global_step": 4, "state_dict": {}}, "step=4.ckpt")
+    assert plugin._saves._ckpt is None
+
+
+# -- DDP: 2 ranks -----------------------------------------------------------------------------------------
+
+STEPS = 3 * EVERY
+
+
+def _ddp(root: Path, strategy: str = "ddp", kill_at: int = 0, ckpt_path: str = "none", hidden: int = 16) -> None:
+    """A Lightning job of 2 processes writing ``result-<rank>.json`` (ddp: started as torchrun starts
+    ranks; ddp_spawn: one process, Lightning starts the workers)."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(tier_config(fs_tier("nvme", root / "nvme", keep={"last": 10}))))
+    argv = [sys.executable, str(WORKER), str(root), str(root / "config.json"), str(STEPS), strategy, str(kill_at), ckpt_path]
+    env = {"HIDDEN": str(hidden)}
+    if strategy == "ddp":
+        exits = launch_ranks(argv, 2, env=env, timeout_s=240)
+        failed = failures(exits, expect_dead=(0, 1) if kill_at else ())
+        assert not failed, failed
+    else:
+        child = subprocess.run(argv, env=os.environ | env | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
+        assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
+
+
+def _result(root: Path, rank: int | str) -> dict[str, Any]:
+    return json.loads((root / f"result-{rank}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def whole_ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("ddp-whole")
+    _ddp(root, hidden=4096)
+    return root
+
+
+@pytest.mark.slow
+def test_ddp_saves_on_every_rank_and_stores_the_replicated_state_once(whole_ddp: Path) -> None:
+    r0, r1 = _result(whole_ddp, 0), _result(whole_ddp, 1)
+    assert sorted(map(int, r0["losses"])) == list(range(STEPS)) and r0["losses"] != r1["losses"]  # each rank its own batches
+    assert r0["weights"] == r1["weights"]
+    pointers = {p.name: json.loads(p.read_text())["step"] for p in (whole_ddp / "ckpts").iterdir()}
+    assert pointers == {"epoch=0-step=8.ckpt": 8, "epoch=1-step=16.ckpt": 16, "epoch=2-step=24.ckpt": 24, "last.ckpt": 24}, pointers
+    version = whole_ddp / "nvme" / "step-000000000024"
+    parts = {p.name: p.stat().st_size for p in version.glob("data-r*.bin")}
+    # Model + Adam's two moments, 4096 wide: 3 x 24,577 floats. Each rank writes its share, not a copy.
+    one_copy = 3 * (4 * 4096 + 4096 + 4096 + 1) * 4
+    assert set(parts) == {"data-r00000.bin", "data-r00001.bin"} and min(parts.values()) > 0, parts
+    assert sum(parts.values()) < 1.6 * one_copy, (parts, one_copy)
+
+
+@pytest.mark.slow
+def test_ddp_killed_on_every_rank_after_a_save_resumes_bitwise_from_last(tmp_path: Path, whole_ddp: Path) -> None:
+    """Every rank SIGKILLed right after the save of step 16 returned (captured; durable or not): each
+    pointer names a step committed on every rank, and ckpt_path="last" resumes every rank from it."""
+    _ddp(tmp_path, kill_at=2 * EVERY, hidden=4096)
+    with Checkpointer(tier_config(fs_tier("nvme", tmp_path / "nvme", keep={"last": 10}))) as ckpt:
+        durable = sorted(v.step for v in ckpt.versions() if v.tier == "nvme")
+    assert durable in ([], [8], [8, 16]), durable  # [] only on a machine slow enough that step 8 was not durable yet
+    pointers = {p.name: json.loads(p.read_text())["step"] for p in (tmp_path / "ckpts").iterdir()}
+    assert set(pointers.values()) <= set(durable), (pointers, durable)  # none ahead of what every rank committed
+    if not durable:
+        pytest.skip("no step was durable before the kill on this machine")
+    assert pointers["last.ckpt"] == durable[-1]
+
+    _ddp(tmp_path, ckpt_path="last", hidden=4096)
+    whole, r0, r1 = _result(whole_ddp, 0), _result(tmp_path, 0), _result(tmp_path, 1)
+    assert r0["losses"] == {str(s): whole["losses"][str(s)] for s in range(durable[-1], STEPS)}  # bitwise
+    assert r0["weights"] == r1["weights"] == whole["weights"]
+
+
+@pytest.mark.slow
+def test_ddp_spawn_saves_through_the_plugin_and_hands_the_weights_back(tmp_path: Path, whole_ddp: Path) -> None:
+    _ddp(tmp_path, strategy="ddp_spawn", hidden=4096)
+    pointers = {p.name: json.loads(p.read_text())["step"] for p in (tmp_path / "ckpts").iterdir()}
+    assert pointers == {"epoch=0-step=8.ckpt": 8, "epoch=1-step=16.ckpt": 16, "epoch=2-step=24.ckpt": 24, "last.ckpt": 24}, pointers
+    assert {p.name for p in (tmp_path / "nvme" / "step-000000000024").glob("data-r*.bin")} == {"data-r00000.bin", "data-r00001.bin"}
+    assert _result(tmp_path, "main")["weights"] == _result(whole_ddp, 0)["weights"]  # the workers' weights, back in the main process

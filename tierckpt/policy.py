@@ -116,13 +116,17 @@ class Update:
     passed_over: tuple[Candidate, ...] = ()
 
 
-def offer(state: FlushState, policy: FlushPolicy, candidate: Candidate) -> Update:
+def offer(state: FlushState, policy: FlushPolicy, candidate: Candidate, *, replace_step: bool = True) -> Update:
     """Save ``candidate`` was captured: queue it, hold it as the fallback, or pass it over.
 
     A newer save of a step replaces that step (saving a step again replaces it), so a version of the
     same step waiting here is replaced by ``candidate``, which takes its place in the queue whether or
-    not the rules select it (or becomes the fallback in its place).
+    not the rules select it (or becomes the fallback in its place). Not with ``replace_step=False``:
+    a follower of several ranks keeps both, as the leader may have taken the older save already and
+    then take the newer one too (each decision names the save it takes).
     """
+    if not replace_step:
+        return _offer(state, policy, candidate, flush_eligible(policy, candidate.step, candidate.arrival))
     replaced = tuple(c for c in state.waiting() if c.step == candidate.step and c.token < candidate.token)
     eligible = flush_eligible(policy, candidate.step, candidate.arrival)
     if replaced:
@@ -169,7 +173,16 @@ def forget(state: FlushState, token: int) -> Update:
 
 def pass_over(state: FlushState, up_to_step: int) -> Update:
     """Nothing waiting here of a step up to ``up_to_step`` will be taken (a follower's leader went past it)."""
-    older = tuple(c for c in state.waiting() if c.step <= up_to_step)
+    return _pass_over(state, tuple(c for c in state.waiting() if c.step <= up_to_step))
+
+
+def pass_over_older_saves(state: FlushState, taken: Candidate) -> Update:
+    """The saves of ``taken``'s step made before it will not be taken (a follower took ``taken`` for
+    a decision of the leader: the newer save of a step replaces the older)."""
+    return _pass_over(state, tuple(c for c in state.waiting() if c.step == taken.step and c.token < taken.token))
+
+
+def _pass_over(state: FlushState, older: tuple[Candidate, ...]) -> Update:
     if not older:
         return Update(state)
     queue = tuple(c for c in state.queue if c not in older)

@@ -16,6 +16,13 @@ itself: global step, log history, callback states; the data position follows fro
 ``tierckpt.json`` (the pointer naming the step). ``resume_from_checkpoint=True`` finds the newest such
 directory, so after a crash it is one whose step can be restored; ``save_total_limit`` then prunes
 the directories, and the tiers' ``keep`` rules prune the stored steps.
+
+Under ``torchrun`` or ``accelerate launch`` (DDP), the Trainer calls these methods on every rank, and
+every rank saves its part: the model, optimizer, scheduler and scaler states are the same on every
+rank and stored once (``replicated=``, each rank writing its share); the RNG states are each rank's
+own. Rank 0 writes ``checkpoint-N/`` once the step is committed on every rank; every rank loads the
+step its pointer names and gets its own RNG states back. FSDP and DeepSpeed save sharded states
+through accelerate's own code, and are refused for now.
 """
 
 from __future__ import annotations
@@ -38,11 +45,12 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from tierckpt.config import Config
 from tierckpt.errors import ConfigError, CorruptCheckpointError, UnsupportedStateError
 from tierckpt.integrations.pointer import read_pointer, write_pointer
-from tierckpt.integrations.saves import DurableSaves
+from tierckpt.integrations.saves import DurableSaves, holding_tensors
 
 __all__ = ["POINTER_NAME", "TierckptMixin", "TierckptTrainer"]
 
 POINTER_NAME = "tierckpt.json"
+_REPLICATED = ("model", "optimizer", "scheduler", "scaler")  # the same on every rank under DDP
 _CHECKPOINT_DIR = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 TRAINER_STATE_NAME = "trainer_state.json"
 
@@ -60,6 +68,13 @@ class TierckptMixin:
             raise ConfigError("TierckptTrainer does not support load_best_model_at_end yet: restore the step you want with Checkpointer.restore(step)")
         if args_.save_only_model:
             raise ConfigError("TierckptTrainer saves the whole training state; set save_only_model=False (or use save_model() for the weights)")
+        sharded = [name for name, on in (("FSDP", getattr(self, "is_fsdp_enabled", False)), ("DeepSpeed", getattr(self, "is_deepspeed_enabled", False))) if on]
+        if sharded:
+            raise ConfigError(
+                f"TierckptTrainer supports DDP (torchrun, accelerate launch) across processes; {sharded[0]} saves sharded states "
+                "through accelerate's own code, which tierckpt does not replace yet. Use DDP, or tierckpt's Checkpointer directly "
+                "(it stores DTensor shards and reshards on load)"
+            )
         self.tierckpt_config = Config.coerce(tierckpt)
         self._tierckpt = DurableSaves(self.tierckpt_config, "TierckptTrainer")
         self._tierckpt_loaded: tuple[str, dict[str, Any]] | None = None
@@ -102,7 +117,7 @@ class TierckptMixin:
         # whose directory a crash kept from being written is published at the next resume.
         metadata = {"hf_checkpoint": output_dir, "hf_trainer_state": trainer_state}
         try:
-            self._tierckpt.save(output_dir, step, state, publish, metadata=metadata)
+            self._tierckpt.save(output_dir, step, state, publish, metadata=metadata, replicated=holding_tensors(state, _REPLICATED))
         except UnsupportedStateError as exc:
             raise UnsupportedStateError(f"{exc}. tierckpt stores checkpoints without pickle: the optimizer, scheduler or scaler state must hold only numbers, strings, lists, dicts and tensors", key=exc.key) from exc
 
@@ -116,6 +131,8 @@ class TierckptMixin:
         try:
             if resume_from_checkpoint is True:
                 self._publish_newer(getattr(self, "args").output_dir)
+                # Every rank then lists the same checkpoint-N directories (rank 0 published).
+                getattr(self, "accelerator").wait_for_everyone()
             return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
         finally:
             self._tierckpt_loaded = None
@@ -132,7 +149,8 @@ class TierckptMixin:
             path, trainer_state = restored.metadata.get("hf_checkpoint"), restored.metadata.get("hf_trainer_state")
             if not isinstance(path, str) or not isinstance(trainer_state, str) or os.path.normpath(os.path.dirname(path)) != os.path.normpath(run_dir):
                 return  # not a checkpoint of this output directory
-            _publish(path, step, restored.tier, trainer_state)
+            if ckpt.rank == 0:  # the job's directory, written once
+                _publish(path, step, restored.tier, trainer_state)
             self._tierckpt_loaded = (path, restored.state)
 
     # -- loading -------------------------------------------------------------------------------------

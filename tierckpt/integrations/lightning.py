@@ -17,6 +17,23 @@ found by listing its directory) and ``trainer.fit(ckpt_path=...)`` work unchange
 - ``remove_checkpoint`` removes the pointer; the step stays on the tiers until their retention
   drops it. The tiers' retention decides what is stored; a pointer whose step it dropped loads as a
   ``NoCheckpointError`` naming what the tiers hold.
+
+Under ``strategy="ddp"`` (and ``ddp_spawn``, ``ddp_fork``) every rank saves. Lightning hands a
+checkpoint to its ``CheckpointIO`` on rank 0 only, while a Checkpointer of several ranks saves with
+every rank (each writes its share, in parallel). So at ``setup`` a callback
+(:mod:`tierckpt.integrations.lightning_ranks`, which Lightning loads for every Trainer through its
+``lightning.pytorch.callbacks_factory`` entry point) routes the strategy's ``save_checkpoint`` to this
+plugin on every rank. The model's and the optimizers' states are the same on every rank under DDP:
+they are stored once (``replicated=``), each rank writing its share of every tensor. Rank 0 writes
+the pointer once the step is committed on every rank; every rank loads a path (Lightning calls the
+plugin's ``load_checkpoint`` on every rank) and gets the same step. The sharded strategies (FSDP,
+``ModelParallelStrategy``, DeepSpeed) save through their own code and are refused for now.
+
+A dict without ``global_step`` is not a training checkpoint but Lightning handing weights from its
+worker to the main process (``ddp_spawn``): it goes through Lightning's own ``TorchCheckpointIO``, and
+a file that is not a pointer but a ``torch.save`` archive (that hand-off, or a checkpoint written
+before switching to tierckpt) loads as Lightning loads it, through ``torch.load(weights_only=True)``,
+whose restricted unpickler runs no code.
 """
 
 from __future__ import annotations
@@ -30,12 +47,14 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy, Strategy
 
 from tierckpt.checkpointer import Checkpointer
 from tierckpt.config import Config
-from tierckpt.errors import UnsupportedStateError
+from tierckpt.errors import ConfigError, UnsupportedStateError
 from tierckpt.integrations.pointer import read_pointer, write_pointer
-from tierckpt.integrations.saves import DurableSaves
+from tierckpt.integrations.saves import DurableSaves, holding_tensors
 
 __all__ = ["TierckptCheckpointIO"]
 
@@ -60,6 +79,42 @@ class TierckptCheckpointIO(CheckpointIO):
         super().__init__()
         self.config = Config.coerce(config)
         self._saves = DurableSaves(self.config, "TierckptCheckpointIO")
+        self._replicated: tuple[str, ...] = ()  # the checkpoint's keys whose values are the same on every rank (DDP)
+        self._every_rank = False  # the strategy hands every rank's checkpoint to this plugin
+
+    def attach(self, strategy: Strategy) -> None:
+        """Have ``strategy`` hand its checkpoints to this plugin on every rank (called on every rank
+        at ``setup`` by :class:`~tierckpt.integrations.lightning_ranks.EveryRankSaves`).
+
+        Raises:
+            ConfigError: a strategy of several processes that saves through its own code (FSDP,
+                ``ModelParallelStrategy``, DeepSpeed, XLA).
+        """
+        if isinstance(strategy, SingleDeviceStrategy) or getattr(strategy, "world_size", 1) <= 1:
+            return
+        if not isinstance(strategy, DDPStrategy) or isinstance(strategy, DeepSpeedStrategy) or type(strategy).save_checkpoint is not Strategy.save_checkpoint:
+            raise ConfigError(
+                f"TierckptCheckpointIO supports Lightning's DDP strategies (ddp, ddp_spawn, ddp_fork) across processes; "
+                f"{type(strategy).__name__} saves sharded states through its own code, which tierckpt does not replace yet. "
+                "Use strategy='ddp', or tierckpt's Checkpointer directly (it stores DTensor shards and reshards on load)"
+            )
+        self._replicated = ("state_dict", "optimizer_states")
+        if vars(strategy).get("save_checkpoint") != self._save_on_this_rank:
+            # Lightning's Strategy.save_checkpoint calls the CheckpointIO on rank 0 only; this one
+            # reaches the plugin on every rank (Trainer.save_checkpoint runs on every rank).
+            strategy.save_checkpoint = self._save_on_this_rank  # type: ignore[method-assign]
+        self._every_rank = True
+
+    def __getstate__(self) -> dict[str, Any]:
+        # ddp_spawn pickles the Trainer, this plugin with it, into each worker: the config goes; the
+        # worker opens its own Checkpointer.
+        return {"config": self.config}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["config"])  # type: ignore[misc]
+
+    def _save_on_this_rank(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        self.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -70,12 +125,23 @@ class TierckptCheckpointIO(CheckpointIO):
         """Save ``checkpoint`` as step ``checkpoint["global_step"]``; returns once it is captured."""
         if storage_options is not None:
             raise TypeError(f"TierckptCheckpointIO.save_checkpoint takes no storage_options (got {storage_options!r}): the tier config says where and how")
-        step = checkpoint.get("global_step")
+        if "global_step" not in checkpoint:  # not a training checkpoint: ddp_spawn's hand-off of weights
+            TorchCheckpointIO().save_checkpoint(checkpoint, path)
+            return
+        step = checkpoint["global_step"]
         if not isinstance(step, int) or step < 0:
-            raise ValueError(f"a Lightning checkpoint without a global_step (got {step!r}): tierckpt stores it as that step")
+            raise ValueError(f"a Lightning checkpoint with global_step {step!r}: tierckpt stores it as that step, a whole number")
+        if _world_size() > 1 and not self._every_rank:
+            raise ConfigError(
+                "TierckptCheckpointIO under several processes needs every rank to save, and Lightning called it on this "
+                "rank only: its callback did not attach to the strategy. It is loaded through the "
+                "lightning.pytorch.callbacks_factory entry point of an installed tierckpt (pip install -e .); without "
+                "one, add callbacks=[tierckpt.integrations.lightning_ranks.EveryRankSaves()] to the Trainer"
+            )
         key = os.fspath(path)
         try:
-            saved = self._saves.save(key, step, _plain(checkpoint), lambda tier: write_pointer(key, step, tier), metadata={"lightning_path": key})
+            saved = self._saves.save(key, step, _plain(checkpoint), lambda tier: write_pointer(key, step, tier),
+                                     metadata={"lightning_path": key}, replicated=holding_tensors(checkpoint, self._replicated))
         except UnsupportedStateError as exc:
             raise UnsupportedStateError(f"{exc}. {NO_PICKLE_HINT}", key=exc.key) from exc
         if not saved:
@@ -83,17 +149,23 @@ class TierckptCheckpointIO(CheckpointIO):
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
         """The checkpoint saved at ``path``: ``restore(step)`` of the step its pointer names (or, while
-        the pointer waits for durability, of the step saved there), as new CPU tensors.
+        the pointer waits for durability, of the step saved there), as new CPU tensors. Under several
+        processes every rank calls it (Lightning does) and gets the same step. A ``torch.save`` file
+        (ddp_spawn's hand-off, a checkpoint from before tierckpt) loads with ``torch.load(weights_only=True)``.
 
         Raises:
             NoCheckpointError: nothing was saved at ``path``, or the tiers no longer hold its step.
-            CorruptCheckpointError: ``path`` is not a pointer file, or every copy of its step is damaged.
+            CorruptCheckpointError: ``path`` is neither a pointer file nor a ``torch.save`` file, or
+                every copy of its step is damaged.
         """
         key = os.fspath(path)
         if map_location is not None and not isinstance(map_location, (str, torch.device)):
             raise TypeError(f"TierckptCheckpointIO.load_checkpoint: map_location must be a device or a device name, not {type(map_location).__name__}")
-        step = self._saves.pending_step(key)
-        state = self.checkpointer.restore_sync(read_pointer(key) if step is None else step).state
+        if _is_torch_archive(key):  # written by Lightning's own I/O: loaded as Lightning does, without running code
+            state = TorchCheckpointIO().load_checkpoint(key, weights_only=True)
+        else:
+            step = self._saves.pending_step(key)
+            state = self.checkpointer.restore_sync(read_pointer(key) if step is None else step).state
         return _to(state, torch.device(map_location)) if map_location is not None else state
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -105,6 +177,20 @@ class TierckptCheckpointIO(CheckpointIO):
     def teardown(self) -> None:
         """Wait until every save is durable and its pointer written; close the Checkpointer."""
         self._saves.close()
+
+
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _is_torch_archive(path: str) -> bool:
+    """Whether ``path`` is a file ``torch.save`` wrote (a zip archive; a pointer is JSON)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"PK\x03\x04"
+    except OSError:
+        return False  # missing, or a directory: read_pointer says which
 
 
 def _plain(value: Any) -> Any:

@@ -5,6 +5,11 @@ A trainer names a checkpoint by a path (Lightning's ``ModelCheckpoint`` file, Hu
 step, :mod:`tierckpt.integrations.pointer`) only once the step is durable on the first tier below
 host memory that takes it, in the order the saves were made, from one background thread: after a
 crash, every path a trainer finds names a step that can be restored.
+
+Under torch.distributed every rank saves through its own DurableSaves (one Checkpointer per rank,
+the same steps on every rank: the Checkpointer's save is collective). A step counts as durable once
+it is committed on every rank, and only rank 0 runs the action: the paths are the job's, written
+once.
 """
 
 from __future__ import annotations
@@ -14,15 +19,16 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from collections.abc import Mapping
+from typing import Any, Callable, Sequence
 
 import torch
 
 from tierckpt.checkpointer import Checkpointer, SaveHandle
 from tierckpt.config import Config
-from tierckpt.errors import ConfigError, FlushError
+from tierckpt.errors import FlushError
 
-__all__ = ["DurableSaves"]
+__all__ = ["DurableSaves", "holding_tensors"]
 
 log = logging.getLogger("tierckpt")
 
@@ -40,7 +46,11 @@ class _Pending:
 
 class DurableSaves:
     """Saves through one Checkpointer (opened on first use, in the process that trains), each with an
-    action run once the step is durable: ``then(tier)``, on a background thread, in save order.
+    action run once the step is durable: ``then(tier)``, on a background thread, in save order, on
+    rank 0 only.
+
+    Under torch.distributed the first use opens the Checkpointer, which is collective: every rank
+    must make its first save (or load) at the same point, as trainers do.
 
     ``who``: the integration's name, for error messages.
     """
@@ -49,6 +59,7 @@ class DurableSaves:
         self.config, self.who = config, who
         self._durable = [t.name for t in config.tiers if t.type in _DURABLE]
         self._ckpt: Checkpointer | None = None
+        self._leads = True  # rank 0 of the Checkpointer's ranks (a single process is): it runs the actions
         self._queue: queue.Queue[_Pending | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -63,25 +74,22 @@ class DurableSaves:
     def checkpointer(self) -> Checkpointer:
         """The open Checkpointer (opened on first use)."""
         if self._ckpt is None:
-            if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-                raise ConfigError(
-                    f"{self.who} runs in a single process for now: the trainer saves from rank 0 only, while a "
-                    "Checkpointer under torch.distributed saves with every rank. Use tierckpt's Checkpointer "
-                    "directly in multi-process jobs"
-                )
             self._ckpt = Checkpointer(self.config)
+            self._leads = self._ckpt.rank == 0
             self._thread = threading.Thread(target=self._run, name="tierckpt-durable-actions", daemon=True)
             self._thread.start()
         return self._ckpt
 
-    def save(self, key: str, step: int, state: Any, then: Callable[[str], None], metadata: dict[str, Any] | None = None) -> bool:
+    def save(self, key: str, step: int, state: Any, then: Callable[[str], None], metadata: dict[str, Any] | None = None,
+             replicated: Sequence[Any] = ()) -> bool:
         """Save ``state`` as ``step``; return once it is captured (the trainer may then change the
-        live tensors). False when the save was skipped (``host.on_full: skip``)."""
+        live tensors). False when the save was skipped (``host.on_full: skip``). ``replicated``: the
+        values the same on every rank (``Checkpointer.save``), stored once."""
         ckpt = self.checkpointer
         # Under the lock: a save of a step replaces the one before it at once, and the thread, finding
         # that one passed over, must then see this one as the step's newest.
         with self._lock:
-            handle = ckpt.save_sync(step, state, metadata=metadata)
+            handle = ckpt.save_sync(step, state, metadata=metadata, replicated=replicated)
             if handle.skipped:
                 return False
             self._newest[step] = handle
@@ -128,7 +136,7 @@ class DurableSaves:
                 with self._lock:
                     if self._newest.get(item.step) is handle:
                         del self._newest[item.step]
-                    if tier is not None and item.seq > self._removed.get(item.key, -1):
+                    if tier is not None and item.seq > self._removed.get(item.key, -1) and self._leads:
                         item.then(tier)
                     if self._pending.get(item.key) is item:
                         del self._pending[item.key]
@@ -155,3 +163,19 @@ class DurableSaves:
             handle = newer  # a newer save of the same step replaced this one: its commit counts
         log.warning("tierckpt: %s: checkpoint %s (step %d) reached no durable tier; nothing is written at its path", self.who, item.key, item.step)
         return None, handle
+
+
+def holding_tensors(state: Mapping[str, Any], keys: Sequence[str]) -> list[str]:
+    """The ``keys`` of ``state`` under which a tensor lies: what a trainer may pass as ``replicated=``,
+    which must name no value without tensors (an optimizer without state yet, an LR scheduler)."""
+    return [k for k in keys if _has_tensor(state.get(k))]
+
+
+def _has_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, Mapping):
+        return any(_has_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_has_tensor(v) for v in value)
+    return False

@@ -71,6 +71,9 @@ class Upstream(Protocol):
 
 
 class Flusher:
+    # A newer save of a step replaces a waiting older one (policy.offer); not on a follower of several ranks.
+    replaces_step = True
+
     def __init__(
         self,
         tier: Tier,
@@ -115,7 +118,7 @@ class Flusher:
     def offer(self, step: int, token: int, arrival: int) -> None:
         """Save ``token`` of ``step`` was captured; ``arrival``: how many saves there were, this one
         included (what ``every`` counts)."""
-        self._apply(offer(self.state, self.policy, Candidate(step, arrival, token)))
+        self._apply(offer(self.state, self.policy, Candidate(step, arrival, token), replace_step=self.replaces_step))
         self._idle.clear()
         self._wake.set()
 

@@ -2,10 +2,12 @@
 leader commits once all parts are durable.
 
 Per tier below host memory, the leader's flusher runs the tier's flush policy as a single process
-would, and publishes each decision (decision ``n``: flush step S) in the group's store. Each follower's
-flusher takes decisions only from there, in order: it waits for its own snapshot of S (its training
-may be a little behind), writes its part into the staging directory decision ``n`` names, and reports
-the part (file, checksum, bytes) or its failure. The leader waits for every report up to
+would, and publishes each decision (decision ``n``: flush step S, the leader's save number A) in the
+group's store. Each follower's flusher takes decisions only from there, in order: it waits for its
+own snapshot of S (its training may be a little behind), its save number A where it has it (the
+ranks number their saves alike: a step saved twice, and flushed twice by the leader, is written
+twice here too, each time from the save the leader took), writes its part into the staging
+directory decision ``n`` names, and reports the part (file, checksum, bytes) or its failure. The leader waits for every report up to
 ``distributed.timeout``; with all parts durable it writes the commit marker and renames the version
 into place, then publishes the outcome with the versions retention deletes; else it removes the
 staging directory and publishes the abandonment, naming each missing or failed rank. Every rank's
@@ -34,7 +36,7 @@ from tierckpt.format import version_dirname
 from tierckpt.config import FlushPolicy
 from tierckpt.pipeline.flusher import FlushEvents, Flusher
 from tierckpt.pipeline.sources import Located
-from tierckpt.policy import Candidate, finished, pass_over, take
+from tierckpt.policy import Candidate, finished, pass_over, pass_over_older_saves, take
 from tierckpt.tiers.base import GroupTier, Part, Staged, Tier, VersionInfo
 
 log = logging.getLogger("tierckpt")
@@ -132,7 +134,7 @@ class LeaderFlusher(_GroupFlusher):
         channel = self.channel
         self._decisions += 1
         n = self._decisions
-        await channel.group.put(channel.key("decision", n), candidate.step)
+        await channel.group.put(channel.key("decision", n), [candidate.step, candidate.arrival])
         staged: Staged | None = None
         try:
             source = await located.open()
@@ -174,6 +176,8 @@ class FollowerFlusher(_GroupFlusher):
     It drives its tier through the follower's steps of :class:`~tierckpt.tiers.base.GroupTier`.
     """
 
+    replaces_step = False  # the leader's decisions say which save of a step goes down
+
     def __init__(self, tier: Tier, policy: FlushPolicy, events: FlushEvents, *, group: RankGroup, **kwargs: Any) -> None:
         super().__init__(tier, policy, events, group=group, **kwargs)
         # Keep every eligible version until a decision takes it or passes it over: queue, never replace.
@@ -184,6 +188,7 @@ class FollowerFlusher(_GroupFlusher):
         # be taken either: kept waiting, it would hold a host slot that this rank's save of the
         # decided step needs, and both would wait out the timeout.
         self._passed = -1
+        self._newest_arrival = 0  # of this rank's saves offered here
         self._lost: CoordinationLost | None = None
 
     async def _step(self) -> None:
@@ -214,15 +219,16 @@ class FollowerFlusher(_GroupFlusher):
                 self._idle.set()
             await self._sleep(_FOLLOW_POLL_S)
             return
-        n, step = self._next, await channel.group.get(key)
+        n, (step, arrival) = self._next, await channel.group.get(key)
         self._next += 1
         self._pass_over(step, inclusive=False)
-        candidate = await self._await_snapshot(step)
+        candidate = await self._await_snapshot(step, arrival)
         if candidate is None:
             error = f"rank {channel.group.rank} holds no step {step} for tier {self.tier.name!r} (it skipped, evicted or never made that save)"
             await channel.group.put(channel.key("report", n, channel.group.rank), {"error": error})
             await self._outcome(n)  # stay in step with the leader's decisions
             return
+        self._apply(pass_over_older_saves(self.state, candidate))
         self._apply(take(self.state, self.policy, candidate, now=self._clock()))
         self.in_flight = candidate
         started = self._clock()
@@ -287,19 +293,25 @@ class FollowerFlusher(_GroupFlusher):
             return None
         return await channel.group.get(key)
 
-    async def _await_snapshot(self, step: int) -> Candidate | None:
-        """This rank's save of ``step`` offered here; waits for it while this rank is behind."""
+    async def _await_snapshot(self, step: int, arrival: int) -> Candidate | None:
+        """This rank's save of ``step`` offered here, its save number ``arrival`` where it has it (else
+        its newest of that step); waits for it while this rank is behind."""
         deadline = time.monotonic() + self.channel.group.timeout_s
         while True:
-            found = next((c for c in self.state.waiting() if c.step == step), None)
-            if found is not None or self._newest_offered > step:  # a newer save came: this one never will
-                return found
+            saves = [c for c in self.state.waiting() if c.step == step]
+            exact = next((c for c in saves if c.arrival == arrival), None)
+            if exact is not None:
+                return exact
+            # A newer save came: this one never will. (The ranks' numbers differ when one skipped a save.)
+            if self._newest_offered > step or self._newest_arrival >= arrival:
+                return saves[-1] if saves else None
             left = deadline - time.monotonic()
             if left <= 0:
-                return None
+                return saves[-1] if saves else None
             await self._sleep(min(left, _FOLLOW_POLL_S))
 
     def offer(self, step: int, token: int, arrival: int) -> None:
+        self._newest_arrival = max(self._newest_arrival, arrival)
         super().offer(step, token, arrival)
         if step <= self._passed:
             self.forget(token)  # the leader went past it before this rank saved it
