@@ -1,10 +1,14 @@
 """The Lightning model the tests share (tests/test_lightning.py), and a job of several processes:
 ``python lightning_worker.py <root> <config.json> <max_steps> <strategy> <kill at step or 0> <ckpt_path or none>``.
 
-``HIDDEN`` in the environment: the model's width (16). Run by ``launch_ranks`` (``strategy`` ``ddp``: each process a rank, as torchrun starts them), or as one
-process (``ddp_spawn``: Lightning starts the workers). Each rank writes ``<root>/result-<rank>.json``:
-its losses by step and its final weights. With a kill step, every rank SIGKILLs itself at the start
-of the batch after that step's checkpoint was saved.
+``strategy``: ``ddp`` or ``fsdp`` (``ModelParallelStrategy``, the model's layers sharded with FSDP2),
+run by ``launch_ranks`` (each process a rank, as torchrun starts them); or ``ddp_spawn``, run as one
+process (Lightning starts the workers). In the environment: ``HIDDEN``, the model's width (16), and
+``DEVICES``, the number of ranks (2), and ``KILL_RANKS``, the ranks the kill step kills (all), and ``KILL_IN_SAVE`` (set: kill while the
+Trainer dumps the step's first checkpoint, before this rank saves it). Each rank writes ``<root>/result-<rank>.json``: its losses by
+step and its final weights (whole tensors); rank 0 writes ``<root>/weights-<step>.json`` at each save.
+With a kill step, every rank SIGKILLs itself at the start of the batch after that step's checkpoint
+was saved.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -34,6 +40,17 @@ class Tiny(L.LightningModule):
         self.save_hyperparameters()
         self.net = nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 1))
         self.losses: dict[int, float] = {}
+
+    def configure_model(self) -> None:
+        mesh = self._device_mesh  # set under ModelParallelStrategy only
+        if mesh is None:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh["data_parallel"])
+        fully_shard(self.net, mesh=mesh["data_parallel"])
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -60,28 +77,57 @@ class KillAfterSave(Callback):
         self.step = step
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.global_step == self.step:
+        if trainer.global_step == self.step and not os.environ.get("KILL_IN_SAVE"):
+            self._kill(trainer)
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        if trainer.global_step == self.step and os.environ.get("KILL_IN_SAVE"):  # before this rank's save of the step
+            self._kill(trainer)
+
+    def _kill(self, trainer: Any) -> None:
+        ranks = os.environ.get("KILL_RANKS")  # e.g. "1": only that rank dies (default: every rank)
+        if ranks is None or str(trainer.global_rank) in ranks.split(","):
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def whole_weights(module: nn.Module) -> dict[str, Any]:
+    """The module's weights as lists, DTensors gathered whole (collective: every rank calls it)."""
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).tolist() for k, v in module.state_dict().items()}
+
+
+class WeightsAtSaves(Callback):
+    """Rank 0 writes the whole weights of each step a checkpoint holds."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        weights = whole_weights(pl_module)
+        if trainer.global_rank == 0:
+            (self.root / f"weights-{trainer.global_step}.json").write_text(json.dumps(weights))
 
 
 def main(root: Path, config: dict[str, Any], max_steps: int, strategy: str, kill_at: int, ckpt_path: str) -> None:
     from tierckpt.integrations.lightning import TierckptCheckpointIO
 
-    if strategy == "ddp":  # started by launch_ranks, as torchrun would: Lightning takes the ranks as they are
+    if strategy != "ddp_spawn":  # started by launch_ranks, as torchrun would: Lightning takes the ranks as they are
         os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+    devices = int(os.environ.get("DEVICES", "2"))
+    root.mkdir(parents=True, exist_ok=True)
     L.seed_everything(0, verbose=False)
     model = Tiny(hidden=int(os.environ.get("HIDDEN", "16")), batches=2 * BATCHES)
-    callbacks: list[Callback] = [ModelCheckpoint(dirpath=root / "ckpts", every_n_train_steps=EVERY, save_top_k=-1, save_last=True)]
+    callbacks: list[Callback] = [ModelCheckpoint(dirpath=root / "ckpts", every_n_train_steps=EVERY, save_top_k=-1, save_last=True), WeightsAtSaves(root)]
     if kill_at:
         callbacks.append(KillAfterSave(kill_at))
     trainer = L.Trainer(
-        max_steps=max_steps, accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_progress_bar=False,
+        max_steps=max_steps, accelerator="cpu", devices=devices, logger=False,
+        strategy=ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1) if strategy == "fsdp" else strategy, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=root, plugins=[TierckptCheckpointIO(config)], callbacks=callbacks,
     )
     trainer.fit(model, ckpt_path=None if ckpt_path == "none" else ckpt_path)
     # ddp_spawn: this is the main process, the model holds the weights the workers handed back
-    rank = trainer.global_rank if strategy == "ddp" else "main"
-    weights = {k: v.tolist() for k, v in model.state_dict().items()}
+    rank = "main" if strategy == "ddp_spawn" else trainer.global_rank
+    weights = whole_weights(model)
     (root / f"result-{rank}.json").write_text(json.dumps({"losses": model.losses, "weights": weights}))
 
 

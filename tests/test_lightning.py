@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -150,8 +152,12 @@ def test_a_sharded_strategy_is_refused_on_every_rank_with_what_to_use(config: di
     env = LightningEnvironment()
     env.set_world_size(2)
     strategy = FSDPStrategy(cluster_environment=env)
-    with pytest.raises(ConfigError, match=r"DDP strategies.*FSDPStrategy saves sharded states through its own code"):
+    with pytest.raises(ConfigError, match=r"FSDPStrategy saves sharded states in a format of its own.*Use ModelParallelStrategy for FSDP2"):
         TierckptCheckpointIO(config).attach(strategy)
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    with pytest.raises(ConfigError, match=r"leave save_distributed_checkpoint=True"):
+        TierckptCheckpointIO(config).attach(ModelParallelStrategy(save_distributed_checkpoint=False))
 
 
 def test_several_processes_without_the_callback_is_an_error_saying_how_to_add_it(config: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -169,30 +175,55 @@ def test_several_processes_without_the_callback_is_an_error_saying_how_to_add_it
 STEPS = 3 * EVERY
 
 
-def _ddp(root: Path, strategy: str = "ddp", kill_at: int = 0, ckpt_path: str = "none", hidden: int = 16) -> None:
-    """A Lightning job of 2 processes writing ``result-<rank>.json`` (ddp: started as torchrun starts
-    ranks; ddp_spawn: one process, Lightning starts the workers)."""
+def _job(root: Path, strategy: str = "ddp", kill_at: int = 0, ckpt_path: str = "none", hidden: int = 16, devices: int = 2,
+         steps: int = STEPS) -> None:
+    """A Lightning job of ``steps`` steps writing ``result-<rank>.json``, its tiers in ``root`` (ddp,
+    fsdp: started as torchrun starts ranks; ddp_spawn: one process, Lightning starts the workers)."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(tier_config(fs_tier("nvme", root / "nvme", keep={"last": 10}))))
-    argv = [sys.executable, str(WORKER), str(root), str(root / "config.json"), str(STEPS), strategy, str(kill_at), ckpt_path]
-    env = {"HIDDEN": str(hidden)}
-    if strategy == "ddp":
-        exits = launch_ranks(argv, 2, env=env, timeout_s=240)
-        failed = failures(exits, expect_dead=(0, 1) if kill_at else ())
-        assert not failed, failed
-    else:
+    argv = [sys.executable, str(WORKER), str(root), str(root / "config.json"), str(steps), strategy, str(kill_at), ckpt_path]
+    env = {"HIDDEN": str(hidden), "DEVICES": str(devices)}
+    if strategy == "ddp_spawn":
         child = subprocess.run(argv, env=os.environ | env | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
         assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
+    else:
+        exits = launch_ranks(argv, devices, env=env, timeout_s=240)
+        failed = failures(exits, expect_dead=tuple(range(devices)) if kill_at else ())
+        assert not failed, failed
 
 
 def _result(root: Path, rank: int | str) -> dict[str, Any]:
     return json.loads((root / f"result-{rank}.json").read_text())
 
 
+def _pointers(root: Path) -> dict[str, int]:
+    return {p.name: json.loads(p.read_text())["step"] for p in (root / "ckpts").iterdir()}
+
+
+def _killed_then_resumed(tmp_path: Path, whole: Path, strategy: str, hidden: int) -> None:
+    """Every rank SIGKILLed right after the save of step 16 returned (captured; durable or not): each
+    pointer names a step committed on every rank, and the newest pointer (last.ckpt, unless the kill
+    came before it was updated) resumes every rank, bitwise."""
+    _job(tmp_path, strategy, kill_at=2 * EVERY, hidden=hidden)
+    with Checkpointer(tier_config(fs_tier("nvme", tmp_path / "nvme", keep={"last": 10}))) as ckpt:
+        durable = sorted(v.step for v in ckpt.versions() if v.tier == "nvme")
+    assert durable in ([], [8], [8, 16]), durable  # [] only on a machine slow enough that step 8 was not durable yet
+    pointers = _pointers(tmp_path) if (tmp_path / "ckpts").exists() else {}
+    assert set(pointers.values()) <= set(durable), (pointers, durable)  # none ahead of what every rank committed
+    if not pointers:
+        pytest.skip("no pointer was written before the kill on this machine")
+    # last.ckpt may still name the step before (its save of step 16 came second): resume from the newest.
+    newest = max(pointers, key=lambda name: (pointers[name], name == "last.ckpt"))
+    _job(tmp_path, strategy, ckpt_path="last" if newest == "last.ckpt" else str(tmp_path / "ckpts" / newest), hidden=hidden)
+    want, r0, r1 = _result(whole, 0), _result(tmp_path, 0), _result(tmp_path, 1)
+    assert r0["losses"] == {str(s): want["losses"][str(s)] for s in range(pointers[newest], STEPS)}  # bitwise
+    assert r0["weights"] == r1["weights"] == want["weights"]
+
+
 @pytest.fixture(scope="module")
 def whole_ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("ddp-whole")
-    _ddp(root, hidden=4096)
+    _job(root, hidden=4096)
     return root
 
 
@@ -201,8 +232,7 @@ def test_ddp_saves_on_every_rank_and_stores_the_replicated_state_once(whole_ddp:
     r0, r1 = _result(whole_ddp, 0), _result(whole_ddp, 1)
     assert sorted(map(int, r0["losses"])) == list(range(STEPS)) and r0["losses"] != r1["losses"]  # each rank its own batches
     assert r0["weights"] == r1["weights"]
-    pointers = {p.name: json.loads(p.read_text())["step"] for p in (whole_ddp / "ckpts").iterdir()}
-    assert pointers == {"epoch=0-step=8.ckpt": 8, "epoch=1-step=16.ckpt": 16, "epoch=2-step=24.ckpt": 24, "last.ckpt": 24}, pointers
+    assert _pointers(whole_ddp) == {"epoch=0-step=8.ckpt": 8, "epoch=1-step=16.ckpt": 16, "epoch=2-step=24.ckpt": 24, "last.ckpt": 24}
     version = whole_ddp / "nvme" / "step-000000000024"
     parts = {p.name: p.stat().st_size for p in version.glob("data-r*.bin")}
     # Model + Adam's two moments, 4096 wide: 3 x 24,577 floats. Each rank writes its share, not a copy.
@@ -212,29 +242,72 @@ def test_ddp_saves_on_every_rank_and_stores_the_replicated_state_once(whole_ddp:
 
 
 @pytest.mark.slow
-def test_ddp_killed_on_every_rank_after_a_save_resumes_bitwise_from_last(tmp_path: Path, whole_ddp: Path) -> None:
-    """Every rank SIGKILLed right after the save of step 16 returned (captured; durable or not): each
-    pointer names a step committed on every rank, and ckpt_path="last" resumes every rank from it."""
-    _ddp(tmp_path, kill_at=2 * EVERY, hidden=4096)
-    with Checkpointer(tier_config(fs_tier("nvme", tmp_path / "nvme", keep={"last": 10}))) as ckpt:
-        durable = sorted(v.step for v in ckpt.versions() if v.tier == "nvme")
-    assert durable in ([], [8], [8, 16]), durable  # [] only on a machine slow enough that step 8 was not durable yet
-    pointers = {p.name: json.loads(p.read_text())["step"] for p in (tmp_path / "ckpts").iterdir()}
-    assert set(pointers.values()) <= set(durable), (pointers, durable)  # none ahead of what every rank committed
-    if not durable:
-        pytest.skip("no step was durable before the kill on this machine")
-    assert pointers["last.ckpt"] == durable[-1]
-
-    _ddp(tmp_path, ckpt_path="last", hidden=4096)
-    whole, r0, r1 = _result(whole_ddp, 0), _result(tmp_path, 0), _result(tmp_path, 1)
-    assert r0["losses"] == {str(s): whole["losses"][str(s)] for s in range(durable[-1], STEPS)}  # bitwise
-    assert r0["weights"] == r1["weights"] == whole["weights"]
+def test_ddp_killed_on_every_rank_after_a_save_resumes_bitwise(tmp_path: Path, whole_ddp: Path) -> None:
+    _killed_then_resumed(tmp_path, whole_ddp, "ddp", hidden=4096)
 
 
 @pytest.mark.slow
 def test_ddp_spawn_saves_through_the_plugin_and_hands_the_weights_back(tmp_path: Path, whole_ddp: Path) -> None:
-    _ddp(tmp_path, strategy="ddp_spawn", hidden=4096)
-    pointers = {p.name: json.loads(p.read_text())["step"] for p in (tmp_path / "ckpts").iterdir()}
-    assert pointers == {"epoch=0-step=8.ckpt": 8, "epoch=1-step=16.ckpt": 16, "epoch=2-step=24.ckpt": 24, "last.ckpt": 24}, pointers
+    _job(tmp_path, strategy="ddp_spawn", hidden=4096)
+    assert _pointers(tmp_path) == {"epoch=0-step=8.ckpt": 8, "epoch=1-step=16.ckpt": 16, "epoch=2-step=24.ckpt": 24, "last.ckpt": 24}
     assert {p.name for p in (tmp_path / "nvme" / "step-000000000024").glob("data-r*.bin")} == {"data-r00000.bin", "data-r00001.bin"}
     assert _result(tmp_path, "main")["weights"] == _result(whole_ddp, 0)["weights"]  # the workers' weights, back in the main process
+
+
+# -- ModelParallelStrategy (FSDP2): 2 ranks, and onto 1 --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def whole_fsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("fsdp-whole")
+    _job(root, "fsdp", hidden=64)
+    return root
+
+
+@pytest.mark.slow
+def test_fsdp2_each_rank_stores_its_shards(whole_fsdp: Path) -> None:
+    r0, r1 = _result(whole_fsdp, 0), _result(whole_fsdp, 1)
+    assert sorted(map(int, r0["losses"])) == list(range(STEPS)) and r0["weights"] == r1["weights"]
+    assert _pointers(whole_fsdp) == {"epoch=0-step=8.ckpt": 8, "epoch=1-step=16.ckpt": 16, "epoch=2-step=24.ckpt": 24, "last.ckpt": 24}
+    with Checkpointer(tier_config(fs_tier("nvme", whole_fsdp / "nvme", keep={"last": 10}))) as ckpt:
+        stored = ckpt.restore_sync(24).state  # one process: every DTensor consolidated whole
+    assert stored["state_dict"]["net.0.weight"].shape == (64, 4)
+    assert stored["state_dict"]["net.0.weight"].tolist() == json.loads((whole_fsdp / "weights-24.json").read_text())["net.0.weight"]
+    assert stored["optimizer_states"][0]["state"]["net.0.weight"]["exp_avg"].shape == (64, 4)
+
+
+@pytest.mark.slow
+def test_fsdp2_killed_on_every_rank_after_a_save_resumes_bitwise(tmp_path: Path, whole_fsdp: Path) -> None:
+    _killed_then_resumed(tmp_path, whole_fsdp, "fsdp", hidden=64)
+
+
+@pytest.mark.slow
+def test_fsdp2_saved_on_two_ranks_loads_resharded_onto_one(tmp_path: Path, whole_fsdp: Path) -> None:
+    """The 2-rank job's step 16, loaded by a job of 1 rank (ModelParallelStrategy, devices=1): the
+    live model is the template, each of its tensors read from both ranks' shards. The job stops
+    where it starts (max_steps 16), so its weights are the loaded ones."""
+    shutil.copytree(whole_fsdp / "nvme", tmp_path / "nvme")
+    _job(tmp_path, "fsdp", ckpt_path=str(whole_fsdp / "ckpts" / "epoch=1-step=16.ckpt"), hidden=64, devices=1, steps=2 * EVERY)
+    assert _result(tmp_path, 0)["weights"] == json.loads((whole_fsdp / "weights-16.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("at", [EVERY, 2 * EVERY])
+def test_a_rank_that_dies_during_a_save_is_named_on_the_survivor_and_no_pointer_names_its_step(tmp_path: Path, at: int) -> None:
+    """Rank 1 SIGKILLed while the Trainer dumps its checkpoint, before its save. At the first save
+    (step 8) the Checkpointer is being constructed: rank 0's construction names rank 1. At step 16
+    rank 0's save returned, the Trainer's barrier then fails, and its teardown raises the
+    RankFailureError naming rank 1 (distributed.timeout after the save). No pointer names a step that
+    is not committed, and the dead rank's step is not committed."""
+    config = tier_config(fs_tier("nvme", tmp_path / "nvme", keep={"last": 10})) | {"distributed": {"timeout": "10s"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    argv = [sys.executable, str(WORKER), str(tmp_path), str(tmp_path / "config.json"), str(STEPS), "ddp", str(at), "none"]
+    survivor, dead = launch_ranks(argv, 2, env={"KILL_RANKS": "1", "KILL_IN_SAVE": "1"}, timeout_s=240)
+    assert dead.returncode == -signal.SIGKILL and survivor.returncode == 1, (survivor, dead)
+    said = (re.escape("RankFailureError: rank(s) 1 did not construct their Checkpointer within 10 s") if at == EVERY
+            else r"RankFailureError: tier 'nvme': step (8|16) was abandoned: rank\(s\) 1 did not store their part")
+    assert re.search(said, survivor.output), survivor.output
+    with Checkpointer(tier_config(fs_tier("nvme", tmp_path / "nvme", keep={"last": 10}))) as ckpt:
+        durable = {v.step for v in ckpt.versions() if v.tier == "nvme"}
+    pointers = _pointers(tmp_path) if (tmp_path / "ckpts").exists() else {}
+    assert set(pointers.values()) <= durable <= set(range(EVERY, at, EVERY)), (pointers, durable)

@@ -26,8 +26,15 @@ every rank (each writes its share, in parallel). So at ``setup`` a callback
 plugin on every rank. The model's and the optimizers' states are the same on every rank under DDP:
 they are stored once (``replicated=``), each rank writing its share of every tensor. Rank 0 writes
 the pointer once the step is committed on every rank; every rank loads a path (Lightning calls the
-plugin's ``load_checkpoint`` on every rank) and gets the same step. The sharded strategies (FSDP,
-``ModelParallelStrategy``, DeepSpeed) save through their own code and are refused for now.
+plugin's ``load_checkpoint`` on every rank) and gets the same step.
+
+Under ``ModelParallelStrategy`` (FSDP2 and tensor parallelism, ``save_distributed_checkpoint=True``,
+its default) the strategy's state dicts hold DTensors: each rank stores its shards (a shard held alike
+by several ranks once), and the strategy's ``load_checkpoint`` is routed here too: the live sharded
+model and optimizers are the template (``get_model_state_dict``/``get_optimizer_state_dict``), so a
+job of another world size or layout reshards on load, then ``set_model_state_dict`` and
+``set_optimizer_state_dict`` put the values in place, as the strategy's own DCP load does. The older
+``FSDPStrategy`` (FSDP1) and DeepSpeed save through their own formats and are refused.
 
 A dict without ``global_step`` is not a training checkpoint but Lightning handing weights from its
 worker to the main process (``ddp_spawn``): it goes through Lightning's own ``TorchCheckpointIO``, and
@@ -48,7 +55,8 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy, Strategy
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
 
 from tierckpt.checkpointer import Checkpointer
 from tierckpt.config import Config
@@ -81,29 +89,67 @@ class TierckptCheckpointIO(CheckpointIO):
         self._saves = DurableSaves(self.config, "TierckptCheckpointIO")
         self._replicated: tuple[str, ...] = ()  # the checkpoint's keys whose values are the same on every rank (DDP)
         self._every_rank = False  # the strategy hands every rank's checkpoint to this plugin
+        self._sharded: ModelParallelStrategy | None = None  # whose load_checkpoint restores into its live shards
 
     def attach(self, strategy: Strategy) -> None:
         """Have ``strategy`` hand its checkpoints to this plugin on every rank (called on every rank
         at ``setup`` by :class:`~tierckpt.integrations.lightning_ranks.EveryRankSaves`).
 
         Raises:
-            ConfigError: a strategy of several processes that saves through its own code (FSDP,
-                ``ModelParallelStrategy``, DeepSpeed, XLA).
+            ConfigError: a strategy of several processes that saves through a format of its own
+                (``FSDPStrategy``, DeepSpeed, XLA), or ``ModelParallelStrategy`` gathering whole
+                states on rank 0 (``save_distributed_checkpoint=False``).
         """
-        if isinstance(strategy, SingleDeviceStrategy) or getattr(strategy, "world_size", 1) <= 1:
+        if isinstance(strategy, ModelParallelStrategy):  # even on one process: its own load reads DCP
+            if not getattr(strategy, "_save_distributed_checkpoint", True):
+                raise ConfigError(
+                    "TierckptCheckpointIO under ModelParallelStrategy stores each rank's shards: leave "
+                    "save_distributed_checkpoint=True (the default); tierckpt's export gathers whole tensors offline"
+                )
+            self._replicated = ()  # DTensor shards held alike by several ranks are stored once without being named
+            if vars(strategy).get("load_checkpoint") != self._load_sharded:
+                self._sharded = strategy
+                strategy.load_checkpoint = self._load_sharded  # type: ignore[method-assign]
+        elif isinstance(strategy, SingleDeviceStrategy) or getattr(strategy, "world_size", 1) <= 1:
             return
-        if not isinstance(strategy, DDPStrategy) or isinstance(strategy, DeepSpeedStrategy) or type(strategy).save_checkpoint is not Strategy.save_checkpoint:
+        elif not isinstance(strategy, DDPStrategy) or isinstance(strategy, DeepSpeedStrategy) or type(strategy).save_checkpoint is not Strategy.save_checkpoint:
             raise ConfigError(
-                f"TierckptCheckpointIO supports Lightning's DDP strategies (ddp, ddp_spawn, ddp_fork) across processes; "
-                f"{type(strategy).__name__} saves sharded states through its own code, which tierckpt does not replace yet. "
-                "Use strategy='ddp', or tierckpt's Checkpointer directly (it stores DTensor shards and reshards on load)"
+                f"TierckptCheckpointIO supports Lightning's DDP strategies (ddp, ddp_spawn, ddp_fork) and ModelParallelStrategy "
+                f"(FSDP2, tensor parallelism) across processes; {type(strategy).__name__} saves sharded states in a format of its "
+                "own, which tierckpt does not replace. Use ModelParallelStrategy for FSDP2, or strategy='ddp'"
             )
-        self._replicated = ("state_dict", "optimizer_states")
+        else:
+            self._replicated = ("state_dict", "optimizer_states")
         if vars(strategy).get("save_checkpoint") != self._save_on_this_rank:
-            # Lightning's Strategy.save_checkpoint calls the CheckpointIO on rank 0 only; this one
-            # reaches the plugin on every rank (Trainer.save_checkpoint runs on every rank).
+            # Lightning's Strategy.save_checkpoint calls the CheckpointIO on rank 0 only (and
+            # ModelParallelStrategy's writes DCP files): this one reaches the plugin on every rank
+            # (Trainer.save_checkpoint runs on every rank).
             strategy.save_checkpoint = self._save_on_this_rank  # type: ignore[method-assign]
         self._every_rank = True
+
+    def _load_sharded(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """ModelParallelStrategy's ``load_checkpoint``: the step restored into the live sharded model
+        and optimizers (resharded when the saving job's layout differs), then set into them."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+        )
+
+        strategy = self._sharded
+        assert strategy is not None and strategy.model is not None and strategy.lightning_module is not None
+        key = os.fspath(checkpoint_path)
+        pending = self._saves.pending_step(key)
+        step = read_pointer(key) if pending is None else pending
+        model = strategy.model
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in strategy.optimizers]
+        # get_optimizer_state_dict gives a fresh optimizer its states (zeros) first: every moment has a
+        # sharded template to restore into.
+        template = {"state_dict": get_model_state_dict(model), "optimizer_states": [get_optimizer_state_dict(model, o) for o in optimizers]}
+        state = self.checkpointer.restore_sync(step, template, strict=False).state
+        strict = strategy.lightning_module.strict_loading
+        set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
+        for optimizer, optimizer_state in zip(optimizers, state.get("optimizer_states", [])):
+            set_optimizer_state_dict(model, optimizer, optimizer_state)
+        return state
 
     def __getstate__(self) -> dict[str, Any]:
         # ddp_spawn pickles the Trainer, this plugin with it, into each worker: the config goes; the

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import datetime
+import itertools
 import logging
 import os
 import socket
@@ -31,9 +32,14 @@ import msgpack
 import torch.distributed as dist
 
 from tierckpt.ranks.nodes import group_nodes, node_identity, split_nodes
-from tierckpt.errors import ConfigError
+from tierckpt.errors import ConfigError, RankFailureError
 
 log = logging.getLogger("tierckpt")
+
+# How many Checkpointers this process has constructed over each group of ranks: the same on every rank
+# of the group (construction is collective over it); it names each construction's arrival keys in the
+# job's store.
+_CONSTRUCTIONS: dict[tuple[int, ...], itertools.count[int]] = {}
 
 _POLL_MIN_S = 0.001
 _POLL_MAX_S = 0.02
@@ -96,6 +102,7 @@ class RankGroup:
             raise ConfigError("Checkpointer(group=...): this process is not a member of that group")
         ranks = dist.get_process_group_ranks(group)
         timeout = datetime.timedelta(seconds=timeout_s)
+        _await_arrivals(ranks, dist.get_rank(), timeout)
         pg = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True)
         server = None
         if rank == 0:
@@ -201,3 +208,28 @@ class RankGroup:
     def close(self) -> None:
         self._executor.shutdown(wait=True)
         self._store = self._server = None
+
+
+def _await_arrivals(ranks: Sequence[int], me: int, timeout: datetime.timedelta) -> None:
+    """Wait until every rank of ``ranks`` (global ranks; this one is ``me``) has come to construct its
+    Checkpointer, through the job's own store (torch.distributed's default one).
+
+    ``new_group`` would wait as long, but then fail with a store key in its message; this names the
+    ranks that did not come (dead, hung, or not constructing at this point of their program).
+    """
+    n = next(_CONSTRUCTIONS.setdefault(tuple(ranks), itertools.count()))
+    group = ",".join(map(str, ranks)) if len(ranks) <= 16 else f"{ranks[0]}..{ranks[-1]}x{len(ranks)}-{hash(tuple(ranks)) & 0xFFFFFFFF:08x}"
+    store = dist.PrefixStore(f"tierckpt/arrivals/{group}/{n}", dist.distributed_c10d._get_default_store())
+    store.set(str(me), "1")
+    try:
+        store.wait([str(r) for r in ranks], timeout)
+    except RuntimeError:  # DistStoreError: the timeout (or the store is gone: its host, rank 0, died)
+        try:
+            missing = [r for r in ranks if not store.check([str(r)])]
+        except RuntimeError:
+            missing = [ranks[0]]
+        raise RankFailureError(
+            f"rank(s) {', '.join(map(str, missing))} did not construct their Checkpointer within {timeout.total_seconds():g} s "
+            "(distributed.timeout): dead, hung, or not constructing it at the same point of their program as the others",
+            ranks=tuple(missing),
+        ) from None
