@@ -1,6 +1,8 @@
 """The ranks one Checkpointer spans, and the two channels they coordinate over.
 
-Made once, collectively, when the Checkpointer is constructed under ``torch.distributed``:
+Made once, collectively, when the Checkpointer is constructed under ``torch.distributed`` (first every
+rank waits, through the job's own store, for the others to arrive, so that a rank that never comes
+is named in the error the others raise after ``distributed.timeout``):
 
 - a **gloo process group** of its own (``new_group(backend="gloo")``) over the same ranks, used only
   for the few collectives every rank calls at the same moment from its own call (construction,
