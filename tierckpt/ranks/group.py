@@ -28,6 +28,7 @@ import os
 import socket
 import time
 import uuid
+import zlib
 from typing import Any, Sequence
 
 import msgpack
@@ -220,7 +221,7 @@ def _await_arrivals(ranks: Sequence[int], me: int, timeout: datetime.timedelta) 
     ranks that did not come (dead, hung, or not constructing at this point of their program).
     """
     n = next(_CONSTRUCTIONS.setdefault(tuple(ranks), itertools.count()))
-    group = ",".join(map(str, ranks)) if len(ranks) <= 16 else f"{ranks[0]}..{ranks[-1]}x{len(ranks)}-{hash(tuple(ranks)) & 0xFFFFFFFF:08x}"
+    group = f"{len(ranks)}-{zlib.crc32(','.join(map(str, ranks)).encode()):08x}"  # the same on every rank of the group
     store = dist.PrefixStore(f"tierckpt/arrivals/{group}/{n}", dist.distributed_c10d._get_default_store())
     store.set(str(me), "1")
     try:
