@@ -27,6 +27,8 @@ from tierckpt.policy import (
     flush_eligible,
     forget,
     offer,
+    pass_over,
+    pass_over_older_saves,
     retain,
     stale_at,
     still_wanted,
@@ -782,3 +784,26 @@ def test_property_tier_chains(chain: tuple[SimHost, list[SimTier], list[tuple[fl
                 write = max(v.nbytes for v in sim.saves.values()) * tier.seconds_per_byte
                 bound = max(tier.flush.min_interval_s, write) + max(tier.flush.max_staleness_s, write) + 2 * write
                 assert tier.committed_at[newest] - sim.host_at[newest] <= bound + 1e-6
+
+
+# -- a follower of several ranks: saves of one step kept apart, passed over by (step, save number) --------
+
+
+def test_a_follower_keeps_both_saves_of_a_step_and_the_leaders_horizon_passes_only_those_it_dealt_with() -> None:
+    """The leader took save 1 of step 24 and published its horizon (24, 1) before save 2 of step 24
+    reached it: the follower's save 2 must stay (the leader will take it next), save 1 and older
+    steps go. Before, a horizon of step 24 passed over both, and the leader's next decision found
+    nothing on the follower."""
+    policy = replace(FlushPolicy(), newest_only=False)
+    state = FlushState()
+    for c in (Candidate(16, 1, 1), Candidate(24, 2, 2), Candidate(24, 3, 3)):
+        state = offer(state, policy, c, replace_step=False).state
+    assert [c.token for c in state.waiting()] == [1, 2, 3]  # not replaced: each decision names its save
+    update = pass_over(state, (24, 2))
+    assert [c.token for c in update.passed_over] == [1, 2] and [c.token for c in update.state.waiting()] == [3]
+    # A decision that takes the newer save lets the older save of the step go.
+    update = pass_over_older_saves(state, Candidate(24, 3, 3))
+    assert [c.token for c in update.passed_over] == [2] and [c.token for c in update.state.waiting()] == [1, 3]
+    # One process: a newer save of a step replaces the waiting one.
+    single = offer(offer(FlushState(), policy, Candidate(24, 1, 1)).state, policy, Candidate(24, 2, 2))
+    assert [c.token for c in single.passed_over] == [1] and [c.token for c in single.state.waiting()] == [2]

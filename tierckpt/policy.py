@@ -171,9 +171,10 @@ def forget(state: FlushState, token: int) -> Update:
     return Update(replace(state, queue=queue, fallback=fallback), (lost,))
 
 
-def pass_over(state: FlushState, up_to_step: int) -> Update:
-    """Nothing waiting here of a step up to ``up_to_step`` will be taken (a follower's leader went past it)."""
-    return _pass_over(state, tuple(c for c in state.waiting() if c.step <= up_to_step))
+def pass_over(state: FlushState, up_to: tuple[int, int]) -> Update:
+    """Nothing waiting here up to ``up_to`` (step, save number) will be taken (a follower's leader went
+    past it): no save of an earlier step, nor a save of that step numbered up to it."""
+    return _pass_over(state, tuple(c for c in state.waiting() if (c.step, c.arrival) <= up_to))
 
 
 def pass_over_older_saves(state: FlushState, taken: Candidate) -> Update:

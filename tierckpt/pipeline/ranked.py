@@ -15,7 +15,7 @@ handle resolves from that outcome, so all of them say the same thing.
 
 So flush and retention decisions are made once, by the leader, and no rank can take another: a
 follower keeps each eligible snapshot until a decision takes it or a newer one (or the leader's
-published *horizon*, the newest step it has dealt with) passes it over. As on one process, every
+published *horizon*, the newest save it has dealt with: step and save number) passes it over. As on one process, every
 tier selects on the stream of saves, and each rank reads its part of a decided version from its own
 host memory, or else from a filesystem tier above that holds it (the leader's retention spares what
 a tier below waits for, on every rank). A follower whose leader is
@@ -42,6 +42,7 @@ from tierckpt.tiers.base import GroupTier, Part, Staged, Tier, VersionInfo
 log = logging.getLogger("tierckpt")
 
 _FOLLOW_POLL_S = 0.02
+_EVERY_SAVE = 2**62  # a save number above any: (step, _EVERY_SAVE) covers every save of that step
 
 
 class TierChannel:
@@ -99,9 +100,11 @@ class _GroupFlusher(Flusher):
         super().__init__(tier, policy, events, **kwargs)
         self.channel = TierChannel(group, tier.name)
         self._newest_offered = -1  # the newest step of this rank's own saves offered here
+        self._newest_arrival = 0  # the largest save number of those
 
     def offer(self, step: int, token: int, arrival: int) -> None:
         self._newest_offered = max(self._newest_offered, step)
+        self._newest_arrival = max(self._newest_arrival, arrival)
         super().offer(step, token, arrival)
 
 
@@ -115,15 +118,17 @@ class LeaderFlusher(_GroupFlusher):
         super().__init__(tier, policy, events, group=group, **kwargs)
         self._decisions = 0
         self._doomed: list[int] = []
-        self._published = -1
+        self._published: tuple[int, int] = (-1, 0)
 
     async def _sleep(self, timeout: float | None) -> None:
-        if not self.state.waiting() and self.in_flight is None and self._newest_offered > self._published:
+        horizon = (self._newest_offered, self._newest_arrival)
+        if not self.state.waiting() and self.in_flight is None and horizon > self._published:
             # Nothing waits: every step offered so far was taken or passed over. Followers pass over
             # what they still hold up to here (a step this rank never saved, for one).
             try:
-                await self.channel.group.put(self.channel.key("horizon"), self._newest_offered)
-                self._published = self._newest_offered
+                # With its save number: a step saved again after this horizon is not passed over.
+                await self.channel.group.put(self.channel.key("horizon"), list(horizon))
+                self._published = horizon
             except CoordinationLost as exc:
                 log.error("tier %r: %s", self.tier.name, exc)
             if self._wake.is_set():
@@ -187,8 +192,7 @@ class FollowerFlusher(_GroupFlusher):
         # save of such a step that this rank captures only later (its training is behind) will never
         # be taken either: kept waiting, it would hold a host slot that this rank's save of the
         # decided step needs, and both would wait out the timeout.
-        self._passed = -1
-        self._newest_arrival = 0  # of this rank's saves offered here
+        self._passed: tuple[int, int] = (-1, 0)  # (step, save number), compared in that order
         self._lost: CoordinationLost | None = None
 
     async def _step(self) -> None:
@@ -214,14 +218,15 @@ class FollowerFlusher(_GroupFlusher):
         key = channel.key("decision", self._next)
         if not await channel.group.has([key]):
             if await channel.group.has([channel.key("horizon")]):
-                self._pass_over(await channel.group.get(channel.key("horizon")), inclusive=True)
+                step, arrival = await channel.group.get(channel.key("horizon"))
+                self._pass_over((step, arrival), inclusive=True)
             if not self.state.waiting():
                 self._idle.set()
             await self._sleep(_FOLLOW_POLL_S)
             return
         n, (step, arrival) = self._next, await channel.group.get(key)
         self._next += 1
-        self._pass_over(step, inclusive=False)
+        self._pass_over((step - 1, _EVERY_SAVE), inclusive=False)
         candidate = await self._await_snapshot(step, arrival)
         if candidate is None:
             error = f"rank {channel.group.rank} holds no step {step} for tier {self.tier.name!r} (it skipped, evicted or never made that save)"
@@ -311,19 +316,18 @@ class FollowerFlusher(_GroupFlusher):
             await self._sleep(min(left, _FOLLOW_POLL_S))
 
     def offer(self, step: int, token: int, arrival: int) -> None:
-        self._newest_arrival = max(self._newest_arrival, arrival)
         super().offer(step, token, arrival)
-        if step <= self._passed:
+        if (step, arrival) <= self._passed:
             self.forget(token)  # the leader went past it before this rank saved it
         if self._lost is not None:
             self._wake.set()
 
-    def _pass_over(self, step: int, *, inclusive: bool) -> None:
-        """The leader went past ``step``: what waits here below it (or at it) will not be taken, nor
-        what this rank saves of those steps later."""
+    def _pass_over(self, up_to: tuple[int, int], *, inclusive: bool) -> None:
+        """The leader went past ``up_to`` (step, save number): what waits here up to it will not be
+        taken, nor what this rank saves up to it later."""
         # A decision is the leader's latest word (a step saved again after a rollback may come lower);
         # a horizon read later may be older than the decision just followed, so it only raises this.
-        self._passed = max(self._passed, step) if inclusive else step - 1
+        self._passed = max(self._passed, up_to) if inclusive else up_to
         self._apply(pass_over(self.state, self._passed))
 
     async def drain(self) -> None:
