@@ -13,6 +13,8 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -20,7 +22,9 @@ import numpy as np
 import pytest
 import torch
 
+import tierckpt
 from tierckpt import Checkpointer
+from tierckpt.tiers.base import Tier
 from tierckpt.tiers.filesystem import FilesystemTier
 
 # -- configurations ------------------------------------------------------------------------------------
@@ -54,9 +58,20 @@ def nvme_and_pfs(root: Path, **host: Any) -> dict[str, Any]:
     return tier_config(fs_tier("nvme", root / "nvme"), fs_tier("pfs", root / "pfs", compression=SHUFFLED_ZSTD), **host)
 
 
+def tier_of(ckpt: Checkpointer, name: str) -> Tier:
+    """The open tier ``name`` of a Checkpointer (host memory included), to ask it through the tier interface."""
+    return next(t for t in ckpt._pipeline.tiers if t.name == name)
+
+
+def small_state(seed: int) -> dict[str, Any]:
+    """A small state of two tensors and two plain values, different for each ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, 32, generator=g), "b": torch.arange(seed, seed + 8), "step": seed, "tag": f"s{seed}"}
+
+
 def fs_tier_of(ckpt: Checkpointer, name: str = "nvme") -> FilesystemTier:
     """The open filesystem tier ``name`` of a Checkpointer, to look at how it does its I/O."""
-    tier = next(t for t in ckpt._pipeline.tiers if t.name == name)
+    tier = tier_of(ckpt, name)
     assert isinstance(tier, FilesystemTier)
     return tier
 
@@ -177,6 +192,51 @@ def logged_warnings(match: str | None = None) -> Iterator[list[str]]:
         logger.removeHandler(handler)
     if match is not None:
         assert any(re.search(match, m) for m in messages), f"no tierckpt warning matches {match!r}: {messages}"
+
+
+# -- threads held at a barrier ---------------------------------------------------------------------------
+
+_LIBRARY = os.path.dirname(os.path.abspath(tierckpt.__file__)) + os.sep
+_THREADING = os.path.abspath(threading.__file__)
+
+
+def _blocked_in_library(frame: Any) -> bool:
+    """The innermost frame waits in threading (an Event, Condition or future's wait) and one of its
+    callers is tierckpt's own code."""
+    if os.path.abspath(frame.f_code.co_filename) != _THREADING:
+        return False
+    while frame is not None:
+        if os.path.abspath(frame.f_code.co_filename).startswith(_LIBRARY):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def parked(thread: threading.Thread, deadline_s: float = 30.0) -> bool:
+    """Whether ``thread`` comes to block inside tierckpt, waiting on an event, a condition or a future:
+    the positive sign that a barrier holds it, in place of "still running after a short sleep".
+
+    Polled until it is so (True) or the thread ends first (False): a barrier that lets the thread
+    through never parks it, and the thread runs on to its end, however slow the machine. ``deadline_s``
+    is a deadlock guard only (False when it runs out).
+    """
+    end = time.monotonic() + deadline_s
+    while thread.is_alive() and time.monotonic() < end:
+        frame = sys._current_frames().get(thread.ident)  # type: ignore[arg-type]
+        if frame is not None and _blocked_in_library(frame):
+            return True
+        threading.Event().wait(0.001)  # polling for a positive sign, not synchronisation
+    return False
+
+
+def until(predicate: Any, deadline_s: float = 30.0) -> bool:
+    """Poll ``predicate()`` until it is true (True) or ``deadline_s``, a deadlock guard only, runs out."""
+    end = time.monotonic() + deadline_s
+    while not predicate():
+        if time.monotonic() >= end:
+            return False
+        threading.Event().wait(0.001)
+    return True
 
 
 # -- checkpointers a test opens ------------------------------------------------------------------------

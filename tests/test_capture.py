@@ -19,7 +19,7 @@ import torch
 from tierckpt import CapacityError, Checkpointer
 from tierckpt.capture.copier import _PIECE_BYTES
 
-from helpers import assert_bitwise, fs_tier, tier_config
+from helpers import assert_bitwise, fs_tier, parked, tier_config
 
 DEADLINE_S = 30.0  # a deadlock guard only: every wait below ends on an event long before it
 
@@ -103,7 +103,9 @@ def test_lazy_capture_blocks_the_optimizer_step_until_the_copy_is_done(tmp_path:
         stepper = threading.Thread(target=optimizer.step)
         stepper.start()
         assert reached.wait(DEADLINE_S)
-        assert not passed.wait(0.2), "optimizer.step() ran past the lazy barrier before the copy"
+        # Held inside the barrier (a barrier that let it through never parks it: it runs on and ends).
+        assert parked(stepper, DEADLINE_S), "optimizer.step() ran past the lazy barrier before the copy"
+        assert not passed.is_set()
         assert_bitwise(model.state_dict(), before["model"])  # nothing overwritten yet
         occupied.release()
         stepper.join(DEADLINE_S)
@@ -146,7 +148,8 @@ def test_wait_captured_is_the_barrier_for_state_outside_an_optimizer(tmp_path: P
         assert not handle._tracker.captured.done()
         updater = threading.Thread(target=update_ema)
         updater.start()
-        assert not mutated.wait(0.2), "wait_captured() returned before the copy"
+        assert parked(updater, DEADLINE_S), "wait_captured() returned before the copy"
+        assert not mutated.is_set()
         occupied.release()
         updater.join(DEADLINE_S)
     assert mutated.is_set()
@@ -337,6 +340,11 @@ def test_a_state_whose_layout_changes_between_saves_is_laid_out_anew(tmp_path: P
         {"b": torch.ones(3, dtype=torch.int16), "a": torch.arange(8.0)},  # the order changed
         {"a": torch.arange(8.0), "c": torch.ones(3, dtype=torch.int16)},  # a key changed
         {"a": torch.arange(8.0).reshape(2, 4), "c": torch.ones(3, dtype=torch.int16)},  # same bytes, new shape
+        {"x": {"a": torch.arange(8.0)}, "c": torch.ones(3, dtype=torch.int16)},  # a tensor moved down a level
+        {"y": {"a": torch.arange(8.0)}, "c": torch.ones(3, dtype=torch.int16)},  # ...under another key, its own key kept
+        {"y": [torch.arange(8.0)], "c": torch.ones(3, dtype=torch.int16)},  # into a list
+        {"y": [np.arange(8.0)], "c": torch.ones(3, dtype=torch.int16)},  # a numpy array of the same bytes
+        {"y": [torch.arange(8.0, dtype=torch.float64)], "c": torch.ones(3, dtype=torch.int16)},  # back to torch
     ]
     for step, state in enumerate(states, start=1):
         assert ckpt.save_sync(step, state).captured_sync(DEADLINE_S) is True
@@ -382,3 +390,20 @@ def test_every_storable_dtype_round_trips_save_after_save(tmp_path: Path, checkp
     from_disk = again.restore_latest_sync()
     assert from_disk is not None and (from_disk.step, from_disk.tier) == (5, "nvme")
     assert_bitwise(from_disk.state, every_storable_dtype_state(5))
+
+
+def test_the_layout_is_planned_again_when_replicated_changes_and_reused_while_it_stays() -> None:
+    from tierckpt.snapshot import LayoutCache
+    from tierckpt.state import survey
+
+    layouts = LayoutCache((0, 1))  # two ranks: replicated values are shared between them
+    state = {"model": {"w": torch.ones(1024)}, "rng": torch.zeros(8, dtype=torch.uint8)}
+    first = layouts.entries(survey(state), ["model"])
+    assert first is layouts.entries(survey(state), ["model"])  # the same layout: the same plan
+    assert [e.shared for e in first[0]][0] is not None and first[0][1].shared is None
+    unshared = layouts.entries(survey(state), [])
+    assert all(e.shared is None for e in unshared[0])
+    again = layouts.entries(survey(state), ["model"])
+    assert again[0][0].shared == first[0][0].shared
+    with pytest.raises(ValueError, match="replicated"):  # still checked: a typo names no tensor
+        layouts.entries(survey(state), ["modle"])

@@ -25,7 +25,9 @@ from tierckpt.capture.device import DeviceCopies
 from tierckpt.capture.pool import HostPool
 from tierckpt.capture.views import TornCaptureError, moment
 from tierckpt.snapshot import Snapshot, plan_entries
-from tierckpt.state import flatten
+from tierckpt.state import survey
+
+from helpers import parked, until
 
 DEADLINE_S = 30.0  # a deadlock guard only
 GPU = torch.device("cpu")  # the fake GPU's tensors live on the CPU: streams and events are keyed by their device
@@ -37,6 +39,7 @@ class FakeGpu:
     def __init__(self) -> None:
         self.done = threading.Event()
         self.waits: list[tuple[Any, Any]] = []  # (stream, event) of every wait_event
+        self.stream_syncs: list[str] = []  # the thread of every stream synchronize, as it begins
         self.current = self.Stream()
 
     def Stream(self, device: Any = None) -> Any:  # noqa: N802 - stands in for torch.cuda.Stream
@@ -47,6 +50,7 @@ class FakeGpu:
                 gpu.waits.append((self, event))
 
             def synchronize(self) -> None:
+                gpu.stream_syncs.append(threading.current_thread().name)
                 assert gpu.done.wait(DEADLINE_S)
 
         return FakeStream()
@@ -80,7 +84,8 @@ class Capture:
     """One snapshot of ``state`` started on ``copies`` (as the Copier does for device tensors)."""
 
     def __init__(self, copies: DeviceCopies, pool: HostPool, state: dict[str, torch.Tensor], layout: Snapshot | None = None) -> None:
-        skeleton, leaves = flatten(state)
+        found = survey(state)
+        skeleton, leaves = found.skeleton, found.leaves()
         # ``layout``: an earlier capture's snapshot whose entries this one reuses, as save() does while
         # a state keeps its layout.
         entries, nbytes = (layout.entries, layout.nbytes) if layout is not None else plan_entries(leaves)
@@ -88,7 +93,7 @@ class Capture:
         self.pool = pool
         self.finished = threading.Event()
         self.error: BaseException | None = None
-        items = list(zip(leaves, entries, moment(leaves).versions))
+        items = list(zip(found.values, entries, moment(found).versions))
         copies.start(self.snapshot, items, {GPU: "ready"}, self._done)
 
     def _done(self, error: BaseException | None) -> None:
@@ -170,8 +175,7 @@ def test_wait_blocks_the_host_until_the_copies_are_done(gpu: FakeGpu, stage: tup
     assert copies.wait(timeout=0.05) is False
     waiter = threading.Thread(target=copies.wait, args=(DEADLINE_S,))
     waiter.start()
-    waiter.join(0.2)
-    assert waiter.is_alive(), "wait() returned before the copies were done"
+    assert parked(waiter, DEADLINE_S), "wait() returned before the copies were done"
     gpu.done.set()
     waiter.join(DEADLINE_S)
     assert not waiter.is_alive() and capture.finished.is_set() and capture.error is None
@@ -245,9 +249,10 @@ def test_a_failed_queueing_waits_for_what_was_queued_and_reports_the_failure(
     capture = Capture(copies, pool, {"a": torch.zeros(10), "b": torch.zeros(10)})
     done_queueing = threading.Thread(target=queued, args=(copies,))
     done_queueing.start()
-    done_queueing.join(0.2)
     # The first copy was queued: the queueing thread waits for the stream before the slot can go back.
-    assert done_queueing.is_alive() and not capture.finished.is_set()
+    assert until(lambda: gpu.stream_syncs or capture.finished.is_set(), DEADLINE_S)
+    assert gpu.stream_syncs and not capture.finished.is_set()
+    assert done_queueing.is_alive()  # queued behind the queueing thread's synchronize
     gpu.done.set()
     done_queueing.join(DEADLINE_S)
     assert capture.finished.wait(DEADLINE_S)

@@ -37,6 +37,7 @@ import tierckpt.restore.landing
 import tierckpt.restore.plan
 import tierckpt.state.leaves
 import tierckpt.state.skeleton
+import tierckpt.state.walk
 import tierckpt.storage.posix
 import tierckpt.tiers.fsio
 from tierckpt import Checkpointer
@@ -555,7 +556,8 @@ def test_restore_moves_on_past_a_symlinked_or_fifo_data_file(tmp_path: Path) -> 
 
 
 def test_the_skeleton_node_limit_holds_for_saving_and_reading(monkeypatch: pytest.MonkeyPatch) -> None:
-    # flattening (state.leaves) and decoding (state.skeleton) each hold the limit
+    # flattening (both walks: state.walk's and state.leaves') and decoding (state.skeleton) each hold the limit
+    monkeypatch.setattr(tierckpt.state.walk, "MAX_SKELETON_NODES", 100)
     monkeypatch.setattr(tierckpt.state.leaves, "MAX_SKELETON_NODES", 100)
     monkeypatch.setattr(tierckpt.state.skeleton, "MAX_SKELETON_NODES", 100)
     fits = {"xs": list(range(97))}  # root dict 1 + key and value 2 + 97 items = 100

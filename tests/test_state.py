@@ -483,15 +483,16 @@ def _same_leaves(got: list[Leaf], want: list[Leaf]) -> None:
 
 def _walks_agree(state: Any) -> None:
     """save()'s common-case walk gives exactly the general walk's skeleton and leaves (or declines)."""
-    from tierckpt.state.leaves import _flatten_any, _flatten_common
+    from tierckpt.state.leaves import _flatten_any
+    from tierckpt.state.walk import _flatten_common
 
     try:
         fast = _flatten_common(state)
     except Exception:  # noqa: BLE001 - declined: flatten() takes the general walk
         return
     general = _flatten_any(state)
-    assert msgpack.packb(fast[0], use_bin_type=True) == msgpack.packb(general[0], use_bin_type=True)
-    _same_leaves(fast[1], general[1])
+    assert msgpack.packb(fast.skeleton, use_bin_type=True) == msgpack.packb(general[0], use_bin_type=True)
+    _same_leaves(fast.leaves(), general[1])
 
 
 @settings(deadline=None, max_examples=300)
@@ -501,7 +502,7 @@ def test_the_common_case_walk_agrees_with_the_general_one(state: Any) -> None:
 
 
 def test_the_common_case_walk_takes_a_model_and_its_optimizer() -> None:
-    from tierckpt.state.leaves import _flatten_common
+    from tierckpt.state.walk import _flatten_common
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     optimizer = torch.optim.AdamW(model.parameters())
@@ -524,7 +525,8 @@ def test_the_common_case_walk_takes_a_model_and_its_optimizer() -> None:
 )
 def test_unusual_states_take_the_general_walk_with_its_result_or_error(make: Any) -> None:
     unusual = make()
-    from tierckpt.state.leaves import _Unusual, _flatten_any, _flatten_common
+    from tierckpt.state.leaves import _flatten_any
+    from tierckpt.state.walk import _flatten_common, _Unusual
 
     with pytest.raises((_Unusual, UnsupportedStateError)):
         _flatten_common(unusual)

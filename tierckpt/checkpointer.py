@@ -21,7 +21,7 @@ from tierckpt.ranks import RankGroup
 from tierckpt.restore import Restored, restore_agreed, restore_latest, restore_step
 from tierckpt.runtime import TierFactory, assemble
 from tierckpt.snapshot import LayoutCache
-from tierckpt.state import flatten
+from tierckpt.state import survey
 from tierckpt.tiers.base import Tier, VersionInfo
 from tierckpt.tiers.encoding import TierEncoding
 
@@ -205,14 +205,22 @@ class Checkpointer:
                 reported once). This save did not happen.
         """
         request = self._prepare(step, state, metadata, replicated)
-        return SaveHandle(await self._engine.run(self._pipeline.save(request)))
+        try:
+            tracker = await self._engine.run(self._pipeline.save(request))
+        finally:
+            request.handoff.caller_done()  # starts the copies, off the engine (Handoff says why)
+        return SaveHandle(tracker)
 
     def save_sync(
         self, step: int, state: Any, *, metadata: Mapping[str, Any] | None = None, replicated: Sequence[Any] = ()
     ) -> SaveHandle:
         """Synchronous twin of :meth:`save`."""
         request = self._prepare(step, state, metadata, replicated)
-        return SaveHandle(self._engine.run_sync(self._pipeline.save(request)))
+        try:
+            tracker = self._engine.run_sync(self._pipeline.save(request))
+        finally:
+            request.handoff.caller_done()
+        return SaveHandle(tracker)
 
     def _prepare(self, step: int, state: Any, metadata: Mapping[str, Any] | None, replicated: Sequence[Any] = ()) -> SaveRequest:
         self._check_open()
@@ -223,9 +231,9 @@ class Checkpointer:
             msgpack.packb(meta, use_bin_type=True)
         except (TypeError, ValueError, OverflowError) as exc:
             raise TypeError(f"metadata must hold only msgpack types (str, int, float, bool, None, bytes, lists, dicts): {exc}") from exc
-        skeleton, leaves = flatten(state)
-        entries, nbytes = self._layouts.entries(leaves, replicated)
-        return SaveRequest(step, leaves, entries, nbytes, skeleton, meta, moment(leaves))
+        found = survey(state)
+        entries, nbytes = self._layouts.entries(found, replicated)
+        return SaveRequest(step, found.values, entries, nbytes, found.skeleton, meta, moment(found))
 
     # -- wait, restore, list -----------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -33,7 +33,6 @@ from tierckpt.capture.device import DeviceCopies
 from tierckpt.capture.pool import HostPool
 from tierckpt.capture.views import SaveMoment, TornCaptureError, check_unchanged, slot_tensor, source_tensor, tensor_pair
 from tierckpt.snapshot import Entry, Slot, Snapshot
-from tierckpt.state import Leaf
 
 __all__ = ["Copier", "TornCaptureError"]
 
@@ -93,8 +92,8 @@ class _Plan:
     # by its thread at its first copy into that slot, then reused (a slot keeps its layout).
     views: dict[tuple[Slot, int], list[torch.Tensor]] = field(default_factory=dict, compare=False)
 
-    def fits(self, entries: tuple[Entry, ...], leaves: Sequence[Leaf], on_device: tuple[int, ...]) -> bool:
-        return entries is self.entries and on_device == self.on_device and all(_contiguous(leaves[i]) for i in self.split)
+    def fits(self, entries: tuple[Entry, ...], values: Sequence[Any], on_device: tuple[int, ...]) -> bool:
+        return entries is self.entries and on_device == self.on_device and all(_contiguous(values[i], entries[i].kind) for i in self.split)
 
 
 class Copier:
@@ -109,15 +108,16 @@ class Copier:
         self._lock = threading.Lock()
         self._plan: _Plan | None = None  # the last layout's, reused while saves keep it
 
-    def start(self, snapshot: Snapshot, leaves: Sequence[Leaf], seen: SaveMoment) -> None:
-        """Enqueue the copies of ``leaves`` into ``snapshot``'s slot; ``snapshot.capture`` completes after.
+    def start(self, snapshot: Snapshot, values: Sequence[Any], seen: SaveMoment) -> None:
+        """Enqueue the copies of a state's leaf ``values`` into ``snapshot``'s slot; ``snapshot.capture``
+        completes after.
 
         ``seen``: the leaves' version counters and CUDA events read by ``save()`` on the caller's thread
         (:func:`~tierckpt.capture.views.moment`).
         """
         plan = self._plan
-        if plan is None or not plan.fits(snapshot.entries, leaves, seen.on_device):
-            plan = self._plan = _make_plan(snapshot.entries, leaves, seen.on_device, self._threads)
+        if plan is None or not plan.fits(snapshot.entries, values, seen.on_device):
+            plan = self._plan = _make_plan(snapshot.entries, values, seen.on_device, self._threads)
         future = snapshot.capture
         # The copies run whatever a waiter does: a cancelled await (wait() under a timeout) must not
         # cancel the capture, or its slot would stay "capturing" forever. A running future cannot be.
@@ -130,7 +130,7 @@ class Copier:
         if plan.on_device:
             if self._devices is None:
                 self._devices = DeviceCopies(self._pool)
-            items = [(leaves[i], snapshot.entries[i], seen.versions[i]) for i in plan.on_device]
+            items = [(values[i], snapshot.entries[i], seen.versions[i]) for i in plan.on_device]
             self._devices.start(snapshot, items, seen.ready, countdown.finish)
         if plan.batches:
             on_threads: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -141,7 +141,7 @@ class Copier:
             on_threads.add_done_callback(lambda f: countdown.finish(f.exception()))
             threads = _Countdown(len(plan.batches), on_threads)
             for b in range(len(plan.batches)):
-                self._executor.submit(_run, self._pool, snapshot, leaves, seen.versions, plan, b, threads)
+                self._executor.submit(_run, self._pool, snapshot, values, seen.versions, plan, b, threads)
 
     def wait_captured(self, timeout: float | None = None, *, host: bool = False) -> bool:
         """The barrier: wait until what ``save()`` calls so far copy can no longer be overwritten.
@@ -173,26 +173,24 @@ class Copier:
             self._pending.discard(future)
 
 
-def _contiguous(leaf: Leaf) -> bool:
-    value = leaf.value
-    return bool(value.is_contiguous() if leaf.kind == "torch" else value.flags.c_contiguous)
+def _contiguous(value: Any, kind: str) -> bool:
+    return bool(value.is_contiguous() if kind == "torch" else value.flags.c_contiguous)
 
 
-def _make_plan(entries: tuple[Entry, ...], leaves: Sequence[Leaf], on_device: tuple[int, ...], threads: int) -> _Plan:
+def _make_plan(entries: tuple[Entry, ...], values: Sequence[Any], on_device: tuple[int, ...], threads: int) -> _Plan:
     """Host leaves in pieces of at most ``_PIECE_BYTES`` (contiguous ones; others whole), balanced
     over ``threads`` batches: greedy, biggest piece first, onto the thread with the fewest bytes."""
     device = set(on_device)
     pieces: list[tuple[int, _Item]] = []  # (bytes, item)
     split = []
-    for index, (leaf, entry) in enumerate(zip(leaves, entries)):
+    for index, (value, entry) in enumerate(zip(values, entries)):
         if index in device:
             continue
-        value = leaf.value
-        if entry.nbytes <= _PIECE_BYTES or value.ndim == 0 or not _contiguous(leaf):
+        if entry.nbytes <= _PIECE_BYTES or value.ndim == 0 or not _contiguous(value, entry.kind):
             pieces.append((entry.nbytes, (index, 0, None)))
             continue
         split.append(index)
-        numel = value.numel() if leaf.kind == "torch" else value.size
+        numel = value.numel() if entry.kind == "torch" else value.size
         itemsize = entry.nbytes // numel
         step = max(1, _PIECE_BYTES // itemsize)
         pieces.extend(((min(a + step, numel) - a) * itemsize, (index, a, min(a + step, numel))) for a in range(0, numel, step))
@@ -202,33 +200,33 @@ def _make_plan(entries: tuple[Entry, ...], leaves: Sequence[Leaf], on_device: tu
         i = loads.index(min(loads))
         batches[i].append(item)
         loads[i] += nbytes
-    return _Plan(entries, on_device, tuple(split), tuple(_batch(b, leaves) for b in batches))
+    return _Plan(entries, on_device, tuple(split), tuple(_batch(b, entries) for b in batches))
 
 
-def _batch(items: list[_Item], leaves: Sequence[Leaf]) -> _Batch:
-    whole = tuple(item[0] for item in items if item[2] is None and leaves[item[0]].kind == "torch")
+def _batch(items: list[_Item], entries: Sequence[Entry]) -> _Batch:
+    whole = tuple(item[0] for item in items if item[2] is None and entries[item[0]].kind == "torch")
     together = set(whole)
     return _Batch(whole, tuple(item for item in items if item[0] not in together))
 
 
-def _copy(pool: HostPool, snapshot: Snapshot, leaf: Leaf, version: int, item: _Item) -> None:
+def _copy(pool: HostPool, snapshot: Snapshot, value: Any, version: int, item: _Item) -> None:
     index, first, stop = item
     entry = snapshot.entries[index]
-    if leaf.kind == "torch":
-        dest, src = tensor_pair(pool, snapshot, leaf, entry, first, stop)
+    if entry.kind == "torch":
+        dest, src = tensor_pair(pool, snapshot, value, entry, first, stop)
         dest.copy_(src)
-        check_unchanged(snapshot, entry.key, leaf.value, version)
+        check_unchanged(snapshot, entry.key, value, version)
     else:
         import numpy as np
 
         dest = pool.array(snapshot.slot, entry.offset, entry.nbytes, entry.dtype, entry.shape)
-        src = leaf.value
+        src = value
         if stop is not None:
             src, dest = src.reshape(-1)[first:stop], dest.reshape(-1)[first:stop]
         np.copyto(dest, src)
 
 
-def _run(pool: HostPool, snapshot: Snapshot, leaves: Sequence[Leaf], versions: Sequence[int], plan: _Plan, b: int, countdown: _Countdown) -> None:
+def _run(pool: HostPool, snapshot: Snapshot, values: Sequence[Any], versions: Sequence[int], plan: _Plan, b: int, countdown: _Countdown) -> None:
     error = None
     batch = plan.batches[b]
     try:
@@ -238,11 +236,11 @@ def _run(pool: HostPool, snapshot: Snapshot, leaves: Sequence[Leaf], versions: S
                 # One call for all of them: one release of the interpreter lock instead of one per
                 # tensor. Each release lets the training thread in and makes this thread wait for the
                 # lock again: 600 small tensors slowed a launch-bound thread's next 2 ms by 9 ms here.
-                torch._foreach_copy_(_views(pool, snapshot, plan, b), [source_tensor(leaves[i].value) for i in batch.whole])
+                torch._foreach_copy_(_views(pool, snapshot, plan, b), [source_tensor(values[i]) for i in batch.whole])
                 for i in batch.whole:
-                    check_unchanged(snapshot, snapshot.entries[i].key, leaves[i].value, versions[i])
+                    check_unchanged(snapshot, snapshot.entries[i].key, values[i], versions[i])
             for item in batch.items:
-                _copy(pool, snapshot, leaves[item[0]], versions[item[0]], item)
+                _copy(pool, snapshot, values[item[0]], versions[item[0]], item)
     except BaseException as exc:  # reported through the snapshot's future, re-raised at the next save()
         error = exc
     countdown.finish(error)

@@ -38,7 +38,6 @@ import torch
 from tierckpt.capture.pool import HostPool
 from tierckpt.capture.views import TornCaptureError, check_unchanged, slot_tensor, source_tensor
 from tierckpt.snapshot import Entry, Slot, Snapshot
-from tierckpt.state import Leaf
 
 
 @dataclass(eq=False)
@@ -46,7 +45,7 @@ class _Batch:
     """One snapshot's device tensors: queued once, completed once."""
 
     snapshot: Snapshot
-    items: Sequence[tuple[Leaf, Entry, int]]  # leaf, its entry, its version counter at save()
+    items: Sequence[tuple[torch.Tensor, Entry, int]]  # a leaf's value, its entry, its version counter at save()
     ready: Mapping[torch.device, Any]  # per device: the event recorded at save() on its current stream
     done: Callable[[BaseException | None], None]
     queued: threading.Event = field(default_factory=threading.Event)
@@ -72,7 +71,7 @@ class DeviceCopies:
     def start(
         self,
         snapshot: Snapshot,
-        items: Sequence[tuple[Leaf, Entry, int]],
+        items: Sequence[tuple[torch.Tensor, Entry, int]],
         ready: Mapping[torch.device, Any],
         done: Callable[[BaseException | None], None],
     ) -> None:
@@ -125,9 +124,9 @@ class DeviceCopies:
     def _launch(self, batch: _Batch) -> None:
         used = []
         try:
-            by_device: dict[torch.device, list[tuple[Leaf, Entry, int]]] = {}
+            by_device: dict[torch.device, list[tuple[torch.Tensor, Entry, int]]] = {}
             for item in batch.items:
-                by_device.setdefault(item[0].value.device, []).append(item)
+                by_device.setdefault(item[0].device, []).append(item)
             with torch.no_grad():  # grad mode is per thread
                 for device, items in by_device.items():
                     stream = self._stream(device)
@@ -144,14 +143,14 @@ class DeviceCopies:
             batch.queued.set()
             self._waiter.submit(self._complete, batch)
 
-    def _queue_copies(self, batch: _Batch, stream: Any, device: torch.device, items: list[tuple[Leaf, Entry, int]]) -> Any:
+    def _queue_copies(self, batch: _Batch, stream: Any, device: torch.device, items: list[tuple[torch.Tensor, Entry, int]]) -> Any:
         with torch.cuda.device(device), torch.cuda.stream(stream):
             ready = batch.ready.get(device)
             if ready is not None:
                 stream.wait_event(ready)
             sources = []
-            for leaf, _, _ in items:
-                src = source_tensor(leaf.value)
+            for value, _, _ in items:
+                src = source_tensor(value)
                 if src.is_conj() or src.is_neg():
                     # A cross-device copy applies these bits to the host copy afterwards, on the host,
                     # racing the DMA: resolve them on the device first, on this stream.
@@ -166,7 +165,7 @@ class DeviceCopies:
             done.record(stream)
         return done
 
-    def _views(self, snapshot: Snapshot, device: torch.device, items: list[tuple[Leaf, Entry, int]]) -> list[torch.Tensor]:
+    def _views(self, snapshot: Snapshot, device: torch.device, items: list[tuple[torch.Tensor, Entry, int]]) -> list[torch.Tensor]:
         """The slot views ``items``' copies go into: made at the first copy of a layout into a slot,
         then reused while saves keep that layout (a slot's layout is its entries)."""
         key = (snapshot.slot, device)  # the slot itself: a pool sized to the state maps new ones as it grows
@@ -199,8 +198,8 @@ class DeviceCopies:
 
 
 def _check(batch: _Batch) -> None:
-    for leaf, entry, version in batch.items:
-        check_unchanged(batch.snapshot, entry.key, leaf.value, version)
+    for value, entry, version in batch.items:
+        check_unchanged(batch.snapshot, entry.key, value, version)
 
 
 def _torn(batch: _Batch) -> TornCaptureError | None:

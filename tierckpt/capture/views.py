@@ -9,17 +9,17 @@ import torch
 
 from tierckpt.capture.pool import HostPool
 from tierckpt.snapshot import Entry, Snapshot
-from tierckpt.state import Leaf
+from tierckpt.state import Survey
 
 
 class TornCaptureError(RuntimeError):
     """A tensor changed while it was being copied into the host slot."""
 
 
-def tensor_pair(pool: HostPool, snapshot: Snapshot, leaf: Leaf, entry: Entry, first: int = 0, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(slot view, source view)`` for ``dest.copy_(src)``: elements ``[first, stop)`` of a torch leaf
-    (all of it when ``stop`` is None)."""
-    dest, src = slot_tensor(pool, snapshot, entry), source_tensor(leaf.value.detach())
+def tensor_pair(pool: HostPool, snapshot: Snapshot, value: torch.Tensor, entry: Entry, first: int = 0, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(slot view, source view)`` for ``dest.copy_(src)``: elements ``[first, stop)`` of a torch leaf's
+    value (all of it when ``stop`` is None)."""
+    dest, src = slot_tensor(pool, snapshot, entry), source_tensor(value.detach())
     if stop is not None:
         src, dest = src.reshape(-1)[first:stop], dest.reshape(-1)[first:stop]
     return dest, src
@@ -55,30 +55,17 @@ class SaveMoment:
     on_device: tuple[int, ...] = ()
 
 
-def moment(leaves: Sequence[Leaf]) -> SaveMoment:
-    """Read the :class:`SaveMoment` of ``leaves`` (on the saving thread, before ``save()`` returns).
-
-    One pass, a few attribute reads a leaf: it is part of every ``save()`` call's cost."""
+def moment(found: Survey) -> SaveMoment:
+    """The :class:`SaveMoment` of a state ``save()`` surveyed (on the saving thread, before it returns):
+    the version counters the survey read, and an event on each CUDA device's current stream."""
     ready = {}
-    versions = []
-    on_device = []
-    for index, leaf in enumerate(leaves):
-        value = leaf.value
-        if leaf.kind != "torch":
-            versions.append(-1)
-            continue
-        try:
-            versions.append(value._version)
-        except RuntimeError:  # an inference tensor: it has no version counter
-            versions.append(-1)
-        if value.is_cuda:
-            on_device.append(index)
-            device = value.device
-            if device not in ready:
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(device))
-                ready[device] = event
-    return SaveMoment(versions, ready, tuple(on_device))
+    for index in found.on_device:
+        device = found.values[index].device
+        if device not in ready:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            ready[device] = event
+    return SaveMoment(found.versions, ready, tuple(found.on_device))
 
 
 def check_unchanged(snapshot: Snapshot, key: str, value: Any, version: int) -> None:

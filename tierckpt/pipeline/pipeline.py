@@ -1,7 +1,8 @@
 """The pipeline: host slots → memory tier → a flusher per tier below, with backpressure and drain.
 
-Everything here runs on the engine thread; the only other threads it talks to are the copy threads
-(through each snapshot's capture future) and the tiers' I/O threads.
+Everything here runs on the engine thread, but the start of a save's copies, which the saving thread
+runs once it has its handle (:class:`~tierckpt.pipeline.saves.Handoff`); the only other threads it
+talks to are the copy threads (through each snapshot's capture future) and the tiers' I/O threads.
 
 Every captured save is offered to every tier's flusher, and each tier selects on that stream with its
 own policy; a tier reads what it takes from host memory, or from a filesystem tier above that holds it
@@ -207,15 +208,19 @@ class Pipeline:
         self.memory.add(snapshot)
         loop = asyncio.get_running_loop()
         snapshot.capture.add_done_callback(lambda _: loop.call_soon_threadsafe(self._captured, snapshot))
+        request.handoff.admitted(lambda: self._start_copies(snapshot, request))
+        return tracker
+
+    def _start_copies(self, snapshot: Snapshot, request: SaveRequest) -> None:
+        """Start ``snapshot``'s copies (on the saving thread, or here: :class:`~tierckpt.pipeline.saves.Handoff`)."""
         try:
-            self.copier.start(snapshot, request.leaves, request.seen)
+            self.copier.start(snapshot, request.values, request.seen)
         except BaseException as exc:
             # Nothing was enqueued: fail the capture so the slot comes back and nobody waits on it.
             if not snapshot.capture.done():
                 snapshot.report_failure = False  # raised right here: not again at the next call
                 snapshot.capture.set_exception(exc)
             raise
-        return tracker
 
     def _captured(self, snapshot: Snapshot) -> None:
         tracker = self._trackers.get(snapshot.seq)

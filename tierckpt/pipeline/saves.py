@@ -4,14 +4,47 @@
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from tierckpt.capture.views import SaveMoment
 from tierckpt.errors import FlushError
 from tierckpt.snapshot import Entry
-from tierckpt.state import Leaf
 from tierckpt.tiers.encoding import CompressionStats
+
+
+class Handoff:
+    """Who starts a save's copies: whichever of the engine (the save is admitted) and the caller (done
+    waiting for it) comes second. Normally the caller, once it has its handle: copy threads started
+    before it woke took turns with it for the interpreter lock, in the middle of the call (measured
+    here: 0.1-0.3 ms of a 1.2 ms ``save()`` of 600 tensors). A caller that stopped waiting early (a
+    cancelled await, an interrupt) comes first, and the engine starts them as it admits the save: an
+    admitted snapshot always gets its copies, or its slot would never come back.
+    """
+
+    __slots__ = ("_lock", "_start", "_caller_done")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._start: Callable[[], None] | None = None
+        self._caller_done = False
+
+    def admitted(self, start: Callable[[], None]) -> None:
+        """The engine: the save has its snapshot; ``start()`` starts its copies."""
+        with self._lock:
+            if not self._caller_done:
+                self._start = start
+                return
+        start()
+
+    def caller_done(self) -> None:
+        """The caller: it has its handle, or stopped waiting. Starts the copies if the save was admitted."""
+        with self._lock:
+            self._caller_done = True
+            start, self._start = self._start, None
+        if start is not None:
+            start()
 
 
 @dataclass(frozen=True)
@@ -19,12 +52,13 @@ class SaveRequest:
     """One ``save()``, checked and laid out on the caller's thread, for :meth:`Pipeline.save`."""
 
     step: int
-    leaves: Sequence[Leaf]  # the state's array leaves, in skeleton order
+    values: Sequence[Any]  # the state's arrays (a DTensor's local tensor), in skeleton order
     entries: tuple[Entry, ...]  # where each leaf goes in a slot (plan_entries)
     nbytes: int  # slot bytes the entries need
     skeleton: Any  # the state without its arrays (msgpack-able)
     metadata: dict[str, Any]
     seen: SaveMoment  # what save() saw of each leaf (tensor versions, CUDA events)
+    handoff: Handoff = field(default_factory=Handoff, compare=False)
 
 
 @dataclass

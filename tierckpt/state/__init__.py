@@ -20,7 +20,8 @@ Known losses, by design: a sub-structure shared by two keys is stored twice (ide
 ``torch.nn.Parameter`` comes back as whatever array the caller passes (a plain tensor), and the
 ``_metadata`` attribute of a module state_dict is dropped (``load_state_dict`` works without it).
 
-The package: :mod:`~tierckpt.state.leaves` flattens (:func:`flatten`, :class:`Leaf`),
+The package: :mod:`~tierckpt.state.walk` reads a state as ``save()`` needs it (:func:`survey`,
+:func:`flatten`), :mod:`~tierckpt.state.leaves` holds :class:`Leaf` and the general walk,
 :mod:`~tierckpt.state.skeleton` decodes untrusted skeletons (:func:`unflatten`,
 :func:`skeleton_leaf_count`, the limits), :mod:`~tierckpt.state.dtypes` names dtypes (:func:`torch_dtype`,
 :func:`numpy_dtype`); each imports only those after it in this list.
@@ -29,7 +30,7 @@ The package: :mod:`~tierckpt.state.leaves` flattens (:func:`flatten`, :class:`Le
 from __future__ import annotations
 
 from tierckpt.state.dtypes import numpy_dtype, torch_dtype
-from tierckpt.state.leaves import Leaf, flatten
+from tierckpt.state.leaves import Leaf
 from tierckpt.state.skeleton import (
     MAX_SKELETON_DEPTH,
     MAX_SKELETON_NODES,
@@ -37,8 +38,9 @@ from tierckpt.state.skeleton import (
     skeleton_leaf_count,
     unflatten,
 )
+from tierckpt.state.walk import Survey, flatten, survey
 
 __all__ = [
-    "MAX_SKELETON_DEPTH", "MAX_SKELETON_NODES", "Leaf", "flatten", "unflatten", "skeleton_leaf_count", "format_path",
+    "MAX_SKELETON_DEPTH", "MAX_SKELETON_NODES", "Leaf", "Survey", "flatten", "survey", "unflatten", "skeleton_leaf_count", "format_path",
     "torch_dtype", "numpy_dtype",
 ]

@@ -1,4 +1,4 @@
-"""Flattening a state: :func:`flatten` splits it into a skeleton and :class:`Leaf` arrays.
+"""The array leaves of a state (:class:`Leaf`), and the general walk that finds them in any state.
 
 Every tensor and numpy array becomes a :class:`Leaf` holding the object itself (never a copy), after
 checks that its raw bytes are its whole value (dense, strided, not quantized, a storable dtype); a
@@ -10,7 +10,6 @@ key path. The skeleton follows the grammar in :mod:`tierckpt.state` and the limi
 
 from __future__ import annotations
 
-import gc
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +22,7 @@ from tierckpt.format.records import Region
 from tierckpt.state.dtypes import _STORABLE_TORCH_DTYPES, _TORCH_DTYPE_NAMES, _numpy_problem
 from tierckpt.state.skeleton import MAX_SKELETON_DEPTH, MAX_SKELETON_NODES, format_path
 
-__all__ = ["Leaf", "flatten"]
+__all__ = ["Leaf"]
 
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
 _PLAIN = (type(None), bool, float, bytes)  # stored as themselves, nothing to check
@@ -34,7 +33,7 @@ _SUPPORTED = (
 )
 
 
-@dataclass(slots=True)  # not frozen: save() makes one per tensor, and a frozen init costs 5x (1 us here)
+@dataclass(slots=True)  # not frozen: made per tensor (a frozen init costs 5x), though save() makes them only for a new layout
 class Leaf:
     """One array of a flattened state.
 
@@ -57,123 +56,6 @@ class Leaf:
     replicas: tuple[int, ...] = ()
     region: Region | None = None
     dtensor: Any = field(default=None, compare=False, repr=False)  # the DTensor whose local tensor is ``value``
-
-
-def flatten(state: Any) -> tuple[Any, list[Leaf]]:
-    """Split ``state`` into a msgpack-able skeleton and its array leaves (neither copied nor moved).
-
-    Leaves are numbered in depth-first order, dict keys before values. The same tensor object reached
-    twice gives two leaves.
-
-    Example::
-
-        skeleton, leaves = flatten({"model": model.state_dict(), "step": 7})
-        state = unflatten(skeleton, [leaf.value for leaf in leaves])
-
-    Raises:
-        UnsupportedStateError: a value cannot be stored without pickle (an unsupported type, a sparse,
-            quantized, meta or nested tensor, a tensor subclass, a numpy object array, a cycle, a state
-            nested past MAX_SKELETON_DEPTH or with more than MAX_SKELETON_NODES values). The message and
-            ``key`` name its key path.
-    """
-    # The walk makes a few objects per value: thousands for a model and its optimizer, which would
-    # run the collector several times inside save() (measured: 0.15-0.3 ms of a 1.5 ms call for 600
-    # tensors). Paused, it runs once afterwards, and its older generations far more rarely.
-    paused = gc.isenabled()
-    if paused:
-        gc.disable()
-    try:
-        try:
-            return _flatten_common(state)
-        except Exception:  # noqa: BLE001 - any surprise: the general walk handles it, and names any problem
-            pass
-        return _flatten_any(state)
-    finally:
-        if paused:
-            gc.enable()
-
-
-# -- the common case: save() calls flatten on the training thread, so its cost per tensor is the call's --
-
-_FAST_DEPTH = 200  # nesting the recursive walk takes; deeper states go to the general walk (no recursion)
-_STRIDED = torch.strided
-_TENSOR = torch.Tensor
-_PARAMETER = torch.nn.Parameter
-_STORABLE_NAMES = {d: name for d, name in _TORCH_DTYPE_NAMES.items() if name in _STORABLE_TORCH_DTYPES}
-_SCALARS = (type(None), bool, float, bytes)
-
-
-class _Unusual(Exception):
-    """Something the common-case walk leaves to the general one."""
-
-
-def _flatten_common(state: Any) -> tuple[Any, list[Leaf]]:
-    """:func:`flatten` of a state made of dicts with str or int keys, lists, tuples, dense tensors of
-    storable dtypes, numpy values and plain scalars, nested at most ``_FAST_DEPTH`` deep: the same
-    skeleton and leaves as the general walk, 2-3x faster. Raises on anything else
-    (:func:`flatten` then takes the general walk)."""
-    leaves: list[Leaf] = []
-    counted = [1]  # values walked, as the general walk counts them (MAX_SKELETON_NODES)
-    root = _node(state, (), leaves, 0, counted)
-    if counted[0] > MAX_SKELETON_NODES:
-        raise _Unusual
-    return root, leaves
-
-
-def _node(obj: Any, path: tuple[Any, ...], leaves: list[Leaf], depth: int, counted: list[int]) -> Any:
-    kind = type(obj)
-    if kind is _TENSOR or kind is _PARAMETER:
-        return _tensor_node(obj, path, leaves)
-    if kind in _SCALARS or (kind is str and obj.isascii()) or (kind is int and _INT_MIN <= obj <= _INT_MAX):
-        return obj
-    if depth > _FAST_DEPTH:
-        raise _Unusual
-    if kind is dict or kind is OrderedDict:
-        counted[0] += 2 * len(obj)
-        pairs: list[list[Any]] = []
-        append = pairs.append
-        for key, value in obj.items():
-            kk = type(key)
-            if not ((kk is str and key.isascii()) or (kk is int and _INT_MIN <= key <= _INT_MAX)):
-                raise _Unusual
-            # The values a state holds most (tensors, then plain scalars) without a call deeper: a
-            # call and a path tuple a value were most of the walk's cost.
-            vk = type(value)
-            if vk is _TENSOR or vk is _PARAMETER:
-                append([key, _tensor_node(value, (*path, key), leaves)])
-            elif vk in _SCALARS or (vk is int and _INT_MIN <= value <= _INT_MAX):
-                append([key, value])
-            else:
-                append([key, _node(value, (*path, key), leaves, depth + 3, counted)])
-        return [_CONTAINER_TAGS[kind], pairs]
-    if kind is list or kind is tuple:
-        counted[0] += len(obj)
-        items: list[Any] = []
-        add = items.append
-        for i, value in enumerate(obj):
-            vk = type(value)
-            if vk in _SCALARS or (vk is int and _INT_MIN <= value <= _INT_MAX):
-                add(value)
-            else:
-                add(_node(value, (*path, i), leaves, depth + 2, counted))
-        return [_CONTAINER_TAGS[kind], items]
-    if kind is torch.dtype:
-        return ["dt", _TORCH_DTYPE_NAMES[obj]]
-    if kind is torch.device:
-        return ["dev", str(obj)]
-    if kind is np.ndarray or isinstance(obj, np.generic):
-        return _leaf_node(obj, path, leaves)
-    raise _Unusual
-
-
-def _tensor_node(obj: torch.Tensor, path: tuple[Any, ...], leaves: list[Leaf]) -> list[Any]:
-    """:func:`_leaf_node` of a plain tensor or Parameter that passes every check; else raises."""
-    name = _STORABLE_NAMES.get(obj.dtype)  # quantized dtypes are not storable: no is_quantized needed
-    if name is None or obj.layout is not _STRIDED or obj.is_nested or obj.is_meta:
-        raise _Unusual
-    index = len(leaves)
-    leaves.append(Leaf(index, path, "torch", obj, name, tuple(obj.shape), obj.nbytes))
-    return ["T", index]
 
 
 # -- the general walk: any state, every check, no recursion ----------------------------------------

@@ -4,7 +4,8 @@ Skeletons are read back from manifests on disk, i.e. from untrusted bytes: every
 against the grammar in :mod:`tierckpt.state` (no pickle, no msgpack maps or extension types), the work
 is bounded by :data:`MAX_SKELETON_DEPTH` and :data:`MAX_SKELETON_NODES`, and anything wrong raises
 :class:`~tierckpt.errors.CorruptCheckpointError`. The limits and :func:`format_path` live here because
-flattening (:mod:`tierckpt.state.leaves`) refuses to write what this module would refuse to read.
+flattening (:mod:`tierckpt.state.walk`, :mod:`tierckpt.state.leaves`) refuses to write what this
+module would refuse to read.
 """
 
 from __future__ import annotations
