@@ -13,7 +13,7 @@ import torch
 from tierckpt import Checkpointer, ConfigError, FlushError
 from tierckpt.capture.copier import TornCaptureError
 
-from helpers import fs_tier, tier_config
+from helpers import fs_tier, parked, tier_config
 
 
 def _config(tmp_path: Path) -> dict:
@@ -67,8 +67,7 @@ def test_attach_module_makes_forward_wait_so_the_snapshot_is_consistent(tmp_path
         handle = ckpt.save_sync(1, model.state_dict())
         forward = threading.Thread(target=model[-1], args=(torch.randn(8, 2048),))
         forward.start()
-        forward.join(timeout=0.2)
-        assert forward.is_alive(), "forward of a module with buffers must wait for the copy"
+        assert parked(forward), "forward of a module with buffers must wait for the copy"
         gate.set()
         forward.join(timeout=30)
         assert handle.committed_sync("nvme", timeout=30)
@@ -108,8 +107,7 @@ def test_attach_holds_a_wrapper_without_buffers_that_writes_its_childrens(tmp_pa
         handle = ckpt.save_sync(1, wrapper.state_dict())
         forward = threading.Thread(target=wrapper, args=(torch.randn(8, 2048),))
         forward.start()
-        forward.join(timeout=0.2)
-        assert forward.is_alive(), "the wrapper's forward must wait for the copy"
+        assert parked(forward), "the wrapper's forward must wait for the copy"
         gate.set()
         forward.join(timeout=30)
         assert handle.captured_sync(timeout=30)  # not torn

@@ -19,7 +19,7 @@ from tierckpt import Checkpointer, TierckptError
 from tierckpt.errors import ClosedError
 from tierckpt.testing import slow
 
-from helpers import assert_bitwise, fs_tier, held, tier_config
+from helpers import assert_bitwise, fs_tier, held, small_state, tier_config
 
 DEADLINE_S = 30.0  # a deadlock guard only: every wait below ends on an event long before it
 
@@ -32,9 +32,6 @@ def manifest_of(tmp_path: Path, step: int, tier: str = "nvme") -> Path:
     return tmp_path / tier / f"step-{step:012d}" / "manifest.msgpack"
 
 
-def small_state(seed: int) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(64, 32, generator=g), "b": torch.arange(seed, seed + 8), "step": seed, "tag": f"s{seed}"}
 
 
 def run_in_thread(fn: Callable[[], Any]) -> Any:

@@ -16,12 +16,11 @@ import torch
 from tierckpt import Checkpointer, ConfigError
 from tierckpt.format import version_dirname
 
+from helpers import ram_fs
+
 
 def _config(root: Path, name: str = "nvme") -> dict[str, Any]:
-    return {
-        "host": {"capacity": "4MiB"},
-        "tiers": [{"name": "ram", "type": "memory"}, {"name": name, "type": "filesystem", "path": str(root)}],
-    }
+    return ram_fs(root, name=name, capacity="4MiB")
 
 
 def test_a_second_checkpointer_on_a_directory_in_use_is_refused_and_touches_nothing(tmp_path: Path) -> None:

@@ -17,16 +17,13 @@ from tierckpt.format import version_dirname
 from tierckpt.testing import launch_ranks
 from tierckpt.testing.ranks import failures
 
-from helpers import assert_bitwise
+from helpers import assert_bitwise, ram_fs
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 
 
 def _config(path: str) -> dict[str, Any]:
-    return {
-        "host": {"capacity": "16MiB", "snapshots": 2},
-        "tiers": [{"name": "ram", "type": "memory"}, {"name": "nvme", "type": "filesystem", "path": path, "scope": "node"}],
-    }
+    return ram_fs(path, capacity="16MiB", scope="node")
 
 
 def test_node_placeholder_is_the_nodes_name_in_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,18 +23,12 @@ import torch
 from tierckpt import Checkpointer, FlushError
 from tierckpt.testing import Gates, ManualClock, SlowTier, faulty, slow
 
-from helpers import Opened, assert_bitwise, held
+from helpers import Opened, assert_bitwise, fs_tier, held, memory_tier
 
 DEADLINE_S = 30.0  # a deadlock guard only: every wait below ends on an event long before it
 
 
 CLOSE_TOLERATES = (FlushError,)  # for the opened fixture: a test that failed already says why itself
-
-
-def tier(name: str, path: Path | None = None, **settings: Any) -> dict[str, Any]:
-    if path is None:
-        return {"name": name, "type": "memory", **settings}
-    return {"name": name, "type": "filesystem", "path": str(path), **settings}
 
 
 def config(*tiers: dict[str, Any], capacity: str = "4MiB", snapshots: int = 2, on_full: str = "block", copy_threads: int = 2) -> dict[str, Any]:
@@ -62,7 +56,7 @@ def restore_version_dir(version_dir: Path, scratch: Path) -> Any:
     """Restore one version directory on its own: copied alone into a fresh tier directory."""
     root = scratch / f"isolated-{next(_isolated)}"
     shutil.copytree(version_dir, root / version_dir.name)
-    with Checkpointer(config(tier("only", root), capacity="1MiB", snapshots=1)) as ckpt:
+    with Checkpointer(config(fs_tier("only", root), capacity="1MiB", snapshots=1)) as ckpt:
         restored = ckpt.restore_latest_sync()
     assert restored is not None
     return restored
@@ -75,7 +69,7 @@ def test_on_full_block_returns_only_once_the_flush_freed_the_slot(tmp_path: Path
     made: list[Any] = []
     make_slow = slow({"nvme": 0.3})
     ckpt = Checkpointer(
-        config(tier("ram"), tier("nvme", tmp_path / "nvme"), snapshots=1, on_full="block"),
+        config(memory_tier("ram"), fs_tier("nvme", tmp_path / "nvme"), snapshots=1, on_full="block"),
         tier_factory=lambda cfg: made.append(make_slow(cfg)) or made[-1],
     )
     opened.append(ckpt)
@@ -99,7 +93,7 @@ def test_on_full_block_returns_only_once_the_flush_freed_the_slot(tmp_path: Path
 def test_saves_do_not_wait_for_disk_while_a_slot_can_be_had(tmp_path: Path, opened: Opened) -> None:
     gates = Gates("nvme", deadline_s=DEADLINE_S)
     opened.append(gates)
-    ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme"), snapshots=2), tier_factory=gates)
+    ckpt = Checkpointer(config(memory_tier("ram"), fs_tier("nvme", tmp_path / "nvme"), snapshots=2), tier_factory=gates)
     opened.append(ckpt)
     h1 = ckpt.save_sync(1, state_for(1))
     assert gates["nvme"].started.wait(DEADLINE_S)  # step 1's flush holds its slot
@@ -127,7 +121,7 @@ def test_saves_do_not_wait_for_disk_while_a_slot_can_be_had(tmp_path: Path, open
 async def test_on_full_skip_drops_the_save_while_the_slow_flush_holds_the_slot(tmp_path: Path, opened: Opened) -> None:
     gates = Gates("nvme", deadline_s=DEADLINE_S)
     opened.append(gates)
-    ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme"), snapshots=1, on_full="skip"), tier_factory=gates)
+    ckpt = Checkpointer(config(memory_tier("ram"), fs_tier("nvme", tmp_path / "nvme"), snapshots=1, on_full="skip"), tier_factory=gates)
     opened.append(ckpt)
     first = await ckpt.save(1, state_for(1))
     assert await first.captured() is True
@@ -162,7 +156,7 @@ async def test_on_full_skip_drops_the_save_while_the_slow_flush_holds_the_slot(t
 def test_a_busy_flusher_takes_the_newest_and_the_superseded_resolve_false(tmp_path: Path, opened: Opened) -> None:
     gates = Gates("nvme", deadline_s=DEADLINE_S)
     opened.append(gates)
-    ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme"), snapshots=3), tier_factory=gates)
+    ckpt = Checkpointer(config(memory_tier("ram"), fs_tier("nvme", tmp_path / "nvme"), snapshots=3), tier_factory=gates)
     opened.append(ckpt)
     handles = {1: ckpt.save_sync(1, state_for(1))}
     assert gates["nvme"].started.wait(DEADLINE_S)  # step 1 is being flushed
@@ -188,7 +182,7 @@ def test_a_busy_flusher_takes_the_newest_and_the_superseded_resolve_false(tmp_pa
 def test_captures_finishing_out_of_order_still_flush_the_newest(tmp_path: Path, opened: Opened) -> None:
     """Two copy threads: a big save 1 and a tiny save 2 start together, so save 2 is usually captured
     first. Whatever the order, the newest save must end up flushed (it used to be the older one)."""
-    ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme"), capacity="20MiB", snapshots=2, copy_threads=2))
+    ckpt = Checkpointer(config(memory_tier("ram"), fs_tier("nvme", tmp_path / "nvme"), capacity="20MiB", snapshots=2, copy_threads=2))
     opened.append(ckpt)
     gate = threading.Event()
     occupied = [ckpt._copier._executor.submit(gate.wait, DEADLINE_S) for _ in range(2)]
@@ -212,9 +206,9 @@ def test_flush_every_n_and_every_steps_select_on_the_stream_of_saves(tmp_path: P
     105 and 111 too, which nvme's every 2 passed over."""
     ckpt = Checkpointer(
         config(
-            tier("ram", keep={"last": 1}),
-            tier("nvme", tmp_path / "nvme", flush={"every": 2}),
-            tier("pfs", tmp_path / "pfs", flush={"every_steps": 3}),
+            memory_tier("ram", keep={"last": 1}),
+            fs_tier("nvme", tmp_path / "nvme", flush={"every": 2}),
+            fs_tier("pfs", tmp_path / "pfs", flush={"every_steps": 3}),
         )
     )
     opened.append(ckpt)
@@ -236,7 +230,7 @@ def test_flush_every_n_and_every_steps_select_on_the_stream_of_saves(tmp_path: P
 
 
 def test_flush_every_steps_directly_below_memory(tmp_path: Path, opened: Opened) -> None:
-    ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme", flush={"every_steps": 3})))
+    ckpt = Checkpointer(config(memory_tier("ram"), fs_tier("nvme", tmp_path / "nvme", flush={"every_steps": 3})))
     opened.append(ckpt)
     committed = {}
     for step in range(1, 8):
@@ -249,7 +243,7 @@ def test_flush_every_steps_directly_below_memory(tmp_path: Path, opened: Opened)
 
 def test_min_interval_holds_versions_back_with_an_injected_clock(tmp_path: Path, opened: Opened) -> None:
     clock = ManualClock()
-    ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme", flush={"min_interval": "100s"}), snapshots=3), clock=clock)
+    ckpt = Checkpointer(config(memory_tier("ram"), fs_tier("nvme", tmp_path / "nvme", flush={"min_interval": "100s"}), snapshots=3), clock=clock)
     opened.append(ckpt)
     h1 = ckpt.save_sync(1, state_for(1))
     assert h1.committed_sync("nvme", DEADLINE_S) is True  # the first flush is not held back
@@ -280,7 +274,7 @@ def test_min_interval_holds_versions_back_with_an_injected_clock(tmp_path: Path,
 
 
 def test_keep_last_n_keeps_exactly_the_newest_n_directories(tmp_path: Path, opened: Opened) -> None:
-    ckpt = Checkpointer(config(tier("ram", keep={"last": 1}), tier("nvme", tmp_path / "nvme", keep={"last": 2})))
+    ckpt = Checkpointer(config(memory_tier("ram", keep={"last": 1}), fs_tier("nvme", tmp_path / "nvme", keep={"last": 2})))
     opened.append(ckpt)
     for step in range(1, 7):
         ckpt.save_sync(step * 10, state_for(step * 10))
@@ -294,7 +288,7 @@ def test_keep_last_n_keeps_exactly_the_newest_n_directories(tmp_path: Path, open
 
 
 def test_keep_every_steps_keeps_those_forever(tmp_path: Path, opened: Opened) -> None:
-    ckpt = Checkpointer(config(tier("ram", keep={"last": 1}), tier("nvme", tmp_path / "nvme", keep={"last": 1, "every_steps": 3})))
+    ckpt = Checkpointer(config(memory_tier("ram", keep={"last": 1}), fs_tier("nvme", tmp_path / "nvme", keep={"last": 1, "every_steps": 3})))
     opened.append(ckpt)
     for step in range(1, 11):
         ckpt.save_sync(step, state_for(step))
@@ -308,9 +302,9 @@ def test_retention_keeps_the_version_a_downstream_flusher_is_reading(tmp_path: P
     opened.append(gates)
     ckpt = Checkpointer(
         config(
-            tier("ram", keep={"last": 1}),
-            tier("nvme", tmp_path / "nvme", keep={"last": 1}),
-            tier("pfs", tmp_path / "pfs"),
+            memory_tier("ram", keep={"last": 1}),
+            fs_tier("nvme", tmp_path / "nvme", keep={"last": 1}),
+            fs_tier("pfs", tmp_path / "pfs"),
         ),
         tier_factory=gates,
     )
@@ -350,9 +344,9 @@ def test_retention_keeps_the_version_a_downstream_flusher_is_waiting_to_take(tmp
     opened.append(gates)
     ckpt = Checkpointer(
         config(
-            tier("ram", keep={"last": 1}),
-            tier("nvme", tmp_path / "nvme", keep={"last": 1}),
-            tier("pfs", tmp_path / "pfs", flush={"every_steps": 2}),
+            memory_tier("ram", keep={"last": 1}),
+            fs_tier("nvme", tmp_path / "nvme", keep={"last": 1}),
+            fs_tier("pfs", tmp_path / "pfs", flush={"every_steps": 2}),
         ),
         tier_factory=gates,
     )
@@ -377,7 +371,7 @@ def test_retention_keeps_the_version_a_downstream_flusher_is_waiting_to_take(tmp
 
 
 def test_memory_keep_last(tmp_path: Path, opened: Opened) -> None:
-    ckpt = Checkpointer(config(tier("ram", keep={"last": 2}), tier("nvme", tmp_path / "nvme"), snapshots=4))
+    ckpt = Checkpointer(config(memory_tier("ram", keep={"last": 2}), fs_tier("nvme", tmp_path / "nvme"), snapshots=4))
     opened.append(ckpt)
     for step in range(1, 6):
         ckpt.save_sync(step, state_for(step))
@@ -390,7 +384,7 @@ def test_memory_keep_last(tmp_path: Path, opened: Opened) -> None:
 
 
 def test_memory_only_config_keeps_last(tmp_path: Path, opened: Opened) -> None:
-    ckpt = Checkpointer(config(tier("ram", keep={"last": 1}), snapshots=2))
+    ckpt = Checkpointer(config(memory_tier("ram", keep={"last": 1}), snapshots=2))
     opened.append(ckpt)
     for step in range(1, 5):
         handle = ckpt.save_sync(step, state_for(step))
@@ -405,9 +399,9 @@ def test_memory_only_config_keeps_last(tmp_path: Path, opened: Opened) -> None:
 def test_versions_reports_what_each_tier_holds(tmp_path: Path, opened: Opened) -> None:
     ckpt = Checkpointer(
         config(
-            tier("ram", keep={"last": 1}),
-            tier("nvme", tmp_path / "nvme", keep={"last": 2}),
-            tier("pfs", tmp_path / "pfs", flush={"every_steps": 2}, compression={"codec": "zstd"}),
+            memory_tier("ram", keep={"last": 1}),
+            fs_tier("nvme", tmp_path / "nvme", keep={"last": 2}),
+            fs_tier("pfs", tmp_path / "pfs", flush={"every_steps": 2}, compression={"codec": "zstd"}),
         )
     )
     opened.append(ckpt)
@@ -436,7 +430,7 @@ def test_versions_reports_what_each_tier_holds(tmp_path: Path, opened: Opened) -
 
 def test_a_failing_tier_fails_that_handle_and_training_goes_on(tmp_path: Path, opened: Opened) -> None:
     nvme = tmp_path / "nvme"
-    ckpt = Checkpointer(config(tier("ram", keep={"last": 1}), tier("nvme", nvme)), tier_factory=faulty({"nvme": {2}}))
+    ckpt = Checkpointer(config(memory_tier("ram", keep={"last": 1}), fs_tier("nvme", nvme)), tier_factory=faulty({"nvme": {2}}))
     opened.append(ckpt)
     h1 = ckpt.save_sync(1, state_for(1))
     assert h1.committed_sync("nvme", DEADLINE_S) is True
@@ -461,7 +455,7 @@ def test_a_failing_tier_fails_that_handle_and_training_goes_on(tmp_path: Path, o
     assert step_dirs(nvme) == names(1, 3)  # no temporary directory left behind
     ckpt.close_sync()
 
-    with Checkpointer(config(tier("nvme", nvme), capacity="1MiB", snapshots=1)) as fresh:
+    with Checkpointer(config(fs_tier("nvme", nvme), capacity="1MiB", snapshots=1)) as fresh:
         restored = fresh.restore_latest_sync()
     assert restored is not None and (restored.step, restored.tier) == (3, "nvme")
     assert_bitwise(restored.state, state_for(3))
@@ -471,7 +465,7 @@ def test_a_failing_tier_fails_that_handle_and_training_goes_on(tmp_path: Path, o
 
 
 def test_a_flush_failure_is_raised_by_wait_while_the_tier_has_committed_nothing_since(tmp_path: Path, opened: Opened) -> None:
-    ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme")), tier_factory=faulty({"nvme": {1, 2}}))
+    ckpt = Checkpointer(config(memory_tier("ram"), fs_tier("nvme", tmp_path / "nvme")), tier_factory=faulty({"nvme": {1, 2}}))
     opened.append(ckpt)
     with pytest.raises(FlushError):
         ckpt.save_sync(1, state_for(1)).committed_sync("nvme", DEADLINE_S)
@@ -488,7 +482,7 @@ def test_a_flush_failure_is_raised_by_wait_while_the_tier_has_committed_nothing_
 
 
 def test_close_raises_when_the_last_flush_failed(tmp_path: Path, opened: Opened) -> None:
-    ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme")), tier_factory=faulty({"nvme": {2}}))
+    ckpt = Checkpointer(config(memory_tier("ram"), fs_tier("nvme", tmp_path / "nvme")), tier_factory=faulty({"nvme": {2}}))
     opened.append(ckpt)
     assert ckpt.save_sync(1, state_for(1)).committed_sync("nvme", DEADLINE_S) is True
     ckpt.save_sync(2, state_for(2))
@@ -500,7 +494,7 @@ def test_close_raises_when_the_last_flush_failed(tmp_path: Path, opened: Opened)
 
 
 def test_a_failed_capture_is_reported_and_frees_its_slot(tmp_path: Path, opened: Opened) -> None:
-    ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme"), snapshots=1, on_full="skip", copy_threads=1))
+    ckpt = Checkpointer(config(memory_tier("ram"), fs_tier("nvme", tmp_path / "nvme"), snapshots=1, on_full="skip", copy_threads=1))
     opened.append(ckpt)
     array = np.zeros(1000, dtype=np.float32)
     gate = threading.Event()
@@ -538,7 +532,7 @@ def test_on_full_evict_drops_the_waiting_snapshot_and_counts_it(tmp_path: Path, 
     gates = Gates("nvme", deadline_s=DEADLINE_S)
     opened.append(gates)
     ckpt = Checkpointer(
-        config(tier("ram"), tier("nvme", tmp_path / "nvme", flush={"every_steps": 2}), snapshots=2, on_full="evict"),
+        config(memory_tier("ram"), fs_tier("nvme", tmp_path / "nvme", flush={"every_steps": 2}), snapshots=2, on_full="evict"),
         tier_factory=gates,
     )
     opened.append(ckpt)
@@ -568,7 +562,7 @@ def test_on_full_evict_drops_the_waiting_snapshot_and_counts_it(tmp_path: Path, 
 def test_on_full_evict_skips_when_only_reads_hold_the_slots(tmp_path: Path, opened: Opened) -> None:
     gates = Gates("nvme", deadline_s=DEADLINE_S)
     opened.append(gates)
-    ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme"), snapshots=1, on_full="evict"), tier_factory=gates)
+    ckpt = Checkpointer(config(memory_tier("ram"), fs_tier("nvme", tmp_path / "nvme"), snapshots=1, on_full="evict"), tier_factory=gates)
     opened.append(ckpt)
     h1 = ckpt.save_sync(1, state_for(1))
     assert gates["nvme"].started.wait(DEADLINE_S)
@@ -583,7 +577,7 @@ def test_newest_only_false_flushes_every_eligible_version_in_order(tmp_path: Pat
     gates = Gates("nvme", deadline_s=DEADLINE_S)
     opened.append(gates)
     ckpt = Checkpointer(
-        config(tier("ram", keep={"last": 1}), tier("nvme", tmp_path / "nvme", flush={"newest_only": False}), snapshots=3),
+        config(memory_tier("ram", keep={"last": 1}), fs_tier("nvme", tmp_path / "nvme", flush={"newest_only": False}), snapshots=3),
         tier_factory=gates,
     )
     opened.append(ckpt)
@@ -613,7 +607,7 @@ def test_newest_only_false_under_evict_loses_the_oldest_queued_version(tmp_path:
     gates = Gates("nvme", deadline_s=DEADLINE_S)
     opened.append(gates)
     ckpt = Checkpointer(
-        config(tier("ram"), tier("nvme", tmp_path / "nvme", flush={"newest_only": False}), snapshots=3, on_full="evict"),
+        config(memory_tier("ram"), fs_tier("nvme", tmp_path / "nvme", flush={"newest_only": False}), snapshots=3, on_full="evict"),
         tier_factory=gates,
     )
     opened.append(ckpt)
@@ -633,9 +627,9 @@ def test_max_staleness_sends_the_newest_version_down_when_the_tier_is_overdue(tm
     clock = ManualClock()
     ckpt = Checkpointer(
         config(
-            tier("ram", keep={"last": 1}),
-            tier("nvme", tmp_path / "nvme", keep={"last": 1}),
-            tier("pfs", tmp_path / "pfs", flush={"every_steps": 1000, "max_staleness": "10m"}),
+            memory_tier("ram", keep={"last": 1}),
+            fs_tier("nvme", tmp_path / "nvme", keep={"last": 1}),
+            fs_tier("pfs", tmp_path / "pfs", flush={"every_steps": 1000, "max_staleness": "10m"}),
         ),
         clock=clock,
     )
@@ -670,8 +664,27 @@ def test_max_staleness_sends_the_newest_version_down_when_the_tier_is_overdue(tm
     assert step_dirs(tmp_path / "pfs") == names(4, 5)
 
 
+def _noticed_capture_checks(ckpt: Checkpointer, monkeypatch: pytest.MonkeyPatch, tier: str = "nvme") -> threading.Event:
+    """An event set when ``tier``'s flusher next asks whether a host copy runs and hears that one does:
+    it asks at each decision, on the engine loop, and decides in that same step (no await between)."""
+    flusher = next(f for f in ckpt._pipeline.flushers if f.tier.name == tier)
+    asks = flusher._copy_running
+    looked = threading.Event()
+
+    def noticed() -> bool:
+        running = asks()
+        if running:
+            looked.set()
+        return running
+
+    monkeypatch.setattr(flusher, "_copy_running", noticed)
+    return looked
+
+
 @pytest.mark.parametrize("staleness", [None, "1m"])
-def test_max_staleness_starts_a_flush_beside_a_running_host_copy(tmp_path: Path, opened: Opened, staleness: str | None) -> None:
+def test_max_staleness_starts_a_flush_beside_a_running_host_copy(
+    tmp_path: Path, opened: Opened, staleness: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Step 2 waits for nvme while step 3 is being copied. A flush from host memory waits for the copy,
     unless nvme is overdue."""
     gates = Gates("nvme", deadline_s=DEADLINE_S)
@@ -679,7 +692,7 @@ def test_max_staleness_starts_a_flush_beside_a_running_host_copy(tmp_path: Path,
     clock = ManualClock()
     flush = {} if staleness is None else {"max_staleness": staleness}
     ckpt = Checkpointer(
-        config(tier("ram"), tier("nvme", tmp_path / "nvme", flush=flush), snapshots=3, copy_threads=1),
+        config(memory_tier("ram"), fs_tier("nvme", tmp_path / "nvme", flush=flush), snapshots=3, copy_threads=1),
         tier_factory=gates,
         clock=clock,
     )
@@ -693,11 +706,15 @@ def test_max_staleness_starts_a_flush_beside_a_running_host_copy(tmp_path: Path,
     try:
         h3 = ckpt.save_sync(3, state_for(3))
         clock.advance(61)
+        # The flusher's next look, once step 1 is in, sees step 3's copy running (held on the copier).
+        looked = _noticed_capture_checks(ckpt, monkeypatch)
         gates.open_all()
         assert h1.committed_sync("nvme", DEADLINE_S) is True
         if staleness is None:
-            ckpt._engine.run_sync(asyncio.sleep(0.05))  # let the flusher look: it must keep waiting
+            assert looked.wait(DEADLINE_S)
+            ckpt._engine.run_sync(asyncio.sleep(0))  # after the decision: it must keep waiting
             assert not h2._tracker.committed["nvme"].done()
+            assert gates["nvme"].steps == [1]  # and step 2's write never started
         else:
             assert h2.committed_sync("nvme", DEADLINE_S) is True  # overdue: it did not wait for the copy
             assert not h3._tracker.captured.done()
@@ -707,12 +724,14 @@ def test_max_staleness_starts_a_flush_beside_a_running_host_copy(tmp_path: Path,
     assert occupied.result(DEADLINE_S) is True
     assert h3.committed_sync("nvme", DEADLINE_S) is True
     assert h2.committed_sync("nvme", DEADLINE_S) is (staleness is not None)  # else replaced by step 3
+    if staleness is None:
+        assert gates["nvme"].steps == [1, 3]  # it waited for step 3's copy rather than write step 2
 
 
 def test_keep_within_drops_versions_older_than_the_window_on_the_injected_clock(tmp_path: Path, opened: Opened) -> None:
     clock = ManualClock()
     ckpt = Checkpointer(
-        config(tier("ram", keep={"within": "1h"}), tier("nvme", tmp_path / "nvme", keep={"within": "1h"}), snapshots=4),
+        config(memory_tier("ram", keep={"within": "1h"}), fs_tier("nvme", tmp_path / "nvme", keep={"within": "1h"}), snapshots=4),
         clock=clock,
     )
     opened.append(ckpt)
@@ -728,7 +747,7 @@ def test_keep_within_drops_versions_older_than_the_window_on_the_injected_clock(
 
 
 def test_keep_max_bytes_keeps_the_newest_versions_that_fit(tmp_path: Path, opened: Opened) -> None:
-    ckpt = Checkpointer(config(tier("ram", keep={"last": 1}), tier("nvme", tmp_path / "nvme", keep={"max_bytes": 5000, "every_steps": 10})))
+    ckpt = Checkpointer(config(memory_tier("ram", keep={"last": 1}), fs_tier("nvme", tmp_path / "nvme", keep={"max_bytes": 5000, "every_steps": 10})))
     opened.append(ckpt)
     for step in (10, 11, 12, 13):
         ckpt.save_sync(step, state_for(step))
@@ -739,7 +758,7 @@ def test_keep_max_bytes_keeps_the_newest_versions_that_fit(tmp_path: Path, opene
 
 
 def test_counters_are_a_copy(tmp_path: Path, opened: Opened) -> None:
-    ckpt = Checkpointer(config(tier("ram"), tier("nvme", tmp_path / "nvme")))
+    ckpt = Checkpointer(config(memory_tier("ram"), fs_tier("nvme", tmp_path / "nvme")))
     opened.append(ckpt)
     ckpt.save_sync(1, state_for(1))
     ckpt.wait_sync()

@@ -29,7 +29,7 @@ from tierckpt.tiers.filesystem import FilesystemTier
 from tierckpt.tiers.memory import MemoryTier
 from tierckpt.testing import flip_bits
 
-from helpers import Opened, assert_bitwise, bitwise_equal, fs_tier, logged_warnings, tier_config
+from helpers import Opened, assert_bitwise, bitwise_equal, fs_tier, logged_warnings, tier_config, until
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -582,6 +582,15 @@ def _slots(ckpt: Checkpointer) -> tuple[list[int], list[int], int]:
     return ckpt._engine.run_sync(read())
 
 
+def _waiting_saves(ckpt: Checkpointer) -> int:
+    """Saves waiting for a host slot now (on_full: block), read on the engine thread."""
+
+    async def read() -> int:
+        return ckpt._pipeline.memory.waiting_saves
+
+    return ckpt._engine.run_sync(read())
+
+
 class _Background:
     """A call on a worker thread, for what blocks until the test opens a gate."""
 
@@ -664,7 +673,10 @@ def test_a_save_while_a_restore_borrows_the_only_slot_follows_on_full(opened: Op
     assert _slots(ckpt) == ([0], [], 1)
     if on_full == "block":
         saving = _Background(lambda: ckpt.save_sync(10, _state(10)))
-        assert not saving.done.wait(0.3)  # waits for the slot, as for a snapshot being read
+        # Waits for the slot, as for a snapshot being read: counted as waiting, and so not done (a save
+        # that took no slot or some other would end without ever being counted, however slow the machine).
+        assert until(lambda: _waiting_saves(ckpt) or saving.done.is_set(), 30)
+        assert _waiting_saves(ckpt) == 1 and not saving.done.is_set()
         tier.gate.set()
         handle = saving.get()
         assert handle.captured_sync(timeout=30) and not handle.skipped
@@ -807,8 +819,10 @@ async def test_a_cancelled_restore_keeps_the_slot_lent_until_its_reads_are_over(
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await asyncio.sleep(0.2)
-    assert len((await asyncio.to_thread(_slots, ckpt))[0]) == 1  # the reader threads still write into it
+    # The cancellation was handed to the engine's loop before this loop ended the task, so the engine
+    # runs _slots' read after the restore took it (a restore that gave the slot back on the
+    # cancellation would have given it back by then): the reader threads still write into it.
+    assert len((await asyncio.to_thread(_slots, ckpt))[0]) == 1
     tier.gate.set()
     deadline = time.monotonic() + 30
     while (await asyncio.to_thread(_slots, ckpt))[0]:
