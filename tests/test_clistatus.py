@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tierckpt import Checkpointer, Config
-from tierckpt.cli import _size, main
+from tierckpt.cli import main
+from tierckpt.cliversions import format_size
 from tierckpt.format import DATA_FILE, MANIFEST_FILE, Manifest, version_dirname
 from tierckpt.ranks.nodes import node_identity
 from tierckpt.testing import flip_bits
@@ -52,7 +53,7 @@ def root(tmp_path: Path) -> Path:
 
 def _stored(directory: Path) -> str:
     """What the STORED column should say: the manifests' stored bytes, summed."""
-    return _size(sum(Manifest.decode((v / MANIFEST_FILE).read_bytes()).stored_bytes for v in directory.glob("step-*")))
+    return format_size(sum(Manifest.decode((v / MANIFEST_FILE).read_bytes()).stored_bytes for v in directory.glob("step-*")))
 
 
 def _table(out: str) -> list[list[str]]:

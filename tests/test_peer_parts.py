@@ -15,7 +15,7 @@ import pytest
 from tierckpt.format import ALIGN, Chunk, Manifest, TensorRecord, checksum
 from tierckpt.tiers.peer import wire
 from tierckpt.tiers.peer.recovery import fetch_plan, holders_of
-from tierckpt.tiers.peer.replicas import _PRIVATE, Held, ReplicaStore
+from tierckpt.tiers.peer.replicas import _PRIVATE, ReplicaId, ReplicaStore
 
 
 class FakeClock:
@@ -137,20 +137,20 @@ def _manifest(step: int) -> bytes:
 def test_the_replica_directory_commits_whole_copies_and_a_new_process_finds_them(tmp_path: Path) -> None:
     store = ReplicaStore(tmp_path / "copies", "peer")
     store.open()
-    held = Held(4, 2, 7)
+    held = ReplicaId(4, 2, 7)
     incoming = store.stage(held, 8192)
     incoming.data[:5] = b"hello"
     store.commit(incoming, _manifest(7), 1234.5)
     assert store.held() == {held: 8192} and store.created(held) == 1234.5
     assert (store.path(held) / wire.COPY_FILE).read_bytes()[:5] == b"hello"
-    left = store.stage(Held(4, 2, 8), 4096)  # a copy cut off by a kill: never committed
-    store.commit(store.stage(Held(4, 3, 7), 4096), b"not a manifest")  # damaged while this process was gone
+    left = store.stage(ReplicaId(4, 2, 8), 4096)  # a copy cut off by a kill: never committed
+    store.commit(store.stage(ReplicaId(4, 3, 7), 4096), b"not a manifest")  # damaged while this process was gone
     store.close()
     again = ReplicaStore(tmp_path / "copies", "peer")
     again.open()
     assert again.held() == {held: 8192} and again.created(held) == 1234.5  # from its manifest
     assert not left.path.exists()  # swept
-    assert not again.path(Held(4, 3, 7)).exists()  # removed, with a warning
+    assert not again.path(ReplicaId(4, 3, 7)).exists()  # removed, with a warning
     again.delete(held)
     assert again.held() == {} and not again.path(held).exists()
     again.close()
@@ -161,20 +161,20 @@ def test_a_deleted_copy_s_memory_receives_the_next_copy_and_spares_are_bounded(t
     store.spares = 1
     store.open()
     for step, size in ((1, 8192), (2, 16384)):
-        store.commit(store.stage(Held(2, 1, step), size), b"m")
-    inodes = {step: os.stat(store.path(Held(2, 1, step)) / wire.COPY_FILE).st_ino for step in (1, 2)}
-    store.delete(Held(2, 1, 1))
-    store.delete(Held(2, 1, 2))  # one spare at most: this one's file goes
+        store.commit(store.stage(ReplicaId(2, 1, step), size), b"m")
+    inodes = {step: os.stat(store.path(ReplicaId(2, 1, step)) / wire.COPY_FILE).st_ino for step in (1, 2)}
+    store.delete(ReplicaId(2, 1, 1))
+    store.delete(ReplicaId(2, 1, 2))  # one spare at most: this one's file goes
     assert len(list((tmp_path / "copies").glob(".spare-*"))) == 1
-    incoming = store.stage(Held(2, 1, 3), 12288)  # larger than the spare: it grows
+    incoming = store.stage(ReplicaId(2, 1, 3), 12288)  # larger than the spare: it grows
     assert os.stat(incoming.path / wire.COPY_FILE).st_ino == inodes[1]
     assert os.stat(incoming.path / wire.COPY_FILE).st_size == 12288 and incoming.data.nbytes == 12288
     assert list((tmp_path / "copies").glob(".spare-*")) == []
     store.discard(incoming)  # a discarded copy's file becomes the spare again
-    smaller = store.stage(Held(2, 1, 4), 4096)
+    smaller = store.stage(ReplicaId(2, 1, 4), 4096)
     assert os.stat(smaller.path / wire.COPY_FILE).st_ino == inodes[1] and os.stat(smaller.path / wire.COPY_FILE).st_size == 4096
     store.commit(smaller, b"m")
-    store.delete(Held(2, 1, 4))
+    store.delete(ReplicaId(2, 1, 4))
     store.close()
     again = ReplicaStore(tmp_path / "copies", "peer")
     again.open()  # a new process does not know the spares: they are removed
@@ -199,12 +199,12 @@ def test_a_full_ram_file_system_refuses_a_copy_with_enospc_and_keeps_the_others(
     try:
         store = ReplicaStore(mount / "copies", "peer")
         store.open()
-        kept = store.stage(Held(2, 1, 1), 512 << 10)
+        kept = store.stage(ReplicaId(2, 1, 1), 512 << 10)
         store.commit(kept, b"m")
         with pytest.raises(OSError) as raised:
-            store.stage(Held(2, 1, 2), 4 << 20)
+            store.stage(ReplicaId(2, 1, 2), 4 << 20)
         assert raised.value.errno == errno.ENOSPC and "rank 1's step 2" in str(raised.value)
-        assert store.held() == {Held(2, 1, 1): 512 << 10}
+        assert store.held() == {ReplicaId(2, 1, 1): 512 << 10}
         assert [p.name for p in (mount / "copies").iterdir() if p.name.startswith(".tmp-")] == []
         store.close()
     finally:

@@ -19,8 +19,8 @@ from tierckpt.policy import (
     Candidate,
     FlushChoice,
     FlushState,
-    Held,
     SlotChoice,
+    SlotOccupant,
     choose_flush,
     choose_slot,
     finished,
@@ -462,10 +462,10 @@ def test_property_retention_after_a_new_version_never_brings_back_a_dropped_one(
 
 
 def test_choose_slot_examples() -> None:
-    busy = Held(1, copying=False, leased=True, wanted=False)
-    waiting = Held(2, copying=False, leased=False, wanted=True)
-    done = Held(3, copying=False, leased=False, wanted=False)
-    copying = Held(4, copying=True, leased=False, wanted=True)
+    busy = SlotOccupant(1, copying=False, leased=True, wanted=False)
+    waiting = SlotOccupant(2, copying=False, leased=False, wanted=True)
+    done = SlotOccupant(3, copying=False, leased=False, wanted=False)
+    copying = SlotOccupant(4, copying=True, leased=False, wanted=True)
     for mode in ("block", "skip", "evict"):
         assert choose_slot([busy, waiting], free=1, on_full=mode) == SlotChoice("free")
         assert choose_slot([busy, waiting, done], free=0, on_full=mode) == SlotChoice("drop", 3)
@@ -476,12 +476,12 @@ def test_choose_slot_examples() -> None:
     assert choose_slot([busy], free=0, on_full="evict") == SlotChoice("skip")  # never waits for a read
 
 
-held_st = st.lists(st.builds(Held, st.integers(1, 10**6), st.booleans(), st.booleans(), st.booleans()), max_size=8, unique_by=lambda h: h.token)
+held_st = st.lists(st.builds(SlotOccupant, st.integers(1, 10**6), st.booleans(), st.booleans(), st.booleans()), max_size=8, unique_by=lambda h: h.token)
 
 
 @relaxed
 @given(held=held_st, free=st.integers(0, 2), on_full=st.sampled_from(["block", "skip", "evict"]))
-def test_property_choose_slot(held: list[Held], free: int, on_full: str) -> None:
+def test_property_choose_slot(held: list[SlotOccupant], free: int, on_full: str) -> None:
     choice = choose_slot(held, free=free, on_full=on_full)
     if free:
         assert choice == SlotChoice("free")
@@ -595,7 +595,7 @@ class Sim:
         if host.slots is not None and len(host.held) >= host.slots:
             incoming = Candidate(version.step, self.seq + 1, self.seq + 1)
             reading = self.read_from_host()
-            held = [Held(token, copying=False, leased=token in reading, wanted=self.wanted_here(token, [incoming])) for token in host.held]
+            held = [SlotOccupant(token, copying=False, leased=token in reading, wanted=self.wanted_here(token, [incoming])) for token in host.held]
             choice = choose_slot(held, free=0, on_full=host.on_full)
             if choice.action == "wait":
                 assert host.on_full == "block"  # skip and evict never wait when no copy is running

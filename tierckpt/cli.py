@@ -58,33 +58,16 @@ from typing import TextIO
 
 from tierckpt import export as exporting
 from tierckpt._version import __version__
+from tierckpt.clistatus import status as tier_status
+from tierckpt.cliversions import (
+    DAMAGED, NO_TIER_HINT, OK, USAGE, ListedVersion, UsageError, bucket_versions, damage_message,
+    dir_versions, format_size, held_bytes, open_parts, verify_version,
+)
 from tierckpt.errors import CorruptCheckpointError, UnsupportedStateError
-from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, TensorRecord, parse_version_dirname
-from tierckpt.format.layout import where
-from tierckpt.tiers.fsio import scratch, scratch2
-from tierckpt.tiers.fsread import StoredSource, VersionFiles, open_source, read_head, read_rank_manifest, version_files
-from tierckpt.tiers.fswrite import scratch_bytes
+from tierckpt.format import CommitMarker, Manifest
 from tierckpt.tiers.fsfind import holds_a_tier, tier_dirs
 
 __all__ = ["main"]
-
-OK, DAMAGED, USAGE = 0, 1, 2
-
-
-class _UsageError(Exception):
-    pass
-
-
-@dataclass(frozen=True)
-class _Version:
-    path: Path | None  # None: a version of an object tier
-    step: int | None  # None: a version directory under another name (a copy)
-    files: VersionFiles
-    name: str
-
-    @classmethod
-    def local(cls, path: Path, step: int | None) -> _Version:
-        return cls(path, step, version_files(path), path.name)
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "tierckpt") -> int:
@@ -110,13 +93,11 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
         return _export(parser.prog, args)
     try:
         if args.command in ("verify", "status") and args.threads < 1:
-            raise _UsageError(f"--threads must be at least 1, not {args.threads}")
+            raise UsageError(f"--threads must be at least 1, not {args.threads}")
         if args.command == "status":
-            from tierckpt.clistatus import status as tier_status  # it reads versions with this module's helpers
-
             return tier_status(args.target, verify=args.verify, threads=args.threads, endpoint=args.endpoint)
-        tiers = [_Tier(None, _bucket_versions(args.dir, args.endpoint))] if args.dir.startswith("s3://") else _local_tiers(args.dir)
-    except _UsageError as exc:
+        tiers = [_Tier(None, bucket_versions(args.dir, args.endpoint))] if args.dir.startswith("s3://") else _local_tiers(args.dir)
+    except UsageError as exc:
         print(f"{parser.prog} {args.command}: {exc}", file=sys.stderr)
         return USAGE
     if len(tiers) == 1 and tiers[0].heading is None and not tiers[0].versions:
@@ -174,119 +155,20 @@ class _Tier:
     """The versions of one tier directory or prefix; ``heading``: its path when DIR holds several."""
 
     heading: str | None
-    versions: list[_Version]
+    versions: list[ListedVersion]
 
 
 def _local_tiers(argument: str) -> list[_Tier]:
     """DIR's versions: its own (a tier directory, or a version directory), or those of each tier directory
     it holds (a folder of tiers), each under its path as given; a usage error when it is neither."""
     directory = Path(argument)
-    versions = _versions(directory)
+    versions = dir_versions(directory)
     if versions or holds_a_tier(directory):
         return [_Tier(None, versions)]
     inside = tier_dirs(directory)
     if not inside:
-        raise _UsageError(f"{argument}: {_NO_TIER_HINT}")
-    return [_Tier(str(directory / name), _versions(directory / name)) for name in inside]
-
-
-_NO_TIER_HINT = (
-    "no tier and no version found here; pass a tier's directory (the path: of a filesystem tier, holding "
-    "step-<12 digits> directories), a folder holding tier directories, one version directory, or s3://bucket/prefix"
-)
-
-
-def _bucket_versions(url: str, endpoint: str | None) -> list[_Version]:
-    """The committed versions under an object tier's prefix, or the one it names."""
-    from tierckpt.errors import ConfigError
-    from tierckpt.tiers.objread import list_versions, open_bucket
-
-    try:
-        return [_Version(None, step, files, files.container) for step, files in list_versions(open_bucket(url, endpoint))]
-    except ConfigError as exc:
-        raise _UsageError(f"{url}: {exc}") from None
-    except OSError as exc:
-        raise _UsageError(f"{url}: cannot be listed ({exc})") from None
-
-
-def _versions(directory: Path) -> list[_Version]:
-    """The versions in ``directory``: itself when it is one, else its ``step-...`` entries by step."""
-    if not directory.exists():
-        raise _UsageError(f"{directory}: no such directory")
-    if not directory.is_dir():
-        raise _UsageError(f"{directory}: not a directory")
-    # The directory named on the command line may be reached through a symlink (``latest -> step-...``):
-    # the user chose it. Symlinks inside it are refused, as restore refuses them.
-    directory = directory.resolve()
-    own = parse_version_dirname(directory.name)
-    if own is not None or os.path.lexists(directory / MANIFEST_FILE):
-        return [_Version.local(directory, own)]
-    found = []
-    try:
-        entries = os.listdir(directory)
-    except OSError as exc:
-        raise _UsageError(f"{directory}: {exc.strerror or exc}") from exc
-    for name in entries:
-        step = parse_version_dirname(name)
-        if step is not None:  # a symlink or a file by that name is listed, and refused when read
-            found.append(_Version.local(directory / name, step))
-    return sorted(found, key=lambda v: v.step or 0)
-
-
-def _message(exc: CorruptCheckpointError, version: _Version) -> str:
-    """The error without its "step N: " prefix: the line already names the version."""
-    text = str(exc)
-    prefix = f"{where(None, version.step)}: "
-    return text[len(prefix) :] if text.startswith(prefix) else text
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    raise AssertionError
-
-
-@dataclass
-class _Opened:
-    """A version's manifests and open files: one per rank that saved it."""
-
-    head: Manifest | CommitMarker
-    parts: list[tuple[Manifest, StoredSource]]
-
-    @property
-    def tensors(self) -> int:
-        return len(self.logical_records())
-
-    def logical_records(self) -> list[TensorRecord]:
-        """Every value once: a value several ranks share counts once, a rank's own value per rank."""
-        seen: dict[tuple[int | str, str], TensorRecord] = {}
-        for manifest, _ in self.parts:
-            for r in manifest.records:
-                seen.setdefault(("shared" if r.shared else manifest.rank, r.key), r)
-        return list(seen.values())
-
-    def close(self) -> None:
-        for _, source in self.parts:
-            source.close()
-
-
-def _open(version: _Version) -> _Opened:
-    head = read_head(version.files, tier=None, step=version.step)
-    if isinstance(head, Manifest):
-        manifests = [head]
-    else:  # a node-local tier's directory holds its node's ranks' parts
-        held = range(head.world_size) if head.holds is None else head.holds
-        manifests = [read_rank_manifest(version.files, head, r, tier=None) for r in held]
-    opened = _Opened(head, [])
-    try:
-        for manifest in manifests:
-            opened.parts.append((manifest, open_source(None, version.files, manifest)))
-    except BaseException:
-        opened.close()
-        raise
-    return opened
+        raise UsageError(f"{argument}: {NO_TIER_HINT}")
+    return [_Tier(str(directory / name), dir_versions(directory / name)) for name in inside]
 
 
 def _part(head: Manifest | CommitMarker) -> str | None:
@@ -296,16 +178,12 @@ def _part(head: Manifest | CommitMarker) -> str | None:
     return f"node {head.node}'s part: ranks {', '.join(map(str, head.holds))} of {head.world_size}"
 
 
-def _held_bytes(head: Manifest | CommitMarker) -> int:
-    return head.held_bytes if isinstance(head, CommitMarker) else head.stored_bytes
-
-
-def _ls(versions: list[_Version]) -> int:
+def _ls(versions: list[ListedVersion]) -> int:
     rows = [("NAME", "STEP", "STORED", "LOGICAL", "CREATED", "VALID")]
     status = OK
     for version in versions:
         try:
-            opened = _open(version)
+            opened = open_parts(version)
             opened.close()
         except CorruptCheckpointError as exc:
             status = DAMAGED
@@ -315,62 +193,25 @@ def _ls(versions: list[_Version]) -> int:
             except (OSError, AssertionError):
                 created = "-"
             step = "-" if version.step is None else str(version.step)
-            rows.append((version.name, step, "-", "-", created, f"no: {_message(exc, version)}"))
+            rows.append((version.name, step, "-", "-", created, f"no: {damage_message(exc, version)}"))
             continue
         head = opened.head
         logical = sum(r.nbytes for r in opened.logical_records())
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(head.created))
         valid = "yes" if _part(head) is None else f"yes, {_part(head)}"
-        rows.append((version.name, str(head.step), _size(_held_bytes(head)), _size(logical), created, valid))
+        rows.append((version.name, str(head.step), format_size(held_bytes(head)), format_size(logical), created, valid))
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[5])
     return status
 
 
-def _check_chunk(source: StoredSource, record: TensorRecord, chunk: int) -> str | None:
-    """None if the chunk verifies (and decodes), else the damage."""
-    _, length = record.chunk_span(chunk)
-    out = scratch2(record.chunk_bytes)[:length]
-    try:
-        source.read_logical(record, chunk, out, scratch(scratch_bytes(record.chunk_bytes)))
-    except CorruptCheckpointError as exc:
-        return str(exc)
-    return None
-
-
-def _verify_one(version: _Version, executor: concurrent.futures.Executor) -> tuple[_Opened | None, str | None]:
-    """The version and None if it verifies (every rank's part), else its damage (the first found, and
-    how many chunks are damaged)."""
-    try:
-        opened = _open(version)
-    except CorruptCheckpointError as exc:
-        return None, _message(exc, version)
-    try:
-        jobs = [
-            (source, record, c)
-            for manifest, source in opened.parts
-            for record in manifest.records
-            for c, chunk in enumerate(record.chunks)
-            if chunk is not None  # a shared chunk is checked in the part of the rank that stored it
-        ]
-        damage = [d for d in executor.map(lambda job: _check_chunk(*job), jobs) if d is not None]
-    finally:
-        opened.close()
-    if not damage:
-        return opened, None
-    text = _message(CorruptCheckpointError(damage[0]), version)
-    extra = len(damage) - 1
-    more = f" (and {extra} more damaged chunk{'s' if extra > 1 else ''})" if extra else ""
-    return opened, text + more
-
-
-def _verify(versions: list[_Version], threads: int) -> int:
+def _verify(versions: list[ListedVersion], threads: int) -> int:
     width = max(len(v.name) for v in versions)
     damaged = 0
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tierckpt-verify") as executor:
         for version in versions:
-            opened, damage = _verify_one(version, executor)
+            opened, damage = verify_version(version, executor)
             if damage is None:
                 assert opened is not None
                 logical = sum(r.nbytes for r in opened.logical_records())
@@ -379,7 +220,7 @@ def _verify(versions: list[_Version], threads: int) -> int:
                 ranks = ranks if part is None else f", {part} (complete)"
                 print(
                     f"{version.name.ljust(width)}  OK       {opened.tensors} tensors{ranks}, "
-                    f"{_size(_held_bytes(opened.head))} stored, {_size(logical)} logical",
+                    f"{format_size(held_bytes(opened.head))} stored, {format_size(logical)} logical",
                     flush=True,
                 )
             else:
@@ -412,7 +253,7 @@ def _export(prog: str, args: argparse.Namespace) -> int:
     if status != OK:
         print(f"{prog} export: {text}", file=sys.stderr)
         return status
-    print(f"exported step {summary.step}: {summary.tensors} tensors, {_size(summary.nbytes)} to {summary.path}")
+    print(f"exported step {summary.step}: {summary.tensors} tensors, {format_size(summary.nbytes)} to {summary.path}")
     return OK
 
 
@@ -429,7 +270,7 @@ class _ProgressLine:
         if now - self._drawn < 0.1 and p.tensors < p.total_tensors:
             return
         self._drawn = now
-        line = f"export step {p.step}: {p.tensors}/{p.total_tensors} tensors, {_size(p.nbytes)}/{_size(p.total_nbytes)}"
+        line = f"export step {p.step}: {p.tensors}/{p.total_tensors} tensors, {format_size(p.nbytes)}/{format_size(p.total_nbytes)}"
         if p.tensors == p.total_tensors:
             line += ", writing" if p.total_tensors else ""
         self._width = max(self._width, len(line))

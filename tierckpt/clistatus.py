@@ -2,7 +2,7 @@
 
 For each tier: its name, its type, the number of versions it holds, the newest step, the bytes they
 store, and with ``--verify`` how many verify and how many are damaged (each version checked as
-``tierckpt verify`` checks it: :func:`tierckpt.cli._verify_one`). The damaged versions follow the
+``tierckpt verify`` checks it: :func:`tierckpt.cliversions.verify_version`). The damaged versions follow the
 table, one line each, as ``verify`` prints them.
 
 ``CONFIG`` is a YAML config (what :meth:`Checkpointer.from_yaml <tierckpt.Checkpointer.from_yaml>`
@@ -40,19 +40,9 @@ from pathlib import Path
 
 import yaml
 
-from tierckpt.cli import (
-    _NO_TIER_HINT,
-    DAMAGED,
-    OK,
-    _bucket_versions,
-    _held_bytes,
-    _message,
-    _open,
-    _size,
-    _UsageError,
-    _Version,
-    _verify_one,
-    _versions,
+from tierckpt.cliversions import (
+    DAMAGED, NO_TIER_HINT, OK, ListedVersion, UsageError, bucket_versions, damage_message, dir_versions,
+    format_size, held_bytes, open_parts, verify_version,
 )
 from tierckpt.config import Config, TierConfig
 from tierckpt.errors import ConfigError, CorruptCheckpointError
@@ -79,7 +69,7 @@ class _Row:
     tier: str
     type: str
     where: str
-    versions: list[_Version] | None = None
+    versions: list[ListedVersion] | None = None
     broken: bool = False
     held: int = 0
     newest: int | None = None
@@ -98,7 +88,7 @@ def status(target: str, *, verify: bool, threads: int, endpoint: str | None) -> 
         endpoint: the S3-compatible server of an ``s3://`` target (a config's tiers name their own).
 
     Raises:
-        tierckpt.cli._UsageError: before anything is printed, when ``target`` is none of those (the
+        tierckpt.cliversions.UsageError: before anything is printed, when ``target`` is none of those (the
             command line prints it and exits 2).
 
     Example: ``tierckpt status ./checkpoints`` runs ``status("./checkpoints", verify=False, threads=2,
@@ -115,19 +105,19 @@ def status(target: str, *, verify: bool, threads: int, endpoint: str | None) -> 
 def _rows(target: str, endpoint: str | None) -> list[_Row]:
     if target.startswith("s3://"):
         name = target.rstrip("/").rpartition("/")[2] or target
-        return [_Row(name, "object", target, _bucket_versions(target, endpoint))]
+        return [_Row(name, "object", target, bucket_versions(target, endpoint))]
     path = Path(target)
     if not path.exists():
-        raise _UsageError(f"{target}: no such file or directory")
+        raise UsageError(f"{target}: no such file or directory")
     if not path.is_dir():
         return _config_rows(path)
-    if _versions(path) or holds_a_tier(path):
+    if dir_versions(path) or holds_a_tier(path):
         resolved = path.resolve()
         own = resolved.parent if parse_version_dirname(resolved.name) is not None else resolved
         return [_local_row(own.name, _dir_type(own), path)]
     names = tier_dirs(path)
     if not names:
-        raise _UsageError(f"{target}: {_NO_TIER_HINT}, or a YAML config")
+        raise UsageError(f"{target}: {NO_TIER_HINT}, or a YAML config")
     return [_local_row(name, _dir_type(path / name), path / name) for name in names]
 
 
@@ -141,8 +131,8 @@ def _local_row(tier: str, kind: str, directory: Path, note: str = "") -> _Row:
         note = "does not exist yet" + (f"; {note}" if note else "")
         return _Row(tier, kind, f"{directory} ({note})", [])
     try:
-        versions = _versions(directory)
-    except _UsageError as exc:  # not a directory, not readable
+        versions = dir_versions(directory)
+    except UsageError as exc:  # not a directory, not readable
         return _Row(tier, kind, str(exc), broken=True)
     return _Row(tier, kind, f"{directory}" + (f" ({note})" if note else ""), versions)
 
@@ -151,9 +141,9 @@ def _config_rows(path: Path) -> list[_Row]:
     try:
         config = Config.from_yaml(path)
     except ConfigError as exc:  # it names the file, the key and the line
-        raise _UsageError(f"not a config that loads: {exc}") from None
+        raise UsageError(f"not a config that loads: {exc}") from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:  # a binary file: PyYAML's reader refuses it
-        raise _UsageError(f"{path}: not a config that loads ({exc})") from None
+        raise UsageError(f"{path}: not a config that loads ({exc})") from None
     rows: list[_Row] = []
     for tier in config.tiers:
         if tier.type == "memory" and tier.path is not None:
@@ -198,7 +188,7 @@ def _object_row(tier: TierConfig) -> _Row:
         from tierckpt.storage.s3 import Bucket
         from tierckpt.tiers.objread import list_versions
 
-        versions = [_Version(None, step, files, files.container) for step, files in list_versions(Bucket(tier))]
+        versions = [ListedVersion(None, step, files, files.container) for step, files in list_versions(Bucket(tier))]
     except ImportError as exc:
         return _Row(tier.name, tier.type, f"{where}: cannot be listed ({exc}; pip install 'tierckpt[s3]')", broken=True)
     except (ConfigError, OSError) as exc:
@@ -210,13 +200,13 @@ def _tally(row: _Row, verify: bool, executor: concurrent.futures.Executor) -> No
     """Read (with ``verify``: check) each of the row's versions, as ls (verify) does."""
     for version in row.versions or []:
         if verify:
-            opened, damage = _verify_one(version, executor)
+            opened, damage = verify_version(version, executor)
         else:
             try:
-                opened, damage = _open(version), None
+                opened, damage = open_parts(version), None
                 opened.close()
             except CorruptCheckpointError as exc:
-                opened, damage = None, _message(exc, version)
+                opened, damage = None, damage_message(exc, version)
         if damage is not None and version.path is not None and not os.path.lexists(version.path):
             continue  # removed while it was read (retention beside the running job): no longer held
         row.held += 1
@@ -224,7 +214,7 @@ def _tally(row: _Row, verify: bool, executor: concurrent.futures.Executor) -> No
         if step is not None:
             row.newest = step if row.newest is None else max(row.newest, step)
         if opened is not None:
-            row.stored += _held_bytes(opened.head)
+            row.stored += held_bytes(opened.head)
         if damage is not None:
             row.damage.append((version.name, damage))
 
@@ -236,7 +226,7 @@ def _print(rows: list[_Row], verify: bool) -> None:
         if row.versions is None:
             cells = ["-", "-", "-"] + (["-"] if verify else [])
         else:
-            cells = [str(row.held), "-" if row.newest is None else str(row.newest), _size(row.stored)]
+            cells = [str(row.held), "-" if row.newest is None else str(row.newest), format_size(row.stored)]
             if verify:
                 ok = row.held - len(row.damage)
                 cells.append("-" if not row.held else f"{ok} OK" + (f", {len(row.damage)} DAMAGED" if row.damage else ""))

@@ -42,8 +42,8 @@ __all__ = [
     "Candidate",
     "FlushChoice",
     "FlushState",
-    "Held",
     "SlotChoice",
+    "SlotOccupant",
     "Stored",
     "Update",
     "choose_flush",
@@ -340,7 +340,7 @@ def retain(versions: Sequence[Stored], policy: KeepPolicy, *, now: float) -> fro
 
 
 @dataclass(frozen=True)
-class Held:
+class SlotOccupant:
     """A snapshot in a host slot, as the slot decision sees it."""
 
     token: int
@@ -362,7 +362,7 @@ class SlotChoice:
     token: int | None = None
 
 
-def choose_slot(held: Sequence[Held], *, free: int, on_full: str) -> SlotChoice:
+def choose_slot(held: Sequence[SlotOccupant], *, free: int, on_full: str) -> SlotChoice:
     """Where a new save goes (``held`` oldest first; ``on_full`` is ``block``, ``skip`` or ``evict``).
 
     A free slot first; else the oldest snapshot nobody needs (already flushed, superseded, or kept

@@ -5,7 +5,7 @@ functions of :mod:`tierckpt.policy` update: which versions wait (the newest sele
 ``newest_only``, a FIFO queue otherwise, and with ``max_staleness`` a fallback), and when the last
 flushes started. Selection is on the stream of saves, so no other tier's choices or speed decide
 what this tier can get. The flusher only applies those decisions: it leases the version where it is
-read fastest (host memory, else a filesystem tier above that holds it: :mod:`tierckpt.pipeline.sources`),
+read fastest (host memory, else a stored tier above that holds it: :mod:`tierckpt.pipeline.sources`),
 writes, commits, tells the pipeline, and prunes its tier. A flush starts only while no host copy is
 running, unless the tier is overdue: training waits for the copy, never for the disk, and on few
 cores a write beside the copy slows it.
@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import replace
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+from dataclasses import dataclass, replace
+from typing import Awaitable, Callable, Protocol, Sequence
 
 from tierckpt.config import FlushPolicy
 from tierckpt.policy import (
@@ -33,10 +33,7 @@ from tierckpt.policy import (
     still_wanted,
     take,
 )
-from tierckpt.tiers.base import Tier, VersionInfo
-
-if TYPE_CHECKING:
-    from tierckpt.pipeline.sources import Located
+from tierckpt.tiers.base import Lease, Tier, VersionInfo, VersionSource
 
 log = logging.getLogger("tierckpt")
 
@@ -58,6 +55,16 @@ class FlushEvents(Protocol):
     def failed(self, tier: str, candidate: Candidate | None, error: BaseException) -> None: ...
 
     def delete_failed(self, tier: str, step: int, error: BaseException) -> None: ...
+
+
+@dataclass
+class Located:
+    """A version leased where it will be read from; ``open()`` opens it (the caller closes the source).
+    What :meth:`Upstream.locate` answers, so it lives beside that protocol."""
+
+    tier: str
+    lease: Lease
+    open: Callable[[], Awaitable[VersionSource]]
 
 
 class Upstream(Protocol):

@@ -34,8 +34,7 @@ from tierckpt.ranks.group import CoordinationLost, RankGroup
 from tierckpt.errors import RankFailureError
 from tierckpt.format import version_dirname
 from tierckpt.config import FlushPolicy
-from tierckpt.pipeline.flusher import FlushEvents, Flusher
-from tierckpt.pipeline.sources import Located
+from tierckpt.pipeline.flusher import FlushEvents, Flusher, Located
 from tierckpt.policy import Candidate, finished, pass_over, pass_over_older_saves, take
 from tierckpt.tiers.base import GroupTier, Part, Staged, Tier, VersionInfo
 

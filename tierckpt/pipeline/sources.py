@@ -2,9 +2,10 @@
 
 Every tier below host memory is offered every captured save and selects on that stream with its own
 flush policy (:mod:`tierckpt.policy`): no tier's choice depends on what another tier took. So the
-version a tier takes is read from wherever it is still held, cheapest first:
+version a tier takes is read from wherever it is still held, cheapest first ("stored tier" below
+means a filesystem or an object tier: one that keeps committed versions a tier below can read back):
 
-1. a filesystem tier above it that committed that very save and compresses it the same way (a
+1. a stored tier above it that committed that very save and compresses it the same way (a
    compressing tier only): its stored chunks are copied as they are, and no compressor runs (zstd
    encodes at ~0.8 GB/s per thread here, an O_DIRECT read runs at 2-6 GB/s, and on few cores the
    compressor's CPU is taken from training). While such a tier is writing that very save, the tier
@@ -13,16 +14,16 @@ version a tier takes is read from wherever it is still held, cheapest first:
    last write took (:class:`~tierckpt.pipeline.flusher.Flusher`), so a stuck tier above costs it at
    most that;
 2. host memory, while a slot still holds that very save;
-3. else the first filesystem tier above it (tiers are listed fastest first) that committed it.
+3. else the first stored tier above it (tiers are listed fastest first) that committed it.
    A peer tier is never read back while training runs.
 
 What keeps a waiting version somewhere (so that no tier loses a version it selected because another
 tier was busy, or because another tier's policy passed it over):
 
-- host memory keeps a snapshot that some tier waits for and that no filesystem tier above that tier
+- host memory keeps a snapshot that some tier waits for and that no stored tier above that tier
   holds (:attr:`~tierckpt.tiers.memory.Want.ONLY_HERE`); one that such a tier holds stays while its
   slot is not needed and gives way to a save that needs it (``ELSEWHERE``);
-- a filesystem tier's retention spares every step a tier below waits for or is writing.
+- a stored tier's retention spares every step a tier below waits for or is writing.
 
 Under ``newest_only`` at most one version waits per tier, so this holds at most one extra version per
 tier below. "That very save": a step saved twice is two saves; a tier holding the first does not
@@ -31,25 +32,13 @@ hold the second (tokens, the snapshots' ``seq``, tell them apart).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
+from typing import Callable, Sequence
 
+from tierckpt.pipeline.flusher import Flusher, Located
 from tierckpt.policy import Candidate
 from tierckpt.snapshot import Snapshot
-from tierckpt.tiers.base import Lease, Tier, VersionSource
+from tierckpt.tiers.base import Tier
 from tierckpt.tiers.memory import MemoryTier, Want
-
-if TYPE_CHECKING:
-    from tierckpt.pipeline.flusher import Flusher
-
-
-@dataclass
-class Located:
-    """A version leased where it will be read from; ``open()`` opens it (the caller closes the source)."""
-
-    tier: str
-    lease: Lease
-    open: Callable[[], Awaitable[VersionSource]]
 
 
 class Sources:
@@ -61,7 +50,7 @@ class Sources:
         self.memory = memory
         self.tiers = list(tiers)
         self._index = {tier.name: i for i, tier in enumerate(self.tiers)}
-        # Per filesystem tier: step -> the token of the save it committed under that step in this process.
+        # Per stored tier: step -> the token of the save it committed under that step in this process.
         self._tokens: dict[str, dict[int, int]] = {t.name: {} for t in self.tiers[1:] if t.config.type in ("filesystem", "object")}
         self._flushers = flushers
 
@@ -80,12 +69,12 @@ class Sources:
         tokens = self._tokens.get(tier.name)
         return tokens is not None and tokens.get(step) == token and any(v.step == step for v in tier.versions())
 
-    def _on_disk_above(self, i: int, step: int, token: int) -> Tier | None:
-        """The first filesystem tier above tier ``i`` that holds save ``token`` of ``step``, if any."""
+    def _stored_above(self, i: int, step: int, token: int) -> Tier | None:
+        """The first stored tier above tier ``i`` that holds save ``token`` of ``step``, if any."""
         return next((t for t in self.tiers[1:i] if self._holds(t, step, token)), None)
 
     def _same_encoding(self, i: int) -> list[tuple[int, Tier]]:
-        """The filesystem tiers above tier ``i`` that store chunks exactly as it does, when it compresses."""
+        """The stored tiers above tier ``i`` that store chunks exactly as it does, when it compresses."""
         compression = self.tiers[i].config.compression
         if compression.codec == "none":
             return []  # nothing to save: an uncompressed tier copies bytes from host memory as they are
@@ -115,7 +104,7 @@ class Sources:
         snapshot = self.memory.captured(candidate.token)
         if snapshot is not None:
             return Located(self.memory.name, self.memory.hold(snapshot), lambda: self.memory.read_snapshot(snapshot))
-        above = self._on_disk_above(i, candidate.step, candidate.token)
+        above = self._stored_above(i, candidate.step, candidate.token)
         return None if above is None else self._lease(above, candidate.step)
 
     @staticmethod
@@ -135,22 +124,22 @@ class Sources:
         want = Want.NO
         for i, flusher in enumerate(self._flushers(), start=1):
             if flusher.still_wanted(snapshot.seq, newer):
-                if self._on_disk_above(i, snapshot.step, snapshot.seq) is None:
+                if self._stored_above(i, snapshot.step, snapshot.seq) is None:
                     return Want.ONLY_HERE
                 want = Want.ELSEWHERE
         return want
 
     def lost(self, snapshot: Snapshot) -> list[Flusher]:
         """The flushers that lose ``snapshot`` when host memory drops it (under ``on_full: evict``):
-        those waiting for it that no filesystem tier above can serve."""
+        those waiting for it that no stored tier above can serve."""
         return [
             f
             for i, f in enumerate(self._flushers(), start=1)
-            if f.state.find(snapshot.seq) is not None and self._on_disk_above(i, snapshot.step, snapshot.seq) is None
+            if f.state.find(snapshot.seq) is not None and self._stored_above(i, snapshot.step, snapshot.seq) is None
         ]
 
     def spared(self, tier: str, step: int) -> bool:
-        """Whether retention on filesystem tier ``tier`` must keep ``step``: a tier below waits for it or
+        """Whether retention on stored tier ``tier`` must keep ``step``: a tier below waits for it or
         is writing it. A peer tier spares nothing: no tier reads from it."""
         if tier not in self._tokens:
             return False

@@ -35,7 +35,7 @@ from tierckpt.storage.posix import (
     remove_tree,
     write_file,
 )
-from tierckpt.storage.store import ByteStore, DataWriter, Entry, ObjectReader
+from tierckpt.storage.store import ByteStore, DataWriter, ObjectReader, RootEntry
 
 __all__ = ["LocalDataWriter", "LocalReader", "LocalStore"]
 
@@ -151,8 +151,8 @@ class LocalStore(ByteStore):
             await self._run(self._lock.acquire)
         self.direct = bool(await self._run(probe_direct_io, self.root))
 
-    async def list(self) -> list[Entry]:
-        return [Entry(e.name, e.is_dir()) for e in await aiofiles.os.scandir(self.root)]
+    async def list(self) -> list[RootEntry]:
+        return [RootEntry(e.name, e.is_dir()) for e in await aiofiles.os.scandir(self.root)]
 
     async def exists(self, key: str) -> bool:
         return await aiofiles.os.path.exists(self.path(key))

@@ -44,11 +44,11 @@ from typing import Protocol
 
 from tierckpt.storage.plan import WriteItem, WritePlan
 
-__all__ = ["ByteStore", "DataStore", "DataWriter", "Entry", "ObjectReader"]
+__all__ = ["ByteStore", "DataStore", "DataWriter", "ObjectReader", "RootEntry"]
 
 
 @dataclass(frozen=True)
-class Entry:
+class RootEntry:
     """A name at the store's root: a container (a version, a staging area) or a single object."""
 
     name: str
@@ -133,7 +133,7 @@ class ByteStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def list(self) -> list[Entry]:
+    async def list(self) -> list[RootEntry]:
         """What the root holds: committed versions and leftovers of interrupted writes alike."""
 
     @abc.abstractmethod

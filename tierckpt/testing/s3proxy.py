@@ -24,7 +24,7 @@ import threading
 import urllib.parse
 from dataclasses import dataclass, field
 
-__all__ = ["Held", "S3Proxy"]
+__all__ = ["HeldRequests", "S3Proxy"]
 
 _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "upgrade"}
 
@@ -37,14 +37,14 @@ class _Rule:
     times: int | None  # None: every matching request
     status: int = 503
     code: str = "SlowDown"
-    held: Held | None = None
+    held: HeldRequests | None = None
 
     def matches(self, method: str, path: str) -> bool:
         return self.method in ("*", method) and self.path in path and (self.times is None or self.times > 0)
 
 
 @dataclass
-class Held:
+class HeldRequests:
     """A rule holding requests: ``reached`` is set when one arrives; :meth:`release` lets them go on,
     :meth:`drop` closes their connections unanswered and never forwards them (the client died first)."""
 
@@ -109,9 +109,9 @@ class S3Proxy:
         with self._lock:
             self.rules.append(_Rule(method, path, "lose", times))
 
-    def hold(self, method: str, path: str) -> Held:
-        """Hold matching requests until :meth:`Held.release` (or :meth:`close`)."""
-        held = Held()
+    def hold(self, method: str, path: str) -> HeldRequests:
+        """Hold matching requests until :meth:`HeldRequests.release` (or :meth:`close`)."""
+        held = HeldRequests()
         with self._lock:
             self.rules.append(_Rule(method, path, "hold", None, held=held))
         return held

@@ -65,10 +65,11 @@ from tierckpt.storage.local import LocalStore
 from tierckpt.tiers.base import GroupTier, Part, Staged, VersionInfo, VersionSource
 from tierckpt.tiers.encoding import TierEncoding
 from tierckpt.tiers.fslayout import filesystem_layout
-from tierckpt.tiers.fsread import FilesystemSource, StoredSource, open_source, read_head, read_manifest, resolve_shared  # noqa: F401 - FilesystemSource lived here
+from tierckpt.tiers.fsread import FilesystemSource, open_source, read_head, read_manifest, resolve_shared  # noqa: F401 - FilesystemSource lived here
 from tierckpt.tiers.fscommit import Left, PlaceFailed, place, take_back
 from tierckpt.tiers.fssweep import MEMBER, KeepAside, sweep
 from tierckpt.tiers.fswrite import write_data_file
+from tierckpt.tiers.versionfiles import StoredSource
 
 log = logging.getLogger("tierckpt")
 

@@ -12,7 +12,8 @@ from typing import Sequence
 from tierckpt.format import Manifest, TensorRecord
 from tierckpt.format.saved_layout import SavedLayout, home_rank
 from tierckpt.format.source import VersionSource
-from tierckpt.tiers.fsread import VersionFiles, read_head, read_rank_manifest, resolve_shared, version_files
+from tierckpt.tiers.fsread import read_head, read_rank_manifest, resolve_shared, version_files
+from tierckpt.tiers.versionfiles import VersionFiles
 
 __all__ = ["filesystem_layout"]
 

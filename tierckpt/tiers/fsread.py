@@ -30,28 +30,22 @@ import dataclasses
 import errno
 import os
 import stat
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Mapping, cast
 
-from tierckpt._buffers import copy_pieces
 from tierckpt.errors import CorruptCheckpointError, LayoutError
 from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, TensorRecord, checksum, decode_document
-from tierckpt.format.checksum import checksum_pieces
 from tierckpt.format.layout import where
 from tierckpt.format.manifest import MAX_MANIFEST_BYTES
 from tierckpt.state import skeleton_leaf_count
-from tierckpt.tiers.base import VersionSource
 from tierckpt.storage.local import LocalReader
-from tierckpt.storage.store import ObjectReader
 from tierckpt.tiers.fscheck import MAX_CHUNK_BYTES, ZSTD_MAX_EXPANSION, check_records
-from tierckpt.tiers.versionfiles import VersionFiles
+from tierckpt.tiers.versionfiles import StoredSource, VersionFiles
 from tierckpt.storage.posix import O_DIRECT
 
 # MAX_CHUNK_BYTES, ZSTD_MAX_EXPANSION and check_records live in fscheck; imported from here too.
 __all__ = [
-    "MAX_CHUNK_BYTES", "ZSTD_MAX_EXPANSION", "FilesystemSource", "LocalVersion", "StoredSource", "VersionFiles", "check_records",
+    "MAX_CHUNK_BYTES", "ZSTD_MAX_EXPANSION", "FilesystemSource", "LocalVersion", "VersionFiles", "check_records",
     "open_source", "read_head", "read_manifest", "read_rank_manifest", "resolve_shared", "version_files",
 ]
 
@@ -256,100 +250,6 @@ def _read_small(path: Path, name: str, *, tier: str | None, step: int | None) ->
     finally:
         os.close(fd)
     return b"".join(parts)
-
-
-class StoredSource(VersionSource):
-    """A committed version's data objects, open for reading through a store's readers (by file name);
-    verifies every chunk it returns. Store-neutral: how the objects were opened is the subclass's.
-
-    Each chunk is hashed right after its read, in the reading thread, while it is still in cache.
-    Every error names the tier, the step, the file and the key; a chunk that cannot be read is
-    reported as damaged (restore moves on to the next candidate).
-    """
-
-    def __init__(self, tier: str | None, manifest: Manifest) -> None:
-        self.tier = tier  # None: a version read outside any tier (the CLI)
-        self.step = manifest.step
-        self.created = manifest.created
-        self.skeleton = manifest.skeleton
-        self.metadata = manifest.metadata
-        self.records = manifest.records
-        self.readers: dict[str, ObjectReader] = {}
-
-    def _where(self, record: TensorRecord, chunk: int) -> str:
-        return f"{where(self.tier, self.step)}: {record.chunk_file(chunk)}: {record.key} chunk {chunk}"
-
-    def _corrupt(self, record: TensorRecord, message: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(message, tier=self.tier, step=self.step, key=record.key)
-
-    def _verify(self, record: TensorRecord, chunk: int, data: memoryview | Sequence[memoryview]) -> None:
-        """``data``: the chunk's stored bytes, or their consecutive pieces."""
-        c = record.chunk(chunk)
-        if (checksum(data) if isinstance(data, memoryview) else checksum_pieces(data)) != c.checksum:
-            raise self._corrupt(
-                record,
-                f"{where(self.tier, self.step)}: {record.chunk_file(chunk)}: checksum mismatch in {record.key} "
-                f"(chunk {chunk}) at bytes {c.offset}..{c.offset + c.stored}",
-            )
-
-    @property
-    def direct(self) -> bool:
-        """Whether bulk reads bypass the page cache (O_DIRECT)."""
-        return any(reader.direct for reader in self.readers.values())
-
-    @contextmanager
-    def _reading(self, record: TensorRecord, chunk: int) -> Iterator[str]:
-        """Around a read of the chunk (given what names it): its failures as a damaged chunk's."""
-        what = self._where(record, chunk)
-        try:
-            yield what
-        except CorruptCheckpointError as exc:
-            raise self._corrupt(record, str(exc)) from None
-        except OSError as exc:  # a copy that cannot be read is as good as a damaged one: restore moves on
-            raise self._corrupt(record, f"{what}: read failed ({exc.strerror or exc})") from exc
-
-    def read_stored(self, record: TensorRecord, chunk: int, scratch: memoryview) -> memoryview:
-        c = record.chunk(chunk)
-        with self._reading(record, chunk) as what:
-            out = self.readers[record.chunk_file(chunk)].read_span(c.offset, c.stored, scratch, what=what)
-        self._verify(record, chunk, out)
-        return out
-
-    def read_logical(self, record: TensorRecord, chunk: int, out: memoryview, scratch: memoryview, *, private: bool = True) -> None:
-        c = record.chunk(chunk)
-        codec = record.chunk_codec(chunk)
-        if codec != "none":
-            try:
-                super().read_logical(record, chunk, out, scratch)
-            except CorruptCheckpointError as exc:
-                if exc.key is not None:
-                    raise
-                raise self._corrupt(record, f"{self._where(record, chunk)} does not decode ({exc})") from exc
-            return
-        if c.stored != out.nbytes:
-            raise self._corrupt(record, f"{self._where(record, chunk)} has the wrong length")
-        reader = self.readers[record.chunk_file(chunk)]
-        if not private:
-            # Into memory others see (a template): read into this thread's reused buffer, verify it
-            # there, then copy. A damaged chunk never lands; and O_DIRECT into a reused buffer runs
-            # at up to twice the speed of reads into a large destination, while the copy out of it
-            # runs at memory speed beside the next read. A chunk an object store fetched in two
-            # GETs is hashed and copied piece by piece, never joined first.
-            with self._reading(record, chunk) as what:
-                pieces = reader.read_pieces(c.offset, c.stored, scratch, what=what)
-            self._verify(record, chunk, pieces)
-            copy_pieces(out, pieces)
-            return
-        # Into private memory (new arrays, staging): straight in (DMA when both are page-aligned),
-        # hashed right away while in cache. Fresh pages fill faster by DMA than by a copy.
-        with self._reading(record, chunk) as what:
-            reader.read_into(out, c.offset, scratch, what=what)
-        self._verify(record, chunk, out)
-
-    def close(self) -> None:
-        readers, self.readers = list(self.readers.values()), {}
-        for reader in readers:
-            reader.close()
 
 
 class FilesystemSource(StoredSource):

@@ -21,7 +21,7 @@ from typing import Awaitable, Callable
 
 from tierckpt.format import MANIFEST_FILE, parse_version_dirname, version_dirname
 from tierckpt.storage.posix import DIRECT_PROBE_PREFIX
-from tierckpt.storage.store import ByteStore, Entry
+from tierckpt.storage.store import ByteStore, RootEntry
 from tierckpt.tiers.base import VersionInfo
 
 log = logging.getLogger("tierckpt")
@@ -35,7 +35,7 @@ Describe = Callable[[int, str], Awaitable[VersionInfo]]
 KeepAside = Callable[[int, str], Awaitable[bool]]
 
 
-def classify(entry: Entry) -> str:
+def classify(entry: RootEntry) -> str:
     """What a name at the root is: ``version``, ``replaced``, ``stale`` (an object to remove),
     ``leftover`` (a container to remove) or ``other`` (left alone)."""
     if entry.name.startswith(REPLACED):

@@ -3,7 +3,7 @@
 Every save lands here first. A slot is reused only when its snapshot is no longer needed: not being
 read (leased), not a version a tier below is waiting to take, and not kept by this tier's retention;
 when a save needs a slot and none is free, the oldest snapshot nobody needs gives way to it, even one
-retention keeps, or one a tier below waits for that a filesystem tier above it already holds (that
+retention keeps, or one a tier below waits for that a stored tier above it already holds (that
 tier reads it from there: :class:`Want`). Under ``host.on_full: evict`` a save may also take the slot
 of the oldest snapshot a tier below was still waiting for (the pipeline counts it and tells those
 flushers); a snapshot being copied into or read is never dropped. :func:`tierckpt.policy.choose_slot`
@@ -38,7 +38,7 @@ from tierckpt.config import TierConfig
 from tierckpt._buffers import align_up
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import DATA_FILE, Manifest, version_dirname
-from tierckpt.policy import Held, SlotChoice, choose_slot, retain
+from tierckpt.policy import SlotChoice, SlotOccupant, choose_slot, retain
 from tierckpt.snapshot import Entry, Slot, Snapshot, SnapshotState
 from tierckpt.tiers.base import Lease, Tier, VersionInfo, VersionSource
 from tierckpt.tiers.memory_hooks import Alone, MemoryHooks, Want
@@ -159,7 +159,7 @@ class MemoryTier(Tier):
     def slot_choice(self, step: int, seq: int, on_full: str) -> SlotChoice:
         """What the save (step, seq) would do for a slot now (no side effects: :meth:`acquire` acts on it)."""
         held = [
-            Held(
+            SlotOccupant(
                 s.seq,
                 copying=s.state is SnapshotState.CAPTURING,
                 leased=s.leases > 0,

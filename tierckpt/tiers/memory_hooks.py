@@ -14,7 +14,7 @@ class Want(enum.Enum):
     """Whether the tiers below still want a captured snapshot from host memory."""
 
     NO = "no"  # no tier waits for it: retention may drop it
-    ELSEWHERE = "elsewhere"  # a tier waits for it, and a filesystem tier above that one holds it too:
+    ELSEWHERE = "elsewhere"  # a tier waits for it, and a stored tier above that one holds it too:
     # kept while its slot is not needed (a read from RAM is fastest), given way to a save that needs one
     ONLY_HERE = "only here"  # a tier waits for it and nothing else holds it: kept (on_full: evict excepted)
 

@@ -52,10 +52,11 @@ from tierckpt.storage.s3 import Bucket
 from tierckpt.tiers.base import GroupTier, Part, Staged, VersionInfo, VersionSource
 from tierckpt.tiers.encoding import TierEncoding
 from tierckpt.tiers.fslayout import filesystem_layout
-from tierckpt.tiers.fsread import StoredSource, open_source, read_head, read_manifest, resolve_shared
+from tierckpt.tiers.fsread import open_source, read_head, read_manifest, resolve_shared
 from tierckpt.tiers.fswrite import write_data_file
 from tierckpt.tiers.objlease import WriterLease
 from tierckpt.tiers.objread import ObjectVersion, containers
+from tierckpt.tiers.versionfiles import StoredSource
 
 if TYPE_CHECKING:
     from tierckpt.ranks import RankGroup
@@ -93,7 +94,7 @@ class _Write:
 
 
 @dataclass
-class _Held:
+class _CommittedWrites:
     """A committed version's writes: the one its commit object names, and older ones still to remove."""
 
     writes: set[str]
@@ -112,7 +113,7 @@ class ObjectTier(GroupTier):
         self.encoding = TierEncoding(config.compression, config.name)
         self.executor = concurrent.futures.ThreadPoolExecutor(config.concurrency, thread_name_prefix=f"tierckpt-s3-{config.name}")
         self._index: dict[int, VersionInfo] = {}
-        self._held: dict[int, _Held] = {}
+        self._held: dict[int, _CommittedWrites] = {}
         self._lease = WriterLease(self.bucket, config.name)
 
     @property
@@ -181,7 +182,7 @@ class ObjectTier(GroupTier):
                 continue
             writes = referenced_writes(head)
             self._index[step] = VersionInfo(self.name, step, head.stored_bytes, head.created, self.bucket.url_of(container))
-            self._held[step] = _Held(writes)
+            self._held[step] = _CommittedWrites(writes)
             stray = {n: s for n, s in names.items() if n != MANIFEST_FILE and write_of(n) not in writes}
             if sweep and stray:
                 await self._remove(container, stray)
@@ -271,7 +272,7 @@ class ObjectTier(GroupTier):
         info = VersionInfo(self.name, staged.step, staged.nbytes, staged.created, self.bucket.url_of(done.container))
         self._index[staged.step] = info
         old = self._held.get(staged.step)
-        self._held[staged.step] = _Held({done.write}, (old.writes | old.stale) - {done.write} if old else set())
+        self._held[staged.step] = _CommittedWrites({done.write}, (old.writes | old.stale) - {done.write} if old else set())
         return info
 
     async def adopt(self, staged: Staged, nbytes: int) -> VersionInfo:

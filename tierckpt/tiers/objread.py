@@ -19,7 +19,7 @@ from tierckpt.format.manifest import MAX_MANIFEST_BYTES
 from tierckpt.storage.coalesce import SMALL, CoalescingReader, group_spans, window_spans
 from tierckpt.storage.s3 import Bucket
 from tierckpt.tiers.fscheck import check_records
-from tierckpt.tiers.fsread import StoredSource
+from tierckpt.tiers.versionfiles import StoredSource
 
 __all__ = ["ObjectSource", "ObjectVersion", "containers", "list_versions", "open_bucket"]
 

@@ -59,7 +59,7 @@ def _sweep_orphans(base: Path) -> None:
 
 
 @dataclass(frozen=True)
-class Held:
+class ReplicaId:
     """One copy held: whose part, of which version."""
 
     world: int
@@ -74,7 +74,7 @@ class Held:
 class Incoming:
     """A copy being received: its staging directory and its data file, mapped."""
 
-    def __init__(self, held: Held, path: Path, nbytes: int) -> None:
+    def __init__(self, held: ReplicaId, path: Path, nbytes: int) -> None:
         self.held = held
         self.path = path
         self.nbytes = nbytes
@@ -117,8 +117,8 @@ class ReplicaStore:
         self.root = root
         self._lock = DirectoryLock(root, tier)
         self._guard = threading.Lock()
-        self._held: dict[Held, int] = {}  # -> bytes
-        self._created: dict[Held, float] = {}  # -> when its owner saved it (unix time)
+        self._held: dict[ReplicaId, int] = {}  # -> bytes
+        self._created: dict[ReplicaId, float] = {}  # -> when its owner saved it (unix time)
         # Data files of deleted copies, kept (up to ``spares``) to receive later copies into: their RAM is
         # allocated and faulted in already, which made a 256 MiB copy land in 65 ms instead of 175-350 ms.
         self.spares = 0
@@ -146,7 +146,7 @@ class ReplicaStore:
                 step = parse_version_dirname(version)
                 if step is None:
                     continue
-                held = Held(int(owner[1]), int(owner[2]), step)
+                held = ReplicaId(int(owner[1]), int(owner[2]), step)
                 try:
                     size = os.stat(path / version / COPY_FILE).st_size
                     manifest = Manifest.decode((path / version / MANIFEST_FILE).read_bytes(), tier=self.tier, step=step)
@@ -157,19 +157,19 @@ class ReplicaStore:
                 self._held[held] = size
                 self._created[held] = manifest.created
 
-    def held(self) -> dict[Held, int]:
+    def held(self) -> dict[ReplicaId, int]:
         with self._guard:
             return dict(self._held)
 
-    def created(self, held: Held) -> float:
+    def created(self, held: ReplicaId) -> float:
         """When the owner saved the version of a copy held (unix time; 0 if not known)."""
         with self._guard:
             return self._created.get(held, 0.0)
 
-    def path(self, held: Held) -> Path:
+    def path(self, held: ReplicaId) -> Path:
         return self.root / held.dirname / version_dirname(held.step)
 
-    def stage(self, held: Held, nbytes: int) -> Incoming:
+    def stage(self, held: ReplicaId, nbytes: int) -> Incoming:
         """A staging directory with a data file of ``nbytes`` reserved in RAM.
 
         Raises:
@@ -208,7 +208,7 @@ class ReplicaStore:
         self._keep_spare(incoming.path / COPY_FILE)
         shutil.rmtree(incoming.path, ignore_errors=True)
 
-    def delete(self, held: Held) -> None:
+    def delete(self, held: ReplicaId) -> None:
         with self._guard:
             self._created.pop(held, None)
             if self._held.pop(held, None) is None:

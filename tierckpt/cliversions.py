@@ -1,0 +1,191 @@
+"""The stored versions the command line reads: found in a directory or under an object tier's prefix,
+opened (every rank's part), and verified chunk by chunk.
+
+``tierckpt ls`` and ``verify`` (:mod:`tierckpt.cli`) and ``tierckpt status`` (:mod:`tierckpt.clistatus`)
+read versions the same way, so that ``status --verify`` finds what ``verify`` finds; this module is
+what they share, below both. What a read refuses is :mod:`tierckpt.tiers.fsread`'s.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from tierckpt.errors import CorruptCheckpointError
+from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, TensorRecord, parse_version_dirname
+from tierckpt.format.layout import where
+from tierckpt.tiers.fsio import scratch, scratch2
+from tierckpt.tiers.fsread import open_source, read_head, read_rank_manifest, version_files
+from tierckpt.tiers.fswrite import scratch_bytes
+from tierckpt.tiers.versionfiles import StoredSource, VersionFiles
+
+__all__ = [
+    "DAMAGED", "NO_TIER_HINT", "OK", "USAGE", "ListedVersion", "OpenedVersion", "UsageError",
+    "bucket_versions", "damage_message", "dir_versions", "format_size", "held_bytes", "open_parts", "verify_version",
+]
+
+OK, DAMAGED, USAGE = 0, 1, 2  # the commands' exit statuses
+
+
+class UsageError(Exception):
+    """A command line the commands cannot act on: printed after the program's name, exit status 2."""
+
+
+@dataclass(frozen=True)
+class ListedVersion:
+    """One version a command found, by the name it prints (a directory's, or an object container's)."""
+
+    path: Path | None  # None: a version of an object tier
+    step: int | None  # None: a version directory under another name (a copy)
+    files: VersionFiles
+    name: str
+
+    @classmethod
+    def local(cls, path: Path, step: int | None) -> ListedVersion:
+        return cls(path, step, version_files(path), path.name)
+
+
+NO_TIER_HINT = (
+    "no tier and no version found here; pass a tier's directory (the path: of a filesystem tier, holding "
+    "step-<12 digits> directories), a folder holding tier directories, one version directory, or s3://bucket/prefix"
+)
+
+
+def bucket_versions(url: str, endpoint: str | None) -> list[ListedVersion]:
+    """The committed versions under an object tier's prefix, or the one it names."""
+    from tierckpt.errors import ConfigError
+    from tierckpt.tiers.objread import list_versions, open_bucket
+
+    try:
+        return [ListedVersion(None, step, files, files.container) for step, files in list_versions(open_bucket(url, endpoint))]
+    except ConfigError as exc:
+        raise UsageError(f"{url}: {exc}") from None
+    except OSError as exc:
+        raise UsageError(f"{url}: cannot be listed ({exc})") from None
+
+
+def dir_versions(directory: Path) -> list[ListedVersion]:
+    """The versions in ``directory``: itself when it is one, else its ``step-...`` entries by step."""
+    if not directory.exists():
+        raise UsageError(f"{directory}: no such directory")
+    if not directory.is_dir():
+        raise UsageError(f"{directory}: not a directory")
+    # The directory named on the command line may be reached through a symlink (``latest -> step-...``):
+    # the user chose it. Symlinks inside it are refused, as restore refuses them.
+    directory = directory.resolve()
+    own = parse_version_dirname(directory.name)
+    if own is not None or os.path.lexists(directory / MANIFEST_FILE):
+        return [ListedVersion.local(directory, own)]
+    found = []
+    try:
+        entries = os.listdir(directory)
+    except OSError as exc:
+        raise UsageError(f"{directory}: {exc.strerror or exc}") from exc
+    for name in entries:
+        step = parse_version_dirname(name)
+        if step is not None:  # a symlink or a file by that name is listed, and refused when read
+            found.append(ListedVersion.local(directory / name, step))
+    return sorted(found, key=lambda v: v.step or 0)
+
+
+def damage_message(exc: CorruptCheckpointError, version: ListedVersion) -> str:
+    """The error without its "step N: " prefix: the line already names the version."""
+    text = str(exc)
+    prefix = f"{where(None, version.step)}: "
+    return text[len(prefix) :] if text.startswith(prefix) else text
+
+
+def format_size(n: int) -> str:
+    """``n`` bytes as the commands print sizes (``512 B``, ``1.2 GiB``)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    raise AssertionError
+
+
+@dataclass
+class OpenedVersion:
+    """A version's manifests and open files: one per rank that saved it."""
+
+    head: Manifest | CommitMarker
+    parts: list[tuple[Manifest, StoredSource]]
+
+    @property
+    def tensors(self) -> int:
+        return len(self.logical_records())
+
+    def logical_records(self) -> list[TensorRecord]:
+        """Every value once: a value several ranks share counts once, a rank's own value per rank."""
+        seen: dict[tuple[int | str, str], TensorRecord] = {}
+        for manifest, _ in self.parts:
+            for r in manifest.records:
+                seen.setdefault(("shared" if r.shared else manifest.rank, r.key), r)
+        return list(seen.values())
+
+    def close(self) -> None:
+        for _, source in self.parts:
+            source.close()
+
+
+def open_parts(version: ListedVersion) -> OpenedVersion:
+    """The version's head and every rank's part it holds, each opened and checked against its files
+    (no chunk is read): CorruptCheckpointError when one is not."""
+    head = read_head(version.files, tier=None, step=version.step)
+    if isinstance(head, Manifest):
+        manifests = [head]
+    else:  # a node-local tier's directory holds its node's ranks' parts
+        held = range(head.world_size) if head.holds is None else head.holds
+        manifests = [read_rank_manifest(version.files, head, r, tier=None) for r in held]
+    opened = OpenedVersion(head, [])
+    try:
+        for manifest in manifests:
+            opened.parts.append((manifest, open_source(None, version.files, manifest)))
+    except BaseException:
+        opened.close()
+        raise
+    return opened
+
+
+def held_bytes(head: Manifest | CommitMarker) -> int:
+    """The bytes a version's directory or container stores (of a node's part: that part's)."""
+    return head.held_bytes if isinstance(head, CommitMarker) else head.stored_bytes
+
+
+def _check_chunk(source: StoredSource, record: TensorRecord, chunk: int) -> str | None:
+    """None if the chunk verifies (and decodes), else the damage."""
+    _, length = record.chunk_span(chunk)
+    out = scratch2(record.chunk_bytes)[:length]
+    try:
+        source.read_logical(record, chunk, out, scratch(scratch_bytes(record.chunk_bytes)))
+    except CorruptCheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def verify_version(version: ListedVersion, executor: concurrent.futures.Executor) -> tuple[OpenedVersion | None, str | None]:
+    """The version and None if it verifies (every rank's part), else its damage (the first found, and
+    how many chunks are damaged)."""
+    try:
+        opened = open_parts(version)
+    except CorruptCheckpointError as exc:
+        return None, damage_message(exc, version)
+    try:
+        jobs = [
+            (source, record, c)
+            for manifest, source in opened.parts
+            for record in manifest.records
+            for c, chunk in enumerate(record.chunks)
+            if chunk is not None  # a shared chunk is checked in the part of the rank that stored it
+        ]
+        damage = [d for d in executor.map(lambda job: _check_chunk(*job), jobs) if d is not None]
+    finally:
+        opened.close()
+    if not damage:
+        return opened, None
+    text = damage_message(CorruptCheckpointError(damage[0]), version)
+    extra = len(damage) - 1
+    more = f" (and {extra} more damaged chunk{'s' if extra > 1 else ''})" if extra else ""
+    return opened, text + more
