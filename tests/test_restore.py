@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -380,10 +381,23 @@ def test_restore_of_a_step_no_tier_holds_names_what_each_tier_holds(opened: Open
         ckpt.restore_sync(3, tier="pfs")  # on nvme, but not on the tier named
     with pytest.raises(ConfigError, match=r"restore\(tier='s3'\): there is no such tier \(the tiers are ram, nvme, pfs\)"):
         ckpt.restore_sync(2, tier="s3")
-    with pytest.raises(ValueError, match="step must be >= 0"):
+    with pytest.raises(ValueError, match="step must be an int from 0 to 999999999999, got -1"):
         ckpt.restore_sync(-1)
-    with pytest.raises(TypeError, match="step must be an int, not str"):
+    with pytest.raises(TypeError, match="step must be an int from 0 to 999999999999, got '2'"):
         ckpt.restore_sync("2")  # type: ignore[arg-type]
+
+
+def test_save_and_restore_check_a_step_alike(opened: Opened, tmp_path: Path) -> None:
+    # One check for both (format.layout.checked_step): not an int is a TypeError, an int that no
+    # version directory's 12 digits can name is a ValueError, and either names the range.
+    ckpt = opened(tier_config(fs_tier("nvme", tmp_path / "nvme")))
+    bad: list[tuple[Any, type[Exception]]] = [(-1, ValueError), (10**12, ValueError), ("2", TypeError), (True, TypeError), (2.0, TypeError)]
+    for step, error in bad:
+        with pytest.raises(error, match=rf"step must be an int from 0 to 999999999999, got {re.escape(repr(step))}$"):
+            ckpt.save_sync(step, _state(1))
+        with pytest.raises(error, match=rf"step must be an int from 0 to 999999999999, got {re.escape(repr(step))}$"):
+            ckpt.restore_sync(step)
+    assert ckpt.versions() == []  # nothing was saved
 
 
 def test_restore_of_a_step_falls_back_across_tiers_but_never_to_another_step(opened: Opened, two_tiers: Any) -> None:

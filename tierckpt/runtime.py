@@ -4,7 +4,8 @@
 ``path``; without ``host.capacity`` an empty one, sized to the state at the first save), the copy
 threads, every tier (an implicit host-memory tier first when the config names none), the pipeline
 and the engine thread, and opens the tiers. :class:`Runtime` holds what must be
-drained and stopped, and is what the exit hook holds.
+drained and stopped, and is what the exit hook holds. :func:`construct` is the Checkpointer's way in:
+it finds the ranks that save together, and has them all assemble or all fail.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import functools
 import logging
 import threading
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from tierckpt.capture import Copier, HostPool
 from tierckpt.capture.pool import FILE_POOL_BYTES
 from tierckpt.config import Config, TierConfig, check_disjoint_paths
+from tierckpt.errors import ConfigError
 from tierckpt.pipeline import Engine, Pipeline
 from tierckpt.pipeline.flusher import Flusher
 from tierckpt.ranks import RankGroup
@@ -101,36 +103,18 @@ class Runtime:
         if pool is not None:
             pool.close()
 
-    def learn_peer_versions(self) -> None:
-        """After a restart, the versions of the peer tier every rank's part of which is still held somewhere."""
-        assert self.group is not None and self.pipeline is not None and self.engine is not None
-        group = self.group
-        tier = next(t for t in self.pipeline.tiers if isinstance(t, PeerTier))
-        world = group.world
-        held = [[h.owner, h.step, nbytes, tier.replicas.created(h)] for h, nbytes in tier.replicas.held().items() if h.world == world]
-        by_step: dict[int, dict[int, tuple[int, float]]] = {}
-        for reply in group.all_gather(held):
-            for owner, step, nbytes, created in reply:
-                by_step.setdefault(step, {})[owner] = (nbytes, created)
-        complete = [
-            (step, max(c for _, c in parts.values()), sum(n for n, _ in parts.values()))
-            for step, parts in sorted(by_step.items())
-            if len(parts) == world
-        ]
+    def holdings(self) -> list[Any]:
+        """What each tier of this rank tells the others after construction (:meth:`Tier.holdings`)."""
+        assert self.pipeline is not None
+        return [t.holdings() for t in self.pipeline.tiers]
 
-        async def learn() -> None:
-            tier.learn(complete)
+    def learn(self, replies: Sequence[Sequence[Any]]) -> None:
+        """Every tier learns from every rank's :meth:`holdings` (rank order) what the group holds after
+        a restart (:meth:`Tier.learn`: a peer tier's copies, a node-local tier's directories)."""
+        assert self.pipeline is not None and self.engine is not None
+        tiers = self.pipeline.tiers
 
-        self.engine.run_sync(learn())
-
-    def learn_node_versions(self) -> None:
-        """After a restart, the versions of each node-local tier that every node's directory commits
-        (collective: each node's keeper reports what its directory holds)."""
-        assert self.group is not None and self.pipeline is not None and self.engine is not None
-        tiers = [t for t in self.pipeline.tiers if isinstance(t, NodeLocalTier)]
-        replies = self.group.all_gather([t.holdings() for t in tiers])
-
-        async def learn() -> None:
+        async def learn() -> None:  # on the engine's thread, which owns the tiers
             for i, tier in enumerate(tiers):
                 await tier.learn([reply[i] for reply in replies])
 
@@ -263,3 +247,44 @@ def _register_exit(runtime: Runtime) -> None:
     except RuntimeError:  # already shutting down
         return
     atexit.register(runtime.close_at_exit)
+
+
+def construct(
+    config: Config, group: Any, tier_factory: TierFactory | None, clock: Callable[[], float]
+) -> tuple[RankGroup | None, Runtime]:
+    """Find the ranks that save together (None for one process) and :func:`assemble` this rank's parts, collectively.
+
+    Under ``torch.distributed`` every rank of ``group`` calls this at the same point. Every rank then
+    says how its construction went, and one rank's failure fails all of them: a rank left running
+    alone would wait for the others at its first save. The ranks then learn which peer and node-local
+    versions survive a restart, which needs all of them too. Without ``torch.distributed``, this is
+    :func:`assemble` of one process.
+
+    Raises:
+        ConfigError: a bad setting, or a tier directory that cannot be created (on any rank: that rank
+            raises its own error, and every other rank a ConfigError naming it).
+    """
+    peer = any(t.type == "peer" for t in config.tiers)
+    local = any(t.scope == "node" for t in config.tiers)
+    ranks = RankGroup.discover(group, config.distributed.timeout_s, bulk=peer or local, find_nodes=local, nodes=config.distributed.nodes)
+    if ranks is None:
+        return None, assemble(config, None, tier_factory, clock)
+    runtime: Runtime | None = None
+    failure: BaseException | None = None
+    try:
+        runtime = assemble(config, ranks, tier_factory, clock)
+    except BaseException as exc:
+        failure = exc
+    # One exchange: how construction went, and what each tier holds, for the tiers that learn from it.
+    said = ranks.all_gather([f"{type(failure).__name__}: {failure}", None] if runtime is None else [None, runtime.holdings()])
+    if failure is not None:
+        ranks.close()
+        raise failure
+    assert runtime is not None
+    failed = [(r, why) for r, (why, _) in enumerate(said) if why]
+    if failed:
+        runtime.abandon()
+        rank, why = failed[0]
+        raise ConfigError(f"rank {rank} could not construct its Checkpointer: {why}")
+    runtime.learn([held for _, held in said])
+    return ranks, runtime

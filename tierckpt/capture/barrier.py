@@ -1,10 +1,18 @@
-"""The lazy barrier's hooks: an optimizer step, or a forward pass, waits for pending host copies."""
+"""The lazy barrier: an optimizer step, or a forward pass, waits for pending host copies.
+
+:class:`LazyBarrier` is the part of :class:`~tierckpt.Checkpointer` (a base class of it) that offers the barrier: hooks
+that wait (:meth:`~LazyBarrier.attach`), and the wait itself for state changed elsewhere
+(:meth:`~LazyBarrier.wait_captured`). It needs nothing of the Checkpointer but its copy threads, so it lives here, beside
+the hooks, rather than in the facade.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
+
+from tierckpt.capture.copier import Copier
 
 
 class Handles:
@@ -19,34 +27,56 @@ class Handles:
         self._handles = []
 
 
-def attach(target: torch.optim.Optimizer | torch.nn.Module, wait: Callable[[], Any]) -> Any:
-    """Make ``target`` call ``wait()`` before it overwrites state; returns a handle with ``remove()``.
+class LazyBarrier:
+    """The lazy barrier's part of the Checkpointer's API; ``_copier`` is the Checkpointer's copy threads."""
 
-    An optimizer gets a step pre-hook. A module gets a forward pre-hook on itself and on every
-    submodule that owns buffers, since forward may update those in place (BatchNorm running
-    statistics, DDP's buffer broadcast); modules without buffers keep running during the copy.
+    _copier: Copier
 
-    Raises:
-        TypeError: ``target`` is neither an optimizer nor a module.
-    """
-    if isinstance(target, torch.optim.Optimizer):
+    def attach(self, target: torch.optim.Optimizer | torch.nn.Module) -> Any:
+        """Install the lazy barrier: wait for pending host copies before state is overwritten.
 
-        def step_barrier(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
-            wait()
+        An optimizer gets a step pre-hook (``optimizer.step()`` waits). A module gets a forward pre-hook on itself and on
+        every submodule that owns buffers, since forward may update those in place (BatchNorm running statistics, DDP's
+        buffer broadcast); modules without buffers keep running during the copy.
+        Returns a handle; ``handle.remove()`` detaches. Other state modified in place outside these (a GradScaler, EMA
+        weights) needs :meth:`wait_captured` before it is modified; a copy that sees its tensor change fails with
+        :class:`FlushError` instead of storing a torn snapshot.
 
-        return target.register_step_pre_hook(step_barrier)
-    if isinstance(target, torch.nn.Module):
+        Raises:
+            TypeError: ``target`` is neither an optimizer nor a module.
+        """
+        wait = self.wait_captured
+        if isinstance(target, torch.optim.Optimizer):
 
-        def forward_barrier(_module: Any, _args: Any) -> None:
-            wait()
+            def step_barrier(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+                wait()
 
-        # The root too, buffers or not: a wrapper may write its children's buffers before their
-        # own hooks run (DistributedDataParallel broadcasts them in place at the top of forward).
-        return Handles(
-            [
-                module.register_forward_pre_hook(forward_barrier)
-                for module in target.modules()
-                if module is target or next(module.buffers(recurse=False), None) is not None
-            ]
-        )
-    raise TypeError(f"attach() takes a torch optimizer or module, not {type(target).__name__}")
+            return target.register_step_pre_hook(step_barrier)
+        if isinstance(target, torch.nn.Module):
+
+            def forward_barrier(_module: Any, _args: Any) -> None:
+                wait()
+
+            # The root too, buffers or not: a wrapper may write its children's buffers before their
+            # own hooks run (DistributedDataParallel broadcasts them in place at the top of forward).
+            return Handles(
+                [
+                    module.register_forward_pre_hook(forward_barrier)
+                    for module in target.modules()
+                    if module is target or next(module.buffers(recurse=False), None) is not None
+                ]
+            )
+        raise TypeError(f"attach() takes a torch optimizer or module, not {type(target).__name__}")
+
+    def wait_captured(self, timeout: float | None = None, *, host: bool = False) -> bool:
+        """The lazy barrier, for state changed in place outside ``optimizer.step()``.
+
+        Call it before such a change (a GradScaler's ``update()``, an EMA update, a manual ``tensor.add_``). Copies of CPU
+        tensors: blocks until they are done. Copies of CUDA tensors: blocks only until they are queued, then makes the
+        current stream of each device wait for them, so that work queued on that stream afterwards runs after them; call
+        it under each stream that will write (``with torch.cuda.stream(s):``). ``host=True`` blocks until the CUDA copies
+        are done too (for writes from other streams or processes).
+
+        Returns False if ``timeout`` ran out first (nothing is ordered then).
+        """
+        return self._copier.wait_captured(timeout, host=host)

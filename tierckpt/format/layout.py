@@ -36,6 +36,22 @@ def after_where(error: BaseException, tier: str | None, step: int | None) -> str
     return text[len(prefix) :] if text.startswith(prefix) else text
 
 
+MAX_STEP = 10**12 - 1  # version_dirname gives a step 12 digits
+
+
+def checked_step(step: object) -> int:
+    """``step`` if it can name a version, for ``save`` and ``restore`` alike.
+
+    Raises:
+        TypeError: ``step`` is not an int (a bool is not one either).
+        ValueError: ``step`` is an int outside ``0..MAX_STEP``.
+    """
+    if type(step) is int and 0 <= step <= MAX_STEP:
+        return step
+    error = ValueError if type(step) is int else TypeError
+    raise error(f"step must be an int from 0 to {MAX_STEP}, got {step!r}")
+
+
 def version_dirname(step: int) -> str:
     return f"step-{step:012d}"
 

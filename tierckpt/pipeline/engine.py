@@ -2,19 +2,22 @@
 
 The training loop may be plain synchronous code that never yields; flushing still progresses here.
 Callers on any thread or any event loop reach the engine through ``run_coroutine_threadsafe``: never a
-nested or patched loop.
+nested or patched loop. :func:`sync_twin` makes the blocking twin of an API's coroutine method.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import threading
-from typing import Any, Coroutine, TypeVar
+from typing import Any, Callable, Concatenate, Coroutine, ParamSpec, TypeVar
 
 from tierckpt.errors import ClosedError
 
 T = TypeVar("T")
+S = TypeVar("S")
+P = ParamSpec("P")
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -80,3 +83,22 @@ class Engine:
         self.loop.call_soon_threadsafe(self.loop.stop)
         if not self.in_engine_thread():
             self._thread.join()
+
+
+def sync_twin(method: Callable[Concatenate[S, P], Coroutine[Any, Any, T]], engine: Callable[[S], Engine]) -> Callable[Concatenate[S, P], T]:
+    """The synchronous twin of ``method``, a coroutine method whose work runs on ``engine(self)``.
+
+    The whole call runs on the engine, where :meth:`Engine.run` awaits the work directly, and the
+    caller's thread blocks for its result: one body serves both twins. ``engine(self)`` runs first, on
+    the caller's thread, so that it can refuse the call (a closed Checkpointer) in its own words.
+    The twin has ``method``'s signature (for mypy and ``help()``) and says whose twin it is.
+    """
+
+    @functools.wraps(method)
+    def twin(self: S, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return engine(self).run_sync(method(self, *args, **kwargs))
+
+    twin.__name__ = f"{method.__name__}_sync"
+    twin.__qualname__ = f"{method.__qualname__}_sync"
+    twin.__doc__ = f"Synchronous twin of :meth:`{method.__name__}`."
+    return twin

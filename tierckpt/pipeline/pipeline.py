@@ -5,9 +5,9 @@ runs once it has its handle (:class:`~tierckpt.pipeline.saves.Handoff`); the onl
 talks to are the copy threads (through each snapshot's capture future) and the tiers' I/O threads.
 
 Every captured save is offered to every tier's flusher, and each tier selects on that stream with its
-own policy; a tier reads what it takes from host memory, or from a filesystem tier above that holds it
-(:mod:`tierckpt.pipeline.sources`, which also says what the tiers above keep for it). So one tier's
-speed or policy never decides which versions another tier can get.
+own policy; a tier reads what it takes from host memory, or from a stored tier (filesystem or
+object) above that holds it (:mod:`tierckpt.pipeline.sources`, which also says what the tiers above
+keep for it). So one tier's speed or policy never decides which versions another tier can get.
 
 Failures. A failed flush (a full disk, a quota, EIO, EACCES on any write, fsync, rename or delete)
 raises from that save's ``handle.committed(tier)`` (the other tiers go on with that save), is counted

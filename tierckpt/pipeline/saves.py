@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from tierckpt.capture.views import SaveMoment
 from tierckpt.errors import FlushError
 from tierckpt.snapshot import Entry
-from tierckpt.tiers.encoding import CompressionStats
+from tierckpt.tiers.base import Tier
+from tierckpt.tiers.encoding import CompressionStats, TierEncoding
 
 
 class Handoff:
@@ -114,3 +115,8 @@ class Counters:
         self.flushed, self.passed_over, self.forced = dict(self.flushed), dict(self.passed_over), dict(self.forced)
         self.compression = dict(self.compression)
         self.failed, self.last_error = dict(self.failed), dict(self.last_error)
+
+    def with_compression(self, tiers: Sequence[Tier]) -> Counters:
+        """A copy, with the compression so far of each tier that encodes what it stores (``Checkpointer.counters``)."""
+        compression = {t.name: e.stats for t in tiers if isinstance(e := getattr(t, "encoding", None), TierEncoding)}
+        return replace(self, compression=compression)

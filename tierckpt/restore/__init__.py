@@ -2,6 +2,8 @@
 
 The modules, in the order a restore runs them:
 
+- ``dispatch``: which of the restores below a Checkpointer's call runs, its step and tier checked
+  first (:func:`~tierckpt.restore.dispatch.prepare_restore`);
 - ``choose``: candidates across tiers, newest first, and the fallback to the next one
   (:func:`restore_latest`, :class:`Restored`); or one step's copies, fastest tier first
   (:func:`restore_step`);

@@ -3,10 +3,13 @@
 ``restore_latest`` is collective. The ranks first exchange the steps each can get from some tier (its
 own host memory, or a filesystem tier, where only globally committed versions are listed), from a
 peer holding a copy of its part (a peer tier), or from another node's directory of a node-local tier,
-and try the newest step that every rank can get, each from the cheapest place holding it: its own
-host memory, else a peer's (the peer sends the copy over; :mod:`tierckpt.tiers.peer.recovery`), else
-its disk tiers down to the node-local one, else the node whose directory holds its part (a rank of
-that node sends it over: :mod:`tierckpt.tiers.nodefetch`), else the slower tiers below.
+and try the newest step that every rank can get. Each rank goes down its tiers in order, fastest
+first: on each, its own copy, then what that tier can fetch of its part from other ranks, the tier's
+:class:`~tierckpt.tiers.base.Recovery` (a peer sends its copy over: :mod:`tierckpt.tiers.peer.recovery`;
+a rank of the node whose directory holds the part sends it: :mod:`tierckpt.tiers.nodefetch`). With
+the usual order (host memory, peer, node-local disk, shared storage) that is: its own host memory,
+else a peer's copy, else its node's disk, else another node's, else the slower tiers below. No
+tier is named here: each answers through the tier interface what it holds and what it can fetch.
 Each rank reads and verifies its whole part into staging memory; the ranks then exchange verdicts,
 and only if every rank verified does any rank copy into its template. If one rank's files fail their
 checksums, every rank logs one warning (naming the rank, its file, and the step they fall back to)
@@ -28,7 +31,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Sequence
 
 from tierckpt.errors import CorruptCheckpointError, NoCheckpointError, RestoreError
 from tierckpt.format.layout import after_where
@@ -39,10 +42,6 @@ from tierckpt.restore.landing import finish
 from tierckpt.restore.read import read_version
 from tierckpt.tiers.base import Tier
 from tierckpt.tiers.memory import MemoryTier
-from tierckpt.tiers.nodefetch import exchange as node_exchange
-from tierckpt.tiers.nodelocal import NodeLocalTier
-from tierckpt.tiers.peer import PeerTier
-from tierckpt.tiers.peer.recovery import copies_held, exchange, fetch_plan, holders_of
 
 log = logging.getLogger("tierckpt")
 
@@ -74,13 +73,14 @@ async def restore_agreed(
             attempt which failed had partly written (every rank raises it).
     """
     by_path = template_leaves(template)
-    peer = next((t for t in tiers if isinstance(t, PeerTier)), None)
-    own = [t for t in tiers if t is not peer]
-    node_local = [t for t in own if isinstance(t, NodeLocalTier)]
-    mine = sorted({info.step for tier in own for info in tier.versions() if tier.has_part(info.step) or _fetchable(tier, info.step)}, reverse=True)
-    held = await asyncio.to_thread(group.all_gather, [mine, copies_held(peer)])
-    holders = holders_of([h[1] for h in held])
-    can = [set(h[0]) | {step for owner, step in holders if owner == r} for r, h in enumerate(held)]
+    recoveries = [t.recovery() for t in tiers]  # how each tier gets this rank's part from other ranks, if it can
+    helped = [r for r in recoveries if r is not None]
+    mine = sorted({info.step for tier in tiers for info in tier.versions() if tier.has_part(info.step)}, reverse=True)
+    held = await asyncio.to_thread(group.all_gather, [mine, [r.report() for r in helped]])
+    can = [set(h[0]) for h in held]
+    for k, helper in enumerate(helped):
+        for r, steps in enumerate(helper.reachable([h[1][k] for h in held])):
+            can[r] |= steps
     common = sorted(set.intersection(*can), reverse=True)
     if only is not None:
         if only not in common:
@@ -99,33 +99,23 @@ async def restore_agreed(
     for n, step in enumerate(common):
         with contextlib.ExitStack() as held_open:
             attempt = Attempt(f"rank {group.rank} holds no step {step} any more")
-            order = [t for t in own if t.has_part(step) and any(info.step == step for info in t.versions())]
-            if peer is not None:
-                # Cheapest first: this rank's own host memory; then a copy a peer holds (for a rank whose
-                # memory lacks the step, or whose copy there does not verify); then its disk tiers.
-                if order and isinstance(order[0], MemoryTier):
-                    await first_of(held_open, order[:1], step, attempt)
-                    order = order[1:]
-                wanting = await asyncio.to_thread(group.all_gather, attempt.wants)
-                fetchers = fetch_plan(step, [r for r, wants in enumerate(wanting) if wants], holders)
-                if fetchers:
-                    try:
-                        fetched = await exchange(peer, step, fetchers, held_open)
-                    except CorruptCheckpointError as exc:
-                        attempt.verdict = str(exc)
-                        log.warning("tierckpt: %s; %s", exc, _then(order))
-                    else:
-                        order = ([fetched] if fetched is not None else []) + order
-            # Then the tiers down to the node-local one, a part on another node's disk, the slower rest.
-            # (A peer's copy, fetched above, is in none of them: it comes first.)
-            cut = 1 + max((own.index(t) for t in node_local), default=len(own))
-            below = [t for t in order if any(t is u for u in own[cut:])]
-            if attempt.wants:
-                await first_of(held_open, [t for t in order if t not in below], step, attempt)
-            if node_local:
-                await _fetch_from_nodes(group, node_local, step, attempt, held_open, first_of, below)
-            if attempt.wants:
-                await first_of(held_open, below, step, attempt)
+            # The tiers in order (fastest first), each with this rank's own copy on it, then the copy
+            # it can fetch from other ranks (a peer's, another node's directory): every rank calls each
+            # fetch, wanting or not, so that every rank serves what the others fetch from it.
+            holding = [t for t in tiers if t.has_part(step) and any(info.step == step for info in t.versions())]
+            for i, (tier, recovery) in enumerate(zip(tiers, recoveries)):
+                if attempt.wants and any(t is tier for t in holding):
+                    await first_of(held_open, [tier], step, attempt)
+                if recovery is None:
+                    continue
+                try:
+                    fetched = await recovery.fetch(step, attempt.wants, held_open)
+                except CorruptCheckpointError as exc:
+                    attempt.verdict = str(exc)
+                    log.warning("tierckpt: %s; %s", exc, _then([t for t in tiers[i + 1 :] if any(t is h for h in holding)]))
+                    continue
+                if fetched is not None:
+                    await first_of(held_open, [fetched], step, attempt)
             # Its template keys written so far: by earlier steps, by this step's tries (a step
             # every rank leaves behind leaves what verified here written, too).
             touched |= attempt.written
@@ -169,43 +159,6 @@ def _then(tiers: Sequence[Tier]) -> str:
     if tiers:
         return f"trying tier(s) {', '.join(repr(t.name) for t in tiers)} next"
     return "no other tier of this rank holds it"
-
-
-def _fetchable(tier: Tier, step: int) -> bool:
-    return isinstance(tier, NodeLocalTier) and tier.fetchable(step)
-
-
-async def _fetch_from_nodes(
-    group: RankGroup,
-    tiers: Sequence[NodeLocalTier],
-    step: int,
-    attempt: Attempt,
-    held_open: contextlib.ExitStack,
-    first_of: Callable[[contextlib.ExitStack, Sequence[Tier], int, Attempt], Awaitable[None]],
-    later: Sequence[Tier],
-) -> None:
-    """Every rank still without a verified part of ``step`` whose part lies on another node's disk
-    fetches it from there (collective: every rank calls it once per step tried, with a node-local tier).
-    ``later``: the tiers this rank tries after it, named when a fetched part does not verify."""
-    listed = [any(info.step == step for info in t.versions()) for t in tiers]
-    said = await asyncio.to_thread(group.all_gather, [attempt.wants, listed])
-    # Decided from what every rank said, so that every rank plans the same transfers: the first tier
-    # that every rank lists the step on (a rank that does not would serve nothing it is asked for).
-    i = next((i for i in range(len(tiers)) if all(s[1][i] for s in said)), None)
-    if i is None:
-        return
-    tier = tiers[i]
-    fetchers = tier.fetch_plan(step, [r for r, s in enumerate(said) if s[0]])
-    if not fetchers:
-        return
-    try:
-        fetched = await node_exchange(tier, step, fetchers, held_open)
-    except CorruptCheckpointError as exc:
-        attempt.verdict = str(exc)
-        log.warning("tierckpt: %s; %s", exc, _then(later))
-        return
-    if fetched is not None:
-        await first_of(held_open, [fetched], step, attempt)
 
 
 class Attempt:

@@ -20,8 +20,9 @@ from __future__ import annotations
 import abc
 import collections
 import concurrent.futures
+import contextlib
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 from tierckpt.config import TierConfig
 from tierckpt.format.saved_layout import SavedLayout, source_layout
@@ -132,8 +133,23 @@ class Tier(abc.ABC):
 
     def has_part(self, step: int) -> bool:
         """Whether this rank can read its own part of ``step`` here without another rank's help (a
-        node-local tier: only when this rank's node holds it)."""
+        node-local tier: only when this rank's node holds it; a peer tier: never, it holds the others')."""
         return True
+
+    def holdings(self) -> Any:
+        """What this rank tells the others of this tier once every rank constructed its Checkpointer
+        (plain lists and ints), for :meth:`learn`; None: nothing."""
+        return None
+
+    async def learn(self, reports: Sequence[Any]) -> None:  # noqa: B027 - optional hook
+        """After construction, from every rank's :meth:`holdings` (rank order): what a tier whose
+        versions lie with several ranks holds after a restart (a peer tier's copies, a node-local
+        tier's directories)."""
+
+    def recovery(self) -> Recovery | None:
+        """How this tier gets this rank's part of a version from other ranks in a restore of several
+        ranks (a new one for each restore); None when it cannot."""
+        return None
 
     def leased(self, step: int) -> bool:
         return self._leases.get(step, 0) > 0
@@ -180,6 +196,37 @@ class Tier(abc.ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release threads and files."""
+
+
+class Recovery(abc.ABC):
+    """How a tier gets this rank's part of a version from other ranks, in a restore of several ranks:
+    a copy a peer holds, another node's directory. Made for one restore by :meth:`Tier.recovery`.
+
+    Collective: :func:`tierckpt.restore.agree.restore_agreed` makes the same calls on every rank, in
+    the same order, whether this rank wants anything or not: every rank reports before the ranks agree
+    on a step, and every rank fetches at the tier's place in the order of each step tried (its own
+    copies on the tiers before it were tried first).
+    """
+
+    def report(self) -> Any:
+        """What this rank tells the others before the ranks agree on a step (plain lists and ints)."""
+        return None
+
+    @abc.abstractmethod
+    def reachable(self, reports: Sequence[Any]) -> list[set[int]]:
+        """From every rank's :meth:`report` (rank order): the steps each rank can get its part of
+        through this tier."""
+
+    @abc.abstractmethod
+    async def fetch(self, step: int, wants: bool, held_open: contextlib.ExitStack) -> Tier | None:
+        """Serve what other ranks fetch of ``step`` from this rank, and fetch this rank's part when
+        ``wants``. Returns a tier to read it from (what it holds goes when ``held_open`` closes), or
+        None when this rank fetched nothing.
+
+        Raises:
+            CorruptCheckpointError: this rank's fetch failed (its part could not be served, or did not
+                arrive whole); what it served meanwhile was served all the same.
+        """
 
 
 class GroupTier(Tier):

@@ -23,27 +23,68 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import cast
+from typing import Any, Protocol, Sequence, cast
 
-import torch
 
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, version_dirname
-from tierckpt.format.manifest import MAX_MANIFEST_BYTES
-from tierckpt.tiers.base import Tier, VersionInfo, VersionSource
-from tierckpt.tiers.fsread import check_records, open_source, read_head, read_rank_manifest, resolve_shared
-from tierckpt.tiers.nodelocal import NodeLocalTier
+from tierckpt.tiers.base import Recovery, Tier, VersionInfo, VersionSource
+from tierckpt.tiers.fsread import open_source, read_head, read_rank_manifest, resolve_shared
 from tierckpt.tiers.peer import wire
+from tierckpt.tiers.transfer import Ranked, announce, receive_announced, refuse
 
 log = logging.getLogger("tierckpt")
 
 TAG_NODE = 3  # a node-local part from the node holding it, in a restore
 
 
+class NodeDirectories(Ranked, Protocol):
+    """What fetching a part from another node uses of a node-local tier
+    (:class:`~tierckpt.tiers.nodelocal.NodeLocalTier`, which makes its :class:`NodeRecovery` here)."""
+
+    @property
+    def root(self) -> Path: ...
+    @property
+    def direct(self) -> bool: ...
+    @property
+    def node_names(self) -> tuple[str, ...]: ...
+    def node_of(self, rank: int) -> int: ...
+    def versions(self) -> list[VersionInfo]: ...
+    def fetchable(self, step: int) -> bool: ...
+    def fetch_plan(self, step: int, wanting: Sequence[int]) -> dict[int, int]: ...
+
+
+class NodeRecovery(Recovery):
+    """A node-local tier's part in a restore: every rank reports the steps whose part lies on another
+    node's directory; at each step tried, the ranks still wanting theirs fetch it from a rank of that
+    node, if every rank lists the step (a rank that does not would serve nothing it is asked for)."""
+
+    def __init__(self, tier: NodeDirectories) -> None:
+        self._tier = tier
+
+    def report(self) -> list[int]:
+        return [info.step for info in self._tier.versions() if self._tier.fetchable(info.step)]
+
+    def reachable(self, reports: Sequence[Any]) -> list[set[int]]:
+        return [set(steps) for steps in reports]
+
+    async def fetch(self, step: int, wants: bool, held_open: contextlib.ExitStack) -> FetchedPart | None:
+        tier = self._tier
+        listed = any(info.step == step for info in tier.versions())
+        said = await asyncio.to_thread(tier.group.all_gather, [wants, listed])
+        # Decided from what every rank said, so that every rank plans the same transfers.
+        if not all(s[1] for s in said):
+            return None
+        fetchers = tier.fetch_plan(step, [r for r, s in enumerate(said) if s[0]])
+        if not fetchers:
+            return None
+        return await exchange(tier, step, fetchers, held_open)
+
+
 class FetchedPart(Tier):
     """This rank's part of one version, fetched from another node into its own node's directory."""
 
-    def __init__(self, tier: NodeLocalTier, step: int, path: Path, manifest: Manifest, nbytes: int, node: str) -> None:
+    def __init__(self, tier: NodeDirectories, step: int, path: Path, manifest: Manifest, nbytes: int, node: str) -> None:
         super().__init__(tier.config)
         self.executor = tier.executor
         self.path = path
@@ -65,7 +106,7 @@ class FetchedPart(Tier):
         await asyncio.to_thread(shutil.rmtree, self.path, True)
 
 
-async def exchange(tier: NodeLocalTier, step: int, fetchers: dict[int, int], held_open: contextlib.ExitStack) -> FetchedPart | None:
+async def exchange(tier: NodeDirectories, step: int, fetchers: dict[int, int], held_open: contextlib.ExitStack) -> FetchedPart | None:
     """Serve the parts of ``step`` this rank sends (``fetchers``: rank -> the rank it fetches from),
     and fetch this rank's own if it is one of them.
 
@@ -96,7 +137,7 @@ async def exchange(tier: NodeLocalTier, step: int, fetchers: dict[int, int], hel
     return FetchedPart(tier, step, path, manifest, nbytes, source_node)
 
 
-def _serve(tier: NodeLocalTier, step: int, owner: int, dst: int) -> None:
+def _serve(tier: NodeDirectories, step: int, owner: int, dst: int) -> None:
     bulk = tier.group.bulk_group()
     path = tier.root / version_dirname(step)
     try:
@@ -106,7 +147,7 @@ def _serve(tier: NodeLocalTier, step: int, owner: int, dst: int) -> None:
         resolved = resolve_shared(path, head, read_rank_manifest(path, head, owner, tier=tier.name), tier=tier.name)
         source = open_source(tier.name, path, resolved, direct=tier.direct)
     except (OSError, CorruptCheckpointError) as exc:
-        wire.send(torch.tensor([-1, 0], dtype=torch.int64).numpy().data, dst, bulk, TAG_NODE)
+        refuse(dst, bulk, TAG_NODE)
         raise CorruptCheckpointError(f"tier {tier.name!r}: rank {owner}'s part of step {step} cannot be served: {exc}") from exc
     try:
         records, size = wire.relocate(source.records)
@@ -118,8 +159,7 @@ def _serve(tier: NodeLocalTier, step: int, owner: int, dst: int) -> None:
             records=wire.with_checksums(records, [-1 if s is None else s for s in sums]),
             metadata=resolved.metadata,
         ).encode()
-        wire.send(torch.tensor([len(manifest), size], dtype=torch.int64).numpy().data, dst, bulk, TAG_NODE)
-        wire.send(memoryview(bytearray(manifest)), dst, bulk, TAG_NODE)
+        announce(manifest, size, dst, bulk, TAG_NODE)
         # Every chunk is verified as it is read here; one that is not goes out as zeros, which the
         # fetching rank's check refuses (send_copy raises at the end, logged above).
         wire.send_copy(source, [dst], bulk, TAG_NODE, wire.Throttle(None))
@@ -127,22 +167,9 @@ def _serve(tier: NodeLocalTier, step: int, owner: int, dst: int) -> None:
         source.close()
 
 
-def _fetch(tier: NodeLocalTier, step: int, src: int) -> tuple[Path, Manifest, int]:
+def _fetch(tier: NodeDirectories, step: int, src: int) -> tuple[Path, Manifest, int]:
     bulk = tier.group.bulk_group()
-    header = torch.zeros(2, dtype=torch.int64)
-    wire.receive(header.numpy().data, src, bulk, TAG_NODE)
-    length, size = (int(v) for v in header.tolist())
-    if length < 0:
-        raise CorruptCheckpointError(f"tier {tier.name!r}: the node holding this rank's part of step {step} could not serve it (see its log)", tier=tier.name, step=step)
-    if not 0 < length <= MAX_MANIFEST_BYTES:
-        raise CorruptCheckpointError(f"tier {tier.name!r}: a part of step {step} came with a manifest of {length} bytes", tier=tier.name, step=step)
-    encoded = bytearray(length)
-    wire.receive(memoryview(encoded), src, bulk, TAG_NODE)
-    manifest = Manifest.decode(bytes(encoded), tier=tier.name, step=step)
-    end = max((c.offset + c.stored for r in manifest.records for c in r.chunks if c is not None), default=0)
-    if manifest.step != step or size != end:
-        raise CorruptCheckpointError(f"tier {tier.name!r}: the part sent for step {step} is not one (step {manifest.step}, {size} bytes for {end})", tier=tier.name, step=step)
-    check_records(manifest.records, {wire.COPY_FILE: size}, tier=tier.name, step=step)
+    encoded, manifest, size = receive_announced(src, bulk, TAG_NODE, tier=tier.name, step=step, holder="node", what="part")
     path = tier.root / f".tmp-fetch-{version_dirname(step)}-r{tier.group.rank:05d}-{uuid.uuid4().hex[:8]}"
     try:
         path.mkdir()
@@ -169,7 +196,7 @@ def _fetch(tier: NodeLocalTier, step: int, src: int) -> tuple[Path, Manifest, in
                     data.close()
                 except BufferError:  # a failed receive's traceback still holds a view: the mapping goes with it
                     pass
-        (path / MANIFEST_FILE).write_bytes(bytes(encoded))
+        (path / MANIFEST_FILE).write_bytes(encoded)
     except BaseException:
         shutil.rmtree(path, ignore_errors=True)
         raise

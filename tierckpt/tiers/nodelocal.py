@@ -57,6 +57,7 @@ from tierckpt.tiers.base import Part, Staged, Tier, VersionInfo, VersionSource
 from tierckpt.tiers.filesystem import FilesystemTier
 from tierckpt.tiers.fscommit import Left
 from tierckpt.tiers.fsread import read_head
+from tierckpt.tiers.nodefetch import NodeRecovery
 from tierckpt.tiers.nodeplan import Holding, complete_versions
 
 log = logging.getLogger("tierckpt")
@@ -184,6 +185,9 @@ class NodeLocalTier(FilesystemTier):
     def node_of(self, rank: int) -> int:
         """The index of the node ``rank`` (a group position) runs on."""
         return next(i for i, node in enumerate(self.nodes) if rank in node)
+
+    def recovery(self) -> NodeRecovery:
+        return NodeRecovery(self)
 
     def fetchable(self, step: int) -> bool:
         """Whether this rank's part of listed ``step`` lies on another node's directory (fetched in a restore)."""

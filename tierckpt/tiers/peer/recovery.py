@@ -16,26 +16,58 @@ import contextlib
 import logging
 import mmap
 import os
-from typing import cast
-import torch
+from typing import Any, Protocol, Sequence, cast
 
 from tierckpt._buffers import prefaulting
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import MANIFEST_FILE, Manifest
-from tierckpt.format.manifest import MAX_MANIFEST_BYTES
-from tierckpt.tiers.base import Tier, VersionInfo, VersionSource
+from tierckpt.tiers.base import Recovery, Tier, VersionInfo, VersionSource
 from tierckpt.tiers.fsread import check_records, open_source, read_manifest
 from tierckpt.tiers.peer import wire
-from tierckpt.tiers.peer.replicas import Held
-from tierckpt.tiers.peer.tier import PeerTier
+from tierckpt.tiers.peer.replicas import ReplicaId, ReplicaStore
+from tierckpt.tiers.transfer import Ranked, announce, data_end, receive_announced, refuse
 
 log = logging.getLogger("tierckpt")
+
+
+class CopyHolder(Ranked, Protocol):
+    """What serving and fetching copies use of a peer tier (:class:`~tierckpt.tiers.peer.tier.PeerTier`)."""
+
+    @property
+    def replicas(self) -> ReplicaStore: ...
+
+
+class PeerRecovery(Recovery):
+    """A peer tier's part in a restore: every rank reports the copies it holds for others; a rank
+    wanting its part of a step fetches it from one of the ranks holding a copy."""
+
+    def __init__(self, peer: CopyHolder) -> None:
+        self._peer = peer
+        self._holders: dict[tuple[int, int], list[int]] = {}  # (owner, step) -> the ranks holding a copy
+
+    def report(self) -> list[list[int]]:
+        return copies_held(self._peer)
+
+    def reachable(self, reports: Sequence[Any]) -> list[set[int]]:
+        self._holders = holders_of(list(reports))
+        owned: list[set[int]] = [set() for _ in reports]
+        for owner, step in self._holders:
+            if 0 <= owner < len(owned):
+                owned[owner].add(step)
+        return owned
+
+    async def fetch(self, step: int, wants: bool, held_open: contextlib.ExitStack) -> FetchedCopy | None:
+        wanting = await asyncio.to_thread(self._peer.group.all_gather, wants)
+        fetchers = fetch_plan(step, [r for r, w in enumerate(wanting) if w], self._holders)
+        if not fetchers:
+            return None
+        return await exchange(self._peer, step, fetchers, held_open)
 
 
 class FetchedCopy(Tier):
     """This rank's part of one version, fetched from a peer into its own replica directory for a restore."""
 
-    def __init__(self, peer: PeerTier, held: Held, created: float, nbytes: int) -> None:
+    def __init__(self, peer: CopyHolder, held: ReplicaId, created: float, nbytes: int) -> None:
         super().__init__(peer.config)
         self.executor = peer.executor
         self._peer = peer
@@ -57,7 +89,7 @@ class FetchedCopy(Tier):
         await asyncio.to_thread(self._peer.replicas.delete, self._held)
 
 
-async def exchange(peer: PeerTier, step: int, fetchers: dict[int, int], held_open: contextlib.ExitStack) -> FetchedCopy | None:
+async def exchange(peer: CopyHolder, step: int, fetchers: dict[int, int], held_open: contextlib.ExitStack) -> FetchedCopy | None:
     """Serve the copies of ``step`` this rank holds to the ranks fetching them (``fetchers``: rank ->
     the rank it fetches from), and fetch this rank's own part if it is one of them.
 
@@ -68,7 +100,7 @@ async def exchange(peer: PeerTier, step: int, fetchers: dict[int, int], held_ope
     group = peer.group
     me = group.rank
     serving = [
-        asyncio.to_thread(_serve, peer, Held(group.world, owner, step), group.ranks[owner])
+        asyncio.to_thread(_serve, peer, ReplicaId(group.world, owner, step), group.ranks[owner])
         for owner, holder in sorted(fetchers.items())
         if holder == me
     ]
@@ -82,12 +114,12 @@ async def exchange(peer: PeerTier, step: int, fetchers: dict[int, int], held_ope
         if isinstance(fetched, CorruptCheckpointError):
             raise fetched
         raise CorruptCheckpointError(f"tier {peer.name!r}: fetching this rank's step {step} from rank {fetchers[me]} failed: {fetched}", tier=peer.name, step=step) from fetched
-    held, manifest, nbytes = cast("tuple[Held, Manifest, int]", fetched)  # gather() loses the type
+    held, manifest, nbytes = cast("tuple[ReplicaId, Manifest, int]", fetched)  # gather() loses the type
     held_open.callback(peer.replicas.delete, held)
     return FetchedCopy(peer, held, manifest.created, nbytes)
 
 
-def _serve(peer: PeerTier, held: Held, dst: int) -> None:
+def _serve(peer: CopyHolder, held: ReplicaId, dst: int) -> None:
     bulk = peer.group.bulk_group()
     path = peer.replicas.path(held)
     try:
@@ -98,7 +130,7 @@ def _serve(peer: PeerTier, held: Held, dst: int) -> None:
         fd = os.open(path / wire.COPY_FILE, os.O_RDONLY | os.O_CLOEXEC)
         try:
             size = os.fstat(fd).st_size
-            end = max((c.offset + c.stored for r in manifest.records for c in r.chunks if c is not None), default=0)
+            end = data_end(manifest)
             if size != end:
                 raise CorruptCheckpointError(f"{wire.COPY_FILE} holds {size} bytes, its manifest {end}")
             check_records(manifest.records, {wire.COPY_FILE: size}, tier=peer.name, step=held.step)
@@ -106,12 +138,11 @@ def _serve(peer: PeerTier, held: Held, dst: int) -> None:
         finally:
             os.close(fd)
     except (OSError, CorruptCheckpointError) as exc:
-        wire.send(torch.tensor([-1, 0], dtype=torch.int64).numpy().data, dst, bulk, wire.TAG_FETCH)
+        refuse(dst, bulk, wire.TAG_FETCH)
         raise CorruptCheckpointError(f"tier {peer.name!r}: the copy of rank {held.owner}'s step {held.step} cannot be served: {exc}") from exc
     try:
         view = memoryview(data) if data is not None else memoryview(b"")
-        wire.send(torch.tensor([len(encoded), size], dtype=torch.int64).numpy().data, dst, bulk, wire.TAG_FETCH)
-        wire.send(memoryview(bytearray(encoded)), dst, bulk, wire.TAG_FETCH)
+        announce(encoded, size, dst, bulk, wire.TAG_FETCH)
         for r in manifest.records:
             for c in r.chunks:
                 assert c is not None
@@ -125,35 +156,22 @@ def _serve(peer: PeerTier, held: Held, dst: int) -> None:
                 pass
 
 
-def _fetch(peer: PeerTier, step: int, src: int) -> tuple[Held, Manifest, int]:
+def _fetch(peer: CopyHolder, step: int, src: int) -> tuple[ReplicaId, Manifest, int]:
     bulk = peer.group.bulk_group()
-    header = torch.zeros(2, dtype=torch.int64)
-    wire.receive(header.numpy().data, src, bulk, wire.TAG_FETCH)
-    length, size = (int(v) for v in header.tolist())
-    if length < 0:
-        raise CorruptCheckpointError(f"tier {peer.name!r}: the rank holding this rank's copy of step {step} could not serve it (see its log)", tier=peer.name, step=step)
-    if not 0 < length <= MAX_MANIFEST_BYTES:
-        raise CorruptCheckpointError(f"tier {peer.name!r}: a copy of step {step} came with a manifest of {length} bytes", tier=peer.name, step=step)
-    encoded = bytearray(length)
-    wire.receive(memoryview(encoded), src, bulk, wire.TAG_FETCH)
-    manifest = Manifest.decode(bytes(encoded), tier=peer.name, step=step)
-    end = max((c.offset + c.stored for r in manifest.records for c in r.chunks if c is not None), default=0)
-    if manifest.step != step or size != end:
-        raise CorruptCheckpointError(f"tier {peer.name!r}: the copy sent for step {step} is not one (step {manifest.step}, {size} bytes for {end})", tier=peer.name, step=step)
-    check_records(manifest.records, {wire.COPY_FILE: size}, tier=peer.name, step=step)
-    held = Held(peer.group.world, peer.group.rank, step)
+    encoded, manifest, size = receive_announced(src, bulk, wire.TAG_FETCH, tier=peer.name, step=step, holder="rank", what="copy")
+    held = ReplicaId(peer.group.world, peer.group.rank, step)
     incoming = peer.replicas.stage(held, size)
     try:
         with prefaulting(incoming.data):
             wire.receive_copy(incoming.data, manifest.records, src, bulk, wire.TAG_FETCH)
-        peer.replicas.commit(incoming, bytes(encoded), manifest.created)
+        peer.replicas.commit(incoming, encoded, manifest.created)
     except BaseException:
         peer.replicas.discard(incoming)
         raise
     return held, manifest, size
 
 
-def copies_held(peer: PeerTier | None) -> list[list[int]]:
+def copies_held(peer: CopyHolder | None) -> list[list[int]]:
     """[owner, step] of every copy this rank holds for a job of the current world size."""
     if peer is None:
         return []

@@ -27,7 +27,7 @@ import concurrent.futures
 import logging
 import time
 from pathlib import Path
-from typing import Any, Coroutine
+from typing import Any, Coroutine, Sequence
 
 from tierckpt._buffers import prefaulting
 from tierckpt.config import TierConfig
@@ -38,7 +38,8 @@ from tierckpt.format import CHUNK_BYTES, Manifest
 from tierckpt.tiers.base import GroupTier, Part, Staged, VersionInfo, VersionSource
 from tierckpt.tiers.fsread import check_records
 from tierckpt.tiers.peer import wire
-from tierckpt.tiers.peer.replicas import Held, ReplicaStore
+from tierckpt.tiers.peer.recovery import PeerRecovery
+from tierckpt.tiers.peer.replicas import ReplicaId, ReplicaStore
 from tierckpt.units import format_size
 
 log = logging.getLogger("tierckpt")
@@ -184,11 +185,28 @@ class PeerTier(GroupTier):
         # A copy of this rank's part lies on its peers: only a restore fetches it (see recovery).
         raise KeyError(f"tier {self.name!r}: this rank's copies are read back only by restore_latest")
 
-    def learn(self, complete: list[tuple[int, float, int]]) -> None:
-        """After a restart: the versions every rank's part of which some rank still holds (step,
-        created, bytes), agreed on by all ranks at construction; retention goes on from them."""
-        for step, created, nbytes in complete:
-            self._index[step] = VersionInfo(self.name, step, nbytes, created)
+    def has_part(self, step: int) -> bool:
+        return False  # this rank holds the others' parts: its own comes back through recovery()
+
+    def recovery(self) -> PeerRecovery:
+        return PeerRecovery(self)
+
+    def holdings(self) -> list[list[Any]]:
+        """The copies this rank holds for the others of a job of this size: [owner, step, bytes, created]."""
+        world = self.group.world
+        return [[h.owner, h.step, nbytes, self.replicas.created(h)] for h, nbytes in self.replicas.held().items() if h.world == world]
+
+    async def learn(self, reports: Sequence[Any]) -> None:
+        """After a restart: the versions every rank's part of which some rank still holds, from every
+        rank's :meth:`holdings`; retention goes on from them."""
+        by_step: dict[int, dict[int, tuple[int, float]]] = {}
+        for reply in reports:
+            for owner, step, nbytes, created in reply:
+                by_step.setdefault(step, {})[owner] = (nbytes, created)
+        for step, parts in sorted(by_step.items()):
+            if len(parts) == self.group.world:
+                created = max(c for _, c in parts.values())
+                self._index[step] = VersionInfo(self.name, step, sum(n for n, _ in parts.values()), created)
 
     # -- as a holder: other ranks' copies --------------------------------------------------------------
 
@@ -224,7 +242,7 @@ class PeerTier(GroupTier):
     async def _receive(self, owner: int, n: int, announce: dict[str, Any]) -> None:
         group = self.group
         loop = asyncio.get_running_loop()
-        held = Held(int(announce["world"]), owner, int(announce["step"]))
+        held = ReplicaId(int(announce["world"]), owner, int(announce["step"]))
         layout = [(int(o), int(s)) for o, s in announce["layout"]]
         src = group.ranks[owner]
         try:
@@ -276,7 +294,7 @@ class PeerTier(GroupTier):
     async def _drop(self, step: int) -> None:
         await self._delete([h for h in self.replicas.held() if h.step == step and h.world == self.group.world])
 
-    async def _delete(self, doomed: list[Held]) -> None:
+    async def _delete(self, doomed: list[ReplicaId]) -> None:
         loop = asyncio.get_running_loop()
         for held in doomed:
             try:

@@ -1,0 +1,40 @@
+"""Turning one ``save()`` call into a :class:`SaveRequest`, on the caller's thread.
+
+Everything that can reject a save does it here, before the engine is asked for anything: a bad step
+or metadata, a value that cannot be stored, a bad ``replicated``. What the pipeline then gets is the
+state read once (:func:`~tierckpt.state.survey`) and laid out in a host slot (the
+:class:`~tierckpt.snapshot.LayoutCache`, which skips the planning when the layout is the last one).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import msgpack
+
+from tierckpt.capture.views import moment
+from tierckpt.format.layout import checked_step
+from tierckpt.pipeline.saves import SaveRequest
+from tierckpt.snapshot import LayoutCache
+from tierckpt.state import survey
+
+
+def save_request(
+    step: int, state: Any, metadata: Mapping[str, Any] | None, replicated: Sequence[Any], layouts: LayoutCache
+) -> SaveRequest:
+    """The request that saves ``state`` as version ``step``.
+
+    Raises:
+        TypeError: ``step`` is not an int, or ``metadata`` holds a value msgpack cannot encode.
+        ValueError: ``step`` is outside ``0..MAX_STEP``, or ``replicated`` names no value of ``state``.
+        UnsupportedStateError: a value in ``state`` cannot be stored.
+    """
+    checked_step(step)
+    meta = dict(metadata or {})
+    try:
+        msgpack.packb(meta, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise TypeError(f"metadata must hold only msgpack types (str, int, float, bool, None, bytes, lists, dicts): {exc}") from exc
+    found = survey(state)
+    entries, nbytes = layouts.entries(found, replicated)
+    return SaveRequest(step, found.values, entries, nbytes, found.skeleton, meta, moment(found))
