@@ -22,7 +22,7 @@ from tierckpt.errors import ConfigError, FlushError
 from tierckpt.format import MANIFEST_FILE, Chunk, Manifest, TensorRecord, checksum, version_dirname
 from tierckpt.storage import local
 from tierckpt.tiers import fswrite
-from tierckpt.tiers.filesystem import FilesystemSource
+from tierckpt.tiers.fsread import FilesystemSource
 from tierckpt.storage.posix import probe_direct_io
 
 from helpers import Opened, assert_bitwise, fs_tier_of, leftovers, logged_warnings, ram_fs

@@ -27,7 +27,7 @@ from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import CHUNK_BYTES, MANIFEST_FILE, Manifest, checksum, version_dirname
 from tierckpt.storage import posix
 from tierckpt.tiers import fswrite
-from tierckpt.tiers.filesystem import FilesystemSource
+from tierckpt.tiers.fsread import FilesystemSource
 from tierckpt.storage.posix import preallocate, probe_direct_io, pwrite_all, read_into, read_span
 from tierckpt.tiers.fsio import ChunkJobs
 from tierckpt.testing import flip_bits

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
 import os
 import time
@@ -60,20 +59,16 @@ from tierckpt.format import (
     checksum,
     version_dirname,
 )
-from tierckpt.format.saved_layout import SavedLayout
 from tierckpt.storage.local import LocalStore
-from tierckpt.tiers.base import GroupTier, Part, Staged, VersionInfo, VersionSource
-from tierckpt.tiers.encoding import TierEncoding
-from tierckpt.tiers.fslayout import filesystem_layout
-from tierckpt.tiers.fsread import FilesystemSource, open_source, read_head, read_manifest, resolve_shared  # noqa: F401 - FilesystemSource lived here
+from tierckpt.tiers.base import Part, Staged, VersionInfo, VersionSource
+from tierckpt.tiers.fsread import read_head
 from tierckpt.tiers.fscommit import Left, PlaceFailed, place, take_back
 from tierckpt.tiers.fssweep import MEMBER, KeepAside, sweep
 from tierckpt.tiers.fswrite import write_data_file
-from tierckpt.tiers.versionfiles import StoredSource
+from tierckpt.tiers.stored import StoredTier
 
 log = logging.getLogger("tierckpt")
 
-_read_manifest = aiofiles.os.wrap(read_manifest)
 _read_head = aiofiles.os.wrap(read_head)
 _lstat = aiofiles.os.wrap(os.lstat)
 
@@ -81,59 +76,42 @@ if TYPE_CHECKING:
     from tierckpt.ranks import RankGroup
 
 
-class FilesystemTier(GroupTier):
+class FilesystemTier(StoredTier):
     """Versions as directories under ``config.path`` (relative paths resolve against the working directory)."""
 
     def __init__(self, config: TierConfig, group: RankGroup | None = None) -> None:
-        super().__init__(config)
-        self.group = group
-        self.rank = group.rank if group else 0
+        super().__init__(config, group)
         assert config.path is not None  # guaranteed by TierConfig validation
         self.root = Path(config.path).expanduser().absolute()
-        self.encoding = TierEncoding(config.compression, config.name)
         self.executor = concurrent.futures.ThreadPoolExecutor(
             config.io_threads, thread_name_prefix=f"tierckpt-io-{config.name}"
         )
         self.store = LocalStore(self.root, self.executor, tier=config.name)
-        self._index: dict[int, VersionInfo] = {}
         self._leftovers: set[str] = set()  # containers a failed removal left: retried before each write
-        self.keeper = 0  # the rank (group position) locking, sweeping, committing, deleting here
         # Of a value stored once between ranks: the ranks sharing its chunks here (None: as saved).
         self.sharing: tuple[int, ...] | None = None
-
-    @property
-    def keeps(self) -> bool:  # whether this rank is the directory's keeper (a single process is)
-        return self.group is None or self.rank == self.keeper
-
-    _open_key = property(lambda self: f"open/{self.name}")  # the keeper's word that it opened
 
     @property
     def direct(self) -> bool:
         """Whether data files are written and read with O_DIRECT (probed when the tier opens)."""
         return self.store.direct
 
-    async def open(self) -> None:
-        if self.group is None:
-            await self._open()
-            return
-        # The keeper opens (locks, sweeps, indexes) first; the others only index what it left, and
-        # check that they see the same directory.
-        key, member = self._open_key, f"{MEMBER}{self.group.run}"
-        if self.keeps:
-            try:
-                await self._open()
-                await self.store.write_small(member, b"")
-            except BaseException as exc:
-                await self.group.put(key, f"{type(exc).__name__}: {exc}")
-                raise
-            await self.group.put(key, "")
-            return
-        if not await self.group.wait_for([key], self.group.timeout_s):
-            raise ConfigError(f"tier {self.name!r}: rank {self.keeper} did not open {str(self.root)!r} within {self.group.timeout_s:g} s", tier=self.name)
-        problem = await self.group.get(key)
-        if problem:
-            raise ConfigError(f"tier {self.name!r}: rank {self.keeper} could not open it: {problem}", tier=self.name, key=f"tiers.{self.name}.path")
-        if not await self.store.exists(member):
+    @property
+    def location(self) -> str:
+        return repr(str(self.root))
+
+    @property
+    def location_key(self) -> str:
+        return f"tiers.{self.name}.path"
+
+    async def _open_keeper(self) -> None:
+        await self._open()
+        if self.group is not None:  # its mark that the others check they see the same directory by
+            await self.store.write_small(f"{MEMBER}{self.group.run}", b"")
+
+    async def _open_other(self) -> None:
+        assert self.group is not None  # only a group has other ranks
+        if not await self.store.exists(f"{MEMBER}{self.group.run}"):
             raise ConfigError(
                 f"tier {self.name!r}: {str(self.root)!r} is not the directory rank {self.keeper} opened: every rank must "
                 "see the same directory (a shared file system, or one node's disk for all its ranks)",
@@ -171,15 +149,6 @@ class FilesystemTier(GroupTier):
 
     def _seen(self, step: int, head: Manifest | CommitMarker) -> None:
         """A committed version found at open, its head verified (a hook for subclasses)."""
-
-    async def _manifest(self, step: int, path: Path) -> Manifest:
-        """This rank's manifest of a version (raises LayoutError when another number of ranks saved it)."""
-        # Not aiofiles.open: the file is opened without following a symlink and sized before it is read.
-        world = self.group.world if self.group else 1
-        return await _read_manifest(path, tier=self.name, step=step, rank=self.rank, world=world)
-
-    def versions(self) -> list[VersionInfo]:
-        return [self._index[s] for s in sorted(self._index)]
 
     # -- writing, committing, deleting ------------------------------------------------------------------
     #
@@ -337,39 +306,14 @@ class FilesystemTier(GroupTier):
                 self._leftovers.discard(name)
                 log.info("tier %r: swept %s, left by an earlier failure", self.name, name)
 
-    async def read(self, step: int) -> VersionSource:
-        path = self.root / version_dirname(step)
-        manifest = await self._manifest(step, path)
-        return await asyncio.to_thread(open_source, self.name, path, manifest, direct=self.direct)
+    async def _files(self, step: int) -> Path:
+        return self.root / version_dirname(step)
 
-    async def read_whole(self, step: int, *, as_saved: bool = False) -> VersionSource:
-        # as_saved: each value shared as it was saved (TensorRecord.as_saved), for a flush further down.
-        if self.group is None:
-            return await self.read(step)  # one process's version holds every chunk it restores
-        path = self.root / version_dirname(step)
-        manifest = await self._manifest(step, path)
-
-        def whole() -> StoredSource:
-            head = read_head(path, tier=self.name, step=step)
-            resolved = resolve_shared(path, head, manifest, tier=self.name) if isinstance(head, CommitMarker) else manifest
-            if as_saved:
-                resolved = dataclasses.replace(resolved, records=tuple(r.as_saved() for r in resolved.records))
-            return open_source(self.name, path, resolved, direct=self.direct)
-
-        return await asyncio.to_thread(whole)
-
-    async def read_layout(self, step: int, rank: int) -> SavedLayout:
-        path = self.root / version_dirname(step)
-        layout = await asyncio.to_thread(filesystem_layout, self.name, path, rank, direct=self.direct)
-        if layout.step != step:
-            raise CorruptCheckpointError(f"{path}: its manifest records step {layout.step}", tier=self.name, step=step)
-        return layout
+    def _at(self, step: int) -> str:
+        return str(self.root / version_dirname(step))
 
     async def delete(self, step: int) -> None:
-        if not self.keeps:
-            raise RuntimeError(f"tier {self.name!r}: only rank {self.keeper} deletes versions in {str(self.root)!r}")
-        if self.leased(step):
-            raise RuntimeError(f"tier {self.name!r}: step {step} is leased and cannot be deleted")
+        self._check_deletable(step)
         info = self._index.pop(step, None)
         final = version_dirname(step)
         trash = f".trash-{final}-{uuid.uuid4().hex[:12]}"

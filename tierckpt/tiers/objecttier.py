@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
 import os
 import re
@@ -47,16 +46,12 @@ from tierckpt.config import TierConfig
 from tierckpt.errors import ConfigError, CorruptCheckpointError
 from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, checksum, decode_document, version_dirname
 from tierckpt.format.manifest import MAX_MANIFEST_BYTES
-from tierckpt.format.saved_layout import SavedLayout
 from tierckpt.storage.s3 import Bucket
-from tierckpt.tiers.base import GroupTier, Part, Staged, VersionInfo, VersionSource
-from tierckpt.tiers.encoding import TierEncoding
-from tierckpt.tiers.fslayout import filesystem_layout
-from tierckpt.tiers.fsread import open_source, read_head, read_manifest, resolve_shared
+from tierckpt.tiers.base import Part, Staged, VersionInfo, VersionSource
 from tierckpt.tiers.fswrite import write_data_file
 from tierckpt.tiers.objlease import WriterLease
 from tierckpt.tiers.objread import ObjectVersion, containers
-from tierckpt.tiers.versionfiles import StoredSource
+from tierckpt.tiers.stored import StoredTier
 
 if TYPE_CHECKING:
     from tierckpt.ranks import RankGroup
@@ -101,28 +96,24 @@ class _CommittedWrites:
     stale: set[str] = field(default_factory=set)
 
 
-class ObjectTier(GroupTier):
+class ObjectTier(StoredTier):
     """Versions in a bucket (see the module docstring). Several ranks: rank 0 holds the lease, sweeps,
     commits and deletes; every rank uploads its own part."""
 
     def __init__(self, config: TierConfig, group: RankGroup | None = None) -> None:
-        super().__init__(config)
-        self.group = group
-        self.rank = group.rank if group else 0
+        super().__init__(config, group)
         self.bucket = Bucket(config)
-        self.encoding = TierEncoding(config.compression, config.name)
         self.executor = concurrent.futures.ThreadPoolExecutor(config.concurrency, thread_name_prefix=f"tierckpt-s3-{config.name}")
-        self._index: dict[int, VersionInfo] = {}
         self._held: dict[int, _CommittedWrites] = {}
         self._lease = WriterLease(self.bucket, config.name)
 
     @property
-    def keeps(self) -> bool:
-        return self.group is None or self.rank == 0
+    def location(self) -> str:
+        return self.bucket.url
 
     @property
-    def direct(self) -> bool:
-        return False
+    def location_key(self) -> str:
+        return f"tiers.{self.name}.url"
 
     @property
     def threads(self) -> int:
@@ -136,15 +127,7 @@ class ObjectTier(GroupTier):
     def _error(self, exc: BaseException) -> ConfigError:
         return ConfigError(f"tier {self.name!r}: cannot use {self.bucket.url} ({exc})", tier=self.name, key=f"tiers.{self.name}.url")
 
-    async def open(self) -> None:
-        key = f"open/{self.name}"
-        if self.group is not None and not self.keeps:
-            if not await self.group.wait_for([key], self.group.timeout_s):
-                raise ConfigError(f"tier {self.name!r}: rank 0 did not open {self.bucket.url} within {self.group.timeout_s:g} s", tier=self.name)
-            if problem := await self.group.get(key):
-                raise ConfigError(f"tier {self.name!r}: rank 0 could not open it: {problem}", tier=self.name, key=f"tiers.{self.name}.url")
-            await self._index_all(sweep=False)
-            return
+    async def _open_keeper(self) -> None:
         try:
             try:
                 await self.bucket.list(".writer-lease")  # the bucket, the credentials, the endpoint: one request
@@ -152,13 +135,12 @@ class ObjectTier(GroupTier):
             except OSError as exc:
                 raise self._error(exc) from exc
             await self._index_all(sweep=True)
-        except BaseException as exc:
-            if self.group is not None:
-                await self.group.put(key, f"{type(exc).__name__}: {exc}")
+        except BaseException:
             await self._lease.release()
             raise
-        if self.group is not None:
-            await self.group.put(key, "")
+
+    async def _open_other(self) -> None:
+        await self._index_all(sweep=False)
 
     async def _index_all(self, *, sweep: bool) -> None:
         """Index the committed versions; the lease holder also removes what crashes left."""
@@ -206,9 +188,6 @@ class ObjectTier(GroupTier):
         except OSError as exc:
             log.warning("tier %r: could not remove what a crash left in %s (%s); tried again at the next open", self.name, container, exc)
             return False
-
-    def versions(self) -> list[VersionInfo]:
-        return [self._index[s] for s in sorted(self._index)]
 
     # -- writing, committing, deleting ------------------------------------------------------------------
 
@@ -314,10 +293,7 @@ class ObjectTier(GroupTier):
                 log.warning("tier %r: could not remove the older write of %s (%s); tried again later", self.name, container, exc)
 
     async def delete(self, step: int) -> None:
-        if not self.keeps:
-            raise RuntimeError(f"tier {self.name!r}: only rank 0 deletes versions in {self.bucket.url}")
-        if self.leased(step):
-            raise RuntimeError(f"tier {self.name!r}: step {step} is leased and cannot be deleted")
+        self._check_deletable(step)
         container = version_dirname(step)
         await self.bucket.delete([f"{container}/{MANIFEST_FILE}"])  # first: from here on it is not a version
         self._index.pop(step, None)
@@ -335,38 +311,11 @@ class ObjectTier(GroupTier):
             raise CorruptCheckpointError(f"step {step} on tier {self.name!r}: cannot be listed ({exc})", tier=self.name, step=step) from exc
         return ObjectVersion(self.bucket, container, {k.rpartition("/")[2]: s for k, s in listing.items()})
 
-    async def read(self, step: int) -> VersionSource:
-        files = await self._version(step)
-        world = self.group.world if self.group else 1
+    async def _files(self, step: int) -> ObjectVersion:
+        return await self._version(step)
 
-        def opened() -> StoredSource:
-            manifest = read_manifest(files, tier=self.name, step=step, rank=self.rank, world=world)
-            return open_source(self.name, files, manifest)
-
-        return await asyncio.to_thread(opened)
-
-    async def read_whole(self, step: int, *, as_saved: bool = False) -> VersionSource:
-        if self.group is None:
-            return await self.read(step)
-        files = await self._version(step)
-        world = self.group.world
-
-        def whole() -> StoredSource:
-            manifest = read_manifest(files, tier=self.name, step=step, rank=self.rank, world=world)
-            head = read_head(files, tier=self.name, step=step)
-            resolved = resolve_shared(files, head, manifest, tier=self.name) if isinstance(head, CommitMarker) else manifest
-            if as_saved:
-                resolved = dataclasses.replace(resolved, records=tuple(r.as_saved() for r in resolved.records))
-            return open_source(self.name, files, resolved)
-
-        return await asyncio.to_thread(whole)
-
-    async def read_layout(self, step: int, rank: int) -> SavedLayout:
-        files = await self._version(step)
-        layout = await asyncio.to_thread(filesystem_layout, self.name, files, rank, direct=False)
-        if layout.step != step:
-            raise CorruptCheckpointError(f"{files.url(MANIFEST_FILE)}: it records step {layout.step}", tier=self.name, step=step)
-        return layout
+    def _at(self, step: int) -> str:
+        return self.bucket.url_of(version_dirname(step))
 
     async def close(self) -> None:
         try:

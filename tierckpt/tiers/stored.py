@@ -1,0 +1,159 @@
+"""What a filesystem tier and an object tier share: one container a version in a store (format v2),
+read back through the same checks, and one keeper among the ranks that share the store.
+
+A :class:`StoredTier` keeps an index of the committed versions, and reads a version (this rank's
+part, a whole version with every chunk this rank restores, or its saved layout) from that version's
+files, a directory or an object store's container (:meth:`StoredTier._files`), through
+:mod:`tierckpt.tiers.fsread`, which trusts nothing a manifest says. Of several ranks sharing the
+store, its *keeper* (rank 0; on a node-local tier, each node's first rank) opens it first (locks,
+sweeps what a crash left, indexes) and tells the others how that went before they index what it
+left; only the keeper deletes.
+
+How a version is written and made visible still differs between the stores: a rename into place
+and a directory fsync (:mod:`tierckpt.tiers.filesystem`), or the commit object written last
+(:mod:`tierckpt.tiers.objecttier`).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tierckpt.config import TierConfig
+from tierckpt.errors import ConfigError, CorruptCheckpointError
+from tierckpt.format import CommitMarker
+from tierckpt.format.saved_layout import SavedLayout
+from tierckpt.tiers.base import GroupTier, VersionInfo, VersionSource
+from tierckpt.tiers.encoding import TierEncoding
+from tierckpt.tiers.fslayout import filesystem_layout
+from tierckpt.tiers.fsread import open_source, read_head, read_manifest, resolve_shared
+from tierckpt.tiers.versionfiles import StoredSource, VersionFiles
+
+if TYPE_CHECKING:
+    from tierckpt.ranks import RankGroup
+
+__all__ = ["StoredTier"]
+
+
+class StoredTier(GroupTier):
+    """Versions in a store, one container each (see the module docstring); its subclasses write and
+    commit them."""
+
+    def __init__(self, config: TierConfig, group: RankGroup | None = None) -> None:
+        super().__init__(config)
+        self.group = group
+        self.rank = group.rank if group else 0
+        self.encoding = TierEncoding(config.compression, config.name)
+        self._index: dict[int, VersionInfo] = {}
+        self.keeper = 0  # the rank (group position) opening, sweeping, committing, deleting here
+
+    @property
+    def keeps(self) -> bool:
+        """Whether this rank is the store's keeper (a single process is)."""
+        return self.group is None or self.rank == self.keeper
+
+    @property
+    def direct(self) -> bool:
+        """Whether data is read with O_DIRECT (a file system that takes it)."""
+        return False
+
+    @property
+    @abc.abstractmethod
+    def location(self) -> str:
+        """The store, for messages: a directory, a bucket's URL."""
+
+    @property
+    @abc.abstractmethod
+    def location_key(self) -> str:
+        """The config key that names the store (``tiers.<name>.path``, ``tiers.<name>.url``)."""
+
+    _open_key = property(lambda self: f"open/{self.name}")  # the keeper's word that it opened
+
+    def versions(self) -> list[VersionInfo]:
+        return [self._index[s] for s in sorted(self._index)]
+
+    # -- opening: the keeper first ------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        if self.group is None:
+            await self._open_keeper()
+            return
+        key = self._open_key
+        if self.keeps:
+            try:
+                await self._open_keeper()
+            except BaseException as exc:
+                await self.group.put(key, f"{type(exc).__name__}: {exc}")
+                raise
+            await self.group.put(key, "")
+            return
+        if not await self.group.wait_for([key], self.group.timeout_s):
+            raise ConfigError(f"tier {self.name!r}: rank {self.keeper} did not open {self.location} within {self.group.timeout_s:g} s", tier=self.name)
+        problem = await self.group.get(key)
+        if problem:
+            raise ConfigError(f"tier {self.name!r}: rank {self.keeper} could not open it: {problem}", tier=self.name, key=self.location_key)
+        await self._open_other()
+
+    @abc.abstractmethod
+    async def _open_keeper(self) -> None:
+        """The keeper (or a single process): take the store, sweep what a crash left, index the rest."""
+
+    @abc.abstractmethod
+    async def _open_other(self) -> None:
+        """Any other rank, once the keeper opened the store: index what it left."""
+
+    def _check_deletable(self, step: int) -> None:
+        if not self.keeps:
+            raise RuntimeError(f"tier {self.name!r}: only rank {self.keeper} deletes versions in {self.location}")
+        if self.leased(step):
+            raise RuntimeError(f"tier {self.name!r}: step {step} is leased and cannot be deleted")
+
+    # -- reading ------------------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def _files(self, step: int) -> Path | VersionFiles:
+        """Where committed ``step``'s files are read from.
+
+        Raises CorruptCheckpointError when they cannot even be found (an object store that fails to list)."""
+
+    @abc.abstractmethod
+    def _at(self, step: int) -> str:
+        """Where committed ``step`` is, for messages."""
+
+    async def read(self, step: int) -> VersionSource:
+        files = await self._files(step)
+        world = self.group.world if self.group else 1
+
+        def opened() -> StoredSource:
+            # The manifest is opened without following a symlink and sized before it is read.
+            manifest = read_manifest(files, tier=self.name, step=step, rank=self.rank, world=world)
+            return open_source(self.name, files, manifest, direct=self.direct)
+
+        return await asyncio.to_thread(opened)
+
+    async def read_whole(self, step: int, *, as_saved: bool = False) -> VersionSource:
+        # as_saved: each value shared as it was saved (TensorRecord.as_saved), for a flush further down.
+        if self.group is None:
+            return await self.read(step)  # one process's version holds every chunk it restores
+        files = await self._files(step)
+        world = self.group.world
+
+        def whole() -> StoredSource:
+            manifest = read_manifest(files, tier=self.name, step=step, rank=self.rank, world=world)
+            head = read_head(files, tier=self.name, step=step)
+            resolved = resolve_shared(files, head, manifest, tier=self.name) if isinstance(head, CommitMarker) else manifest
+            if as_saved:
+                resolved = dataclasses.replace(resolved, records=tuple(r.as_saved() for r in resolved.records))
+            return open_source(self.name, files, resolved, direct=self.direct)
+
+        return await asyncio.to_thread(whole)
+
+    async def read_layout(self, step: int, rank: int) -> SavedLayout:
+        files = await self._files(step)
+        layout = await asyncio.to_thread(filesystem_layout, self.name, files, rank, direct=self.direct)
+        if layout.step != step:
+            raise CorruptCheckpointError(f"{self._at(step)}: its manifest records step {layout.step}", tier=self.name, step=step)
+        return layout
