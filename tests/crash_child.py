@@ -88,11 +88,11 @@ def install_pause(point: str, step: int) -> None:
 
     from tierckpt.format import version_dirname
     from tierckpt.storage import local
-    from tierckpt.tiers import filesystem
+    from tierckpt.tiers import filesystem, stored
 
     if point == "data":
         armed = threading.Event()
-        write_data_file, pwrite_all = filesystem.write_data_file, local.pwrite_all
+        write_data_file, pwrite_all = stored.write_data_file, local.pwrite_all
 
         def arming_write(source: Any, *args: Any, **kwargs: Any) -> Any:
             if source.step == step:
@@ -105,7 +105,7 @@ def install_pause(point: str, step: int) -> None:
                 say("paused", point, step)
                 hang()
 
-        filesystem.write_data_file = arming_write
+        stored.write_data_file = arming_write  # a stored tier's data object (tiers.stored._write_part)
         local.pwrite_all = pausing_pwrite
     elif point == "staged":
         commit = filesystem.FilesystemTier.commit

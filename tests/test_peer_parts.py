@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tierckpt.format import ALIGN, Chunk, Manifest, TensorRecord, checksum
-from tierckpt.tiers.peer import wire
+from tierckpt.tiers import wire
 from tierckpt.tiers.peer.recovery import fetch_plan, holders_of
 from tierckpt.tiers.peer.replicas import _PRIVATE, ReplicaId, ReplicaStore
 

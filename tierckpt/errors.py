@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import errno
 import os
+from typing import Any
 
 __all__ = [
     "TierckptError",
@@ -93,17 +94,8 @@ class FlushError(TierckptError, OSError):
     (fallocate): '/ckpt/nvme/.tmp-step-000000000002-…/data-r00000.bin'``. The cause is chained.
     """
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        tier: str | None = None,
-        step: int | None = None,
-        key: str | None = None,
-        errno: int | None = None,
-        path: str | None = None,
-    ) -> None:
-        super().__init__(message, tier=tier, step=step, key=key)
+    def __init__(self, message: str, *, errno: int | None = None, path: str | None = None, **where: Any) -> None:
+        super().__init__(message, **where)  # tier, step, key: as every TierckptError
         # OSError's own attributes, so ``except OSError as e: e.errno`` works on it too.
         self.errno = errno
         self.strerror = os.strerror(errno) if errno else None

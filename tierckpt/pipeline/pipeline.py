@@ -26,16 +26,13 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-import traceback
 from typing import Callable, Sequence
 
 from tierckpt.capture import Copier
-from tierckpt.capture.views import TornCaptureError
 from tierckpt.config import Config
-from tierckpt.errors import CorruptCheckpointError, FlushError, TierckptError, flush_failure
-from tierckpt.format.layout import after_where
+from tierckpt.errors import CorruptCheckpointError, FlushError, flush_failure
 from tierckpt.pipeline.flusher import Flusher
-from tierckpt.pipeline.saves import Counters, SaveRequest, SaveTracker
+from tierckpt.pipeline.saves import Counters, SaveRequest, SaveTracker, capture_failure
 from tierckpt.pipeline.sources import Sources
 from tierckpt.policy import Candidate
 from tierckpt.snapshot import Snapshot, SnapshotState
@@ -229,7 +226,7 @@ class Pipeline:
             snapshot.state = SnapshotState.FAILED
             self.counters.captures_failed += 1
             failure = FlushError(
-                f"capturing step {snapshot.step} into host memory failed: {_said(error, snapshot.step)}",
+                f"capturing step {snapshot.step} into host memory failed: {capture_failure(error, snapshot.step)}",
                 tier=self.memory.name,
                 step=snapshot.step,
             )
@@ -268,7 +265,7 @@ class Pipeline:
                 await self.memory.persist(snapshot)
             except Exception as exc:
                 failure = flush_failure(self.memory.name, snapshot.step, f"writing step {snapshot.step} to its RAM file system", exc)
-                self._record(self.memory.name, failure)
+                self.counters.record(self.memory.name, failure)
                 log.error("%s; the snapshot stays in this process's memory only", failure)
                 result: bool | BaseException = failure
             else:
@@ -337,7 +334,7 @@ class Pipeline:
     def failed(self, tier: str, candidate: Candidate | None, error: BaseException) -> None:
         step = candidate.step if candidate else None
         failure = flush_failure(tier, step, f"flushing step {step}" if step is not None else "its flusher", error)
-        self._record(tier, failure)
+        self.counters.record(tier, failure)
         self._unresolved[tier] = failure
         self._failing[tier] = self._failing.get(tier, 0) + 1
         log.error("%s; tier %r holds steps %s; its next flush tries again", failure, tier, self._held(tier))
@@ -350,26 +347,12 @@ class Pipeline:
 
     def delete_failed(self, tier: str, step: int, error: BaseException) -> None:
         failure = flush_failure(tier, step, f"deleting step {step}", error)
-        self._record(tier, failure)
+        self.counters.record(tier, failure)
         if step in self._held(tier):
             where = "stays whole and in place; retention tries again after the next commit"
         else:
             where = "is no longer part of the tier; what is left of it under .trash- is swept later"
         log.error("%s; step %d %s", failure, step, where)
-
-    def _record(self, tier: str, failure: FlushError) -> None:
-        # Kept for as long as the Checkpointer lives: drop the locals of the frames its traceback holds
-        # (a writer thread's frame holds views of a host slot, which would keep the pool mapped).
-        seen: set[int] = set()
-        error: BaseException | None = failure
-        while error is not None and id(error) not in seen:
-            seen.add(id(error))
-            if error.__traceback__ is not None:
-                traceback.clear_frames(error.__traceback__)
-            error = error.__cause__ or error.__context__
-        self.counters.flush_errors += 1
-        self.counters.failed[tier] = self.counters.failed.get(tier, 0) + 1
-        self.counters.last_error[tier] = failure
 
     def _held(self, tier: str) -> list[int]:
         return [info.step for info in self.tiers[self._index(tier)].versions()]
@@ -413,12 +396,3 @@ class Pipeline:
             except Exception as exc:
                 log.error("tier %r: close failed: %s", tier.name, exc)
 
-
-def _said(error: BaseException, step: int) -> str:
-    """A failed capture's error in words, for the FlushError that reports it: its message less the
-    ``step N:`` that FlushError names already, led by its type where it is not one of tierckpt's
-    (``RuntimeError: CUDA error: ...``); never a nested ``repr``."""
-    text = after_where(error, None, step)
-    if isinstance(error, (TierckptError, TornCaptureError)) and text:
-        return text
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import traceback
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
-from tierckpt.capture.views import SaveMoment
-from tierckpt.errors import FlushError
+from tierckpt.capture.views import SaveMoment, TornCaptureError
+from tierckpt.errors import FlushError, TierckptError
+from tierckpt.format.layout import after_where
 from tierckpt.snapshot import Entry
 from tierckpt.tiers.base import Tier
 from tierckpt.tiers.encoding import CompressionStats, TierEncoding
@@ -116,7 +118,32 @@ class Counters:
         self.compression = dict(self.compression)
         self.failed, self.last_error = dict(self.failed), dict(self.last_error)
 
+    def record(self, tier: str, failure: FlushError) -> None:
+        """Count a failed flush or deletion of ``tier`` and keep it as the tier's ``last_error``."""
+        # Kept for as long as the Checkpointer lives: drop the locals of the frames its traceback holds
+        # (a writer thread's frame holds views of a host slot, which would keep the pool mapped).
+        seen: set[int] = set()
+        error: BaseException | None = failure
+        while error is not None and id(error) not in seen:
+            seen.add(id(error))
+            if error.__traceback__ is not None:
+                traceback.clear_frames(error.__traceback__)
+            error = error.__cause__ or error.__context__
+        self.flush_errors += 1
+        self.failed[tier] = self.failed.get(tier, 0) + 1
+        self.last_error[tier] = failure
+
     def with_compression(self, tiers: Sequence[Tier]) -> Counters:
         """A copy, with the compression so far of each tier that encodes what it stores (``Checkpointer.counters``)."""
         compression = {t.name: e.stats for t in tiers if isinstance(e := getattr(t, "encoding", None), TierEncoding)}
         return replace(self, compression=compression)
+
+
+def capture_failure(error: BaseException, step: int) -> str:
+    """A failed capture's error in words, for the FlushError that reports it: its message less the
+    ``step N:`` that FlushError names already, led by its type where it is not one of tierckpt's
+    (``RuntimeError: CUDA error: ...``); never a nested ``repr``."""
+    text = after_where(error, None, step)
+    if isinstance(error, (TierckptError, TornCaptureError)) and text:
+        return text
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

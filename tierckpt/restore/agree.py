@@ -91,8 +91,8 @@ async def restore_agreed(
                 step=only,
             )
         common = [only]
-    first_of = functools.partial(
-        _first_of, by_path=by_path, staging=staging, rank=group.rank, strict=strict, cast=cast, verify_first=verify_first
+    attempt_on = functools.partial(
+        _try, by_path=by_path, staging=staging, rank=group.rank, strict=strict, cast=cast, verify_first=verify_first
     )
     touched: set[str] = set()  # template keys this rank wrote into, for steps not every rank verified
     touched_ranks: set[int] = set()
@@ -105,7 +105,7 @@ async def restore_agreed(
             holding = [t for t in tiers if t.has_part(step) and any(info.step == step for info in t.versions())]
             for i, (tier, recovery) in enumerate(zip(tiers, recoveries)):
                 if attempt.wants and any(t is tier for t in holding):
-                    await first_of(held_open, [tier], step, attempt)
+                    await attempt_on(held_open, tier, step, attempt)
                 if recovery is None:
                     continue
                 try:
@@ -115,7 +115,7 @@ async def restore_agreed(
                     log.warning("tierckpt: %s; %s", exc, _then([t for t in tiers[i + 1 :] if any(t is h for h in holding)]))
                     continue
                 if fetched is not None:
-                    await first_of(held_open, [fetched], step, attempt)
+                    await attempt_on(held_open, fetched, step, attempt)
             # Its template keys written so far: by earlier steps, by this step's tries (a step
             # every rank leaves behind leaves what verified here written, too).
             touched |= attempt.written
@@ -176,9 +176,9 @@ class Attempt:
         return self.loaded is None and self.error is None
 
 
-async def _first_of(
+async def _try(
     held_open: contextlib.ExitStack,
-    tiers: Sequence[Tier],
+    tier: Tier,
     step: int,
     attempt: Attempt,
     *,
@@ -189,47 +189,27 @@ async def _first_of(
     cast: bool,
     verify_first: bool,
 ) -> None:
-    """Read this rank's part of ``step`` from the first of ``tiers`` where it verifies, into ``attempt``."""
-    for tier in tiers:
-        try:
-            attempt.loaded = await _read_part(held_open, tier, step, by_path, staging, rank, strict, cast, verify_first, attempt.written)
-            return
-        except NotHere:  # this rank's host memory holds only its own part: a slower tier may do
-            continue
-        except CorruptCheckpointError as exc:
-            # The verdict follows "step N does not verify on rank(s) ...": it names the tier, not the step again.
-            why = f"tier {tier.name!r}: {after_where(exc, tier.name, step)}"
-            attempt.verdict = why if tier.place is None else f"{why}, on {tier.place}"
-        except Exception as exc:  # a template that does not match, say: raised on every rank below
-            attempt.error = exc
-            return
-
-
-async def _read_part(
-    held_open: contextlib.ExitStack,
-    tier: Tier,
-    step: int,
-    by_path: dict[str, Any],
-    staging: MemoryTier | None,
-    rank: int,
-    strict: bool,
-    cast: bool,
-    verify_first: bool,
-    written: set[str],
-) -> tuple[Tier, Any, list[Any], Any]:
-    """Read and verify this rank's part of ``step`` from ``tier``: with ``verify_first`` into staging
-    memory (nothing of the template is written), else into the template as chunks verify (the keys
-    it writes are added to ``written`` first). What it holds (lease, files, staging slots) stays
-    held by ``held_open``.
-
-    Raises CorruptCheckpointError (this part does not verify), NotHere, or RestoreError.
-    """
+    """Read and verify this rank's part of ``step`` from ``tier`` into ``attempt``: with
+    ``verify_first`` into staging memory (nothing of the template is written), else into the template
+    as chunks verify (the keys it writes are added to ``attempt.written`` first). What it holds
+    (lease, files, staging slots) stays held by ``held_open``. Why it failed goes to ``attempt``:
+    ``verdict`` (the part does not verify), ``error`` (it cannot load: every rank raises it), or
+    nothing (this tier holds another rank's part only: a slower tier may do)."""
     try:
-        held_open.enter_context(tier.lease(step))
-    except KeyError:
-        raise CorruptCheckpointError(f"step {step} left tier {tier.name!r} meanwhile", tier=tier.name, step=step) from None
-    read, targets, keys = await read_version(
-        held_open, tier, step, by_path, staging, strict=strict, cast=cast, rank=rank,
-        verify_first=verify_first, stage_all=verify_first, touched=written,
-    )
-    return tier, read, targets, keys
+        try:
+            held_open.enter_context(tier.lease(step))
+        except KeyError:
+            raise CorruptCheckpointError(f"step {step} left tier {tier.name!r} meanwhile", tier=tier.name, step=step) from None
+        read, targets, keys = await read_version(
+            held_open, tier, step, by_path, staging, strict=strict, cast=cast, rank=rank,
+            verify_first=verify_first, stage_all=verify_first, touched=attempt.written,
+        )
+        attempt.loaded = (tier, read, targets, keys)
+    except NotHere:  # this rank's host memory holds only its own part: a slower tier may do
+        pass
+    except CorruptCheckpointError as exc:
+        # The verdict follows "step N does not verify on rank(s) ...": it names the tier, not the step again.
+        why = f"tier {tier.name!r}: {after_where(exc, tier.name, step)}"
+        attempt.verdict = why if tier.place is None else f"{why}, on {tier.place}"
+    except Exception as exc:  # a template that does not match, say: raised on every rank below
+        attempt.error = exc

@@ -37,11 +37,9 @@ anything but its own files of a version that was abandoned.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import os
-import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,7 +54,6 @@ from tierckpt.format import (
     RANK_MANIFEST_FILE,
     CommitMarker,
     Manifest,
-    checksum,
     version_dirname,
 )
 from tierckpt.storage.local import LocalStore
@@ -64,7 +61,6 @@ from tierckpt.tiers.base import Part, Staged, VersionInfo, VersionSource
 from tierckpt.tiers.fsread import read_head
 from tierckpt.tiers.fscommit import Left, PlaceFailed, place, take_back
 from tierckpt.tiers.fssweep import MEMBER, KeepAside, sweep
-from tierckpt.tiers.fswrite import write_data_file
 from tierckpt.tiers.stored import StoredTier
 
 log = logging.getLogger("tierckpt")
@@ -168,30 +164,7 @@ class FilesystemTier(StoredTier):
         manifest_key = f"{tmp}/{manifest_name}"
         await self.store.stage(tmp, shared=ranked)
         try:
-            encoding = self.encoding.begin()
-            started = time.perf_counter()
-            records = await asyncio.to_thread(
-                write_data_file,
-                source,
-                data,
-                encoding,
-                self.executor,
-                threads=self.config.io_threads,
-                rank=self.rank,
-                store=self.store,
-                shared_by=self.sharing,
-            )
-            self.encoding.finish(encoding, time.perf_counter() - started)
-            manifest = Manifest(
-                step=source.step,
-                created=source.created,
-                skeleton=source.skeleton,
-                records=records,
-                metadata=source.metadata,
-                world_size=self.group.world if self.group else 1,
-                rank=self.rank,
-            )
-            encoded = manifest.encode()
+            manifest, encoded = await self._write_part(source, data, self.store, threads=self.config.io_threads, shared_by=self.sharing)
             await self.store.write_small(manifest_key, encoded)
             await self.store.sync(tmp)
         except BaseException:
@@ -200,12 +173,11 @@ class FilesystemTier(StoredTier):
             else:
                 await self._discard(tmp)
             raise
-        part = Part(manifest_name, checksum(encoded), manifest.stored_bytes) if ranked else None
-        return Staged(source.step, tmp, manifest.stored_bytes, source.created, part)
+        return self._staged(source, tmp, manifest, encoded, manifest_name)
 
     async def seal(self, staged: Staged, parts: list[Part], metadata: dict[str, Any]) -> None:
         """The leader, once every rank's part is durable: write the commit marker into the staged version."""
-        marker = CommitMarker(step=staged.step, created=staged.created, world_size=len(parts), ranks=tuple(parts), metadata=metadata)
+        marker = self._marker(staged, parts, metadata)
         await self.store.write_small(f"{staged.location}/{MANIFEST_FILE}", marker.encode())
         await self.store.sync(staged.location)
         staged.nbytes = marker.stored_bytes

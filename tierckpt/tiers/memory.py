@@ -43,7 +43,7 @@ from tierckpt.snapshot import Entry, Slot, Snapshot, SnapshotState
 from tierckpt.tiers.base import Lease, Tier, VersionInfo, VersionSource
 from tierckpt.tiers.memory_hooks import Alone, MemoryHooks, Want
 from tierckpt.tiers.memory_source import MemorySource
-from tierckpt.tiers.shm import ShmStore, chunk_checksums, slot_manifest
+from tierckpt.tiers.shm import ShmStore, chunk_checksums, first_mismatch, slot_manifest
 
 __all__ = ["Alone", "MemoryHooks", "MemorySource", "MemoryTier", "Want"]
 
@@ -116,8 +116,7 @@ class MemoryTier(Tier):
         def sums(entry: Entry) -> tuple[int, ...]:
             return chunk_checksums(self.pool.view(snapshot.slot, entry.offset, entry.nbytes), entry.nbytes)
 
-        checksums = await asyncio.gather(*(loop.run_in_executor(self.executor, sums, e) for e in snapshot.entries))
-        snapshot.checksums = tuple(checksums)
+        snapshot.checksums = tuple(await asyncio.gather(*(loop.run_in_executor(self.executor, sums, e) for e in snapshot.entries)))
         manifest = slot_manifest(
             snapshot.step, snapshot.created, snapshot.skeleton, snapshot.metadata, snapshot.entries, snapshot.slot.offset, snapshot.checksums
         )
@@ -382,16 +381,13 @@ class MemoryTier(Tier):
 
     def _verify(self, snapshot: Snapshot, i: int) -> None:
         entry, sums = snapshot.entries[i], snapshot.checksums[i] if snapshot.checksums else ()
-        got = chunk_checksums(self.pool.view(snapshot.slot, entry.offset, entry.nbytes), entry.nbytes)
-        for chunk, (have, want) in enumerate(zip(got, sums)):
-            if have != want:
-                raise CorruptCheckpointError(
-                    f"step {snapshot.step} on tier {self.name!r}: checksum mismatch in {entry.key} (chunk {chunk}) "
-                    f"of {snapshot.persisted}/{DATA_FILE.format(rank=0)}",
-                    tier=self.name,
-                    step=snapshot.step,
-                    key=entry.key,
-                )
+        chunk = first_mismatch(self.pool.view(snapshot.slot, entry.offset, entry.nbytes), entry.nbytes, sums)
+        if chunk is not None:
+            raise CorruptCheckpointError(
+                f"step {snapshot.step} on tier {self.name!r}: checksum mismatch in {entry.key} (chunk {chunk}) "
+                f"of {snapshot.persisted}/{DATA_FILE.format(rank=0)}",
+                tier=self.name, step=snapshot.step, key=entry.key,
+            )
 
     async def delete(self, step: int) -> None:
         for s in list(self._snapshots.values()):

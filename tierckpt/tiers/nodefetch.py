@@ -23,14 +23,15 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Protocol, Sequence, cast
+from typing import Any, Protocol, Sequence
 
 
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, version_dirname
 from tierckpt.tiers.base import Recovery, Tier, VersionInfo, VersionSource
 from tierckpt.tiers.fsread import open_source, read_head, read_rank_manifest, resolve_shared
-from tierckpt.tiers.peer import wire
+from tierckpt.tiers import wire
+from tierckpt.tiers import transfer
 from tierckpt.tiers.transfer import Ranked, announce, receive_announced, refuse
 
 log = logging.getLogger("tierckpt")
@@ -113,27 +114,19 @@ async def exchange(tier: NodeDirectories, step: int, fetchers: dict[int, int], h
     Returns this rank's fetched part (removed when ``held_open`` closes), or None when it fetches
     nothing. Raises CorruptCheckpointError when its fetch failed; what it serves is served all the same.
     """
-    group = tier.group
-    me = group.rank
-    serving = [asyncio.to_thread(_serve, tier, step, owner, group.ranks[owner]) for owner, server in sorted(fetchers.items()) if server == me]
-    fetching = asyncio.to_thread(_fetch, tier, step, group.ranks[fetchers[me]]) if me in fetchers else None
-    fetched, failed = await wire.transfers(fetching, serving)
-    for exc in failed:
-        log.warning("tier %r: serving a part of step %d to another node failed: %s", tier.name, step, exc)
-    if fetching is None:
+    def node_of(server: int) -> str:
+        return f"node {tier.node_names[tier.node_of(server)]} (rank {server})"
+
+    fetched = await transfer.exchange(
+        tier, step, fetchers, lambda owner, dst: _serve(tier, step, owner, dst), lambda src: _fetch(tier, step, src),
+        what="part", source=node_of,
+    )
+    if fetched is None:
         return None
-    source_node = tier.node_names[tier.node_of(fetchers[me])]
-    if isinstance(fetched, BaseException):
-        if isinstance(fetched, CorruptCheckpointError):
-            raise fetched
-        raise CorruptCheckpointError(
-            f"tier {tier.name!r}: fetching rank {me}'s part of step {step} from node {source_node} (rank {fetchers[me]}) failed: {fetched}",
-            tier=tier.name,
-            step=step,
-        ) from fetched
-    path, manifest, nbytes = cast("tuple[Path, Manifest, int]", fetched)  # gather() loses the type
+    path, manifest, nbytes = fetched
+    source_node = tier.node_names[tier.node_of(fetchers[tier.group.rank])]
     held_open.callback(shutil.rmtree, path, True)
-    log.info("tier %r: rank %d's part of step %d came from node %s (%d bytes)", tier.name, me, step, source_node, nbytes)
+    log.info("tier %r: rank %d's part of step %d came from node %s (%d bytes)", tier.name, tier.group.rank, step, source_node, nbytes)
     return FetchedPart(tier, step, path, manifest, nbytes, source_node)
 
 

@@ -215,10 +215,7 @@ class NodeLocalTier(FilesystemTier):
 
     async def seal(self, staged: Staged, parts: list[Part], metadata: dict[str, Any]) -> None:
         """Rank 0: its node's marker, then the seal order for every other node's keeper."""
-        marker = self._marker(staged, parts, metadata)
-        await self.store.write_small(f"{staged.location}/{MANIFEST_FILE}", marker.encode())
-        await self.store.sync(staged.location)
-        staged.nbytes = marker.stored_bytes
+        await super().seal(staged, parts, metadata)  # its node's marker (this class's _marker)
         await self.group.put(self._key(staged, "seal"), {"parts": [list(p) for p in parts], "metadata": metadata})
 
     async def commit(self, staged: Staged) -> VersionInfo:

@@ -37,18 +37,16 @@ import concurrent.futures
 import logging
 import os
 import re
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tierckpt.config import TierConfig
 from tierckpt.errors import ConfigError, CorruptCheckpointError
-from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, checksum, decode_document, version_dirname
+from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, decode_document, version_dirname
 from tierckpt.format.manifest import MAX_MANIFEST_BYTES
 from tierckpt.storage.s3 import Bucket
 from tierckpt.tiers.base import Part, Staged, VersionInfo, VersionSource
-from tierckpt.tiers.fswrite import write_data_file
 from tierckpt.tiers.objlease import WriterLease
 from tierckpt.tiers.objread import ObjectVersion, containers
 from tierckpt.tiers.stored import StoredTier
@@ -202,16 +200,7 @@ class ObjectTier(StoredTier):
         data = f"{container}/data-r{self.rank:05d}.{wid}.bin"
         done = _Write(container, wid, [data])
         try:
-            encoding = self.encoding.begin()
-            started = time.perf_counter()
-            records = await asyncio.to_thread(
-                write_data_file, source, data, encoding, self.executor,
-                threads=min(self.config.concurrency, os.cpu_count() or 2), rank=self.rank, store=self.bucket,
-            )
-            self.encoding.finish(encoding, time.perf_counter() - started)
-            world = self.group.world if self.group else 1
-            manifest = Manifest(source.step, source.created, source.skeleton, records, source.metadata, world_size=world, rank=self.rank)
-            encoded = manifest.encode()
+            manifest, encoded = await self._write_part(source, data, self.bucket, threads=min(self.config.concurrency, os.cpu_count() or 2))
             if ranked:
                 name = f"manifest-r{self.rank:05d}.{wid}.msgpack"
                 done.keys.append(f"{container}/{name}")
@@ -221,11 +210,10 @@ class ObjectTier(StoredTier):
         except BaseException:
             await self._discard(done)
             raise
-        part = Part(name, checksum(encoded), manifest.stored_bytes) if ranked else None
-        return Staged(source.step, done, manifest.stored_bytes, source.created, part)
+        return self._staged(source, done, manifest, encoded, name if ranked else MANIFEST_FILE)
 
     async def seal(self, staged: Staged, parts: list[Part], metadata: dict[str, Any]) -> None:
-        marker = CommitMarker(step=staged.step, created=staged.created, world_size=len(parts), ranks=tuple(parts), metadata=metadata)
+        marker = self._marker(staged, parts, metadata)
         staged.location.head = marker.encode()
         staged.nbytes = marker.stored_bytes
 

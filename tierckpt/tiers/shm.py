@@ -261,6 +261,11 @@ def chunk_checksums(view: memoryview, nbytes: int) -> tuple[int, ...]:
     return tuple(checksum(view[c * CHUNK_BYTES : min(nbytes, (c + 1) * CHUNK_BYTES)]) for c in range(chunk_count(nbytes)))
 
 
+def first_mismatch(view: memoryview, nbytes: int, sums: tuple[int, ...]) -> int | None:
+    """The first chunk of an entry's bytes ``view[:nbytes]`` whose xxh3 is not its ``sums``'s; None if all match."""
+    return next((c for c, (have, want) in enumerate(zip(chunk_checksums(view, nbytes), sums)) if have != want), None)
+
+
 def _ram_backed(path: Path) -> bool:
     """Whether ``path`` lies on tmpfs or ramfs (from /proc/self/mountinfo; True when it cannot tell)."""
     target = os.path.realpath(path)

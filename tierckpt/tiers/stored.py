@@ -19,17 +19,20 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Sequence
 
 from tierckpt.config import TierConfig
 from tierckpt.errors import ConfigError, CorruptCheckpointError
-from tierckpt.format import CommitMarker
+from tierckpt.format import CommitMarker, Manifest, checksum
 from tierckpt.format.saved_layout import SavedLayout
-from tierckpt.tiers.base import GroupTier, VersionInfo, VersionSource
+from tierckpt.storage.store import DataStore
+from tierckpt.tiers.base import GroupTier, Part, Staged, VersionInfo, VersionSource
 from tierckpt.tiers.encoding import TierEncoding
 from tierckpt.tiers.fslayout import filesystem_layout
 from tierckpt.tiers.fsread import open_source, read_head, read_manifest, resolve_shared
+from tierckpt.tiers.fswrite import write_data_file
 from tierckpt.tiers.versionfiles import StoredSource, VersionFiles
 
 if TYPE_CHECKING:
@@ -110,6 +113,33 @@ class StoredTier(GroupTier):
             raise RuntimeError(f"tier {self.name!r}: only rank {self.keeper} deletes versions in {self.location}")
         if self.leased(step):
             raise RuntimeError(f"tier {self.name!r}: step {step} is leased and cannot be deleted")
+
+    # -- writing ------------------------------------------------------------------------------------------
+
+    async def _write_part(
+        self, source: VersionSource, data: str, store: DataStore, *, threads: int, shared_by: tuple[int, ...] | None = None
+    ) -> tuple[Manifest, bytes]:
+        """Write this rank's data object of ``source`` at key ``data`` of ``store`` (the tier's codec,
+        ``threads`` of its executor), and make its manifest; returns it and its bytes, not stored yet."""
+        encoding = self.encoding.begin()
+        started = time.perf_counter()
+        records = await asyncio.to_thread(
+            write_data_file, source, data, encoding, self.executor, threads=threads, rank=self.rank, store=store, shared_by=shared_by
+        )
+        self.encoding.finish(encoding, time.perf_counter() - started)
+        world = self.group.world if self.group else 1
+        manifest = Manifest(source.step, source.created, source.skeleton, records, source.metadata, world_size=world, rank=self.rank)
+        return manifest, manifest.encode()
+
+    def _staged(self, source: VersionSource, location: Any, manifest: Manifest, encoded: bytes, manifest_name: str) -> Staged:
+        """What :meth:`write` returns: where the version is staged, and, of several ranks, this rank's
+        :class:`Part` (its manifest's name and checksum) for the leader's commit marker."""
+        part = Part(manifest_name, checksum(encoded), manifest.stored_bytes) if self.group is not None else None
+        return Staged(source.step, location, manifest.stored_bytes, source.created, part)
+
+    def _marker(self, staged: Staged, parts: Sequence[Part], metadata: dict[str, Any]) -> CommitMarker:
+        """The leader's commit marker of a staged version: every rank's part, in rank order."""
+        return CommitMarker(step=staged.step, created=staged.created, world_size=len(parts), ranks=tuple(parts), metadata=metadata)
 
     # -- reading ------------------------------------------------------------------------------------------
 

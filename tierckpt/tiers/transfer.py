@@ -3,7 +3,7 @@
 node (:mod:`tierckpt.tiers.nodefetch`, a part on that node's disk) share.
 
 The holder sends a header (the manifest's length and the data's; -1 when it cannot serve), the
-manifest, then every chunk in record order (:mod:`tierckpt.tiers.peer.wire`). The fetching rank
+manifest, then every chunk in record order (:mod:`tierckpt.tiers.wire`). The fetching rank
 checks the header and the manifest against each other before it allocates anything for the chunks,
 then receives each chunk into where the copy is kept and verifies it on the way in. Every rank knows
 the plan (who fetches from whom) from the same exchange, so each transfer has exactly one sender and
@@ -12,7 +12,9 @@ one receiver.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import asyncio
+import logging
+from typing import Any, Callable, Protocol, TypeVar
 
 import torch
 
@@ -22,9 +24,13 @@ from tierckpt.format import Manifest
 from tierckpt.format.manifest import MAX_MANIFEST_BYTES
 from tierckpt.ranks.group import RankGroup
 from tierckpt.tiers.fsread import check_records
-from tierckpt.tiers.peer import wire
+from tierckpt.tiers import wire
 
-__all__ = ["Ranked", "announce", "receive_announced", "refuse"]
+__all__ = ["Ranked", "announce", "exchange", "receive_announced", "refuse"]
+
+log = logging.getLogger("tierckpt")
+
+T = TypeVar("T")
 
 
 class Ranked(Protocol):
@@ -39,6 +45,43 @@ class Ranked(Protocol):
     def executor(self) -> Any: ...
     @property
     def group(self) -> RankGroup: ...
+
+
+async def exchange(
+    tier: Ranked, step: int, fetchers: dict[int, int], serve: Callable[[int, int], None], fetch: Callable[[int], T], *, what: str, source: Callable[[int], str]
+) -> T | None:
+    """Serve what this rank sends of ``step`` and fetch this rank's own part, at once (``fetchers``:
+    rank -> the rank it fetches from, group positions; the same plan on every rank).
+
+    ``serve(owner, dst)`` sends ``owner``'s part to global rank ``dst``; ``fetch(src)`` receives this
+    rank's from global rank ``src`` and returns what it keeps. ``what`` names the thing in messages
+    ("copy", "part"), ``source(server)`` the place it comes from ("rank 3", "node b (rank 3)").
+
+    Returns what ``fetch`` returned, or None when this rank fetches nothing. A failure to serve is
+    logged (its fetching rank raises on its side); what this rank serves is served all the same.
+
+    Raises:
+        CorruptCheckpointError: this rank's fetch failed (the holder could not serve it, or it did
+            not arrive whole).
+    """
+    group = tier.group
+    me = group.rank
+    serving = [asyncio.to_thread(serve, owner, group.ranks[owner]) for owner, server in sorted(fetchers.items()) if server == me]
+    fetching = asyncio.to_thread(fetch, group.ranks[fetchers[me]]) if me in fetchers else None
+    fetched, failed = await wire.transfers(fetching, serving)
+    for exc in failed:
+        log.warning("tier %r: serving a %s of step %d failed: %s", tier.name, what, step, exc)
+    if fetching is None:
+        return None
+    if isinstance(fetched, BaseException):
+        if isinstance(fetched, CorruptCheckpointError):
+            raise fetched
+        raise CorruptCheckpointError(
+            f"tier {tier.name!r}: fetching rank {me}'s {what} of step {step} from {source(fetchers[me])} failed: {fetched}",
+            tier=tier.name,
+            step=step,
+        ) from fetched
+    return fetched
 
 
 def refuse(dst: int, bulk: Any, tag: int) -> None:

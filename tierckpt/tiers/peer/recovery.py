@@ -16,15 +16,16 @@ import contextlib
 import logging
 import mmap
 import os
-from typing import Any, Protocol, Sequence, cast
+from typing import Any, Protocol, Sequence
 
 from tierckpt._buffers import prefaulting
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import MANIFEST_FILE, Manifest
 from tierckpt.tiers.base import Recovery, Tier, VersionInfo, VersionSource
 from tierckpt.tiers.fsread import check_records, open_source, read_manifest
-from tierckpt.tiers.peer import wire
+from tierckpt.tiers import wire
 from tierckpt.tiers.peer.replicas import ReplicaId, ReplicaStore
+from tierckpt.tiers import transfer
 from tierckpt.tiers.transfer import Ranked, announce, data_end, receive_announced, refuse
 
 log = logging.getLogger("tierckpt")
@@ -97,24 +98,14 @@ async def exchange(peer: CopyHolder, step: int, fetchers: dict[int, int], held_o
     Raises CorruptCheckpointError when its fetch failed (the holder could not serve it, or it did not
     arrive whole); the copies it serves meanwhile are served all the same.
     """
-    group = peer.group
-    me = group.rank
-    serving = [
-        asyncio.to_thread(_serve, peer, ReplicaId(group.world, owner, step), group.ranks[owner])
-        for owner, holder in sorted(fetchers.items())
-        if holder == me
-    ]
-    fetching = asyncio.to_thread(_fetch, peer, step, group.ranks[fetchers[me]]) if me in fetchers else None
-    fetched, failed = await wire.transfers(fetching, serving)
-    for exc in failed:
-        log.warning("tier %r: serving a copy of step %d failed: %s", peer.name, step, exc)
-    if fetching is None:
+    world = peer.group.world
+    fetched = await transfer.exchange(
+        peer, step, fetchers, lambda owner, dst: _serve(peer, ReplicaId(world, owner, step), dst), lambda src: _fetch(peer, step, src),
+        what="copy", source=lambda server: f"rank {server}",
+    )
+    if fetched is None:
         return None
-    if isinstance(fetched, BaseException):
-        if isinstance(fetched, CorruptCheckpointError):
-            raise fetched
-        raise CorruptCheckpointError(f"tier {peer.name!r}: fetching this rank's step {step} from rank {fetchers[me]} failed: {fetched}", tier=peer.name, step=step) from fetched
-    held, manifest, nbytes = cast("tuple[ReplicaId, Manifest, int]", fetched)  # gather() loses the type
+    held, manifest, nbytes = fetched
     held_open.callback(peer.replicas.delete, held)
     return FetchedCopy(peer, held, manifest.created, nbytes)
 

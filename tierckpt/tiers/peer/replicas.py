@@ -33,7 +33,7 @@ from tierckpt.errors import ConfigError, CorruptCheckpointError
 from tierckpt.format import MANIFEST_FILE, Manifest, parse_version_dirname, version_dirname
 from tierckpt.storage.posix import preallocate, remove_out_of_sight, write_file
 from tierckpt.storage.lock import DirectoryLock
-from tierckpt.tiers.peer.wire import COPY_FILE
+from tierckpt.tiers.wire import COPY_FILE
 
 log = logging.getLogger("tierckpt")
 

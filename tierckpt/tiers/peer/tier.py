@@ -9,7 +9,7 @@ copies are. So a committed version that the owners' RAM tiers still hold survive
 from host memory; no tier reads from it, so a disk flush never waits for the network.
 
 Each transfer is announced in the group's store (what the copy looks like), its bytes go over the
-group's bulk gloo group (:mod:`tierckpt.tiers.peer.wire`) at most at ``bandwidth``, and the manifest
+group's bulk gloo group (:mod:`tierckpt.tiers.wire`) at most at ``bandwidth``, and the manifest
 with every chunk's checksum follows in the store; the peer receives into its replica directory
 (:mod:`tierckpt.tiers.peer.replicas`), verifies, renames the copy into place and acknowledges. A peer
 that is dead, full or slower than ``distributed.timeout`` fails that rank's part, and with it the
@@ -37,7 +37,7 @@ from tierckpt.errors import ConfigError, CorruptCheckpointError
 from tierckpt.format import CHUNK_BYTES, Manifest
 from tierckpt.tiers.base import GroupTier, Part, Staged, VersionInfo, VersionSource
 from tierckpt.tiers.fsread import check_records
-from tierckpt.tiers.peer import wire
+from tierckpt.tiers import wire
 from tierckpt.tiers.peer.recovery import PeerRecovery
 from tierckpt.tiers.peer.replicas import ReplicaId, ReplicaStore
 from tierckpt.units import format_size
