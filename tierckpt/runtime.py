@@ -28,10 +28,9 @@ from tierckpt.ranks import RankGroup
 from tierckpt.ranks.nodes import node_identity
 from tierckpt.pipeline.ranked import FollowerFlusher, LeaderFlusher
 from tierckpt.tiers.base import Tier
-from tierckpt.tiers.filesystem import FilesystemTier
 from tierckpt.tiers.memory import MemoryHooks, MemoryTier
-from tierckpt.tiers.nodelocal import NodeLocalTier
-from tierckpt.tiers.peer import PeerTier, check_peer
+from tierckpt.tiers.peer import check_peer
+from tierckpt.tiers.registry import Placement, make_tier
 from tierckpt.tiers.shm import ShmStore
 
 log = logging.getLogger("tierckpt")
@@ -176,7 +175,7 @@ def assemble(config: Config, group: RankGroup | None, tier_factory: TierFactory 
     below: list[Tier] = []
     for cfg in tier_configs[1:]:
         made = tier_factory(cfg) if tier_factory else None
-        below.append(made if made is not None else _tier(cfg, first, group, config))
+        below.append(made if made is not None else make_tier(cfg, Placement(group, functools.partial(_node_name, config, group), first)))
 
     def memory(hooks: MemoryHooks) -> MemoryTier:
         return MemoryTier(first, pool, store, hooks=hooks)
@@ -214,23 +213,6 @@ def _node_name(config: Config, group: RankGroup | None) -> str:
         return node_identity()
     assert group.nodes is not None  # discovered: the config has a node-local tier
     return str(next(i for i, node in enumerate(group.nodes) if group.rank in node))
-
-
-def _tier(cfg: TierConfig, first: TierConfig, group: RankGroup | None, config: Config) -> Tier:
-    if cfg.type == "memory":
-        raise AssertionError("config validation allows a memory tier only first")
-    if cfg.type == "filesystem":
-        if cfg.scope == "node" and group is not None and group.nodes is not None and len(group.nodes) > 1:
-            return NodeLocalTier(cfg, group, group.nodes, _node_name(config, group))
-        return FilesystemTier(cfg, group)  # of one node, its ranks share its directory as they do a shared one
-    if cfg.type == "object":
-        from tierckpt.tiers.objecttier import ObjectTier  # obstore is imported only by a config that has one
-
-        return ObjectTier(cfg, group)
-    assert group is not None and group.nodes is not None  # check_peer made sure
-    # Copies live beside the memory tier's pool, so that they too outlive the process.
-    root = None if first.path is None else Path(first.path).expanduser().absolute() / f"{cfg.name}-rank-{group.rank:05d}"
-    return PeerTier(cfg, group, root)
 
 
 def _register_exit(runtime: Runtime) -> None:
