@@ -12,7 +12,8 @@ Per repeat, on the same bytes (a model-like state of ``--gib``):
 - tierckpt: ``save`` until committed on the object tier (RAM above it), and ``restore_latest`` into a
   template by a new Checkpointer of the same config (only the bucket has the version; construction
   is not timed);
-- DCP ``save``/``load`` through its fsspec path (s3fs) to the same bucket, its ``thread_count`` set
+- DCP ``save``/``load`` through its fsspec path (s3fs: ``.venv/bin/pip install "s3fs<=2026.2.0"``, the
+  bound keeping fsspec where ``datasets`` pins it) to the same bucket, its ``thread_count`` set
   to the tier's concurrency; and through s3torchconnector's DCP writer and reader (AWS's CRT client)
   when it is installed (``pip install --no-deps s3torchconnector s3torchconnectorclient tenacity``).
   torch_checkpointing (0.1.1) has no object-store backend (its only storage is the local file

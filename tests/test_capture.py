@@ -407,3 +407,16 @@ def test_the_layout_is_planned_again_when_replicated_changes_and_reused_while_it
     assert again[0][0].shared == first[0][0].shared
     with pytest.raises(ValueError, match="replicated"):  # still checked: a typo names no tensor
         layouts.entries(survey(state), ["modle"])
+
+
+def test_keys_that_compare_equal_but_name_arrays_differently_are_laid_out_anew(tmp_path: Path, checkpointers: list[Checkpointer]) -> None:
+    # True == 1 == 1.0: a layout reused on that equality would store the second state's array under
+    # the first's key, and a restore into a template (matched by key) would not find it.
+    ckpt = Checkpointer(make_config(tmp_path))
+    checkpointers.append(ckpt)
+    for step, state in enumerate([{True: torch.arange(8.0)}, {1.0: torch.arange(8.0) + 1}], start=1):
+        assert ckpt.save_sync(step, state).captured_sync(DEADLINE_S) is True
+        template = {key: torch.zeros(8) for key in state}
+        restored = ckpt.restore_latest_sync(template)
+        assert restored is not None and restored.step == step
+        assert_bitwise(restored.state, state)

@@ -29,8 +29,10 @@ __all__ = ["Survey", "flatten", "survey"]
 # One leaf's place and type. From the common-case walk, (parent path, key, dtype name, shape): the
 # leaf's path is parent + (key,), or parent itself when key is _WHOLE (a list item, the root), a
 # tensor's shape is its torch.Size (equal to the tuple) and its kind follows from the value's type;
-# a path tuple a tensor was a tenth of the walk. From the general walk, (path, kind, dtype, shape,
-# region, replicas). Rows of the two walks never compare equal: a state that changes walk re-plans.
+# a path tuple a tensor was a tenth of the walk. From the general walk, (path with each key's type,
+# kind, dtype, shape, region, replicas): its keys may be bools and floats, and True == 1 == 1.0 would
+# make two states that name their arrays differently compare equal. Rows of the two walks never
+# compare equal: a state that changes walk re-plans.
 Row = tuple[Any, ...]
 _WHOLE = object()
 
@@ -55,17 +57,12 @@ class Survey:
 
     def leaves(self) -> list[Leaf]:
         """The :class:`Leaf` of each value (made at the first call)."""
-        if self._leaves is None:
+        if self._leaves is None:  # a survey of the common-case walk (the general walk's has them)
             leaves = self._leaves = []
-            for i, (value, row) in enumerate(zip(self.values, self.rows)):
-                if len(row) == 4:
-                    parent, key, dtype, shape = row
-                    path = parent if key is _WHOLE else (*parent, key)
-                    kind = "numpy" if type(value) is np.ndarray else "torch"
-                    leaves.append(Leaf(i, path, kind, value, dtype, tuple(shape), value.nbytes))
-                else:
-                    path, kind, dtype, shape, region, replicas = row
-                    leaves.append(Leaf(i, path, kind, value, dtype, tuple(shape), value.nbytes, replicas, region))
+            for i, (value, (parent, key, dtype, shape)) in enumerate(zip(self.values, self.rows)):
+                path = parent if key is _WHOLE else (*parent, key)
+                kind = "numpy" if type(value) is np.ndarray else "torch"
+                leaves.append(Leaf(i, path, kind, value, dtype, tuple(shape), value.nbytes))
         return self._leaves
 
     @classmethod
@@ -74,7 +71,8 @@ class Survey:
         for leaf in leaves:
             value = leaf.value
             found.values.append(value)
-            found.rows.append((leaf.path, leaf.kind, leaf.dtype, leaf.shape, leaf.region, leaf.replicas))
+            path = tuple((type(k), k) for k in leaf.path)
+            found.rows.append((path, leaf.kind, leaf.dtype, leaf.shape, leaf.region, leaf.replicas))
             version = -1
             if leaf.kind == "torch":
                 try:
