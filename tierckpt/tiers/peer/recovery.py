@@ -47,7 +47,9 @@ class PeerRecovery(Recovery):
         self._holders: dict[tuple[int, int], list[int]] = {}  # (owner, step) -> the ranks holding a copy
 
     def report(self) -> list[list[int]]:
-        return copies_held(self._peer)
+        """[owner, step] of every copy this rank holds for a job of the current world size."""
+        peer = self._peer
+        return [[h.owner, h.step] for h in peer.replicas.held() if h.world == peer.group.world]
 
     def reachable(self, reports: Sequence[Any]) -> list[set[int]]:
         self._holders = holders_of(list(reports))
@@ -162,13 +164,6 @@ def _fetch(peer: CopyHolder, step: int, src: int) -> tuple[ReplicaId, Manifest, 
     return held, manifest, size
 
 
-def copies_held(peer: CopyHolder | None) -> list[list[int]]:
-    """[owner, step] of every copy this rank holds for a job of the current world size."""
-    if peer is None:
-        return []
-    return [[h.owner, h.step] for h in peer.replicas.held() if h.world == peer.group.world]
-
-
 def fetch_plan(step: int, wanting: list[int], holders: dict[tuple[int, int], list[int]]) -> dict[int, int]:
     """Which of the ``wanting`` ranks (those without a verified part of ``step`` yet) fetch it from a peer,
     and from which: each from one of the ranks holding its copy (spread over them by the fetching rank)."""
@@ -181,7 +176,7 @@ def fetch_plan(step: int, wanting: list[int], holders: dict[tuple[int, int], lis
 
 
 def holders_of(copies: list[list[list[int]]]) -> dict[tuple[int, int], list[int]]:
-    """(owner, step) -> the ranks holding a copy, from every rank's :func:`copies_held`."""
+    """(owner, step) -> the ranks holding a copy, from every rank's :meth:`PeerRecovery.report`."""
     found: dict[tuple[int, int], list[int]] = {}
     for holder, held in enumerate(copies):
         for owner, step in held:
