@@ -325,7 +325,8 @@ def test_retention_keeps_the_version_a_downstream_flusher_is_reading(tmp_path: P
     assert h3.committed_sync("pfs", DEADLINE_S) is True
     ckpt.wait_sync()
     assert step_dirs(tmp_path / "pfs") == names(1, 3)
-    # pfs is done with it: the next prune on nvme lets step 1 go.
+    # pfs is done with it: nvme lets step 1 go without waiting for a commit of its own.
+    assert step_dirs(tmp_path / "nvme") == names(3) and held(ckpt, "nvme") == [3]
     ckpt.save_sync(4, state_for(4))
     ckpt.wait_sync()
     assert step_dirs(tmp_path / "nvme") == names(4)
@@ -365,6 +366,7 @@ def test_retention_keeps_the_version_a_downstream_flusher_is_waiting_to_take(tmp
     assert h4.committed_sync("pfs", DEADLINE_S) is True
     ckpt.wait_sync()  # raises if a flush failed
     assert step_dirs(tmp_path / "pfs") == names(2, 4)
+    assert held(ckpt, "nvme") == [5]  # what nvme spared for pfs is gone once pfs took it
     assert gates["pfs"].sources == ["ram", "nvme"]
     restored = restore_version_dir(tmp_path / "pfs" / names(4)[0], tmp_path)
     assert_bitwise(restored.state, state_for(4))

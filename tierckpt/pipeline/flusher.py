@@ -80,6 +80,9 @@ class Upstream(Protocol):
 class Flusher:
     # A newer save of a step replaces a waiting older one (policy.offer); not on a follower of several ranks.
     replaces_step = True
+    # Retention spared for a tier below is tried again when a flush ends; not where the leader of
+    # several ranks publishes each version's deletions with its commit (they wait for the next one).
+    retries_retention = True
 
     def __init__(
         self,
@@ -104,6 +107,9 @@ class Flusher:
         self._last_write_s = 0.0  # seconds the last successful flush took (bounds a deferral)
         self._deferring: tuple[int, float] | None = None  # (token, since when, monotonic) while deferring
         self._drains = 0
+        # Retention left a version it drops because a tier below was reading it or waiting for it: it
+        # tries again, against the step it last committed, whenever it is woken (every flush end).
+        self._retention_owed: int | None = None
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -144,6 +150,8 @@ class Flusher:
             self._events.skipped(self.tier.name, candidate.token)
 
     def wake(self) -> None:
+        if self._retention_owed is not None:
+            self._idle.clear()  # not idle until it looked again: a drain that follows waits for it
         self._wake.set()
 
     async def drain(self) -> None:
@@ -196,6 +204,8 @@ class Flusher:
         )
         candidate = choice.take
         if candidate is None:
+            if self._retention_owed is not None:
+                await self.prune(committed=self._retention_owed)
             if not self.state.queue:
                 self._idle.set()
             await self._sleep(choice.wait_s)
@@ -271,15 +281,14 @@ class Flusher:
         The version just committed always stays (a leftover newer step from an earlier run must not
         push it out), and versions whose manifest did not verify are neither counted nor deleted.
         Retention runs only after a commit: a failed flush never deletes anything, so the last good
-        version stays.
+        version stays. What it spares for a tier below is owed: tried again when a flush ends.
         """
         infos = [i for i in self.tier.versions() if i.valid]
         keep = retain(infos, self.tier.config.keep, now=self._wall_clock()) | {committed}
-        return [
-            info.step
-            for info in infos
-            if not (info.step in keep or self.tier.leased(info.step) or self.upstream.spared(self.tier.name, info.step))
-        ]
+        dropped = [info.step for info in infos if info.step not in keep]
+        spared = {s for s in dropped if self.tier.leased(s) or self.upstream.spared(self.tier.name, s)}
+        self._retention_owed = committed if spared and self.retries_retention else None
+        return [s for s in dropped if s not in spared]
 
     async def delete(self, steps: list[int]) -> None:
         """A failed delete leaves the version whole (tried again at the next prune) or under ``.trash-``

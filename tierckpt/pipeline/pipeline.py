@@ -372,6 +372,10 @@ class Pipeline:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for flusher in self.flushers:
             await flusher.drain()
+        # A flush that ended lets a tier above delete what retention spared for it, and that tier's
+        # drain may have come first (it is not idle again until it looked).
+        for flusher in self.flushers:
+            await flusher.drain()
         self.raise_pending(flushes=True)
 
     def versions(self) -> list[VersionInfo]:

@@ -92,6 +92,7 @@ class _GroupFlusher(Flusher):
     alone, and talks to the other ranks through the tier's channel."""
 
     tier: GroupTier
+    retries_retention = False
 
     def __init__(self, tier: Tier, policy: FlushPolicy, events: FlushEvents, *, group: RankGroup, **kwargs: Any) -> None:
         if not isinstance(tier, GroupTier):
