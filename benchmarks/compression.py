@@ -486,8 +486,8 @@ def faster_verdict(trace: list[dict[str, Any]]) -> dict[str, Any]:
     ``bypassing`` say so?
 
     The tier compresses when compressor ≥ raw write throughput, and takes the other choice on every
-    10th version (a probe, tierckpt.tiers.encoding.PROBE_EVERY)."""
-    from tierckpt.tiers.encoding import PROBE_EVERY
+    10th version (a probe, tierckpt.tiers.stored.encoding.PROBE_EVERY)."""
+    from tierckpt.tiers.stored.encoding import PROBE_EVERY
 
     mismatches, slower, bypassed = [], [], []
     for prev, v in zip(trace, trace[1:]):

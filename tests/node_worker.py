@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from tierckpt import Checkpointer, FlushError
-from tierckpt.tiers.nodelocal import NodeLocalTier
+from tierckpt.tiers.nodelocal.tier import NodeLocalTier
 
 from helpers import bitwise_equal, logged_warnings, zeroed
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from tierckpt import Checkpointer, RestoreError
-from tierckpt.tiers.versionfiles import StoredSource
+from tierckpt.tiers.stored.source import StoredSource
 
 from helpers import bitwise_equal, ram_fs
 

@@ -592,7 +592,7 @@ def test_a_frame_that_matches_its_checksum_but_does_not_decode_names_the_chunk(o
 def test_compressor_throughput_counts_the_threads_that_compressed(opened: Opened, tmp_path: Path) -> None:
     # One chunk per version: one thread compresses, whatever io_threads says. The reported throughput
     # is that thread's, not eight times it.
-    from tierckpt.tiers.encoding import TierEncoding
+    from tierckpt.tiers.stored.encoding import TierEncoding
 
     rates = {}
     for threads in (1, 8):

@@ -17,12 +17,12 @@ import torch
 
 from tierckpt import Checkpointer
 from tierckpt.config import CompressionConfig
-from tierckpt.tiers.encoding import TierEncoding
+from tierckpt.tiers.stored.encoding import TierEncoding
 from tierckpt.errors import ConfigError, FlushError
 from tierckpt.format import MANIFEST_FILE, Chunk, Manifest, TensorRecord, checksum, version_dirname
 from tierckpt.storage import local
-from tierckpt.tiers import fswrite
-from tierckpt.tiers.fsread import FilesystemSource
+from tierckpt.tiers.stored import write as fswrite
+from tierckpt.tiers.stored.read import version_files
 from tierckpt.storage.posix import probe_direct_io
 
 from helpers import Opened, assert_bitwise, fs_tier_of, leftovers, logged_warnings, ram_fs
@@ -228,7 +228,7 @@ def test_packed_raw_chunks_are_not_clobbered_by_direct_io_padding(tmp_path: Path
     (src / "data-r00000.bin").write_bytes(payload)
     chunks = tuple(Chunk(i * chunk_bytes, chunk_bytes, checksum(payload[i * chunk_bytes : (i + 1) * chunk_bytes])) for i in range(2))
     record = TensorRecord(0, "['x']", "numpy", "|u1", (10_000,), 10_000, "data-r00000.bin", "none", chunk_bytes, chunks)
-    source = FilesystemSource("src", src, Manifest(step=1, created=0.0, skeleton=["leaf", 0], records=(record,)))
+    source = version_files(src).open_source("src", Manifest(step=1, created=0.0, skeleton=["leaf", 0], records=(record,)), direct=False)
 
     # A legal schedule on two threads: the chunk given the page-aligned offset writes last.
     write, other_wrote = local.pwrite_all, threading.Event()

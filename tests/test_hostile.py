@@ -39,14 +39,15 @@ import tierckpt.state.leaves
 import tierckpt.state.skeleton
 import tierckpt.state.walk
 import tierckpt.storage.posix
-import tierckpt.tiers.fsio
+import tierckpt.storage.scratch
 from tierckpt import Checkpointer
 from tierckpt.errors import CorruptCheckpointError, UnsupportedStateError
 from tierckpt.format import CHECKSUM_ALGORITHM, CHUNK_BYTES, DATA_FILE, MANIFEST_FILE, checksum, version_dirname
 from tierckpt.format.manifest import MAX_MANIFEST_BYTES
 from tierckpt.state import MAX_SKELETON_DEPTH, MAX_SKELETON_NODES, flatten, skeleton_leaf_count, unflatten
-from tierckpt.tiers.fsread import MAX_CHUNK_BYTES, ZSTD_MAX_EXPANSION, open_source, read_manifest
-from tierckpt.tiers.fswrite import scratch_bytes
+from tierckpt.tiers.stored.check import MAX_CHUNK_BYTES, ZSTD_MAX_EXPANSION
+from tierckpt.tiers.stored.read import open_source, read_manifest
+from tierckpt.storage.scratch import scratch_bytes
 
 from helpers import SHUFFLED_ZSTD, logged_warnings, ram_fs
 
@@ -178,7 +179,7 @@ class _Guards:
 
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(os, "open", self._open(os.open))
-            for module in (tierckpt._buffers, tierckpt.restore.landing, tierckpt.tiers.fsio, tierckpt.storage.posix):
+            for module in (tierckpt._buffers, tierckpt.restore.landing, tierckpt.storage.scratch, tierckpt.storage.posix):
                 patch.setattr(module, "aligned_buffer", self._sized(module.aligned_buffer, lambda n, **_: n, "aligned_buffer"))
             patch.setattr(
                 tierckpt.restore.landing,

@@ -16,7 +16,7 @@ How an import becomes an edge (the nodes are modules; a package is its ``__init_
   that takes a name from its own package's ``__init__`` while that ``__init__`` imports the module is
   a cycle, as it is at run time (the module sees a half-initialised package).
 - Reaching a submodule runs the ``__init__.py`` of every package on its way, so those are edges too
-  (``tierckpt.tiers.fsread`` importing ``tierckpt.format.layout`` has an edge to ``tierckpt.format``),
+  (``tierckpt.tiers.stored.read`` importing ``tierckpt.format.layout`` has an edge to ``tierckpt.format``),
   except the packages that hold the importing module itself: Python starts a package's ``__init__``
   before any module inside it, so by then they are running or done, and a module imported by its full
   name needs nothing from them. Counting those would put every package in a cycle with its own

@@ -24,9 +24,9 @@ from tierckpt.pipeline.pipeline import Pipeline
 from tierckpt.pipeline.ranked import FollowerFlusher, LeaderFlusher
 from tierckpt.tiers.base import GroupTier, Tier
 from tierckpt.tiers.filesystem import FilesystemTier
-from tierckpt.tiers.memory import MemoryTier
-from tierckpt.tiers.nodelocal import NodeLocalTier
-from tierckpt.tiers.objecttier import ObjectTier
+from tierckpt.tiers.memory.tier import MemoryTier
+from tierckpt.tiers.nodelocal.tier import NodeLocalTier
+from tierckpt.tiers.object.tier import ObjectTier
 from tierckpt.tiers.peer import PeerTier
 
 from helpers import assert_bitwise, fs_tier, memory_tier, ram_fs, small_state, tier_config, tier_of

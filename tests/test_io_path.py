@@ -22,14 +22,14 @@ import torch
 from tierckpt import Checkpointer
 from tierckpt._buffers import PAGE, address, aligned_buffer, copy_bytes, owned_tensor, prefault
 from tierckpt.config import CompressionConfig
-from tierckpt.tiers.encoding import TierEncoding
+from tierckpt.tiers.stored.encoding import TierEncoding
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import CHUNK_BYTES, MANIFEST_FILE, Manifest, checksum, version_dirname
 from tierckpt.storage import posix
-from tierckpt.tiers import fswrite
-from tierckpt.tiers.fsread import FilesystemSource
+from tierckpt.tiers.stored import write as fswrite
+from tierckpt.tiers.stored.read import version_files
 from tierckpt.storage.posix import preallocate, probe_direct_io, pwrite_all, read_into, read_span
-from tierckpt.tiers.fsio import ChunkJobs
+from tierckpt.storage.scratch import ChunkJobs
 from tierckpt.testing import flip_bits
 
 from helpers import Opened, assert_bitwise, fs_tier_of, logged_warnings, ram_fs
@@ -218,7 +218,7 @@ def test_promotion_verifies_what_it_reads(tmp_path: Path) -> None:
     _flip(root, 1, "['bf16']", 0)
     version = root / version_dirname(1)
     manifest = Manifest.decode((version / MANIFEST_FILE).read_bytes())
-    source = FilesystemSource("nvme", version, manifest, direct=probe_direct_io(root))
+    source = version_files(version).open_source("nvme", manifest, direct=probe_direct_io(root))
     assert source.direct is probe_direct_io(root)
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as executor:

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from tierckpt.ranks import nodes as nodes_module
 from tierckpt.ranks.nodes import group_nodes, node_identity, placement, senders, split_nodes
 from tierckpt.errors import ConfigError
-from tierckpt.tiers import nodeplan
-from tierckpt.tiers.nodeplan import Holding, complete_versions
+from tierckpt.tiers.nodelocal import plan as nodeplan
+from tierckpt.tiers.nodelocal.plan import Holding, complete_versions
 
 
 def test_doctests() -> None:
@@ -204,7 +204,7 @@ def test_split_nodes_properties(world: int, count: int) -> None:
     assert group_nodes([str(rank // (world // count)) for rank in range(world)]) == split
 
 
-# -- what is committed across node-local directories (tiers.nodeplan) ----------------------------------
+# -- what is committed across node-local directories (tiers.nodelocal.plan) ----------------------------------
 
 
 def _held(step: int, parts: tuple[int, ...], holds: tuple[int, ...], *, world: int = 4, aside: str | None = None) -> Holding:

@@ -27,7 +27,7 @@ from tierckpt.errors import ConfigError, CorruptCheckpointError, NoCheckpointErr
 from tierckpt.format import CHECKSUM_ALGORITHM, MANIFEST_FILE, Manifest, checksum, version_dirname
 from tierckpt.tiers.base import VersionSource
 from tierckpt.tiers.filesystem import FilesystemTier
-from tierckpt.tiers.memory import MemoryTier
+from tierckpt.tiers.memory.tier import MemoryTier
 from tierckpt.testing import flip_bits
 
 from helpers import Opened, assert_bitwise, bitwise_equal, fs_tier, logged_warnings, tier_config, until

@@ -18,7 +18,7 @@ import torch
 
 from tierckpt import Checkpointer, ConfigError
 from tierckpt.format import MANIFEST_FILE, Manifest, version_dirname
-from tierckpt.tiers.shm import POOL_FILE, POOL_INFO
+from tierckpt.tiers.memory.shm import POOL_FILE, POOL_INFO
 from tierckpt.testing import flip_bits
 
 from helpers import fs_tier, logged_warnings, memory_tier, tier_config
@@ -299,7 +299,7 @@ def test_a_damaged_leftover_is_not_flushed_and_fails_nothing(shm: Path, tmp_path
 
 
 def test_a_leftover_is_checked_once_by_a_restore_and_its_flush(shm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tierckpt.tiers.memory import MemoryTier
+    from tierckpt.tiers.memory.tier import MemoryTier
 
     disk = tmp_path / "nvme"
     _killed_before_the_disk(shm, disk)

@@ -65,7 +65,7 @@ from tierckpt.cliversions import (
 )
 from tierckpt.errors import CorruptCheckpointError, UnsupportedStateError
 from tierckpt.format import CommitMarker, Manifest
-from tierckpt.tiers.fsfind import holds_a_tier, tier_dirs
+from tierckpt.tiers.stored.find import holds_a_tier, tier_dirs
 
 __all__ = ["main"]
 

@@ -10,7 +10,7 @@ reads): every tier it names, in its order, where the Checkpointer would find it 
 (relative paths against the working directory):
 
 - a memory tier lives in the training process's RAM, and is not visible from here; unless it has a
-  ``path`` (snapshots that outlive the process, :mod:`tierckpt.tiers.shm`): then its version
+  ``path`` (snapshots that outlive the process, :mod:`tierckpt.tiers.memory.shm`): then its version
   directories there are read like a filesystem tier's (of several ranks: one line per ``rank-NNNNN``
   directory);
 - a filesystem tier: its directory; of ``scope: node``, this node's (``{node}`` replaced by
@@ -47,8 +47,8 @@ from tierckpt.cliversions import (
 from tierckpt.config import Config, TierConfig
 from tierckpt.errors import ConfigError, CorruptCheckpointError
 from tierckpt.format import parse_version_dirname
-from tierckpt.tiers.fsfind import holds_a_tier, tier_dirs
-from tierckpt.tiers.shm import POOL_INFO
+from tierckpt.tiers.stored.find import holds_a_tier, tier_dirs
+from tierckpt.tiers.memory.shm import POOL_INFO
 
 __all__ = ["status"]
 
@@ -186,7 +186,7 @@ def _object_row(tier: TierConfig) -> _Row:
     where = tier.url if tier.endpoint is None else f"{tier.url} at {tier.endpoint}"
     try:
         from tierckpt.storage.s3 import Bucket
-        from tierckpt.tiers.objread import list_versions
+        from tierckpt.tiers.object.read import list_versions
 
         versions = [ListedVersion(None, step, files, files.container) for step, files in list_versions(Bucket(tier))]
     except ImportError as exc:

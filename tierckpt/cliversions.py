@@ -3,7 +3,7 @@ opened (every rank's part), and verified chunk by chunk.
 
 ``tierckpt ls`` and ``verify`` (:mod:`tierckpt.cli`) and ``tierckpt status`` (:mod:`tierckpt.clistatus`)
 read versions the same way, so that ``status --verify`` finds what ``verify`` finds; this module is
-what they share, below both. What a read refuses is :mod:`tierckpt.tiers.fsread`'s.
+what they share, below both. What a read refuses is :mod:`tierckpt.tiers.stored.read`'s.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ from pathlib import Path
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, TensorRecord, parse_version_dirname
 from tierckpt.format.layout import where
-from tierckpt.tiers.fsio import scratch, scratch2
-from tierckpt.tiers.fsread import open_source, read_head, read_rank_manifest, version_files
-from tierckpt.tiers.fswrite import scratch_bytes
-from tierckpt.tiers.versionfiles import StoredSource, VersionFiles
+from tierckpt.storage.scratch import scratch, scratch2, scratch_bytes
+from tierckpt.tiers.stored.read import open_source, read_head, read_rank_manifest, version_files
+from tierckpt.tiers.stored.source import StoredSource, StoreVersion
 
 __all__ = [
     "DAMAGED", "NO_TIER_HINT", "OK", "USAGE", "ListedVersion", "OpenedVersion", "UsageError",
@@ -39,7 +38,7 @@ class ListedVersion:
 
     path: Path | None  # None: a version of an object tier
     step: int | None  # None: a version directory under another name (a copy)
-    files: VersionFiles
+    files: StoreVersion
     name: str
 
     @classmethod
@@ -56,7 +55,7 @@ NO_TIER_HINT = (
 def bucket_versions(url: str, endpoint: str | None) -> list[ListedVersion]:
     """The committed versions under an object tier's prefix, or the one it names."""
     from tierckpt.errors import ConfigError
-    from tierckpt.tiers.objread import list_versions, open_bucket
+    from tierckpt.tiers.object.read import list_versions, open_bucket
 
     try:
         return [ListedVersion(None, step, files, files.container) for step, files in list_versions(open_bucket(url, endpoint))]

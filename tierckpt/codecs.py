@@ -36,7 +36,7 @@ _RAW, _ZSTD = 0, 1
 _MAX_PLANES = 16  # complex128
 # A plane larger than twice this is judged by compressing this much of its middle first.
 _SAMPLE = 64 << 10
-_MAX_WINDOW = 64 << 20  # the largest chunk a manifest may declare (tierckpt.tiers.fsread)
+_MAX_WINDOW = 64 << 20  # the largest chunk a manifest may declare (tierckpt.tiers.stored.read)
 
 
 class Codec(Protocol):

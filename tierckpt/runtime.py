@@ -28,10 +28,10 @@ from tierckpt.ranks import RankGroup
 from tierckpt.ranks.nodes import node_identity
 from tierckpt.pipeline.ranked import FollowerFlusher, LeaderFlusher
 from tierckpt.tiers.base import Tier
-from tierckpt.tiers.memory import MemoryHooks, MemoryTier
+from tierckpt.tiers.memory.tier import MemoryHooks, MemoryTier
 from tierckpt.tiers.peer import check_peer
 from tierckpt.tiers.registry import Placement, make_tier
-from tierckpt.tiers.shm import ShmStore
+from tierckpt.tiers.memory.shm import ShmStore
 
 log = logging.getLogger("tierckpt")
 

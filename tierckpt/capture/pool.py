@@ -7,7 +7,7 @@ happens in the background (:mod:`tierckpt.capture.prepare`), not at construction
 (:meth:`HostPool.prepare`); a restore pauses the preparation (:meth:`HostPool.paused`). Which slot is
 free is decided by the memory tier on the engine thread; the pool only owns the bytes. A restore
 that stages its bytes uses free slots when they are large enough (lent by the memory tier,
-:meth:`MemoryTier.borrow <tierckpt.tiers.memory.MemoryTier.borrow>`, as one :meth:`HostPool.span`).
+:meth:`MemoryTier.borrow <tierckpt.tiers.memory.tier.MemoryTier.borrow>`, as one :meth:`HostPool.span`).
 
 How large: ``host.capacity`` when it is set, mapped at construction in one allocation. When it is
 not, the pool is sized to the state: nothing is mapped until the first save, whose

@@ -21,14 +21,14 @@ from tierckpt.format.layout import where
 from tierckpt.format.saved_layout import SavedLayout, global_shape
 from tierckpt.restore.landing import Target
 from tierckpt.restore.plan import plan as plan_load
-from tierckpt.tiers.fslayout import filesystem_layout
+from tierckpt.tiers.stored.layout import filesystem_layout
 from tierckpt.state import Leaf, numpy_dtype, skeleton_leaf_count, torch_dtype
 
 
 def _object_layout(url: str, endpoint: str | None) -> SavedLayout:
     """The saved layout of the version at ``url`` (``s3://bucket/prefix/step-...``) of an object tier."""
     from tierckpt.errors import ConfigError
-    from tierckpt.tiers.objread import list_versions, open_bucket
+    from tierckpt.tiers.object.read import list_versions, open_bucket
 
     try:
         bucket = open_bucket(url, endpoint)

@@ -22,7 +22,7 @@ bytes it needs (:mod:`tierckpt.restore.reshard`). A reader that ignores it reads
 
 Decoding checks types and structure only (every message names the manifest file): whether the records
 fit the data files on disk, their dtypes and their shapes is checked by the reader that has the files
-(:func:`tierckpt.tiers.fsread.check_records`), before anything is allocated or read.
+(:func:`tierckpt.tiers.stored.read.check_records`), before anything is allocated or read.
 
 This module holds the documents of a version (:class:`Manifest`, :class:`CommitMarker`) and their
 encoding; the layout constants are in :mod:`tierckpt.format.layout` and the tensor records in

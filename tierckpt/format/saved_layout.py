@@ -13,7 +13,7 @@ are opened only for the pieces a rank needs (:meth:`SavedLayout.open`).
 
 This module is the model: what a stored version holds, in any layout. It sits in the format, below
 the tiers that build one (a filesystem tier from its manifests:
-:func:`tierckpt.tiers.fslayout.filesystem_layout`; any tier from one whole source: :func:`source_layout`)
+:func:`tierckpt.tiers.stored.layout.filesystem_layout`; any tier from one whole source: :func:`source_layout`)
 and the restore that plans a load from it (:func:`tierckpt.restore.plan.plan`).
 """
 

@@ -37,7 +37,7 @@ from tierckpt.pipeline.sources import Sources
 from tierckpt.policy import Candidate
 from tierckpt.snapshot import Snapshot, SnapshotState
 from tierckpt.tiers.base import Lease, Tier, VersionInfo
-from tierckpt.tiers.memory import MemoryHooks, MemoryTier, Want
+from tierckpt.tiers.memory.tier import MemoryHooks, MemoryTier, Want
 
 log = logging.getLogger("tierckpt")
 

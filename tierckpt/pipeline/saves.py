@@ -14,7 +14,7 @@ from tierckpt.errors import FlushError, TierckptError
 from tierckpt.format.layout import after_where
 from tierckpt.snapshot import Entry
 from tierckpt.tiers.base import Tier
-from tierckpt.tiers.encoding import CompressionStats, TierEncoding
+from tierckpt.tiers.stored.encoding import CompressionStats, TierEncoding
 
 
 class Handoff:

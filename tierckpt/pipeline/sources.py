@@ -21,7 +21,7 @@ What keeps a waiting version somewhere (so that no tier loses a version it selec
 tier was busy, or because another tier's policy passed it over):
 
 - host memory keeps a snapshot that some tier waits for and that no stored tier above that tier
-  holds (:attr:`~tierckpt.tiers.memory.Want.ONLY_HERE`); one that such a tier holds stays while its
+  holds (:attr:`~tierckpt.tiers.memory.tier.Want.ONLY_HERE`); one that such a tier holds stays while its
   slot is not needed and gives way to a save that needs it (``ELSEWHERE``);
 - a stored tier's retention spares every step a tier below waits for or is writing.
 
@@ -38,7 +38,7 @@ from tierckpt.pipeline.flusher import Flusher, Located
 from tierckpt.policy import Candidate
 from tierckpt.snapshot import Snapshot
 from tierckpt.tiers.base import Tier
-from tierckpt.tiers.memory import MemoryTier, Want
+from tierckpt.tiers.memory.tier import MemoryTier, Want
 
 
 class Sources:

@@ -6,7 +6,7 @@ peer holding a copy of its part (a peer tier), or from another node's directory 
 and try the newest step that every rank can get. Each rank goes down its tiers in order, fastest
 first: on each, its own copy, then what that tier can fetch of its part from other ranks, the tier's
 :class:`~tierckpt.tiers.base.Recovery` (a peer sends its copy over: :mod:`tierckpt.tiers.peer.recovery`;
-a rank of the node whose directory holds the part sends it: :mod:`tierckpt.tiers.nodefetch`). With
+a rank of the node whose directory holds the part sends it: :mod:`tierckpt.tiers.nodelocal.fetch`). With
 the usual order (host memory, peer, node-local disk, shared storage) that is: its own host memory,
 else a peer's copy, else its node's disk, else another node's, else the slower tiers below. No
 tier is named here: each answers through the tier interface what it holds and what it can fetch.
@@ -41,7 +41,7 @@ from tierckpt.restore.choose import Restored, held_steps, overwritten, template_
 from tierckpt.restore.landing import finish
 from tierckpt.restore.read import read_version
 from tierckpt.tiers.base import Tier
-from tierckpt.tiers.memory import MemoryTier
+from tierckpt.tiers.memory.tier import MemoryTier
 
 log = logging.getLogger("tierckpt")
 

@@ -30,7 +30,7 @@ from tierckpt.restore.landing import finish
 from tierckpt.restore.read import in_thread, read_version, some_keys
 from tierckpt.state import Leaf, flatten, format_path
 from tierckpt.tiers.base import Tier
-from tierckpt.tiers.memory import MemoryTier
+from tierckpt.tiers.memory.tier import MemoryTier
 
 __all__ = ["Restored", "held_steps", "overwritten", "restore_latest", "restore_step", "template_leaves", "uncovered"]
 

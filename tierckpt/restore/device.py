@@ -25,8 +25,7 @@ from tierckpt._buffers import address, aligned_buffer
 from tierckpt.capture.pinning import pin, unpin
 from tierckpt.format import TensorRecord
 from tierckpt.format.source import VersionSource
-from tierckpt.tiers.fsio import scratch
-from tierckpt.tiers.fswrite import scratch_bytes
+from tierckpt.storage.scratch import scratch, scratch_bytes
 
 __all__ = ["DeviceRing", "device_bytes"]
 

@@ -17,7 +17,7 @@ from tierckpt.ranks.group import RankGroup
 from tierckpt.restore.agree import restore_agreed
 from tierckpt.restore.choose import Restored, restore_latest, restore_step
 from tierckpt.tiers.base import Tier
-from tierckpt.tiers.memory import MemoryTier
+from tierckpt.tiers.memory.tier import MemoryTier
 
 
 def prepare_restore(

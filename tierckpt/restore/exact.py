@@ -39,9 +39,8 @@ from tierckpt.format.source import VersionSource
 from tierckpt.restore.device import DeviceRing, device_bytes
 from tierckpt.restore.landing import Target, Work, new_array, over, staging_area
 from tierckpt.state import Leaf, numpy_dtype, skeleton_leaf_count, torch_dtype
-from tierckpt.tiers.fsio import scratch
-from tierckpt.tiers.fswrite import scratch_bytes
-from tierckpt.tiers.memory import MemorySource
+from tierckpt.storage.scratch import scratch, scratch_bytes
+from tierckpt.tiers.memory.tier import MemorySource
 
 __all__ = ["land", "staging_bytes"]
 

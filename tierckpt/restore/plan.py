@@ -36,7 +36,7 @@ from tierckpt.restore import exact, reshard
 from tierckpt.restore.device import DeviceRing
 from tierckpt.restore.landing import Target, Work, finish
 from tierckpt.state import Leaf
-from tierckpt.tiers.fsio import ChunkJobs
+from tierckpt.storage.scratch import ChunkJobs
 
 __all__ = ["Plan", "Saved", "fits", "load", "plan", "staging_bytes"]
 

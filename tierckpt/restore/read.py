@@ -8,7 +8,7 @@ keys are checked against the version's first (:func:`check_keys`).
 
 Bytes that are staged (``verify_first``, the general path, a template the chunks cannot land in
 directly) go to free host slots when they are large enough (one slot, or adjacent ones:
-:meth:`MemoryTier.borrow <tierckpt.tiers.memory.MemoryTier.borrow>`), else to one fresh page-aligned
+:meth:`MemoryTier.borrow <tierckpt.tiers.memory.tier.MemoryTier.borrow>`), else to one fresh page-aligned
 mapping, faulted in ahead of the reads (fresh memory costs 0.25-2.3 s per GiB to fault here). The
 host pool is prepared in the background and may not be faulted in yet when a job restarts
 (:mod:`tierckpt.capture.prepare`); the restore pauses that preparation meanwhile. The slots are lent
@@ -30,7 +30,7 @@ from tierckpt.restore.landing import Target
 from tierckpt.restore.plan import Saved, fits, plan, staging_bytes
 from tierckpt.state import Leaf
 from tierckpt.tiers.base import Tier
-from tierckpt.tiers.memory import MemoryTier
+from tierckpt.tiers.memory.tier import MemoryTier
 
 __all__ = ["check_keys", "in_thread", "read_version", "some_keys"]
 

@@ -26,8 +26,7 @@ from tierckpt.format.source import VersionSource
 from tierckpt.restore.boxes import copy_boxes, intersect, linear_boxes
 from tierckpt.restore.landing import Target, Work, new_array, over, staging_area
 from tierckpt.state import Leaf, numpy_dtype, torch_dtype
-from tierckpt.tiers.fsio import scratch, scratch2
-from tierckpt.tiers.fswrite import scratch_bytes
+from tierckpt.storage.scratch import scratch, scratch2, scratch_bytes
 
 __all__ = ["land", "staging_bytes"]
 

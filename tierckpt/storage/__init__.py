@@ -2,6 +2,6 @@
 system (local.py). See :mod:`tierckpt.storage.store` for what a store does and promises."""
 
 from tierckpt.storage.plan import WriteItem, WritePlan, plan_write
-from tierckpt.storage.store import ByteStore, DataWriter, ObjectReader, RootEntry
+from tierckpt.storage.store import ByteStore, DataWriter, RangeReader, RootEntry
 
-__all__ = ["ByteStore", "DataWriter", "ObjectReader", "RootEntry", "WriteItem", "WritePlan", "plan_write"]
+__all__ = ["ByteStore", "DataWriter", "RangeReader", "RootEntry", "WriteItem", "WritePlan", "plan_write"]

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from tierckpt._buffers import copy_pieces
-from tierckpt.storage.store import ObjectReader
+from tierckpt.storage.store import RangeReader
 
 __all__ = ["GROUP", "SMALL", "CoalescingReader", "Group", "group_spans", "window_spans"]
 
@@ -102,11 +102,11 @@ class _Fetch:
         self.error: BaseException | None = None
 
 
-class CoalescingReader(ObjectReader):
+class CoalescingReader(RangeReader):
     """``inner``'s ranges, the chunks inside ``groups`` (sorted, not overlapping) served from one GET
     per group; ``ahead``: waiting threads fetch the next groups (only where every chunk is read)."""
 
-    def __init__(self, inner: ObjectReader, groups: list[Group], *, ahead: bool = False) -> None:
+    def __init__(self, inner: RangeReader, groups: list[Group], *, ahead: bool = False) -> None:
         self.inner = inner
         self.size = inner.size
         self.groups = groups

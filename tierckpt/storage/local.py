@@ -5,7 +5,8 @@ Data objects are written the way measured fastest here: the planned extent reser
 aligned buffers as they are, packed items (known in size only once encoded) through the page cache
 back to back, one ``fsync`` at the end. Small objects (manifests) are created, written and fsynced; a
 directory is fsynced whenever names in it must be durable. Publishing renames a staged directory into
-place, withdrawing renames it aside. Metadata calls go through ``aiofiles.os`` on the engine loop,
+place, withdrawing renames it aside. Reading is :class:`~tierckpt.storage.localread.LocalFiles`'s,
+which this store extends. Metadata calls go through ``aiofiles.os`` on the engine loop,
 bulk bytes through the system calls of :mod:`tierckpt.storage.posix` in the tier's threads.
 """
 
@@ -30,14 +31,13 @@ from tierckpt.storage.posix import (
     probe_direct_io,
     pwrite_all,
     raise_named,
-    read_into,
-    read_span,
     remove_tree,
     write_file,
 )
-from tierckpt.storage.store import ByteStore, DataWriter, ObjectReader, RootEntry
+from tierckpt.storage.localread import LocalFiles
+from tierckpt.storage.store import ByteStore, DataWriter, RootEntry
 
-__all__ = ["LocalDataWriter", "LocalReader", "LocalStore"]
+__all__ = ["LocalDataWriter", "LocalStore"]
 
 _fsync_dir = aiofiles.os.wrap(fsync_dir)
 _remove_tree = aiofiles.os.wrap(remove_tree)
@@ -95,35 +95,7 @@ class LocalDataWriter(DataWriter):
         os.close(self._fd)
 
 
-class LocalReader(ObjectReader):
-    """A file opened for reading: ``fd`` through the page cache, ``direct_fd`` (when given) with O_DIRECT.
-
-    The reader owns both descriptors from then on.
-    """
-
-    def __init__(self, fd: int, size: int, direct_fd: int | None = None) -> None:
-        self.fd = fd
-        self.size = size
-        self.direct_fd = direct_fd
-
-    @property
-    def direct(self) -> bool:
-        return self.direct_fd is not None
-
-    def read_span(self, offset: int, length: int, scratch: memoryview, *, what: str) -> memoryview:
-        return read_span(offset, length, scratch, self.fd, self.direct_fd, what=what)
-
-    def read_into(self, out: memoryview, offset: int, scratch: memoryview, *, what: str) -> None:
-        read_into(out, offset, self.fd, self.direct_fd, scratch, what=what)
-
-    def close(self) -> None:
-        fds = [fd for fd in (self.direct_fd, self.fd) if fd is not None and fd >= 0]
-        self.fd, self.direct_fd = -1, None
-        for fd in fds:
-            os.close(fd)
-
-
-class LocalStore(ByteStore):
+class LocalStore(ByteStore, LocalFiles):
     """Versions as directories under ``root``; blocking setup work runs in ``executor``.
 
     ``tier`` names the tier in messages. With ``exclusive``, :meth:`open` takes the directory's lock
@@ -132,7 +104,7 @@ class LocalStore(ByteStore):
     """
 
     def __init__(self, root: Path, executor: concurrent.futures.Executor, *, tier: str) -> None:
-        self.root = root
+        super().__init__(root)
         self.executor = executor
         self.direct = False
         self._lock = DirectoryLock(root, tier)

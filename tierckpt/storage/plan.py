@@ -3,7 +3,7 @@
 Deciding is kept apart from writing (as DCP's planner is from its storage writer): :func:`plan_write`
 looks only at the records, the codec each record gets on the tier and the writing rank, does no I/O,
 and returns frozen :class:`WriteItem` s that a byte store's :class:`~tierckpt.storage.store.DataWriter`
-executes (:mod:`tierckpt.tiers.fswrite` reads, encodes and hashes each item's bytes; the store moves them).
+executes (:mod:`tierckpt.tiers.stored.write` reads, encodes and hashes each item's bytes; the store moves them).
 
 Two layouts:
 

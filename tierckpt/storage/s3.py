@@ -6,7 +6,7 @@ encode the next chunks, and a restore's 16 MiB window (:mod:`tierckpt.storage.co
 GET (``get_range``) that releases the GIL while it waits. Measured against the local SeaweedFS server in ``benchmarks/object_store.py``.
 
 :class:`Bucket` is the prefix ``s3://bucket/prefix`` of a tier: every key here is relative to it.
-What the tier stores there and in which order it becomes visible is :mod:`tierckpt.tiers.objecttier`'s;
+What the tier stores there and in which order it becomes visible is :mod:`tierckpt.tiers.object.tier`'s;
 this module moves bytes and turns the client's errors into ``OSError`` s naming the object's URL and
 the HTTP status (:class:`ObjectStoreError`; a missing object is ``FileNotFoundError``), which the
 flusher turns into a :class:`~tierckpt.errors.FlushError` naming tier and step.
@@ -39,7 +39,8 @@ from tierckpt.config import TierConfig
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.storage.plan import WriteItem, WritePlan
 from tierckpt.storage.s3uploads import Signer, abort_upload, list_uploads
-from tierckpt.storage.store import DataWriter, ObjectReader
+from tierckpt.storage.coalesce import SMALL, CoalescingReader, group_spans, window_spans
+from tierckpt.storage.store import DataWriter, RangeReader, ReadableStore, TooLarge
 
 __all__ = ["Bucket", "ObjectStoreError", "S3DataWriter", "S3Reader", "credentials", "store_error"]
 
@@ -113,8 +114,10 @@ def credentials(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     return {}  # the client's own chain: web identity, container credentials, instance metadata
 
 
-class Bucket:
+class Bucket(ReadableStore):
     """The prefix ``config.url`` of a bucket: its keys, and the requests on them (see the module docstring)."""
+
+    noun = "object"
 
     def __init__(self, config: TierConfig) -> None:
         assert config.url is not None  # guaranteed by TierConfig validation
@@ -156,7 +159,7 @@ class Bucket:
 
     def _whole(self, key: str, size: int, limit: int) -> None:
         if size > limit:
-            raise CorruptCheckpointError(f"{self.url_of(key)}: {size} bytes, more than the {limit} allowed")
+            raise TooLarge(size, limit)
 
     async def get(self, key: str, limit: int) -> bytes:
         """Object ``key`` whole, refused when it has more than ``limit`` bytes."""
@@ -170,7 +173,7 @@ class Bucket:
         except Exception as exc:
             raise store_error(exc, self.url_of(key), "reading") from exc
 
-    def get_sync(self, key: str, limit: int) -> bytes:
+    def read_small(self, key: str, limit: int) -> bytes:
         """:meth:`get`, blocking (from a worker thread)."""
         try:
             result = obstore.get(self.store, key)
@@ -228,8 +231,20 @@ class Bucket:
     def open_data(self, key: str, plan: WritePlan) -> S3DataWriter:
         return S3DataWriter(self, key, plan)
 
-    def open_reader(self, key: str, size: int) -> S3Reader:
-        return S3Reader(self, key, size)
+    def open_reader(
+        self, key: str, *, size: int | None = None, spans: Sequence[tuple[int, int]] = (), every_chunk: bool = True, direct: bool = False
+    ) -> RangeReader:
+        """Ranged GETs of ``key``: in fixed 16 MiB windows when every chunk is read (the raw client's
+        GETs), else a GET per chunk with the chunks under 1 MiB together, so that a GET fetches little
+        that nothing reads (:mod:`tierckpt.storage.coalesce`). No HEAD when ``size`` is given."""
+        if size is None:
+            try:
+                size = int(obstore.head(self.store, key)["size"])
+            except Exception as exc:
+                raise store_error(exc, self.url_of(key), "looking up") from exc
+        reader = S3Reader(self, key, size)
+        groups = window_spans(spans) if every_chunk else group_spans(spans, below=SMALL)
+        return CoalescingReader(reader, groups, ahead=every_chunk) if groups else reader
 
 
 class S3DataWriter(DataWriter):
@@ -282,7 +297,7 @@ class S3DataWriter(DataWriter):
             pass  # the unfinished upload is the server's to expire (see docs/object-storage.md: a lifecycle rule)
 
 
-class S3Reader(ObjectReader):
+class S3Reader(RangeReader):
     """Ranged GETs of one object of ``size`` bytes (its size from the listing: no HEAD per object)."""
 
     def __init__(self, bucket: Bucket, key: str, size: int) -> None:

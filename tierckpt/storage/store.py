@@ -1,8 +1,8 @@
 """The byte store under a tier: where a version's objects live and how their bytes move.
 
 A tier decides *what* it stores (the format, the write plan, codecs, checksums, the commit protocol,
-retention and the sweep: :mod:`tierckpt.tiers.filesystem`, :mod:`~tierckpt.tiers.fswrite`,
-:mod:`~tierckpt.tiers.fsread`); a :class:`ByteStore` does *how* bytes get there. The local file
+retention and the sweep: :mod:`tierckpt.tiers.filesystem`, :mod:`~tierckpt.tiers.stored.write`,
+:mod:`~tierckpt.tiers.stored.read`); a :class:`ByteStore` does *how* bytes get there. The local file
 system (:class:`tierckpt.storage.local.LocalStore`: O_DIRECT, ``pwritev``, ``fsync``, renames) is the
 first implementation; an object store (multipart uploads, ranged GETs) or a node-local directory can
 take its place under the same tier code.
@@ -30,9 +30,16 @@ A version's lifecycle, and the contract of each operation (in call order):
    published), going on past failures; :meth:`ByteStore.list` names what is there, committed
    versions and leftovers alike, for the tier's sweep.
 
-Reads go through :class:`ObjectReader`: a byte range of one object, into a caller's buffer.
-Blocking methods (``open_data`` and the writer's, the reader's) run in worker threads, never on the engine loop; the
-``async`` ones run on the engine loop and move no bulk bytes.
+Reading a committed version is the read half every store has (:class:`ReadableStore`, also for a
+store only read, such as a version directory the CLI is handed): :meth:`ReadableStore.read_small` an
+object whole (a manifest, refused past a limit before it is read), and :meth:`ReadableStore.open_reader`
+a :class:`RangeReader`, byte ranges of one object into a caller's buffer. What is refused is the
+store's to say: a symlink on a file system (it could lead out of the container), anything but a
+regular file (:class:`Unreadable`); the tier's reader (:class:`~tierckpt.tiers.stored.source.StoreVersion`)
+turns each failure into a damaged copy naming the tier, step and object.
+
+Blocking methods (the reads, ``open_data`` and the writer's, the reader's) run in worker threads, never
+on the engine loop; the ``async`` ones run on the engine loop and move no bulk bytes.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from typing import Protocol
 
 from tierckpt.storage.plan import WriteItem, WritePlan
 
-__all__ = ["ByteStore", "DataStore", "DataWriter", "ObjectReader", "RootEntry"]
+__all__ = ["ByteStore", "DataStore", "DataWriter", "RangeReader", "ReadableStore", "RootEntry", "TooLarge", "Unreadable"]
 
 
 @dataclass(frozen=True)
@@ -76,12 +83,11 @@ class DataWriter(abc.ABC):
         """Release what the writer holds (descriptors, an unfinished upload)."""
 
 
-class ObjectReader(abc.ABC):
-    """Byte ranges of one object, read from several threads at once (blocking).
-
-    The tier's source opens them: :class:`~tierckpt.tiers.fsread.FilesystemSource` relative to the
-    version directory's descriptor, refusing symlinks and anything but regular files; on an object
-    store, a HEAD for the size and ranged GETs.
+class RangeReader(abc.ABC):
+    """Byte ranges of one object, read from several threads at once (blocking); from
+    :meth:`ReadableStore.open_reader`: on a file system, a descriptor opened relative to the container's
+    (with O_DIRECT too where asked and taken); on an object store, ranged GETs, a few large ones where
+    every chunk is read (:mod:`tierckpt.storage.coalesce`).
     """
 
     size: int
@@ -110,6 +116,57 @@ class ObjectReader(abc.ABC):
         """Release the object."""
 
 
+class TooLarge(OSError):
+    """An object larger than a whole read of it may be (known before a byte of it is read)."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"{size} bytes, more than the {limit} allowed")
+        self.size, self.limit = size, limit
+
+
+class Unreadable(OSError):
+    """What is at a key is not read: ``why`` says what it is (``"is a symlink (refused: ...)"``).
+
+    ``filename``: the part of the key that was refused, the container or the object's name.
+    """
+
+    def __init__(self, why: str, filename: str) -> None:
+        super().__init__(why)
+        self.why, self.filename = why, filename
+
+
+class ReadableStore(abc.ABC):
+    """What reading committed versions needs of a store (blocking: from worker threads).
+
+    Keys are ``<container>/<name>``. Errors: FileNotFoundError (``filename``: the container or the
+    name that is not there), :class:`TooLarge`, :class:`Unreadable`, other OSErrors.
+    """
+
+    #: What its objects are called in messages ("data file", "data object").
+    noun: str = "file"
+
+    def url_of(self, key: str) -> str | None:
+        """Where ``key`` is, for messages that the tier's name and step do not place (an object's URL)."""
+        return None
+
+    @abc.abstractmethod
+    def read_small(self, key: str, limit: int) -> bytes:
+        """Object ``key`` whole: refused (:class:`TooLarge`) before it is read when it has more than
+        ``limit`` bytes; at most ``limit + 1`` bytes of an object growing meanwhile."""
+
+    @abc.abstractmethod
+    def open_reader(
+        self, key: str, *, size: int | None = None, spans: Sequence[tuple[int, int]] = (), every_chunk: bool = True, direct: bool = False
+    ) -> RangeReader:
+        """A reader of object ``key``.
+
+        ``size``: its size, when a listing gave it (an object store then sends no HEAD). ``spans``:
+        the (offset, length) ranges that will be read, ``every_chunk``: all of them, in order
+        (an object store fetches them in few large GETs). ``direct``: bypass the cache where the
+        medium takes it (O_DIRECT; :attr:`RangeReader.direct` says whether it did).
+        """
+
+
 class DataStore(Protocol):
     """What writing a data object needs of a store: :meth:`ByteStore.open_data` (an object store's
     :class:`~tierckpt.storage.s3.Bucket` has it without the rest of a ByteStore's renames)."""
@@ -117,7 +174,7 @@ class DataStore(Protocol):
     def open_data(self, key: str, plan: WritePlan) -> DataWriter: ...
 
 
-class ByteStore(abc.ABC):
+class ByteStore(ReadableStore):
     """Where a tier's objects live; see the module docstring for the operations' order and contract."""
 
     #: Whether data objects are written and read bypassing a cache (known after :meth:`open`).

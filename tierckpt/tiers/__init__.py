@@ -2,6 +2,6 @@
 
 from tierckpt.tiers.base import Lease, Staged, Tier, VersionInfo, VersionSource
 from tierckpt.tiers.filesystem import FilesystemTier
-from tierckpt.tiers.memory import MemoryTier
+from tierckpt.tiers.memory.tier import MemoryTier
 
 __all__ = ["FilesystemTier", "Lease", "MemoryTier", "Staged", "Tier", "VersionInfo", "VersionSource"]

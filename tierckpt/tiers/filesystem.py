@@ -10,17 +10,16 @@ is damaged is kept (never delete what may be someone's only copy) and fails veri
 Replacing a committed version of the same step takes two renames (a non-empty directory cannot be
 renamed over): the old one goes to ``.replaced-step-...``, then the new one into place. A crash between
 the two leaves no ``step-...`` directory, so open renames the ``.replaced-`` copy back instead of
-sweeping it: the step keeps its old, committed content rather than vanishing (:mod:`~tierckpt.tiers.fssweep`;
-the renames: :mod:`~tierckpt.tiers.fscommit`).
+sweeping it: the step keeps its old, committed content rather than vanishing (:mod:`~tierckpt.tiers.stored.sweep`;
+the renames: :mod:`~tierckpt.tiers.stored.commit`).
 
 This class decides what is stored and in which order it becomes durable and visible; every write,
 rename and removal goes through :attr:`FilesystemTier.store`, a :class:`~tierckpt.storage.store.ByteStore`
 (the local file system, :class:`~tierckpt.storage.local.LocalStore`): a rename into place is its
-``publish``, a rename aside its ``withdraw``, an fsync of a directory its ``sync``. Reads open the
-version directory's files themselves (:mod:`tierckpt.tiers.fsread`, through the store's
-:class:`~tierckpt.storage.local.LocalReader`), since a read must refuse symlinks relative to that directory.
+``publish``, a rename aside its ``withdraw``, an fsync of a directory its ``sync``, and reads go
+through its read half (:class:`~tierckpt.storage.localread.LocalFiles`: no symlink is followed).
 
-Reading (:mod:`tierckpt.tiers.fsread`) trusts nothing a manifest says: files are opened without following
+Reading (:mod:`tierckpt.tiers.stored.read`) trusts nothing a manifest says: files are opened without following
 symlinks, and records are checked against the files before anything is allocated or read.
 
 Any write, fsync, rename or removal may fail (a full disk, a quota, EIO, EACCES): see the comment above
@@ -31,7 +30,7 @@ data file and its rank manifest into one staging directory whose name the leader
 once every rank reported its part durable, the leader writes the commit marker there (:meth:`seal`)
 and renames the directory into place (:meth:`commit`); the other ranks only index it (:meth:`adopt`).
 Only the directory's *keeper* (rank 0; on a node-local tier, each node's first rank:
-:mod:`~tierckpt.tiers.nodelocal`) sweeps, locks, deletes and renames: another rank never removes
+:mod:`~tierckpt.tiers.nodelocal.tier`) sweeps, locks, deletes and renames: another rank never removes
 anything but its own files of a version that was abandoned.
 """
 
@@ -58,10 +57,11 @@ from tierckpt.format import (
 )
 from tierckpt.storage.local import LocalStore
 from tierckpt.tiers.base import Part, Staged, VersionInfo, VersionSource
-from tierckpt.tiers.fsread import read_head
-from tierckpt.tiers.fscommit import Left, PlaceFailed, place, take_back
-from tierckpt.tiers.fssweep import MEMBER, KeepAside, sweep
-from tierckpt.tiers.stored import StoredTier
+from tierckpt.tiers.stored.read import read_head
+from tierckpt.tiers.stored.source import StoreVersion
+from tierckpt.tiers.stored.commit import Left, PlaceFailed, place, take_back
+from tierckpt.tiers.stored.sweep import MEMBER, KeepAside, sweep
+from tierckpt.tiers.stored.tier import StoredTier
 
 log = logging.getLogger("tierckpt")
 
@@ -133,7 +133,7 @@ class FilesystemTier(StoredTier):
     async def _describe(self, step: int, name: str) -> VersionInfo:
         path = self.root / name
         try:
-            head = await _read_head(path, tier=self.name, step=step)
+            head = await _read_head(StoreVersion(self.store, name), tier=self.name, step=step)
             self._seen(step, head)
             return VersionInfo(self.name, step, head.stored_bytes, head.created, str(path))
         except CorruptCheckpointError as exc:
@@ -141,7 +141,7 @@ class FilesystemTier(StoredTier):
             stat = await _lstat(path)  # it may be a symlink, refused: not followed here either
             return VersionInfo(self.name, step, 0, stat.st_mtime, str(path), valid=False)
 
-    _keep_aside: KeepAside | None = None  # see fssweep.sweep; a node-local tier keeps such copies
+    _keep_aside: KeepAside | None = None  # see stored.sweep.sweep; a node-local tier keeps such copies
 
     def _seen(self, step: int, head: Manifest | CommitMarker) -> None:
         """A committed version found at open, its head verified (a hook for subclasses)."""
@@ -216,7 +216,7 @@ class FilesystemTier(StoredTier):
     async def _place(self, staged: Staged) -> str | None:
         """Rename a staged version into place, durably; returns where an older version of its step was
         moved aside (None: there was none), for the caller to remove. Undone as far as the disk allows
-        when it fails: see :func:`~tierckpt.tiers.fscommit.take_back`."""
+        when it fails: see :func:`~tierckpt.tiers.stored.commit.take_back`."""
         try:
             return await place(self.store, staged.location, version_dirname(staged.step), tier=self.name)
         except PlaceFailed as exc:
@@ -278,8 +278,8 @@ class FilesystemTier(StoredTier):
                 self._leftovers.discard(name)
                 log.info("tier %r: swept %s, left by an earlier failure", self.name, name)
 
-    async def _files(self, step: int) -> Path:
-        return self.root / version_dirname(step)
+    async def _files(self, step: int) -> StoreVersion:
+        return StoreVersion(self.store, version_dirname(step))
 
     def _at(self, step: int) -> str:
         return str(self.root / version_dirname(step))

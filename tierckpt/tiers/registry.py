@@ -16,7 +16,7 @@ from tierckpt.config import TierConfig
 from tierckpt.ranks.group import RankGroup
 from tierckpt.tiers.base import Tier
 from tierckpt.tiers.filesystem import FilesystemTier
-from tierckpt.tiers.nodelocal import NodeLocalTier
+from tierckpt.tiers.nodelocal.tier import NodeLocalTier
 from tierckpt.tiers.peer import PeerTier
 
 __all__ = ["MAKERS", "Placement", "make_tier"]
@@ -40,7 +40,7 @@ def _filesystem(cfg: TierConfig, where: Placement) -> Tier:
 
 
 def _object(cfg: TierConfig, where: Placement) -> Tier:
-    from tierckpt.tiers.objecttier import ObjectTier  # obstore is imported only by a config that has one
+    from tierckpt.tiers.object.tier import ObjectTier  # obstore is imported only by a config that has one
 
     return ObjectTier(cfg, where.group)
 

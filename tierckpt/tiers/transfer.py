@@ -1,6 +1,6 @@
 """One rank sends another its part of a version, in a restore: what a peer tier's recovery
 (:mod:`tierckpt.tiers.peer.recovery`, a copy a peer holds) and a node-local tier's fetch from another
-node (:mod:`tierckpt.tiers.nodefetch`, a part on that node's disk) share.
+node (:mod:`tierckpt.tiers.nodelocal.fetch`, a part on that node's disk) share.
 
 The holder sends a header (the manifest's length and the data's; -1 when it cannot serve), the
 manifest, then every chunk in record order (:mod:`tierckpt.tiers.wire`). The fetching rank
@@ -23,7 +23,7 @@ from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import Manifest
 from tierckpt.format.manifest import MAX_MANIFEST_BYTES
 from tierckpt.ranks.group import RankGroup
-from tierckpt.tiers.fsread import check_records
+from tierckpt.tiers.stored.check import check_records
 from tierckpt.tiers import wire
 
 __all__ = ["Ranked", "announce", "exchange", "receive_announced", "refuse"]

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from tierckpt._buffers import aligned_buffer, align_up
 from tierckpt.format import ALIGN, DATA_FILE, Chunk, TensorRecord, checksum
 from tierckpt.tiers.base import VersionSource
-from tierckpt.tiers.fswrite import scratch_bytes
+from tierckpt.storage.scratch import scratch_bytes
 
 TAG_COPY = 1  # an owner's snapshot to the peers holding it, while training runs
 TAG_FETCH = 2  # a held copy back to its owner, in a restore

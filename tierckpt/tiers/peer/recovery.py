@@ -22,7 +22,8 @@ from tierckpt._buffers import prefaulting
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import MANIFEST_FILE, Manifest
 from tierckpt.tiers.base import Recovery, Tier, VersionInfo, VersionSource
-from tierckpt.tiers.fsread import check_records, open_source, read_manifest
+from tierckpt.tiers.stored.check import check_records
+from tierckpt.tiers.stored.read import open_source, read_manifest
 from tierckpt.tiers import wire
 from tierckpt.tiers.peer.replicas import ReplicaId, ReplicaStore
 from tierckpt.tiers import transfer

@@ -36,7 +36,7 @@ from tierckpt.ranks.nodes import placement, senders
 from tierckpt.errors import ConfigError, CorruptCheckpointError
 from tierckpt.format import CHUNK_BYTES, Manifest
 from tierckpt.tiers.base import GroupTier, Part, Staged, VersionInfo, VersionSource
-from tierckpt.tiers.fsread import check_records
+from tierckpt.tiers.stored.check import check_records
 from tierckpt.tiers import wire
 from tierckpt.tiers.peer.recovery import PeerRecovery
 from tierckpt.tiers.peer.replicas import ReplicaId, ReplicaStore

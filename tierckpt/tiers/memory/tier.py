@@ -11,7 +11,7 @@ decides.
 In a new process this tier is empty, and restore looks further down; unless the tier has a ``path``
 on a RAM-backed file system: then the pool is a shared file there, each captured snapshot is also
 written as a version directory (manifest and checksums, its data a hard link to the pool, see
-:mod:`tierckpt.tiers.shm`), and a new process finds those snapshots, verifies each whole the first
+:mod:`tierckpt.tiers.memory.shm`), and a new process finds those snapshots, verifies each whole the first
 time it is read, and keeps them under the same retention.
 
 Free slots can also be lent for a while (:meth:`MemoryTier.borrow`): a restore stages the bytes it
@@ -41,9 +41,9 @@ from tierckpt.format import DATA_FILE, Manifest, version_dirname
 from tierckpt.policy import SlotChoice, SlotOccupant, choose_slot, retain
 from tierckpt.snapshot import Entry, Slot, Snapshot, SnapshotState
 from tierckpt.tiers.base import Lease, Tier, VersionInfo, VersionSource
-from tierckpt.tiers.memory_hooks import Alone, MemoryHooks, Want
-from tierckpt.tiers.memory_source import MemorySource
-from tierckpt.tiers.shm import ShmStore, chunk_checksums, first_mismatch, slot_manifest
+from tierckpt.tiers.memory.hooks import Alone, MemoryHooks, Want
+from tierckpt.tiers.memory.source import MemorySource
+from tierckpt.tiers.memory.shm import ShmStore, chunk_checksums, first_mismatch, slot_manifest
 
 __all__ = ["Alone", "MemoryHooks", "MemorySource", "MemoryTier", "Want"]
 

@@ -2,7 +2,7 @@
 
 For the command line (:mod:`tierckpt.cli`), which is handed a path and has no config: ``./checkpoints``
 may be a tier's directory or hold ``nvme/`` and ``pfs/``. A tier's directory is known by the names
-only a tier writes there (:mod:`tierckpt.tiers.fssweep`, :mod:`tierckpt.tiers.shm`): a version
+only a tier writes there (:mod:`tierckpt.tiers.stored.sweep`, :mod:`tierckpt.tiers.memory.shm`): a version
 (``step-<12 digits>``), a version being written, deleted or replaced (``.tmp-``, ``.trash-``,
 ``.replaced-``), a follower's sign (``.member-``), a memory tier's pool (``pool.msgpack``). An empty
 directory is a tier's with no version yet. Nothing is opened but directories, to list them.
@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 
 from tierckpt.format import parse_version_dirname
-from tierckpt.tiers.fssweep import MEMBER, REPLACED
-from tierckpt.tiers.shm import POOL_INFO
+from tierckpt.tiers.stored.sweep import MEMBER, REPLACED
+from tierckpt.tiers.memory.shm import POOL_INFO
 
 __all__ = ["holds_a_tier", "tier_dirs"]
 

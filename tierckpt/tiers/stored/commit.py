@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 
 from tierckpt.storage.store import ByteStore
-from tierckpt.tiers.fssweep import REPLACED
+from tierckpt.tiers.stored.sweep import REPLACED
 
 log = logging.getLogger("tierckpt")
 

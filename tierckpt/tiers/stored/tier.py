@@ -4,14 +4,14 @@ read back through the same checks, and one keeper among the ranks that share the
 A :class:`StoredTier` keeps an index of the committed versions, and reads a version (this rank's
 part, a whole version with every chunk this rank restores, or its saved layout) from that version's
 files, a directory or an object store's container (:meth:`StoredTier._files`), through
-:mod:`tierckpt.tiers.fsread`, which trusts nothing a manifest says. Of several ranks sharing the
+:mod:`tierckpt.tiers.stored.read`, which trusts nothing a manifest says. Of several ranks sharing the
 store, its *keeper* (rank 0; on a node-local tier, each node's first rank) opens it first (locks,
 sweeps what a crash left, indexes) and tells the others how that went before they index what it
 left; only the keeper deletes.
 
 How a version is written and made visible still differs between the stores: a rename into place
 and a directory fsync (:mod:`tierckpt.tiers.filesystem`), or the commit object written last
-(:mod:`tierckpt.tiers.objecttier`).
+(:mod:`tierckpt.tiers.object.tier`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import abc
 import asyncio
 import dataclasses
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from tierckpt.config import TierConfig
@@ -29,11 +28,11 @@ from tierckpt.format import CommitMarker, Manifest, checksum
 from tierckpt.format.saved_layout import SavedLayout
 from tierckpt.storage.store import DataStore
 from tierckpt.tiers.base import GroupTier, Part, Staged, VersionInfo, VersionSource
-from tierckpt.tiers.encoding import TierEncoding
-from tierckpt.tiers.fslayout import filesystem_layout
-from tierckpt.tiers.fsread import open_source, read_head, read_manifest, resolve_shared
-from tierckpt.tiers.fswrite import write_data_file
-from tierckpt.tiers.versionfiles import StoredSource, VersionFiles
+from tierckpt.tiers.stored.encoding import TierEncoding
+from tierckpt.tiers.stored.layout import filesystem_layout
+from tierckpt.tiers.stored.read import open_source, read_head, read_manifest, resolve_shared
+from tierckpt.tiers.stored.write import write_data_file
+from tierckpt.tiers.stored.source import StoredSource, StoreVersion
 
 if TYPE_CHECKING:
     from tierckpt.ranks import RankGroup
@@ -144,7 +143,7 @@ class StoredTier(GroupTier):
     # -- reading ------------------------------------------------------------------------------------------
 
     @abc.abstractmethod
-    async def _files(self, step: int) -> Path | VersionFiles:
+    async def _files(self, step: int) -> StoreVersion:
         """Where committed ``step``'s files are read from.
 
         Raises CorruptCheckpointError when they cannot even be found (an object store that fails to list)."""

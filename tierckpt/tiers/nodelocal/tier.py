@@ -35,7 +35,7 @@ shared among the node's ranks only, so that a node's directory holds every byte 
 
 A rank reads its own part from its node's directory (:meth:`NodeLocalTier.has_part`); a rank whose
 part lies on another live node's directory (the job came back with its ranks on other nodes) fetches
-it from there in a restore (:meth:`NodeLocalTier.fetch_plan`, :mod:`tierckpt.tiers.nodefetch`). A
+it from there in a restore (:meth:`NodeLocalTier.fetch_plan`, :mod:`tierckpt.tiers.nodelocal.fetch`). A
 node-local tier serves only the layout that saved it, as host memory does (:meth:`read_layout` is
 this rank's part alone): a restore into another layout reads a shared tier.
 """
@@ -55,10 +55,10 @@ from tierckpt.format.saved_layout import SavedLayout
 from tierckpt.ranks.group import CoordinationLost, RankGroup
 from tierckpt.tiers.base import Part, Staged, Tier, VersionInfo, VersionSource
 from tierckpt.tiers.filesystem import FilesystemTier
-from tierckpt.tiers.fscommit import Left
-from tierckpt.tiers.fsread import read_head
-from tierckpt.tiers.nodefetch import NodeRecovery
-from tierckpt.tiers.nodeplan import Holding, complete_versions
+from tierckpt.tiers.stored.commit import Left
+from tierckpt.tiers.stored.read import read_head
+from tierckpt.tiers.nodelocal.fetch import NodeRecovery
+from tierckpt.tiers.nodelocal.plan import Holding, complete_versions
 
 log = logging.getLogger("tierckpt")
 

@@ -2,7 +2,7 @@
 
 Each node's keeper reports a :class:`Holding` per version its directory holds; :func:`complete_versions`
 says which steps are committed across the nodes and where each rank's part is. Used by
-:class:`~tierckpt.tiers.nodelocal.NodeLocalTier` at construction, on every rank alike.
+:class:`~tierckpt.tiers.nodelocal.tier.NodeLocalTier` at construction, on every rank alike.
 """
 
 from __future__ import annotations

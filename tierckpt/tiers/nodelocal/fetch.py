@@ -9,7 +9,7 @@ chunk in record order, each verified against its checksum as it is read. The fet
 them into a one-process version under ``.tmp-fetch-…`` in its own node's directory (swept at the next
 open if a crash leaves it) and reads that like any version, every chunk verified again on the way in
 (:class:`FetchedPart`); it is removed once the restore is over. Every rank knows the plan (who fetches
-from whom: :meth:`NodeLocalTier.fetch_plan <tierckpt.tiers.nodelocal.NodeLocalTier.fetch_plan>`) from
+from whom: :meth:`NodeLocalTier.fetch_plan <tierckpt.tiers.nodelocal.tier.NodeLocalTier.fetch_plan>`) from
 the same exchange, so each transfer has exactly one sender and one receiver.
 """
 
@@ -29,7 +29,7 @@ from typing import Any, Protocol, Sequence
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, version_dirname
 from tierckpt.tiers.base import Recovery, Tier, VersionInfo, VersionSource
-from tierckpt.tiers.fsread import open_source, read_head, read_rank_manifest, resolve_shared
+from tierckpt.tiers.stored.read import open_source, read_head, read_rank_manifest, resolve_shared
 from tierckpt.tiers import wire
 from tierckpt.tiers import transfer
 from tierckpt.tiers.transfer import Ranked, announce, receive_announced, refuse
@@ -41,7 +41,7 @@ TAG_NODE = 3  # a node-local part from the node holding it, in a restore
 
 class NodeDirectories(Ranked, Protocol):
     """What fetching a part from another node uses of a node-local tier
-    (:class:`~tierckpt.tiers.nodelocal.NodeLocalTier`, which makes its :class:`NodeRecovery` here)."""
+    (:class:`~tierckpt.tiers.nodelocal.tier.NodeLocalTier`, which makes its :class:`NodeRecovery` here)."""
 
     @property
     def root(self) -> Path: ...

@@ -27,20 +27,14 @@ import functools
 from collections.abc import Sequence
 from pathlib import Path
 
-from tierckpt._buffers import align_up
 from tierckpt.codecs import decoder
 from tierckpt.format import Chunk, TensorRecord, checksum
 from tierckpt.storage.local import LocalDataWriter
 from tierckpt.storage.plan import WriteItem, WritePlan, plan_write
 from tierckpt.storage.store import DataStore, DataWriter
 from tierckpt.tiers.base import VersionSource
-from tierckpt.tiers.encoding import VersionEncoding, element
-from tierckpt.tiers.fsio import ChunkJobs, scratch, scratch2
-
-
-def scratch_bytes(chunk_bytes: int) -> int:
-    """Room for one stored chunk: zstd's worst case grows a chunk by well under 1%."""
-    return align_up(chunk_bytes + chunk_bytes // 64 + (1 << 16))
+from tierckpt.tiers.stored.encoding import VersionEncoding, element
+from tierckpt.storage.scratch import ChunkJobs, scratch, scratch2, scratch_bytes
 
 
 def write_data_file(

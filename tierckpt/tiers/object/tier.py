@@ -47,9 +47,10 @@ from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, decode_docume
 from tierckpt.format.manifest import MAX_MANIFEST_BYTES
 from tierckpt.storage.s3 import Bucket
 from tierckpt.tiers.base import Part, Staged, VersionInfo, VersionSource
-from tierckpt.tiers.objlease import WriterLease
-from tierckpt.tiers.objread import ObjectVersion, containers
-from tierckpt.tiers.stored import StoredTier
+from tierckpt.tiers.object.lease import WriterLease
+from tierckpt.tiers.object.read import containers
+from tierckpt.tiers.stored.source import StoreVersion
+from tierckpt.tiers.stored.tier import StoredTier
 
 if TYPE_CHECKING:
     from tierckpt.ranks import RankGroup
@@ -291,15 +292,15 @@ class ObjectTier(StoredTier):
 
     # -- reading ----------------------------------------------------------------------------------------
 
-    async def _version(self, step: int) -> ObjectVersion:
+    async def _version(self, step: int) -> StoreVersion:
         container = version_dirname(step)
         try:
             listing = await self.bucket.list(f"{container}/")
         except OSError as exc:
             raise CorruptCheckpointError(f"step {step} on tier {self.name!r}: cannot be listed ({exc})", tier=self.name, step=step) from exc
-        return ObjectVersion(self.bucket, container, {k.rpartition("/")[2]: s for k, s in listing.items()})
+        return StoreVersion(self.bucket, container, {k.rpartition("/")[2]: s for k, s in listing.items()})
 
-    async def _files(self, step: int) -> ObjectVersion:
+    async def _files(self, step: int) -> StoreVersion:
         return await self._version(step)
 
     def _at(self, step: int) -> str:

@@ -7,7 +7,7 @@ from tierckpt.capture.pool import HostPool
 from tierckpt.format import CHUNK_BYTES, TensorRecord
 from tierckpt.snapshot import Snapshot
 from tierckpt.tiers.base import VersionSource
-from tierckpt.tiers.shm import slot_records
+from tierckpt.tiers.memory.shm import slot_records
 
 
 class MemorySource(VersionSource):

@@ -1,4 +1,5 @@
-"""The tier's worker-thread helpers for bulk I/O: per-thread aligned scratch and the chunk job runner.
+"""Worker-thread helpers for bulk I/O, shared by the tiers, restore and the CLI: per-thread aligned
+scratch, its size for one stored chunk, and the chunk job runner.
 
 The system calls themselves (O_DIRECT reads and writes, fsync, removal) are in
 :mod:`tierckpt.storage.posix`; what a tier stores and reads through them, in :mod:`tierckpt.storage`.
@@ -11,13 +12,18 @@ import concurrent.futures
 import threading
 from typing import Callable, Generic, TypeVar
 
-from tierckpt._buffers import aligned_buffer
+from tierckpt._buffers import align_up, aligned_buffer
 
-__all__ = ["ChunkJobs", "scratch", "scratch2"]
+__all__ = ["ChunkJobs", "scratch", "scratch2", "scratch_bytes"]
 
 T = TypeVar("T")
 
 _local = threading.local()
+
+
+def scratch_bytes(chunk_bytes: int) -> int:
+    """Room for one stored chunk: zstd's worst case grows a chunk by well under 1%."""
+    return align_up(chunk_bytes + chunk_bytes // 64 + (1 << 16))
 
 
 def scratch(nbytes: int) -> memoryview:

@@ -1,7 +1,7 @@
 """A committed version of a filesystem tier as a saved layout: what each rank stored, by its manifests.
 
 The restore planner (:func:`tierckpt.restore.plan.plan`) reads any parallel layout from this; the
-manifests are read and verified as :mod:`tierckpt.tiers.fsread` reads them, shared chunks resolved.
+manifests are read and verified as :mod:`tierckpt.tiers.stored.read` reads them, shared chunks resolved.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from typing import Sequence
 from tierckpt.format import Manifest, TensorRecord
 from tierckpt.format.saved_layout import SavedLayout, home_rank
 from tierckpt.format.source import VersionSource
-from tierckpt.tiers.fsread import read_head, read_rank_manifest, resolve_shared, version_files
-from tierckpt.tiers.versionfiles import VersionFiles
+from tierckpt.tiers.stored.read import read_head, read_rank_manifest, resolve_shared, version_files
+from tierckpt.tiers.stored.source import StoreVersion
 
 __all__ = ["filesystem_layout"]
 
 
-def filesystem_layout(tier: str, path: Path | VersionFiles, rank: int, *, direct: bool) -> SavedLayout:
+def filesystem_layout(tier: str, path: Path | StoreVersion, rank: int, *, direct: bool) -> SavedLayout:
     """The layout of the committed version at ``path`` of a filesystem tier (blocking).
 
     Raises CorruptCheckpointError when a manifest does not verify or the pieces do not add up.

@@ -24,7 +24,7 @@ from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import CHUNK_BYTES, MANIFEST_FILE, TensorRecord
 from tierckpt.format.layout import where
 from tierckpt.state import numpy_dtype, torch_dtype
-from tierckpt.tiers.fswrite import scratch_bytes
+from tierckpt.storage.scratch import scratch_bytes
 
 __all__ = ["MAX_CHUNK_BYTES", "ZSTD_MAX_EXPANSION", "check_records"]
 

@@ -1,46 +1,107 @@
-"""Where one committed version's objects are read from, and the source that reads its chunks there:
-the interface the readers of :mod:`tierckpt.tiers.fsread` take (:class:`VersionFiles`), so that one
-reading path (manifest checks, records checked against the objects, every chunk verified) serves a
-directory and an object store's container alike, and what both open (:class:`StoredSource`).
+"""One committed version's objects in a byte store, and the source that reads its chunks there.
 
-The two live together, below :mod:`~tierckpt.tiers.fsread` and :mod:`~tierckpt.tiers.objread`: a
-:class:`VersionFiles` opens a :class:`StoredSource`, and each store's reader subclasses it."""
+A :class:`StoreVersion` is a container of any :class:`~tierckpt.storage.store.ReadableStore` (a
+version directory, an object store's container): the readers of :mod:`tierckpt.tiers.stored.read`
+take one, so that one reading path (manifest checks, records checked against the objects, every chunk
+verified) serves every store. It turns what the store refuses into a damaged copy naming the tier,
+the step and the object, and opens a :class:`StoredSource` over the store's ranged readers.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Protocol
 
 from tierckpt._buffers import copy_pieces
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import Manifest, TensorRecord, checksum
 from tierckpt.format.checksum import checksum_pieces
 from tierckpt.format.layout import where
-from tierckpt.storage.store import ObjectReader
+from tierckpt.format.manifest import MAX_MANIFEST_BYTES
+from tierckpt.storage.store import RangeReader, ReadableStore, TooLarge, Unreadable
 from tierckpt.tiers.base import VersionSource
+from tierckpt.tiers.stored.check import check_records
 
-__all__ = ["StoredSource", "VersionFiles"]
+__all__ = ["StoreVersion", "StoredSource"]
 
 
-class VersionFiles(Protocol):
-    """Where one committed version's objects are read from: a directory (:class:`~tierckpt.tiers.fsread.LocalVersion`), or a
-    container of an object store (:class:`~tierckpt.tiers.objread.ObjectVersion`). Blocking."""
+class StoreVersion:
+    """Container ``container`` of ``store``: one committed version's objects (blocking reads).
+
+    ``sizes``: the container's objects by name, when a listing gave them (an object store's). A name
+    it lacks is then missing without a request: a name a manifest makes up reads nothing outside the
+    container.
+    """
+
+    def __init__(self, store: ReadableStore, container: str, sizes: Mapping[str, int] | None = None) -> None:
+        self.store, self.container = store, container
+        self.sizes = dict(sizes) if sizes is not None else None
+
+    def _damaged(self, exc: OSError, name: str, label: str, *, tier: str | None, step: int | None) -> CorruptCheckpointError:
+        """What the store said of object ``name`` (``label`` names it in the message), or of the
+        container, as a damaged copy."""
+        key = f"{self.container}/{name}"
+        if exc.filename == self.container:  # the container itself was refused or is not there
+            label, key = f"the version directory {self.container}", self.container
+        if isinstance(exc, TooLarge):  # only manifests are read whole
+            text = f"{label}: {exc.size} bytes, more than the {exc.limit} a manifest may have"
+        elif isinstance(exc, FileNotFoundError):
+            url = self.store.url_of(key)
+            text = f"{label} is missing" + (f" ({url})" if url else "")
+        elif isinstance(exc, Unreadable):
+            text = f"{label} {exc.why}"
+        else:
+            text = f"{label} cannot be read ({exc.strerror or exc})"
+        return CorruptCheckpointError(f"{where(tier, step)}: {text}", tier=tier, step=step)
 
     def read_small(self, name: str, *, tier: str | None, step: int | None) -> bytes:
-        """A manifest-sized object, whole (refused past MAX_MANIFEST_BYTES): CorruptCheckpointError
-        naming ``name`` when it is missing, too large or unreadable."""
+        """A manifest-sized object, whole: CorruptCheckpointError naming ``name`` when it is missing,
+        larger than MAX_MANIFEST_BYTES (refused before it is read) or unreadable."""
+        size = self.sizes.get(name, -1) if self.sizes is not None else None
+        try:
+            if size == -1:
+                raise FileNotFoundError(name)
+            if size is not None and size > MAX_MANIFEST_BYTES:
+                raise TooLarge(size, MAX_MANIFEST_BYTES)
+            return self.store.read_small(f"{self.container}/{name}", MAX_MANIFEST_BYTES)
+        except OSError as exc:
+            raise self._damaged(exc, name, name, tier=tier, step=step) from exc
 
     def open_source(self, tier: str | None, manifest: Manifest, *, direct: bool, every_chunk: bool = True) -> StoredSource:
-        """The data objects ``manifest`` names, opened and checked against its records.
+        """The data objects ``manifest`` names, opened and checked against its records (blocking).
 
-        ``every_chunk``: every chunk of the records will be read (a restore reads only the chunks it
-        needs otherwise): an object store may then read each object in a few large windows."""
+        ``direct``: bypass the page cache where the store can. ``every_chunk``: every chunk of the
+        records will be read (a restore reads only the chunks it needs otherwise): an object store
+        then reads each object in a few large windows.
+        """
+        step = manifest.step
+        spans: dict[str, list[tuple[int, int]]] = {}
+        for r in manifest.records:
+            for i, c in enumerate(r.chunks):
+                if c is not None:
+                    spans.setdefault(r.chunk_file(i), []).append((c.offset, c.stored))
+        source = StoredSource(tier, manifest)
+        try:
+            for name in sorted(spans):
+                label = f"data {self.store.noun} {name}"
+                size = self.sizes.get(name, -1) if self.sizes is not None else None
+                try:
+                    if size == -1:
+                        raise FileNotFoundError(name)
+                    key = f"{self.container}/{name}"
+                    source.readers[name] = self.store.open_reader(key, size=size, spans=spans[name], every_chunk=every_chunk, direct=direct)
+                except OSError as exc:
+                    raise self._damaged(exc, name, label, tier=tier, step=step) from exc
+            check_records(manifest.records, {n: r.size for n, r in source.readers.items()}, tier=tier, step=step)
+        except BaseException:
+            source.close()
+            raise
+        return source
 
 
 class StoredSource(VersionSource):
-    """A committed version's data objects, open for reading through a store's readers (by file name);
-    verifies every chunk it returns. Store-neutral: how the objects were opened is the subclass's.
+    """A committed version's data objects, open for reading through a store's readers (by file name,
+    opened by :meth:`StoreVersion.open_source`); verifies every chunk it returns.
 
     Each chunk is hashed right after its read, in the reading thread, while it is still in cache.
     Every error names the tier, the step, the file and the key; a chunk that cannot be read is
@@ -54,7 +115,7 @@ class StoredSource(VersionSource):
         self.skeleton = manifest.skeleton
         self.metadata = manifest.metadata
         self.records = manifest.records
-        self.readers: dict[str, ObjectReader] = {}
+        self.readers: dict[str, RangeReader] = {}
 
     def _where(self, record: TensorRecord, chunk: int) -> str:
         return f"{where(self.tier, self.step)}: {record.chunk_file(chunk)}: {record.key} chunk {chunk}"
