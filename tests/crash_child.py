@@ -106,7 +106,7 @@ def install_pause(point: str, step: int) -> None:
                 say("paused", point, step)
                 hang()
 
-        stored.write_data_file = arming_write  # a stored tier's data object (tiers.stored._write_part)
+        stored.write_data_file = arming_write  # a stored tier's data object (as its write of a data part calls it)
         local.pwrite_all = pausing_pwrite
     elif point == "staged":
         commit = filesystem.FilesystemTier.commit
@@ -304,7 +304,7 @@ class _Run:
     def install(self) -> Any:
         """Phase marks around the tier's methods, kill points in the copy threads and the tier's system calls."""
         import fsrecord
-        from tierckpt.capture import copier
+        from tierckpt.testing.copies import CopyWatch
         from tierckpt.tiers.filesystem import FilesystemTier
 
         run = self
@@ -323,15 +323,7 @@ class _Run:
         FilesystemTier.write = marked(FilesystemTier.write, "write")  # type: ignore[method-assign]
         FilesystemTier.commit = marked(FilesystemTier.commit, "commit")  # type: ignore[method-assign]
         FilesystemTier.delete = marked(FilesystemTier.delete, "prune")  # type: ignore[method-assign]
-        copy = getattr(copier, "_copy", None)
-        if copy is not None:
-
-            def copying(*args: Any, **kwargs: Any) -> Any:
-                result = copy(*args, **kwargs)
-                run.point("capture")
-                return result
-
-            copier._copy = copying
+        CopyWatch(lambda: run.point("capture")).__enter__()  # for the life of the process
         interposer = fsrecord.Interposer(self.root, after=self.on_call)
         interposer.__enter__()  # for the life of the process
         return interposer

@@ -5,7 +5,7 @@ by ``crash_child.py``.
 
 :class:`Interposer` patches the ``os`` calls a filesystem tier makes (``open``, ``write``, ``pwrite``,
 ``pwritev``, ``fsync``, ``fdatasync``, ``ftruncate``, ``mkdir``, ``rename``, ``replace``, ``unlink``,
-``remove``, ``rmdir``, fallocate(2) through ``tierckpt.storage.posix._fallocate``), the ``aiofiles.os``
+``remove``, ``rmdir``, fallocate(2) where ``tierckpt.testing.fallocate_hook`` says), the ``aiofiles.os``
 wrappers of them, and any module global of ``tierckpt`` bound to one of them or to a wrapper of one,
 and calls hooks around each call on a path under a root. ``shutil.rmtree`` goes through ``os.unlink``
 and ``os.rmdir``, so a removal is seen file by file. The library looks every ``os`` function up at call
@@ -59,7 +59,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from tierckpt.testing import fd_path, path_of
+from tierckpt.testing import fallocate_hook, fd_path, path_of
 
 META = frozenset({"mkdir", "create", "rename", "unlink", "rmdir"})
 DATA = frozenset({"write", "size", "alloc"})
@@ -142,9 +142,8 @@ class Interposer:
             self._set(os, name, patched[id(original)])
             if hasattr(aiofiles.os, name):
                 self._set(aiofiles.os, name, aiofiles.os.wrap(patched[id(original)]))
-        posix = sys.modules.get("tierckpt.storage.posix")
-        if posix is not None and hasattr(posix, "_fallocate"):
-            self._set(posix, "_fallocate", self._wrap("fallocate", posix._fallocate))
+        owner, attr = fallocate_hook()  # where the tiers look fallocate(2) up
+        self._set(owner, attr, self._wrap("fallocate", getattr(owner, attr)))
         # Globals bound at import to an os function, or to an aiofiles wrapper of one.
         for module_name, module in list(sys.modules.items()):
             if module is None or not module_name.startswith("tierckpt"):

@@ -24,7 +24,7 @@ import torch
 
 import tierckpt
 from tierckpt import Checkpointer
-from tierckpt.tiers.base import Tier
+from tierckpt.testing.inspect import tier_of  # the open tier of a Checkpointer, by name (helpers re-exports it)
 from tierckpt.tiers.filesystem import FilesystemTier
 
 # -- configurations ------------------------------------------------------------------------------------
@@ -56,11 +56,6 @@ SHUFFLED_ZSTD = {"codec": "zstd", "level": 1, "shuffle": True}  # the compressio
 def nvme_and_pfs(root: Path, **host: Any) -> dict[str, Any]:
     """Host memory above a raw "nvme" and a compressed "pfs" (zstd + shuffle), in ``root``'s nvme/ and pfs/."""
     return tier_config(fs_tier("nvme", root / "nvme"), fs_tier("pfs", root / "pfs", compression=SHUFFLED_ZSTD), **host)
-
-
-def tier_of(ckpt: Checkpointer, name: str) -> Tier:
-    """The open tier ``name`` of a Checkpointer (host memory included), to ask it through the tier interface."""
-    return next(t for t in ckpt._pipeline.tiers if t.name == name)
 
 
 def small_state(seed: int) -> dict[str, Any]:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from tierckpt import Checkpointer, ConfigError, FlushError
 from tierckpt.testing import IOFaults
 
-from helpers import bitwise_equal
+from helpers import bitwise_equal, tier_of
 
 
 def nodes() -> int:
@@ -141,7 +141,7 @@ def main() -> None:
             except FlushError:
                 pass
             return
-        peer = next(t for t in ckpt._pipeline.tiers if t.name == "peer")
+        peer = tier_of(ckpt, "peer")
         out["slept_s"] = peer.throttle.slept_s
         try:
             ckpt.wait_sync()  # retention included: what each holder keeps is settled
@@ -163,7 +163,7 @@ def main() -> None:
             step = int(os.environ["RESUME"])
             out["resumed"] = ckpt.save_sync(step, state(rank, step)).committed_sync("peer", 120)
             ckpt.wait_sync()
-            peer = next(t for t in ckpt._pipeline.tiers if t.name == "peer")
+            peer = tier_of(ckpt, "peer")
             out["held"] = sorted([h.owner, h.step] for h in peer.replicas.held())
             out["versions"] = [v.step for v in ckpt.versions() if v.tier == "peer"]
         (root / f"restore-{rank}.json").write_text(json.dumps(out))

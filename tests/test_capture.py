@@ -1,13 +1,13 @@
 """Capture on CPU: lazy copies behind the optimizer's pre-hook, exact round trips, slot capacity.
 
-Copies are made deterministic by occupying the copier: with ``host.copy_threads: 1``, a job that waits
-on an event holds the only copy thread, so a save's copies cannot start until the test lets them.
+Copies are made deterministic by holding the copy threads (``tierckpt.testing.copies.HeldCopies``): with
+``host.copy_threads: 1``, a job that waits at its gate holds the only copy thread, so a save's copies cannot
+start until the test lets them.
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import threading
 from pathlib import Path
 from typing import Any, Iterator
@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from tierckpt import CapacityError, Checkpointer
-from tierckpt.capture.copier import _PIECE_BYTES
+from tierckpt.testing.copies import COPY_PIECE_BYTES, HeldCopies
+from tierckpt.testing.inspect import captured_done
 
 from helpers import assert_bitwise, fs_tier, parked, tier_config
 
@@ -43,25 +44,6 @@ def clone(state: Any) -> Any:
     if isinstance(state, (list, tuple)):
         return type(state)(clone(v) for v in state)
     return state
-
-
-class OccupiedCopier:
-    """Holds every copy thread of ``ckpt`` on an event until :meth:`release` (or the end of the block)."""
-
-    def __init__(self, ckpt: Checkpointer, threads: int = 1) -> None:
-        self.gate = threading.Event()
-        self.jobs = [ckpt._copier._executor.submit(self.gate.wait, DEADLINE_S) for _ in range(threads)]
-
-    def release(self) -> None:
-        self.gate.set()
-        concurrent.futures.wait(self.jobs, DEADLINE_S)
-        assert all(job.result() for job in self.jobs), "a copy thread gave up waiting: the test deadlocked"
-
-    def __enter__(self) -> OccupiedCopier:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.gate.set()
 
 
 @pytest.fixture
@@ -97,9 +79,9 @@ def test_lazy_capture_blocks_the_optimizer_step_until_the_copy_is_done(tmp_path:
     forward_backward()
     before = clone({"model": model.state_dict(), "optim": optimizer.state_dict()})
 
-    with OccupiedCopier(ckpt) as occupied:
+    with HeldCopies(ckpt, deadline_s=DEADLINE_S) as occupied:
         handle = ckpt.save_sync(1, {"model": model.state_dict(), "optim": optimizer.state_dict()})
-        assert handle._tracker.captured.done() is False  # save() returned with the copy still to do
+        assert captured_done(handle) is False  # save() returned with the copy still to do
         stepper = threading.Thread(target=optimizer.step)
         stepper.start()
         assert reached.wait(DEADLINE_S)
@@ -142,10 +124,10 @@ def test_wait_captured_is_the_barrier_for_state_outside_an_optimizer(tmp_path: P
         ema.mul_(0.5).add_(1.0)
         mutated.set()
 
-    with OccupiedCopier(ckpt) as occupied:
+    with HeldCopies(ckpt, deadline_s=DEADLINE_S) as occupied:
         handle = ckpt.save_sync(1, {"ema": ema})
         assert ckpt.wait_captured(timeout=0.05) is False
-        assert not handle._tracker.captured.done()
+        assert not captured_done(handle)
         updater = threading.Thread(target=update_ema)
         updater.start()
         assert parked(updater, DEADLINE_S), "wait_captured() returned before the copy"
@@ -299,7 +281,7 @@ def test_a_tensor_bigger_than_a_copy_piece_is_captured_bitwise(tmp_path: Path, c
     n = 70 * 2**20 // 8 + 3  # ~70 MB of int64: more than one 64 MiB piece, and not a whole number of pieces
     base = torch.arange(n + 5, dtype=torch.int64)
     big = base[5:]  # a contiguous view with a storage offset: the pieces must start at the right place
-    assert big.numel() * 8 > _PIECE_BYTES
+    assert big.numel() * 8 > COPY_PIECE_BYTES
     tail = torch.arange(1000, dtype=torch.float32)
     config = make_config(tmp_path, capacity="80MiB", snapshots=1, copy_threads=2)
     config["tiers"] = config["tiers"][:1]  # memory only: this test is about capture

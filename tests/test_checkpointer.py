@@ -12,6 +12,7 @@ import torch
 
 from tierckpt import Checkpointer, ConfigError, FlushError
 from tierckpt.capture.copier import TornCaptureError
+from tierckpt.testing.copies import HeldCopies, stopped_copy_threads
 
 from helpers import fs_tier, parked, tier_config
 
@@ -26,13 +27,9 @@ def _model() -> torch.nn.Sequential:
     return torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(6)], torch.nn.BatchNorm1d(2048))
 
 
-def _gate(ckpt: Checkpointer) -> "threading.Event":  # noqa: F821
-    """Hold the only copy thread until the event is set, so the copy is certainly still pending."""
-    import threading
-
-    event = threading.Event()
-    ckpt._copier._executor.submit(event.wait, 30)
-    return event
+def _gate(ckpt: Checkpointer) -> HeldCopies:
+    """Hold the only copy thread until ``release()``, so the copy is certainly still pending."""
+    return HeldCopies(ckpt, deadline_s=30)
 
 
 def test_a_buffer_changed_by_forward_during_the_copy_fails_the_capture_loudly(tmp_path: Path) -> None:
@@ -41,7 +38,7 @@ def test_a_buffer_changed_by_forward_during_the_copy_fails_the_capture_loudly(tm
         gate = _gate(ckpt)
         handle = ckpt.save_sync(1, model.state_dict())
         model[-1](torch.randn(8, 2048))  # updates running_mean/var in place: no barrier attached
-        gate.set()
+        gate.release()
         with pytest.raises(FlushError) as info:
             handle.captured_sync(timeout=30)
         assert isinstance(info.value.__cause__, TornCaptureError)
@@ -68,7 +65,7 @@ def test_attach_module_makes_forward_wait_so_the_snapshot_is_consistent(tmp_path
         forward = threading.Thread(target=model[-1], args=(torch.randn(8, 2048),))
         forward.start()
         assert parked(forward), "forward of a module with buffers must wait for the copy"
-        gate.set()
+        gate.release()
         forward.join(timeout=30)
         assert handle.committed_sync("nvme", timeout=30)
         restored = ckpt.restore_latest_sync()
@@ -108,7 +105,7 @@ def test_attach_holds_a_wrapper_without_buffers_that_writes_its_childrens(tmp_pa
         forward = threading.Thread(target=wrapper, args=(torch.randn(8, 2048),))
         forward.start()
         assert parked(forward), "the wrapper's forward must wait for the copy"
-        gate.set()
+        gate.release()
         forward.join(timeout=30)
         assert handle.captured_sync(timeout=30)  # not torn
         restored = ckpt.restore_latest_sync()
@@ -176,9 +173,8 @@ def test_cuda_tensors_written_on_a_side_stream_are_captured_after_their_kernels(
 
 def test_a_capture_that_cannot_start_is_raised_once_by_save(tmp_path: Path) -> None:
     with Checkpointer(_config(tmp_path)) as ckpt:
-        ckpt._copier._executor.shutdown(wait=True)  # the copy threads are gone: nothing can be enqueued
-        with pytest.raises(RuntimeError, match="cannot schedule"):
-            ckpt.save_sync(1, {"x": torch.zeros(4)})
-        ckpt._copier._executor = __import__("concurrent.futures").futures.ThreadPoolExecutor(1)
+        with stopped_copy_threads(ckpt):  # the copy threads are gone: nothing can be enqueued
+            with pytest.raises(RuntimeError, match="cannot schedule"):
+                ckpt.save_sync(1, {"x": torch.zeros(4)})
         ckpt.wait_sync()  # the failure was raised by save() already: not reported a second time
         assert ckpt.save_sync(2, {"x": torch.ones(4)}).committed_sync("nvme", timeout=30)

@@ -20,6 +20,7 @@ from tierckpt import Checkpointer, ConfigError, CorruptCheckpointError, FlushErr
 from tierckpt._buffers import address, aligned_buffer
 from tierckpt.capture import pinning
 from tierckpt.capture.copier import TornCaptureError
+from tierckpt.testing.inspect import captured_done, device_copies_of, host_pool, pending_device_snapshots, wait_device_queued
 
 from helpers import assert_bitwise, fs_tier, logged_warnings, tier_config
 
@@ -148,7 +149,7 @@ def test_an_optimizer_step_right_after_save_does_not_change_the_checkpoint(tmp_p
         handle = ckpt.save_sync(1, {"model": model.state_dict(), "optim": optimizer.state_dict()})
         optimizer.step()  # its pre-hook is the barrier
         # The barrier ordered the streams; it did not wait for the copy on the host.
-        assert not handle._tracker.captured.done()
+        assert not captured_done(handle)
         after = {k: v.cpu() for k, v in model.state_dict().items()}
         assert handle.captured_sync(DEADLINE_S) is True
         restored = ckpt.restore_latest_sync()
@@ -165,7 +166,7 @@ def test_a_kernel_after_wait_captured_writes_after_the_copy(tmp_path: Path) -> N
         torch.cuda._sleep(SLEEP_CYCLES)
         handle = ckpt.save_sync(1, {"ema": ema})
         assert ckpt.wait_captured(timeout=DEADLINE_S)
-        assert not handle._tracker.captured.done()
+        assert not captured_done(handle)
         ema.mul_(0.5).add_(1.0)  # queued behind the copy on this stream
         assert handle.captured_sync(DEADLINE_S) is True
         restored = ckpt.restore_latest_sync()
@@ -180,8 +181,8 @@ def test_wait_captured_host_blocks_until_the_device_copies_are_done(tmp_path: Pa
         torch.cuda._sleep(SLEEP_CYCLES)
         ckpt.save_sync(1, {"x": x})
         assert ckpt.wait_captured(timeout=DEADLINE_S, host=True)
-        devices = ckpt._copier._devices
-        assert devices is not None and devices._pending == []
+        devices = device_copies_of(ckpt)
+        assert devices is not None and pending_device_snapshots(devices) == []
 
 
 def test_a_write_without_the_barrier_fails_the_capture(tmp_path: Path) -> None:
@@ -203,9 +204,9 @@ def test_a_write_queued_before_the_barrier_fails_the_capture(tmp_path: Path) -> 
     with Checkpointer(config(tmp_path)) as ckpt:
         torch.cuda._sleep(SLEEP_CYCLES)
         handle = ckpt.save_sync(1, {"x": x})
-        devices = ckpt._copier._devices
+        devices = device_copies_of(ckpt)
         assert devices is not None
-        devices._queue.submit(lambda: None).result(DEADLINE_S)  # the copy is queued (behind the sleep)
+        wait_device_queued(devices, DEADLINE_S)  # the copy is queued (behind the sleep)
         x.add_(1.0)  # unordered with the copy: the barrier comes only after it
         assert ckpt.wait_captured(timeout=DEADLINE_S)
         with pytest.raises(FlushError) as info:
@@ -236,10 +237,10 @@ def test_the_pool_is_pinned_under_auto_and_pageable_under_false(tmp_path: Path) 
     x = random_tensor(torch.float32, (1 << 20,))
     with Checkpointer(config(tmp_path / "auto")) as ckpt:
         assert ckpt.pinned is True
-        assert ckpt._pool._bytes.is_pinned()
+        assert host_pool(ckpt).memory.is_pinned()
     with Checkpointer(config(tmp_path / "off", pinned=False)) as ckpt:
         assert ckpt.pinned is False
-        assert not ckpt._pool._bytes.is_pinned()
+        assert not host_pool(ckpt).memory.is_pinned()
         assert ckpt.save_sync(1, {"x": x}).captured_sync(DEADLINE_S)  # pageable copies still work
         restored = ckpt.restore_latest_sync()
     assert restored is not None
@@ -250,11 +251,12 @@ def test_a_pool_sized_to_the_state_is_pinned_at_the_first_save_and_grows_for_a_l
     small, large = random_tensor(torch.float32, (1 << 10,)), random_tensor(torch.float32, (1 << 20,))
     unset = {"tiers": [{"name": "ram", "type": "memory", "keep": {"last": 1}}, fs_tier("nvme", tmp_path / "nvme")]}
     with Checkpointer(unset) as ckpt:
-        assert ckpt._pool.capacity_bytes == 0 and ckpt.pinned is False  # nothing mapped before the first save
+        pool = host_pool(ckpt)
+        assert pool.capacity_bytes == 0 and ckpt.pinned is False  # nothing mapped before the first save
         assert ckpt.save_sync(1, {"x": small}).committed_sync("nvme", DEADLINE_S)
-        assert ckpt.pinned is True and ckpt._pool._bytes.is_pinned()
+        assert ckpt.pinned is True and pool.memory.is_pinned()
         assert ckpt.save_sync(2, {"x": large}).committed_sync("nvme", DEADLINE_S)  # new, larger slots, pinned too
-        assert ckpt.pinned is True and ckpt._pool.slots[0].size >= large.nbytes
+        assert ckpt.pinned is True and pool.slots[0].size >= large.nbytes
         # Step 1's layout again: its copies go to the new slots, never to views kept of the old ones.
         assert ckpt.save_sync(3, {"x": small + 1}).committed_sync("nvme", DEADLINE_S)
         for step, want in ((1, small), (2, large), (3, small + 1)):

@@ -26,6 +26,7 @@ from tierckpt.capture.pool import HostPool
 from tierckpt.capture.views import TornCaptureError, moment
 from tierckpt.snapshot import Snapshot, plan_entries
 from tierckpt.state import survey
+from tierckpt.testing.inspect import copy_done_event, device_slot_views, pending_device_snapshots, wait_device_queued
 
 from helpers import parked, until
 
@@ -117,7 +118,7 @@ def stage(gpu: FakeGpu) -> Iterator[tuple[DeviceCopies, HostPool]]:
 
 def queued(copies: DeviceCopies) -> None:
     """Wait until the queueing thread has queued everything started so far."""
-    copies._queue.submit(lambda: None).result(DEADLINE_S)
+    wait_device_queued(copies, DEADLINE_S)
 
 
 def test_the_barrier_orders_the_stream_without_waiting_for_the_copy(gpu: FakeGpu, stage: tuple[DeviceCopies, HostPool]) -> None:
@@ -135,8 +136,7 @@ def test_the_barrier_orders_the_stream_without_waiting_for_the_copy(gpu: FakeGpu
 
 
 def capture_event(copies: DeviceCopies, capture: Capture) -> Any:
-    (batch,) = [b for b in copies._pending if b.snapshot is capture.snapshot]
-    return batch.events[GPU]
+    return copy_done_event(copies, capture.snapshot, GPU)
 
 
 def test_the_copy_stream_waits_for_what_was_queued_before_save(gpu: FakeGpu, stage: tuple[DeviceCopies, HostPool]) -> None:
@@ -179,7 +179,7 @@ def test_wait_blocks_the_host_until_the_copies_are_done(gpu: FakeGpu, stage: tup
     gpu.done.set()
     waiter.join(DEADLINE_S)
     assert not waiter.is_alive() and capture.finished.is_set() and capture.error is None
-    assert copies._pending == []
+    assert pending_device_snapshots(copies) == []
 
 
 def test_the_sources_live_until_their_copies_are_done(gpu: FakeGpu, stage: tuple[DeviceCopies, HostPool]) -> None:
@@ -203,14 +203,14 @@ def test_slot_views_are_reused_while_a_layout_stays_and_remade_for_another(gpu: 
     first = Capture(copies, pool, {"x": torch.arange(10.0), "y": torch.ones(3, dtype=torch.int8)})
     assert first.finished.wait(DEADLINE_S) and first.error is None
     slot = pool.slots[0]  # the views are kept per slot (the slot itself: a pool may map new ones) and device
-    views = copies._slot_views[(slot, GPU)][1]
+    views = device_slot_views(copies)[(slot, GPU)]
     second = Capture(copies, pool, {"x": torch.arange(10.0) + 1, "y": torch.full((3,), 5, dtype=torch.int8)}, layout=first.snapshot)
     assert second.finished.wait(DEADLINE_S) and second.error is None
-    assert copies._slot_views[(slot, GPU)][1] is views  # the same layout: the same views
+    assert device_slot_views(copies)[(slot, GPU)] is views  # the same layout: the same views
     assert torch.equal(second.slot("x"), torch.arange(10.0) + 1) and torch.equal(second.slot("y"), torch.full((3,), 5, dtype=torch.int8))
     third = Capture(copies, pool, {"y": torch.full((3,), 7, dtype=torch.int8), "x": torch.arange(4.0)})
     assert third.finished.wait(DEADLINE_S) and third.error is None
-    assert copies._slot_views[(slot, GPU)][1] is not views
+    assert device_slot_views(copies)[(slot, GPU)] is not views
     assert torch.equal(third.slot("x"), torch.arange(4.0)) and torch.equal(third.slot("y"), torch.full((3,), 7, dtype=torch.int8))
 
 
@@ -230,7 +230,7 @@ def test_a_pool_that_grew_gets_views_of_its_new_slots_and_lets_go_of_the_old(gpu
         assert second.snapshot.slot is pool.slots[0] and second.snapshot.slot is not old
         assert torch.equal(second.slot("x"), torch.arange(10.0) + 1)
         assert torch.equal(first.slot("x"), torch.arange(10.0))  # the old slot as the first left it
-        assert [key[0] for key in copies._slot_views] == [pool.slots[0]]  # the old slot's views let go
+        assert [key[0] for key in device_slot_views(copies)] == [pool.slots[0]]  # the old slot's views let go
     finally:
         copies.close()
         pool.close()

@@ -18,6 +18,8 @@ import torch
 from tierckpt import Checkpointer, TierckptError
 from tierckpt.errors import ClosedError
 from tierckpt.testing import slow
+from tierckpt.testing.copies import HeldCopies
+from tierckpt.testing.inspect import committed_done, engine_loop, engine_thread, save_number, settled
 
 from helpers import assert_bitwise, fs_tier, held, small_state, tier_config
 
@@ -84,7 +86,7 @@ def test_flush_completes_while_the_caller_spins_in_a_compute_loop(tmp_path: Path
 async def test_async_api_from_the_test_loop(tmp_path: Path) -> None:
     state = small_state(3)
     async with Checkpointer(make_config(tmp_path)) as ckpt:
-        assert asyncio.get_running_loop() is not ckpt._engine.loop
+        assert asyncio.get_running_loop() is not engine_loop(ckpt)
         handle = await ckpt.save(3, state, metadata={"epoch": 2})
         assert handle.step == 3 and not handle.skipped
         assert await handle.captured() is True
@@ -98,7 +100,7 @@ async def test_async_api_from_the_test_loop(tmp_path: Path) -> None:
         with pytest.raises(KeyError, match="no tier named 'tape'"):
             await handle.committed("tape")
     assert manifest_of(tmp_path, 3).exists()
-    assert not ckpt._engine._thread.is_alive()
+    assert not engine_thread(ckpt).is_alive()
     with pytest.raises(ClosedError):
         await ckpt.save(4, state)
 
@@ -132,7 +134,7 @@ async def test_close_drains_then_everything_raises_closed(tmp_path: Path) -> Non
     ckpt = Checkpointer(make_config(tmp_path), tier_factory=slow({"nvme": 0.2}))
     handle = await ckpt.save(1, small_state(1))
     await ckpt.close()
-    assert handle._tracker.committed["nvme"].done()
+    assert committed_done(handle, "nvme")
     assert await handle.committed("nvme") is True
     assert manifest_of(tmp_path, 1).exists()
     await ckpt.close()  # a second close does nothing
@@ -169,16 +171,14 @@ async def test_async_api_from_a_second_loop_on_another_thread(tmp_path: Path) ->
 async def test_a_timed_out_await_does_not_cancel_the_save(tmp_path: Path) -> None:
     # wait_for cancels what it awaits on timeout; that must not cancel the save's capture or flush.
     async with Checkpointer(make_config(tmp_path, copy_threads=1)) as ckpt:
-        gate = threading.Event()
-        occupied = ckpt._copier._executor.submit(gate.wait, DEADLINE_S)  # the copy cannot start yet
+        occupied = HeldCopies(ckpt, deadline_s=DEADLINE_S)  # the copy cannot start yet
         try:
             handle = await ckpt.save(1, small_state(1))
             for waiter in (handle.captured(), handle.committed("nvme"), ckpt.wait()):
                 with pytest.raises(TimeoutError):
                     await asyncio.wait_for(waiter, 0.05)
         finally:
-            gate.set()
-        assert occupied.result(DEADLINE_S) is True
+            occupied.release()  # raises if the held thread had given up waiting
         assert await asyncio.wait_for(handle.captured(), DEADLINE_S) is True
         assert await asyncio.wait_for(handle.committed("nvme"), DEADLINE_S) is True
         await asyncio.wait_for(ckpt.wait(), DEADLINE_S)
@@ -267,7 +267,7 @@ def test_saves_from_two_threads_at_once(tmp_path: Path) -> None:
         ckpt.wait_sync()
         for handle in handles.values():
             assert handle.captured_sync(0) is True
-            assert handle._tracker.done()  # every tier decided: no save left hanging
+            assert settled(handle)  # every tier decided: no save left hanging
         assert sorted(held(ckpt, "ram")) == [10, 20]
         restored = ckpt.restore_latest_sync()
         assert restored is not None and restored.step == 20
@@ -275,7 +275,7 @@ def test_saves_from_two_threads_at_once(tmp_path: Path) -> None:
         # nvme holds the save that came last (whichever thread that was), intact.
         on_nvme = held(ckpt, "nvme")
         assert len(on_nvme) >= 1 and set(on_nvme) <= {10, 20}
-        newest = max(handles.values(), key=lambda h: h._tracker.token)
+        newest = max(handles.values(), key=save_number)
         assert newest.committed_sync("nvme", 0) is True
     finally:
         ckpt.close_sync()
@@ -287,12 +287,12 @@ def test_saves_from_two_threads_at_once(tmp_path: Path) -> None:
 def test_with_block_closes_and_drains(tmp_path: Path) -> None:
     with Checkpointer(make_config(tmp_path), tier_factory=slow({"nvme": 0.3})) as ckpt:
         handle = ckpt.save_sync(1, small_state(1))
-        engine_thread = ckpt._engine._thread
+        engine = engine_thread(ckpt)
     # Leaving the block drained the 0.3 s flush before stopping.
-    assert handle._tracker.committed["nvme"].done()
+    assert committed_done(handle, "nvme")
     assert handle.committed_sync("nvme", 0) is True
     assert manifest_of(tmp_path, 1).exists()
-    assert not engine_thread.is_alive()
+    assert not engine.is_alive()
     with pytest.raises(ClosedError):
         ckpt.save_sync(2, small_state(2))
     with pytest.raises(ClosedError):

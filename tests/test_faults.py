@@ -25,8 +25,7 @@ import torch
 
 from tierckpt import Checkpointer, FlushError
 from tierckpt.format import version_dirname
-from tierckpt.testing import IOFaults
-from tierckpt.storage import posix
+from tierckpt.testing import IOFaults, fallocate_hook
 
 from helpers import Opened, assert_bitwise, fs_tier, held, leftovers, memory_tier, tier_config
 
@@ -387,7 +386,7 @@ async def test_the_async_save_after_a_failed_flush_does_not_raise(opened: Opened
 
 def test_io_faults_fail_only_the_chosen_calls_and_put_everything_back(tmp_path: Path) -> None:
     originals = {name: getattr(os, name) for name in ("open", "fsync", "rename", "unlink", "mkdir", "pwritev")}
-    aio_rename, fallocate = aiofiles.os.rename, posix._fallocate
+    aio_rename, fallocate = aiofiles.os.rename, getattr(*fallocate_hook())
     inside, outside = tmp_path / "in", tmp_path / "out"
     inside.mkdir()
     outside.mkdir()
@@ -415,7 +414,7 @@ def test_io_faults_fail_only_the_chosen_calls_and_put_everything_back(tmp_path: 
     with pytest.raises(ValueError):
         IOFaults(errno.EIO, "chmod", under=inside)
     assert {name: getattr(os, name) for name in originals} == originals
-    assert (aiofiles.os.rename, posix._fallocate) == (aio_rename, fallocate)
+    assert (aiofiles.os.rename, getattr(*fallocate_hook())) == (aio_rename, fallocate)
 
 
 def test_a_kept_failure_holds_no_view_of_host_memory(opened: Opened, tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from tierckpt.capture.pool import HostPool
 from tierckpt.config import FlushPolicy, TierConfig
 from tierckpt.pipeline.pipeline import Pipeline
 from tierckpt.pipeline.ranked import FollowerFlusher, LeaderFlusher
+from tierckpt.testing.inspect import memory_hooks, pipeline_of, run_on_engine
 from tierckpt.tiers.base import GroupTier, Tier
 from tierckpt.tiers.filesystem import FilesystemTier
 from tierckpt.tiers.memory.tier import MemoryTier
@@ -86,9 +87,9 @@ def test_a_rank_flusher_refuses_a_tier_that_is_not_a_group_tier(kind: type, tmp_
 
 def test_the_pipeline_makes_its_memory_tier_with_itself_as_the_hooks(tmp_path: Path) -> None:
     with Checkpointer(ram_fs(tmp_path / "disk", name="disk", capacity="4MiB")) as ckpt:
-        pipeline = ckpt._pipeline
+        pipeline = pipeline_of(ckpt)
         assert isinstance(pipeline, Pipeline)
-        assert pipeline.memory._hooks is pipeline  # constructor injection: no attribute set afterwards
+        assert memory_hooks(pipeline.memory) is pipeline  # constructor injection: no attribute set afterwards
         ckpt.save_sync(1, {"w": torch.arange(10.0)}).committed_sync("disk", timeout=60)
 
 
@@ -133,7 +134,7 @@ def test_each_tier_one_process_opens_answers_through_the_interface(kind: str, tm
         assert not tier.leased(3)
         assert tier.threads >= 1
 
-    ckpt._engine.run_sync(ask())
+    run_on_engine(ckpt, ask())
     assert [(v.tier, v.step) for v in ckpt.versions() if v.tier == "t"] == [("t", 3), ("t", 7)]
     for step in (3, 7):
         restored = ckpt.restore_sync(step, tier="t")

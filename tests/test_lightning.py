@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from tierckpt import Checkpointer, ConfigError, CorruptCheckpointError, NoCheckpointError, UnsupportedStateError
 from tierckpt.integrations import lightning as tierckpt_lightning
 from tierckpt.integrations.lightning import TierckptCheckpointIO
+from tierckpt.testing.inspect import opened_checkpointer
 from tierckpt.testing.ranks import failures, launch_ranks
 
 from helpers import fs_tier, tier_config
@@ -167,7 +168,7 @@ def test_several_processes_without_the_callback_is_an_error_saying_how_to_add_it
     plugin = TierckptCheckpointIO(config)
     with pytest.raises(ConfigError, match=r"callbacks=\[tierckpt.integrations.lightning_ranks.EveryRankSaves\(\)\]"):
         plugin.save_checkpoint({"global_step": 4, "state_dict": {}}, "step=4.ckpt")
-    assert plugin._saves._ckpt is None
+    assert opened_checkpointer(plugin) is None
 
 
 # -- DDP: 2 ranks -----------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from tierckpt.errors import ConfigError
+from tierckpt.testing.inspect import held_windows
 
 from helpers import tier_config
 
@@ -103,7 +104,7 @@ def test_a_group_is_fetched_once_for_its_chunks_and_let_go_after_the_last() -> N
     scratch = memoryview(bytearray(0))
     for offset, length in spans[:3]:
         assert bytes(reader.read_span(offset, length, scratch, what="x")) == data[offset:offset + length]
-    assert inner.reads == 1 and not reader._held  # one GET for the three; nothing kept after the last
+    assert inner.reads == 1 and not held_windows(reader)  # one GET for the three; nothing kept after the last
     out = memoryview(bytearray(10))
     reader.read_into(out, 600_000, scratch, what="x")  # outside any group: its own read
     assert bytes(out) == data[600_000:600_010] and inner.reads == 2
@@ -148,7 +149,7 @@ def test_a_chunk_across_a_window_edge_comes_in_two_pieces_and_each_window_is_fet
     assert bytes(out) == data[:40_000]
     assert bytes(reader.read_span(180_000, 20_000, scratch, what="x")) == data[180_000:200_000]
     assert inner.reads == 4  # one GET per window, for chunks that came in seven pieces between them
-    assert not reader._held  # each window let go after the last piece it held
+    assert not held_windows(reader)  # each window let go after the last piece it held
 
 
 class _GatedReader(_CountingReader):

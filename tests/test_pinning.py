@@ -16,6 +16,7 @@ import torch
 
 from tierckpt import Checkpointer, ConfigError
 from tierckpt.capture import pinning
+from tierckpt.testing.inspect import host_pool
 
 from helpers import fs_tier, memory_tier, tier_config
 
@@ -70,7 +71,8 @@ def test_each_slot_is_pinned_in_the_background_and_unpinned_at_close(tmp_path: P
     ckpt = Checkpointer(config(tmp_path))
     try:
         assert ckpt.pinned is True  # waits for the background preparation (tierckpt.capture.prepare)
-        base, slot = ckpt._pool._bytes.data_ptr(), ckpt._pool.slot_size
+        pool = host_pool(ckpt)
+        base, slot = pool.memory.data_ptr(), pool.slot_size
         assert runtime.registered == [(base, slot), (base + slot, slot)]  # one registration per slot
         assert ckpt.save_sync(1, {"x": torch.arange(10)}).committed_sync("nvme", timeout=30)
         assert runtime.unregistered == []
@@ -147,7 +149,7 @@ def _vm_flags(address: int) -> list[str]:
 def test_the_anonymous_pool_is_left_out_of_forked_children(tmp_path: Path) -> None:
     with Checkpointer(config(tmp_path)) as ckpt:
         # "dc": do not copy on fork; a pinned pool would otherwise be copied into every DataLoader worker.
-        assert "dc" in _vm_flags(ckpt._pool._bytes.data_ptr())
+        assert "dc" in _vm_flags(host_pool(ckpt).memory.data_ptr())
     with Checkpointer(config(tmp_path, ram_path=tmp_path / "shm")) as ckpt:
-        assert "dc" not in _vm_flags(ckpt._pool._bytes.data_ptr())  # shared: a fork shares it, never copies
+        assert "dc" not in _vm_flags(host_pool(ckpt).memory.data_ptr())  # shared: a fork shares it, never copies
 

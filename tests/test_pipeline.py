@@ -22,6 +22,8 @@ import torch
 
 from tierckpt import Checkpointer, FlushError
 from tierckpt.testing import Gates, ManualClock, SlowTier, faulty, slow
+from tierckpt.testing.copies import HeldCopies
+from tierckpt.testing.inspect import captured_done, committed_done, is_closed, noticed_copy_checks, run_on_engine
 
 from helpers import Opened, assert_bitwise, fs_tier, held, memory_tier
 
@@ -82,9 +84,8 @@ def test_on_full_block_returns_only_once_the_flush_freed_the_slot(tmp_path: Path
         time.sleep(0.001)
     assert slow_nvme.writes_started == 1
     second = ckpt.save_sync(2, state_for(2))
-    flushed = first._tracker.committed["nvme"]
-    assert flushed.done(), "save() returned while the only slot was still being flushed"
-    assert flushed.result() is True
+    assert committed_done(first, "nvme"), "save() returned while the only slot was still being flushed"
+    assert first.committed_sync("nvme", 0) is True
     assert not second.skipped
     assert second.committed_sync("nvme", DEADLINE_S) is True
     assert step_dirs(tmp_path / "nvme") == names(1, 2)
@@ -111,7 +112,7 @@ def test_saves_do_not_wait_for_disk_while_a_slot_can_be_had(tmp_path: Path, open
     worker.join(DEADLINE_S)
     assert not worker.is_alive(), "save() waited for the disk"
     h2, h3 = result
-    assert not h1._tracker.committed["nvme"].done()  # the gate is still closed
+    assert not committed_done(h1, "nvme")  # the gate is still closed
     assert h2.committed_sync("nvme", DEADLINE_S) is False  # superseded by step 3
     gates.open_all()
     assert h1.committed_sync("nvme", DEADLINE_S) is True
@@ -133,7 +134,7 @@ async def test_on_full_skip_drops_the_save_while_the_slow_flush_holds_the_slot(t
     assert await skipped.committed("ram") is False
     assert await skipped.committed("nvme") is False
     assert ckpt.counters.skipped_saves == 1
-    assert not first._tracker.committed["nvme"].done()
+    assert not committed_done(first, "nvme")
 
     gates.open_all()
     assert await first.committed("nvme") is True
@@ -166,8 +167,8 @@ def test_a_busy_flusher_takes_the_newest_and_the_superseded_resolve_false(tmp_pa
         assert handles[step].captured_sync(DEADLINE_S) is True
     for step in (2, 3, 4):
         assert handles[step].committed_sync("nvme", DEADLINE_S) is False, step
-    assert not handles[5]._tracker.committed["nvme"].done()  # pending behind the closed gate
-    assert not handles[1]._tracker.committed["nvme"].done()
+    assert not committed_done(handles[5], "nvme")  # pending behind the closed gate
+    assert not committed_done(handles[1], "nvme")
 
     gates.open_all()
     assert handles[1].committed_sync("nvme", DEADLINE_S) is True
@@ -184,14 +185,12 @@ def test_captures_finishing_out_of_order_still_flush_the_newest(tmp_path: Path, 
     first. Whatever the order, the newest save must end up flushed (it used to be the older one)."""
     ckpt = Checkpointer(config(memory_tier("ram"), fs_tier("nvme", tmp_path / "nvme"), capacity="20MiB", snapshots=2, copy_threads=2))
     opened.append(ckpt)
-    gate = threading.Event()
-    occupied = [ckpt._copier._executor.submit(gate.wait, DEADLINE_S) for _ in range(2)]
+    occupied = HeldCopies(ckpt, 2, deadline_s=DEADLINE_S)
     try:
         h1 = ckpt.save_sync(1, {"big": torch.ones(2 << 20)})  # 8 MiB: one long copy
         h2 = ckpt.save_sync(2, {"small": torch.arange(16)})
     finally:
-        gate.set()
-    assert all(job.result(DEADLINE_S) for job in occupied)
+        occupied.release()  # raises if a held thread had given up waiting
     ckpt.wait_sync()
     assert h2.committed_sync("nvme", 0) is True
     assert h1.committed_sync("nvme", 0) is False
@@ -254,7 +253,7 @@ def test_min_interval_holds_versions_back_with_an_injected_clock(tmp_path: Path,
     h3 = ckpt.save_sync(3, state_for(3))
     assert h2.committed_sync("nvme", DEADLINE_S) is False  # superseded by 3 while held back
     assert h3.captured_sync(DEADLINE_S) is True
-    assert not h3._tracker.committed["nvme"].done()  # pending: held back by min_interval
+    assert not committed_done(h3, "nvme")  # pending: held back by min_interval
     assert held(ckpt, "nvme") == [1]
 
     clock.now = 150.0  # the interval has passed: the next arrival goes down at once
@@ -264,7 +263,7 @@ def test_min_interval_holds_versions_back_with_an_injected_clock(tmp_path: Path,
 
     h5 = ckpt.save_sync(5, state_for(5))  # within 100 s of step 4's flush (150.0)
     assert h5.captured_sync(DEADLINE_S) is True
-    assert not h5._tracker.committed["nvme"].done()
+    assert not committed_done(h5, "nvme")
     ckpt.wait_sync()  # drain waives min_interval
     assert h5.committed_sync("nvme", 0) is True
     assert step_dirs(tmp_path / "nvme") == names(1, 4, 5)
@@ -491,7 +490,7 @@ def test_close_raises_when_the_last_flush_failed(tmp_path: Path, opened: Opened)
     with pytest.raises(FlushError) as info:
         ckpt.close_sync()
     assert (info.value.tier, info.value.step, info.value.errno) == ("nvme", 2, errno.ENOSPC)
-    assert ckpt._closed
+    assert is_closed(ckpt)
     assert step_dirs(tmp_path / "nvme") == names(1)
 
 
@@ -499,15 +498,13 @@ def test_a_failed_capture_is_reported_and_frees_its_slot(tmp_path: Path, opened:
     ckpt = Checkpointer(config(memory_tier("ram"), fs_tier("nvme", tmp_path / "nvme"), snapshots=1, on_full="skip", copy_threads=1))
     opened.append(ckpt)
     array = np.zeros(1000, dtype=np.float32)
-    gate = threading.Event()
-    occupied = ckpt._copier._executor.submit(gate.wait, DEADLINE_S)
+    occupied = HeldCopies(ckpt, deadline_s=DEADLINE_S)
     try:
         handle = ckpt.save_sync(1, {"a": array})
         # Before its copy runs, the array changes shape under the save: the copy must fail cleanly.
         array.resize(2000, refcheck=False)
     finally:
-        gate.set()
-    assert occupied.result(DEADLINE_S) is True
+        occupied.release()  # raises if the held thread had given up waiting
     with pytest.raises(FlushError) as info:
         handle.captured_sync(DEADLINE_S)
     error = info.value
@@ -549,7 +546,7 @@ def test_on_full_evict_drops_the_waiting_snapshot_and_counts_it(tmp_path: Path, 
     assert h5.committed_sync("nvme", DEADLINE_S) is False  # not eligible
     counters = ckpt.counters
     assert (counters.saves, counters.skipped_saves, counters.evicted_saves) == (3, 0, 1)
-    assert not h2._tracker.committed["nvme"].done()
+    assert not committed_done(h2, "nvme")
 
     gates.open_all()
     assert h2.committed_sync("nvme", DEADLINE_S) is True
@@ -594,7 +591,7 @@ def test_newest_only_false_flushes_every_eligible_version_in_order(tmp_path: Pat
     worker.start()
     worker.join(0.2)
     assert worker.is_alive(), "save() took a slot holding a version nvme still had to write"
-    assert not any(handles[s]._tracker.committed["nvme"].done() for s in (1, 2, 3))
+    assert not any(committed_done(handles[s], "nvme") for s in (1, 2, 3))
     gates.open_all()
     worker.join(DEADLINE_S)
     assert not worker.is_alive()
@@ -641,7 +638,7 @@ def test_max_staleness_sends_the_newest_version_down_when_the_tier_is_overdue(tm
         handles[step] = ckpt.save_sync(step, state_for(step))
         assert handles[step].committed_sync("nvme", DEADLINE_S) is True
     assert handles[2].committed_sync("pfs", DEADLINE_S) is False  # replaced as pfs's fallback by 3
-    assert not handles[3]._tracker.committed["pfs"].done()  # held, in case pfs falls overdue
+    assert not committed_done(handles[3], "pfs")  # held, in case pfs falls overdue
     ckpt.wait_sync()  # not overdue yet: a drain does not force it
     assert held(ckpt, "pfs") == []
     assert held(ckpt, "nvme") == [3]  # keep last 1, and step 3 is pfs's fallback anyway
@@ -655,7 +652,7 @@ def test_max_staleness_sends_the_newest_version_down_when_the_tier_is_overdue(tm
     handles[5] = ckpt.save_sync(5, state_for(5))  # the clock restarted when step 4's flush started
     assert handles[5].committed_sync("nvme", DEADLINE_S) is True
     ckpt.wait_sync()
-    assert not handles[5]._tracker.committed["pfs"].done()
+    assert not committed_done(handles[5], "pfs")
     clock.advance(600)
     ckpt.wait_sync()  # overdue now: wait() sends it down
     assert handles[5].committed_sync("pfs", 0) is True
@@ -666,26 +663,9 @@ def test_max_staleness_sends_the_newest_version_down_when_the_tier_is_overdue(tm
     assert step_dirs(tmp_path / "pfs") == names(4, 5)
 
 
-def _noticed_capture_checks(ckpt: Checkpointer, monkeypatch: pytest.MonkeyPatch, tier: str = "nvme") -> threading.Event:
-    """An event set when ``tier``'s flusher next asks whether a host copy runs and hears that one does:
-    it asks at each decision, on the engine loop, and decides in that same step (no await between)."""
-    flusher = next(f for f in ckpt._pipeline.flushers if f.tier.name == tier)
-    asks = flusher._copy_running
-    looked = threading.Event()
-
-    def noticed() -> bool:
-        running = asks()
-        if running:
-            looked.set()
-        return running
-
-    monkeypatch.setattr(flusher, "_copy_running", noticed)
-    return looked
-
-
 @pytest.mark.parametrize("staleness", [None, "1m"])
 def test_max_staleness_starts_a_flush_beside_a_running_host_copy(
-    tmp_path: Path, opened: Opened, staleness: str | None, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, opened: Opened, staleness: str | None
 ) -> None:
     """Step 2 waits for nvme while step 3 is being copied. A flush from host memory waits for the copy,
     unless nvme is overdue."""
@@ -703,27 +683,26 @@ def test_max_staleness_starts_a_flush_beside_a_running_host_copy(
     assert gates["nvme"].started.wait(DEADLINE_S)  # the flush of step 1 started at 0 s
     h2 = ckpt.save_sync(2, state_for(2))
     assert h2.captured_sync(DEADLINE_S) is True
-    copy_gate = threading.Event()
-    occupied = ckpt._copier._executor.submit(copy_gate.wait, DEADLINE_S)  # step 3's copy cannot finish
+    occupied = HeldCopies(ckpt, deadline_s=DEADLINE_S)  # step 3's copy cannot finish
     try:
         h3 = ckpt.save_sync(3, state_for(3))
         clock.advance(61)
-        # The flusher's next look, once step 1 is in, sees step 3's copy running (held on the copier).
-        looked = _noticed_capture_checks(ckpt, monkeypatch)
-        gates.open_all()
-        assert h1.committed_sync("nvme", DEADLINE_S) is True
-        if staleness is None:
-            assert looked.wait(DEADLINE_S)
-            ckpt._engine.run_sync(asyncio.sleep(0))  # after the decision: it must keep waiting
-            assert not h2._tracker.committed["nvme"].done()
-            assert gates["nvme"].steps == [1]  # and step 2's write never started
-        else:
-            assert h2.committed_sync("nvme", DEADLINE_S) is True  # overdue: it did not wait for the copy
-            assert not h3._tracker.captured.done()
-            assert ckpt.counters.forced == {}  # step 2 was eligible: nothing was forced
+        # The flusher's next look, once step 1 is in, sees step 3's copy running (held on the copier):
+        # nvme's flusher asks at each decision, on the engine loop, and decides in that same step.
+        with noticed_copy_checks(ckpt, "nvme") as looked:
+            gates.open_all()
+            assert h1.committed_sync("nvme", DEADLINE_S) is True
+            if staleness is None:
+                assert looked.wait(DEADLINE_S)
+                run_on_engine(ckpt, asyncio.sleep(0))  # after the decision: it must keep waiting
+                assert not committed_done(h2, "nvme")
+                assert gates["nvme"].steps == [1]  # and step 2's write never started
+            else:
+                assert h2.committed_sync("nvme", DEADLINE_S) is True  # overdue: it did not wait for the copy
+                assert not captured_done(h3)
+                assert ckpt.counters.forced == {}  # step 2 was eligible: nothing was forced
     finally:
-        copy_gate.set()
-    assert occupied.result(DEADLINE_S) is True
+        occupied.release()  # raises if the held thread had given up waiting
     assert h3.committed_sync("nvme", DEADLINE_S) is True
     assert h2.committed_sync("nvme", DEADLINE_S) is (staleness is not None)  # else replaced by step 3
     if staleness is None:

@@ -17,6 +17,7 @@ import torch
 from tierckpt import Checkpointer
 from tierckpt._buffers import prefault as real_prefault
 from tierckpt.capture import prepare
+from tierckpt.testing.inspect import host_pool
 
 from helpers import assert_bitwise, fs_tier, memory_tier, ram_fs, tier_config
 
@@ -73,7 +74,7 @@ def saved_once(tmp_path: Path, gate: Gate) -> dict:
     gate.allow(4)  # 64 MiB: four pieces of 16 MiB, all of this Checkpointer's pool
     with Checkpointer(config) as ckpt:
         assert ckpt.save_sync(1, state(1)).committed_sync("nvme", timeout=DEADLINE_S)
-        assert ckpt._pool.wait_prepared(DEADLINE_S)
+        assert host_pool(ckpt).wait_prepared(DEADLINE_S)
     gate.drain()  # the next Checkpointer's thread starts with none
     return config
 
@@ -85,7 +86,7 @@ def test_construction_and_restore_do_not_wait_for_the_pool(tmp_path: Path, gate:
     # The pool's thread is held in its first fault: construction and a whole restore go on without it.
     with Checkpointer(config) as ckpt:
         assert gate.entered.wait(DEADLINE_S)
-        pool = ckpt._pool
+        pool = host_pool(ckpt)
         assert not any(pool.ready(slot) for slot in pool.slots)
         template = {"w": torch.zeros(256, 256), "b": torch.zeros(300)}
         restored = ckpt.restore_latest_sync(template)
@@ -101,7 +102,7 @@ def test_a_save_before_its_slot_is_ready_prepares_that_slot_without_waiting_for_
     # 64 MiB in 2 slots: 32 MiB each, faulted in 16 MiB pieces by the pool's thread.
     with Checkpointer(ram_fs(tmp_path / "nvme", capacity="64MiB", snapshots=2)) as ckpt:
         assert gate.entered.wait(DEADLINE_S)  # held in slot 0's first piece, and kept there
-        pool = ckpt._pool
+        pool = host_pool(ckpt)
         first, second = pool.slots
         handle = ckpt.save_sync(1, state(1))  # gets slot 0, and faults it in itself
         assert handle.committed_sync("nvme", timeout=DEADLINE_S)
@@ -118,7 +119,7 @@ def test_a_save_before_its_slot_is_ready_prepares_that_slot_without_waiting_for_
 def test_a_slot_the_pool_thread_has_not_reached_is_faulted_by_whoever_needs_it(tmp_path: Path, gate: Gate) -> None:
     with Checkpointer(ram_fs(tmp_path / "nvme", capacity="64MiB", snapshots=2)) as ckpt:
         assert gate.entered.wait(DEADLINE_S)  # held inside slot 0
-        pool = ckpt._pool
+        pool = host_pool(ckpt)
         first, second = pool.slots
         pool.prepare(second)  # what a save given slot 1 does, in its own thread
         assert pool.ready(second) and not pool.ready(first)
@@ -133,7 +134,8 @@ def test_a_restore_pauses_the_pool_thread_until_it_ends(tmp_path: Path, gate: Ga
     gate.calls = 0
     gate.entered.clear()
     with Checkpointer(config) as ckpt:
-        preparer = ckpt._pool._preparer
+        pool = host_pool(ckpt)
+        preparer = pool.preparer()
         assert gate.entered.wait(DEADLINE_S)
         with preparer.paused():
             gate.allow()  # the piece under way finishes; then the thread waits for the pause to end
@@ -141,21 +143,21 @@ def test_a_restore_pauses_the_pool_thread_until_it_ends(tmp_path: Path, gate: Ga
             calls = gate.calls
             assert ckpt.restore_latest_sync() is not None
             assert gate.calls == calls
-        assert ckpt._pool.wait_prepared(DEADLINE_S)
+        assert pool.wait_prepared(DEADLINE_S)
         assert gate.calls > calls
-        assert all(ckpt._pool.ready(slot) for slot in ckpt._pool.slots)
+        assert all(pool.ready(slot) for slot in pool.slots)
 
 
 def test_close_during_the_fault_in_stops_the_pool_thread(tmp_path: Path, gate: Gate) -> None:
     ckpt = Checkpointer(ram_fs(tmp_path / "nvme", capacity="64MiB"))
     assert gate.entered.wait(DEADLINE_S)
-    preparer = ckpt._pool._preparer
+    preparer = host_pool(ckpt).preparer()
     closing = threading.Thread(target=ckpt.close_sync)
     closing.start()
     gate.allow()
     closing.join(DEADLINE_S)
     assert not closing.is_alive()
-    assert preparer.idle.is_set() and preparer._thread is not None and not preparer._thread.is_alive()
+    assert preparer.idle.is_set() and preparer.stopped()
     assert gate.calls == 1  # stopped after the piece it was in: 32 MiB a slot is two pieces of 16 MiB
 
 
@@ -163,7 +165,7 @@ def test_the_ram_tier_pool_is_prepared_in_the_background_too(tmp_path: Path, gat
     config = tier_config(fs_tier("nvme", tmp_path / "nvme"), capacity="64MiB", ram=memory_tier(path=str(tmp_path / "shm")))
     gate.allow(4)  # 64 MiB: four pieces of 16 MiB, all of this Checkpointer's pool
     with Checkpointer(config) as ckpt:
-        assert ckpt._pool.wait_prepared(DEADLINE_S)
+        assert host_pool(ckpt).wait_prepared(DEADLINE_S)
         assert ckpt.save_sync(3, state(3)).committed_sync("nvme", timeout=DEADLINE_S)
     assert gate.calls == 4
     gate.entered.clear()
@@ -173,7 +175,8 @@ def test_the_ram_tier_pool_is_prepared_in_the_background_too(tmp_path: Path, gat
         restored = ckpt.restore_latest_sync()
         assert restored is not None and restored.tier == "ram"
         assert_bitwise(restored.state, state(3))
-        assert gate.calls == 5 and not any(ckpt._pool.ready(slot) for slot in ckpt._pool.slots)
+        pool = host_pool(ckpt)
+        assert gate.calls == 5 and not any(pool.ready(slot) for slot in pool.slots)
         gate.allow()
 
 
@@ -183,9 +186,10 @@ def test_the_pool_thread_takes_at_most_a_quarter_of_a_core(tmp_path: Path) -> No
     # Real faulting here (no gate): after each piece the thread rests three times the CPU time it took.
     began = time.monotonic()
     with Checkpointer(ram_fs(tmp_path / "nvme", capacity="256MiB")) as ckpt:
-        assert ckpt._pool.wait_prepared(DEADLINE_S)
+        pool = host_pool(ckpt)
+        assert pool.wait_prepared(DEADLINE_S)
         took = time.monotonic() - began
-        preparer = ckpt._pool._preparer
+        preparer = pool.preparer()
     assert preparer.worked_s > 0
     assert preparer.rested_s == pytest.approx(3 * preparer.worked_s)
     # The rests were taken, not only counted: the thread's CPU time is at most a quarter of its time.

@@ -21,6 +21,7 @@ from tierckpt import CapacityError
 from tierckpt.capture import HostPool
 from tierckpt.capture.pool import sized_slot
 from tierckpt.testing import Gates
+from tierckpt.testing.inspect import host_pool
 
 from helpers import Opened, assert_bitwise, fs_tier, memory_tier, tier_config
 
@@ -49,28 +50,29 @@ def test_without_host_capacity_nothing_is_mapped_before_the_first_save_and_then_
     tmp_path: Path, opened: Opened, caplog: pytest.LogCaptureFixture
 ) -> None:
     ckpt = opened(unset(tmp_path))
+    pool = host_pool(ckpt)
     assert ckpt.config.host.capacity_bytes is None
-    assert (ckpt._pool.capacity_bytes, ckpt._pool.slots) == (0, ())
+    assert (pool.capacity_bytes, pool.slots) == (0, ())
     assert ckpt.restore_latest_sync() is None  # a restore before any save needs no pool
     state = {"w": torch.arange(10, dtype=torch.float32)}  # 40 bytes
     with caplog.at_level(logging.INFO, logger="tierckpt"):
         assert ckpt.save_sync(1, state).committed_sync("nvme", DEADLINE_S)
-    assert ckpt._pool.capacity_bytes == 2 * 64 * KiB  # two slots of 64 KiB, not 1 GiB
-    assert [s.size for s in ckpt._pool.slots] == [64 * KiB] * 2
+    assert pool.capacity_bytes == 2 * 64 * KiB  # two slots of 64 KiB, not 1 GiB
+    assert [s.size for s in pool.slots] == [64 * KiB] * 2
     said = [r.getMessage() for r in caplog.records if "host pool sized" in r.getMessage()]
     assert said == ["host pool sized to step 1's state of 4KiB: 2 slot(s) of 64KiB (128KiB) mapped (host.capacity is not set)"], said
     restored = ckpt.restore_latest_sync()
     assert (restored.step, restored.tier) == (1, "ram")
     assert_bitwise(restored.state, state)
     assert ckpt.save_sync(2, {"w": torch.arange(1000, dtype=torch.float32)}).committed_sync("nvme", DEADLINE_S)
-    assert ckpt._pool.capacity_bytes == 2 * 64 * KiB  # it fits: the same slots
+    assert pool.capacity_bytes == 2 * 64 * KiB  # it fits: the same slots
 
 
 def test_a_larger_save_maps_larger_slots_and_the_old_ones_go_with_their_last_snapshot(tmp_path: Path, opened: Opened) -> None:
     gates = Gates("nvme", deadline_s=DEADLINE_S)
     opened.append(gates)
     ckpt = opened(unset(tmp_path, keep={"last": 1}), tier_factory=gates)
-    pool = ckpt._pool
+    pool = host_pool(ckpt)
     small, large = floats(40), floats(MiB, 2.0)
     h1 = ckpt.save_sync(1, small)
     assert gates["nvme"].started.wait(DEADLINE_S)  # step 1's flush holds its slot of the first slots
@@ -99,7 +101,7 @@ def test_a_larger_save_maps_larger_slots_and_the_old_ones_go_with_their_last_sna
 
 def test_a_save_needing_a_slot_drops_snapshots_of_the_old_slots_first_and_unmaps_them(tmp_path: Path, opened: Opened) -> None:
     ckpt = opened(unset(tmp_path))  # the memory tier keeps what it holds until a save needs its slot
-    pool = ckpt._pool
+    pool = host_pool(ckpt)
     for step in (1, 2):
         assert ckpt.save_sync(step, floats(40, step)).committed_sync("nvme", DEADLINE_S)
     first = pool.capacity_bytes
@@ -121,7 +123,8 @@ def test_a_state_past_the_limit_is_a_capacity_error_naming_host_capacity_and_tra
 ) -> None:
     monkeypatch.setattr(tierckpt.capture.pool, "half_of_memory", lambda: 2 * MiB)
     ckpt = opened(unset(tmp_path))
-    assert ckpt._pool.limit_bytes == 2 * MiB
+    pool = host_pool(ckpt)
+    assert pool.limit_bytes == 2 * MiB
     with pytest.raises(CapacityError) as caught:
         ckpt.save_sync(1, floats(2 * MiB))
     assert caught.value.key == "host.capacity" and caught.value.step == 1
@@ -130,16 +133,16 @@ def test_a_state_past_the_limit_is_a_capacity_error_naming_host_capacity_and_tra
         "more than the 2MiB a pool maps unless told (half of this host's memory); set host.capacity to what this "
         "process may use, or lower host.snapshots"
     )
-    assert ckpt._pool.capacity_bytes == 0
+    assert pool.capacity_bytes == 0
     assert ckpt.save_sync(2, floats(MiB // 2)).committed_sync("nvme", DEADLINE_S)  # the next save is taken as usual
-    assert ckpt._pool.capacity_bytes == 2 * 576 * KiB  # 512 KiB and an eighth, twice: under the limit
+    assert pool.capacity_bytes == 2 * 576 * KiB  # 512 KiB and an eighth, twice: under the limit
     ckpt.save_sync(3, floats(900 * KiB)).committed_sync("nvme", DEADLINE_S)
-    assert [s.size for s in ckpt._pool.slots] == [MiB] * 2  # an eighth more would pass the limit: up to it
+    assert [s.size for s in pool.slots] == [MiB] * 2  # an eighth more would pass the limit: up to it
 
 
 def test_an_explicit_capacity_is_mapped_at_construction_and_never_grows(tmp_path: Path, opened: Opened) -> None:
     ckpt = opened(tier_config(fs_tier("nvme", tmp_path / "nvme"), capacity="8MiB", snapshots=2))
-    pool = ckpt._pool
+    pool = host_pool(ckpt)
     assert (pool.capacity_bytes, [s.size for s in pool.slots], pool.slot_size) == (8 * MiB, [4 * MiB] * 2, 4 * MiB)
     assert ckpt.save_sync(1, floats(40)).committed_sync("nvme", DEADLINE_S)
     with pytest.raises(CapacityError, match=r"one slot holds 4MiB \(host.capacity 8MiB / host.snapshots 2\); raise host.capacity to at least 12MiB"):
@@ -152,12 +155,13 @@ def test_a_memory_tier_with_a_path_keeps_a_fixed_pool_without_host_capacity(
 ) -> None:
     monkeypatch.setattr(tierckpt.runtime, "FILE_POOL_BYTES", 2 * MiB)  # 1 GiB, as before pools followed the state
     ckpt = opened(unset(tmp_path, path=str(tmp_path / "ram")))
-    assert ckpt._pool.capacity_bytes == 2 * MiB  # mapped at construction: the next process maps the same file
+    pool = host_pool(ckpt)
+    assert pool.capacity_bytes == 2 * MiB  # mapped at construction: the next process maps the same file
     assert ckpt.save_sync(1, floats(40)).committed_sync("ram", DEADLINE_S)
     with pytest.raises(CapacityError, match=r"host.capacity is not set, and the memory tier's pool file \(tiers\[0\].path\)") as caught:
         ckpt.save_sync(2, floats(2 * MiB))
     assert caught.value.key == "host.capacity" and "set host.capacity to at least 4MiB" in str(caught.value)
-    assert ckpt._pool.capacity_bytes == 2 * MiB
+    assert pool.capacity_bytes == 2 * MiB
 
 
 def test_the_pool_unmaps_a_generation_when_its_last_slot_comes_back() -> None:

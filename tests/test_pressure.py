@@ -19,6 +19,7 @@ import torch
 from tierckpt import Checkpointer
 from tierckpt.config import TierConfig
 from tierckpt.testing import GatedTier, SlowTier
+from tierckpt.testing.inspect import host_slots
 
 from helpers import Opened
 
@@ -35,12 +36,8 @@ def host(snapshots: int, on_full: str) -> dict[str, Any]:
 
 def slot_accounting(ckpt: Checkpointer) -> tuple[int, int]:
     """(snapshots held, free slots), read on the engine thread."""
-
-    async def read() -> tuple[int, int]:
-        memory = ckpt._pipeline.memory
-        return len(memory.snapshots()), len(memory._free)
-
-    return ckpt._engine.run_sync(read())
+    slots = host_slots(ckpt)
+    return slots.held, len(slots.free)
 
 
 def run_saves(ckpt: Checkpointer, steps: range, *, barrier: bool) -> tuple[list[Any], list[float]]:

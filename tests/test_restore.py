@@ -29,6 +29,7 @@ from tierckpt.tiers.base import VersionSource
 from tierckpt.tiers.filesystem import FilesystemTier
 from tierckpt.tiers.memory.tier import MemoryTier
 from tierckpt.testing import flip_bits
+from tierckpt.testing.inspect import free_slots, host_slots, pipeline_of
 
 from helpers import Opened, assert_bitwise, bitwise_equal, fs_tier, logged_warnings, tier_config, until
 
@@ -588,21 +589,13 @@ def _gated(opened: Opened, config: dict[str, Any]) -> tuple[Checkpointer, _Gated
 
 def _slots(ckpt: Checkpointer) -> tuple[list[int], list[int], int]:
     """(lent slot indices, free slot indices, loans so far), read on the engine thread."""
-
-    async def read() -> tuple[list[int], list[int], int]:
-        memory = ckpt._pipeline.memory
-        return [s.index for s in memory.lent], sorted(s.index for s in memory._free), memory.loans
-
-    return ckpt._engine.run_sync(read())
+    slots = host_slots(ckpt)
+    return slots.lent, slots.free, slots.loans
 
 
 def _waiting_saves(ckpt: Checkpointer) -> int:
     """Saves waiting for a host slot now (on_full: block), read on the engine thread."""
-
-    async def read() -> int:
-        return ckpt._pipeline.memory.waiting_saves
-
-    return ckpt._engine.run_sync(read())
+    return host_slots(ckpt).waiting_saves
 
 
 class _Background:
@@ -666,7 +659,7 @@ def test_a_template_restore_stages_in_a_free_host_slot_and_gives_it_back(opened:
     assert _slots(ckpt) == ([], lent, 1)  # the lent slot is free again; step 10 holds the other
 
     # The staged bytes went through that very slot (the first staged record sits at its start).
-    memory = ckpt._pipeline.memory
+    memory = pipeline_of(ckpt).memory
     w = _state(9)["model"]["w"]
     slot = memory.pool.slots[lent[0]]
     assert bytes(memory.pool.view(slot, 0, w.numel() * 4)) == w.numpy().tobytes()
@@ -792,11 +785,11 @@ def test_borrow_lends_the_fewest_adjacent_free_slots_and_takes_them_back() -> No
                 b[-1] = 7  # writable, and really the pool's bytes
                 assert tier.pool.view(tier.pool.slots[2], MiB - 1, 1)[0] == 7
                 with tier.borrow(MiB) as c:
-                    assert c is not None and lent() == [0, 1, 2, 3] and not tier._free
+                    assert c is not None and lent() == [0, 1, 2, 3] and not free_slots(tier)
                     with tier.borrow(1) as d:
                         assert d is None  # nothing free: no loan
             assert lent() == [0]
-        assert lent() == [] and len(tier._free) == 4
+        assert lent() == [] and len(free_slots(tier)) == 4
 
         # Slots 0 and 2 free, 1 and 3 lent: two free slots, but not adjacent.
         loans = [tier.borrow(MiB) for _ in range(4)]
@@ -819,7 +812,7 @@ def test_borrow_lends_the_fewest_adjacent_free_slots_and_takes_them_back() -> No
             with tier.borrow(4 * MiB) as h:
                 assert h is not None and len(tier.lent) == 4
                 1 / 0
-        assert tier.lent == [] and len(tier._free) == 4
+        assert tier.lent == [] and len(free_slots(tier)) == 4
         assert tier.loans == 10  # a, b, c, the four, f, g, h: those that got slots
     finally:
         tier.pool.close()

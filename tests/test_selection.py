@@ -19,6 +19,7 @@ import torch
 from tierckpt import Checkpointer, FlushError
 from tierckpt.policy import flush_eligible
 from tierckpt.testing import Gates, faulty
+from tierckpt.testing.inspect import committed_done, committed_saves, save_number
 
 from helpers import Opened, fs_tier, memory_tier, tier_config
 
@@ -128,7 +129,7 @@ def test_a_selected_version_only_host_memory_holds_is_kept_for_its_tier(tmp_path
     assert h4.captured_sync(DEADLINE_S) is True
     h5 = ckpt.save_sync(5, state_for(5))
     assert h5.skipped
-    assert not h4._tracker.committed["pfs"].done()  # still pfs's: waiting in host memory
+    assert not committed_done(h4, "pfs")  # still pfs's: waiting in host memory
     g["pfs"].gate.set()
     assert h2.committed_sync("pfs", DEADLINE_S) is True
     assert h4.committed_sync("pfs", DEADLINE_S) is True
@@ -199,14 +200,14 @@ def test_every_selected_version_reaches_pfs_on_real_disks_while_nvme_is_busy(tmp
             if step % 50 == 0 and pending is not None:
                 results[pending.step] = pending.committed_sync("pfs", DEADLINE_S)
             handle = ckpt.save_sync(step, state)
-            assert flush_eligible(policy, step, handle._tracker.token) is (step % 50 == 0)
+            assert flush_eligible(policy, step, save_number(handle)) is (step % 50 == 0)
             if step % 50 == 0:
                 pending = handle
         assert pending is not None
         results[pending.step] = pending.committed_sync("pfs", DEADLINE_S)
         # Which save nvme holds under each step is remembered only for what it still holds (keep last 3,
         # plus what pfs waits for or reads, plus the version just committed): not one entry per save.
-        assert len(ckpt._pipeline.sources._tokens["nvme"]) <= 6
+        assert len(committed_saves(ckpt, "nvme")) <= 6
     assert results == {s: True for s in range(50, 401, 50)}
     assert sorted(p.name for p in (tmp_path / "pfs").iterdir()) == [f"step-{s:012d}" for s in range(50, 401, 50)]
     for step in range(50, 401, 50):

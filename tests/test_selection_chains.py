@@ -46,6 +46,9 @@ from tierckpt import Checkpointer
 from tierckpt.config import TierConfig
 from tierckpt.policy import choose_flush, flush_eligible
 from tierckpt.testing import GatedTier, ManualClock
+from tierckpt.testing.inspect import (
+    call_on_engine, committed_done, flushers_of, is_closed, newest_save_number, pipeline_of, save_number,
+)
 
 DEADLINE_S = 30.0  # a deadlock guard only: settling takes milliseconds
 SLOT_KIB = 16
@@ -144,20 +147,16 @@ class Run:
 
     def captured_now(self) -> tuple[int, frozenset[int]]:
         """The saves captured so far, as (the newest save number, those still being copied). Engine thread."""
-        pipeline = self.ckpt._pipeline
-        return pipeline._seq, frozenset(s.seq for s in pipeline.memory.capturing())
+        return newest_save_number(self.ckpt), frozenset(s.seq for s in pipeline_of(self.ckpt).memory.capturing())
 
     # -- on the engine thread ----------------------------------------------------------------------
 
     def _on_engine(self, fn: Any) -> Any:
-        async def call() -> Any:
-            return fn()
-
-        return self.ckpt._engine.run_sync(call())
+        return call_on_engine(self.ckpt, fn)
 
     def _unsettled(self) -> str | None:
         """Why the pipeline may still move on its own (None: it is settled). Engine thread."""
-        pipeline = self.ckpt._pipeline
+        pipeline = pipeline_of(self.ckpt)
         memory = pipeline.memory
         if memory.capturing():
             return "a host copy runs"
@@ -165,7 +164,7 @@ class Run:
             if not memory.waiting_saves:
                 return "a save is on its way"
             step = self.pending[0]
-            if memory.slot_choice(step, pipeline._seq + 1, self.chain.on_full).action != "wait":
+            if memory.slot_choice(step, newest_save_number(self.ckpt) + 1, self.chain.on_full).action != "wait":
                 return f"the save of step {step} can have a slot now"
         for flusher in pipeline.flushers:
             tier = self.gated[flusher.tier.name]
@@ -190,7 +189,7 @@ class Run:
                 self.pending = None
                 if not handle.skipped:
                     self.handles[step] = handle
-                    self.seq[step] = handle._tracker.token
+                    self.seq[step] = save_number(handle)
             else:
                 busy = self._on_engine(self._busy)  # it arrives later: was each tier busy meanwhile?
                 for name in self.names:
@@ -200,7 +199,7 @@ class Run:
     def _check(self, one_event: bool) -> None:
         """Invariants of a settled pipeline (engine thread). ``one_event``: one event happened since
         the last check, so each tier began at most one write."""
-        pipeline = self.ckpt._pipeline
+        pipeline = pipeline_of(self.ckpt)
         memory = pipeline.memory
         assert len(memory.snapshots()) <= self.chain.slots
         counters = pipeline.counters
@@ -244,7 +243,7 @@ class Run:
     def _busy(self) -> dict[str, bool]:
         """Per tier, whether it is writing or held back by min_interval now (engine thread)."""
         out = {}
-        for flusher in self.ckpt._pipeline.flushers:
+        for flusher in flushers_of(self.ckpt):
             held_back = flusher.state.last_start is not None and flusher.state.last_start + flusher.policy.min_interval_s > self.clock()
             out[flusher.tier.name] = flusher.in_flight is not None or held_back
         return out
@@ -269,7 +268,7 @@ class Run:
 
     def tick(self, seconds: float) -> None:
         self.clock.advance(seconds)
-        self._on_engine(lambda: [f.wake() for f in self.ckpt._pipeline.flushers])
+        self._on_engine(lambda: [f.wake() for f in flushers_of(self.ckpt)])
         self.settle()
 
     def play(self) -> None:
@@ -300,7 +299,7 @@ class Run:
     def close_on_failure(self) -> None:
         for tier in self.gated.values():
             tier.gate.set()
-        if not self.ckpt._closed:
+        if not is_closed(self.ckpt):
             try:
                 self.ckpt.close_sync()
             except Exception:
@@ -321,12 +320,13 @@ def check_outcome(run: Run, root: Path) -> None:
         assert written == sorted(set(written)), f"{name} went backwards or wrote a version twice: {written}"
         selected = [s for s in run.seq if flush_eligible(seen.policy, s, run.seq[s])]
         for i, step in enumerate(selected):
-            result = run.handles[step]._tracker.committed[name]
-            assert result.done(), f"{name}: step {step} never resolved"
+            handle = run.handles[step]
+            assert committed_done(handle, name), f"{name}: step {step} never resolved"
+            committed = handle.committed_sync(name, 0)  # raises what the write raised, had it failed
             if step in written:
-                assert result.exception() is None and result.result() is True
+                assert committed is True
                 continue
-            assert result.result() is False
+            assert committed is False
             if not seen.policy.newest_only:
                 assert counters.evicted_saves, f"{name} (newest_only: false) never wrote step {step}"
                 continue

@@ -298,8 +298,8 @@ def test_a_damaged_leftover_is_not_flushed_and_fails_nothing(shm: Path, tmp_path
     assert "step 2 on tier 'ram'" in caplog.text and "not flushed to 'nvme'" in caplog.text
 
 
-def test_a_leftover_is_checked_once_by_a_restore_and_its_flush(shm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tierckpt.tiers.memory.tier import MemoryTier
+def test_a_leftover_is_checked_once_by_a_restore_and_its_flush(shm: Path, tmp_path: Path) -> None:
+    from tierckpt.testing.inspect import watch_memory_checks
 
     disk = tmp_path / "nvme"
     _killed_before_the_disk(shm, disk)
@@ -307,9 +307,8 @@ def test_a_leftover_is_checked_once_by_a_restore_and_its_flush(shm: Path, tmp_pa
 
     checked: dict[tuple[int, int], int] = {}
     lock, again = threading.Lock(), threading.Event()
-    verify = MemoryTier._verify
 
-    def counting(self: MemoryTier, snapshot: Any, i: int) -> None:
+    def counting(snapshot: Any, i: int) -> None:
         with lock:
             checked[snapshot.step, i] = n = checked.get((snapshot.step, i), 0) + 1
         if (snapshot.step, i) == (3, 0):
@@ -319,10 +318,8 @@ def test_a_leftover_is_checked_once_by_a_restore_and_its_flush(shm: Path, tmp_pa
                 # Hold the first check of step 3 open a while: a second check started meanwhile
                 # (the restore's and the flush's not shared) would show here.
                 again.wait(1.0)
-        verify(self, snapshot, i)
 
-    monkeypatch.setattr(MemoryTier, "_verify", counting)
-    with Checkpointer(_every_config(shm, disk)) as ckpt:
+    with watch_memory_checks(counting), Checkpointer(_every_config(shm, disk)) as ckpt:
         restored = ckpt.restore_latest_sync()  # while the flush of the leftovers checks them too
         ckpt.wait_sync()
         assert [i.step for i in ckpt.versions() if i.tier == "nvme"] == [1, 2, 3]

@@ -370,11 +370,9 @@ class Pipeline:
         # Let the capture callbacks (scheduled with call_soon_threadsafe) run before draining.
         await asyncio.sleep(0)
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for flusher in self.flushers:
-            await flusher.drain()
-        # A flush that ended lets a tier above delete what retention spared for it, and that tier's
-        # drain may have come first (it is not idle again until it looked).
-        for flusher in self.flushers:
+        # Twice: a flush that ended lets a tier above delete what its retention spared, and that
+        # tier's drain may have come first (it is not idle until it looked again).
+        for flusher in (*self.flushers, *self.flushers):
             await flusher.drain()
         self.raise_pending(flushes=True)
 

@@ -4,11 +4,10 @@ The modules, in the order a restore runs them:
 
 - ``dispatch``: which of the restores below a Checkpointer's call runs, its step and tier checked
   first (:func:`~tierckpt.restore.dispatch.prepare_restore`);
-- ``choose``: candidates across tiers, newest first, and the fallback to the next one
-  (:func:`restore_latest`, :class:`Restored`); or one step's copies, fastest tier first
-  (:func:`restore_step`);
-- ``agree``: the same for several ranks, which agree on one step and all load it or none does
-  (:func:`restore_agreed`);
+- ``fallback``: the steps every rank can get, newest first, each rank's copies of a step fastest
+  tier first, and the fallback to the next one; the ranks agree on one step and all load it or none
+  does, one process being a group of one (:func:`restore_versions`); ``verdicts``: what it says of
+  what it passed over; ``result``: what it returns (:class:`Restored`);
 - ``read``: one version of one tier for this rank: its source or its saved layout, the template's
   keys, the staging area borrowed from the host pool (:func:`read_version`, :func:`check_keys`);
 - ``plan``: the one planner, from a saved version and the template to targets and chunk jobs, with
@@ -24,16 +23,8 @@ The planner is imported from its module (``from tierckpt.restore.plan import pla
 ``plan`` here would hide the module ``tierckpt.restore.plan``.
 """
 
-from tierckpt.restore.agree import restore_agreed
-from tierckpt.restore.choose import Restored, restore_latest, restore_step, template_leaves
+from tierckpt.restore.fallback import restore_versions
 from tierckpt.restore.read import check_keys, read_version
+from tierckpt.restore.result import Restored, template_leaves
 
-__all__ = [
-    "Restored",
-    "check_keys",
-    "read_version",
-    "restore_agreed",
-    "restore_latest",
-    "restore_step",
-    "template_leaves",
-]
+__all__ = ["Restored", "check_keys", "read_version", "restore_versions", "template_leaves"]

@@ -1,10 +1,9 @@
 """Which restore a Checkpointer's ``restore`` or ``restore_latest`` runs, with its arguments checked.
 
-Three restores exist (:func:`~tierckpt.restore.agree.restore_agreed` for several ranks,
-:func:`~tierckpt.restore.choose.restore_step` and :func:`~tierckpt.restore.choose.restore_latest`
-for one process); the API should not have to know which fits. The step and the tier name are checked
-when the restore is asked for, before any of it runs, so that a bad one raises as it is and leaves no
-coroutine unawaited.
+One restore serves one process and several ranks alike (:func:`~tierckpt.restore.fallback.restore_versions`);
+this module checks the step and the tier name when the restore is asked for, before any of it runs,
+so that a bad one raises as it is and leaves no coroutine unawaited, and keeps the host pool's
+background preparation paused while it runs.
 """
 
 from __future__ import annotations
@@ -14,8 +13,8 @@ from typing import Any, Coroutine, Sequence
 from tierckpt.errors import ConfigError
 from tierckpt.format.layout import checked_step
 from tierckpt.ranks.group import RankGroup
-from tierckpt.restore.agree import restore_agreed
-from tierckpt.restore.choose import Restored, restore_latest, restore_step
+from tierckpt.restore.fallback import restore_versions
+from tierckpt.restore.result import Restored
 from tierckpt.tiers.base import Tier
 from tierckpt.tiers.memory.tier import MemoryTier
 
@@ -65,12 +64,7 @@ async def _restore(
     only: list[Tier] | None,
 ) -> Restored | None:
     tiers = listed if only is None else only
-    if group is not None:
-        work = restore_agreed(group, tiers, template, memory, strict=strict, cast=cast, verify_first=verify_first, only=step, listed=listed)
-    elif step is not None:
-        work = restore_step(tiers, step, template, memory, strict=strict, cast=cast, verify_first=verify_first, listed=listed)
-    else:
-        work = restore_latest(tiers, template, memory, strict=strict, cast=cast, verify_first=verify_first)
+    work = restore_versions(group, tiers, template, memory, strict=strict, cast=cast, verify_first=verify_first, only=step, listed=listed)
     # Faulting the host pool in the background would take cores from the restore, which every
     # rank of the job waits for: it waits until the restore is over.
     with memory.pool.paused():

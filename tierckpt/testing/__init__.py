@@ -26,17 +26,30 @@ benchmarks of many ranks; :func:`failures` says which ranks did not exit as they
 The package: :mod:`~tierckpt.testing.tiers` (slow, gated and faulty tiers), :mod:`~tierckpt.testing.clock`
 (:class:`ManualClock`), :mod:`~tierckpt.testing.faults` (:class:`IOFaults`, :func:`flip_bits`) and
 :mod:`~tierckpt.testing.ranks` (:func:`launch_ranks`, :func:`failures`).
+
+The seams tests look through instead of private attributes, imported from their modules (not from here):
+:mod:`~tierckpt.testing.inspect` reads a Checkpointer's parts (its host pool, tiers, flushers and engine;
+a save handle's state without waiting; the CUDA copy stage), and :mod:`~tierckpt.testing.copies` holds
+its copy threads at a gate (:class:`~tierckpt.testing.copies.HeldCopies`), stops or watches them::
+
+    from tierckpt.testing.copies import HeldCopies
+    from tierckpt.testing.inspect import captured_done, host_pool
+
+    with HeldCopies(ckpt) as held:
+        handle = ckpt.save_sync(1, state)
+        assert not captured_done(handle)      # the copy waits at the gate
+        held.release()
 """
 
 from __future__ import annotations
 
 from tierckpt.testing.clock import ManualClock
-from tierckpt.testing.faults import IO_OPS, IOFaults, fd_path, flip_bits, path_of
+from tierckpt.testing.faults import IO_OPS, IOFaults, fallocate_hook, fd_path, flip_bits, path_of
 from tierckpt.testing.ranks import TAIL_CHARS, RankExit, failures, free_port, launch_ranks
 from tierckpt.testing.tiers import FaultyTier, GatedTier, Gates, SlowTier, faulty, slow
 
 __all__ = [
     "SlowTier", "GatedTier", "FaultyTier", "Gates", "slow", "faulty", "ManualClock",
-    "IO_OPS", "IOFaults", "fd_path", "path_of", "flip_bits",
+    "IO_OPS", "IOFaults", "fallocate_hook", "fd_path", "path_of", "flip_bits",
     "TAIL_CHARS", "RankExit", "free_port", "launch_ranks", "failures",
 ]

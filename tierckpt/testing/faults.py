@@ -1,6 +1,7 @@
 """Failing system calls and damaged files: :class:`IOFaults` makes one kind of ``os`` call of a real
 filesystem tier fail with an errno, for the errors a real disk cannot be made to produce on demand;
-:func:`flip_bits` damages a byte of a file; :func:`fd_path` and :func:`path_of` name the file a call is on.
+:func:`flip_bits` damages a byte of a file; :func:`fd_path` and :func:`path_of` name the file a call is on;
+:func:`fallocate_hook` says where the tiers look fallocate(2) up.
 
 IOFaults patches the functions where the tier looks them up (``os``, ``aiofiles.os``, and
 ``tierckpt.storage.posix._fallocate``), never names in this module.
@@ -30,6 +31,14 @@ IO_OPS: dict[str, tuple[str, ...]] = {
     "rename": ("rename", "replace"),
     "remove": ("unlink", "remove", "rmdir"),
 }
+
+
+def fallocate_hook() -> tuple[Any, str]:
+    """Where the filesystem tiers look fallocate(2) up at each call, as ``(module, attribute)``: a function
+    of ``(fd, nbytes)`` that returns 0 or the errno. A tool that interposes on the tiers' system calls
+    replaces it there (as :class:`IOFaults` does for ``op="allocate"``) and puts it back; a test reads it
+    there to see that it was put back."""
+    return posix, "_fallocate"
 
 
 class IOFaults:
@@ -121,7 +130,7 @@ class IOFaults:
 
     def __enter__(self) -> IOFaults:
         for name in IO_OPS[self.op]:
-            owner: Any = posix if name == "_fallocate" else os
+            owner: Any = fallocate_hook()[0] if name == "_fallocate" else os
             original = getattr(owner, name)
             patched = self._wrap(name, original)
             self._saved.append((owner, name, original))

@@ -202,7 +202,7 @@ class Recovery(abc.ABC):
     """How a tier gets this rank's part of a version from other ranks, in a restore of several ranks:
     a copy a peer holds, another node's directory. Made for one restore by :meth:`Tier.recovery`.
 
-    Collective: :func:`tierckpt.restore.agree.restore_agreed` makes the same calls on every rank, in
+    Collective: :func:`tierckpt.restore.fallback.restore_versions` makes the same calls on every rank, in
     the same order, whether this rank wants anything or not: every rank reports before the ranks agree
     on a step, and every rank fetches at the tier's place in the order of each step tried (its own
     copies on the tiers before it were tried first).

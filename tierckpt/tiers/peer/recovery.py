@@ -1,4 +1,4 @@
-"""Serving held copies back to their owners in a restore (:func:`tierckpt.restore.agree.restore_agreed`).
+"""Serving held copies back to their owners in a restore (:func:`tierckpt.restore.fallback.restore_versions`).
 
 When a rank restarts without its host memory (its node was replaced, or its RAM directory wiped), the
 copy of its part of a version that a peer holds is sent back to it over the bulk gloo group: the

@@ -1,0 +1,256 @@
+"""Restore: the newest step every rank can load and verify, loaded on every rank, or none; one
+process is a group of one (:class:`Alone`). Or one step (``only``), or an error on every rank.
+
+The candidates are the steps every rank can get from some tier, newest first: its own copy (host
+memory, or a filesystem tier, where only globally committed versions are listed), a copy a peer
+holds of its part (a peer tier), or its part on another node's directory of a node-local tier. The
+ranks exchange what each can get and try the newest step common to all. On a step, each rank goes
+down its tiers in order, fastest first: on each, its own copy, then what that tier can fetch of its
+part from other ranks, the tier's :class:`~tierckpt.tiers.base.Recovery` (a peer sends its copy
+over: :mod:`tierckpt.tiers.peer.recovery`; a rank of the node whose directory holds the part sends
+it: :mod:`tierckpt.tiers.nodelocal.fetch`). With the usual order (host memory, peer, node-local
+disk, shared storage) that is: its own host memory, else a peer's copy, else its node's disk, else
+another node's, else the slower tiers below. No tier is named here: each answers through the tier
+interface what it holds and what it can fetch.
+
+A copy that fails verification (damaged manifest, missing file, checksum mismatch) is passed over
+for the next one, on the same step; a tier holding only part of what this rank needs (one process's
+host memory) is passed over too. Once each rank has tried its tiers, the ranks exchange verdicts:
+only if every rank verified does any rank land the step, else all fall back together to the next
+older common step. What is said about it (a warning per copy passed over for one process, one per
+step naming the ranks for several) is :mod:`tierckpt.restore.verdicts`'s. A version saved by
+another number of ranks, or with other placements, is read from its saved layout
+(:mod:`tierckpt.restore.plan`; one version of one tier: :mod:`tierckpt.restore.read`).
+
+The exchanges run on the group's own gloo process group, from a worker thread, while each rank's
+caller waits: never on the training process group. A group of one exchanges nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from typing import Any, Protocol, Sequence
+
+from tierckpt.errors import CorruptCheckpointError, RestoreError
+from tierckpt.format.layout import after_where, where
+from tierckpt.format.saved_layout import NotHere
+from tierckpt.restore.landing import finish
+from tierckpt.restore.read import in_thread, read_version
+from tierckpt.restore.result import Restored, template_leaves, uncovered
+from tierckpt.restore.verdicts import AloneVoice, RanksVoice
+from tierckpt.tiers.base import Tier
+from tierckpt.tiers.memory.tier import MemoryTier
+
+__all__ = ["Alone", "Exchange", "restore_versions"]
+
+
+class Exchange(Protocol):
+    """What the fallback needs of the ranks: who this one is, and an exchange of a value among all
+    (:class:`~tierckpt.ranks.group.RankGroup`, or :class:`Alone`)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world(self) -> int: ...
+
+    def all_gather(self, value: Any) -> list[Any]: ...
+
+
+class Alone:
+    """One process as a group of one: an exchange returns its own word."""
+
+    rank = 0
+    world = 1
+
+    def all_gather(self, value: Any) -> list[Any]:
+        return [value]
+
+
+async def restore_versions(
+    group: Exchange | None,
+    tiers: Sequence[Tier],
+    template: Any,
+    staging: MemoryTier | None,
+    *,
+    strict: bool = True,
+    cast: bool = False,
+    only: int | None = None,
+    listed: Sequence[Tier] | None = None,
+    verify_first: bool = False,
+) -> Restored | None:
+    """The newest step every rank can load and verify, loaded on every rank; None on every rank if
+    none. ``group``: the ranks (None: this process alone).
+
+    ``staging``: the memory tier whose free slots may hold the bytes staged for the template (see
+    :mod:`tierckpt.restore.read`). With ``only``, that step or an error on every rank, never another
+    step. ``verify_first``: no template is written before its copy verified (of several ranks, before
+    every rank verified its part); else each rank lands its chunks in the template as they verify,
+    and the ranks fall back together all the same. ``strict`` and ``cast``: see
+    :func:`~tierckpt.restore.read.check_keys` and :func:`tierckpt.restore.plan.plan`.
+
+    Raises:
+        NoCheckpointError: some rank can get step ``only`` from none of ``tiers``; names those ranks
+            and what each of ``listed`` (default: ``tiers``) holds on this rank.
+        CorruptCheckpointError: step ``only`` did not verify on some rank; names the rank (or each
+            copy) and why. Also, without ``verify_first``, when no step verifies after a template was
+            written.
+        RestoreError: a template does not match; or a step verified that lacks template tensors an
+            attempt which failed had partly written (every rank raises it).
+    """
+    ranks: Exchange = group if group is not None else Alone()
+    listed = tiers if listed is None else listed
+    voice = AloneVoice(only, listed) if ranks.world == 1 else RanksVoice(only, listed, ranks.rank)
+    recoveries = [t.recovery() for t in tiers]  # how each tier gets this rank's part from other ranks, if it can
+    helped = [r for r in recoveries if r is not None]
+    mine = sorted({info.step for tier in tiers for info in tier.versions() if tier.has_part(info.step)}, reverse=True)
+    held = await _exchange(ranks, [mine, [r.report() for r in helped]])
+    can = [set(h[0]) for h in held]
+    for k, helper in enumerate(helped):
+        for r, steps in enumerate(helper.reachable([h[1][k] for h in held])):
+            can[r] |= steps
+    common = sorted(set.intersection(*can), reverse=True)
+    if only is not None:
+        if only not in common:
+            raise voice.not_held(only, [r for r, steps in enumerate(can) if only not in steps])
+        common = [only]
+    attempt_on = functools.partial(
+        _try, by_path=template_leaves(template), staging=staging, rank=ranks.rank, strict=strict, cast=cast, verify_first=verify_first,
+        # Of several ranks, not even a verified snapshot in host memory lands before every rank verified.
+        stage_all=verify_first and ranks.world > 1,
+    )
+    touched: set[str] = set()  # template keys this rank wrote into, for steps not every rank verified
+    touched_ranks: set[int] = set()
+    for n, step in enumerate(common):
+        with contextlib.ExitStack() as held_open:
+            attempt = Attempt(f"rank {ranks.rank} holds no step {step} any more")
+            # The tiers in order (fastest first), each with this rank's own copy on it, then the copy
+            # it can fetch from other ranks (a peer's, another node's directory): every rank calls each
+            # fetch, wanting or not, so that every rank serves what the others fetch from it.
+            holding = [t for t in tiers if t.has_part(step) and any(info.step == step for info in t.versions())]
+            for i, (tier, recovery) in enumerate(zip(tiers, recoveries)):
+                if attempt.wants and any(t is tier for t in holding):
+                    after = functools.partial(_after, holding[holding.index(tier) + 1 :], step, tiers, common[n + 1 :], only)
+                    missed = await attempt_on(held_open, tier, step, attempt)
+                    if isinstance(missed, NotHere):
+                        voice.not_here(missed, after)
+                    elif missed is not None:
+                        voice.passed_over(tier, step, missed, after)
+                if recovery is None:
+                    continue
+                try:
+                    fetched = await recovery.fetch(step, attempt.wants, held_open)
+                except CorruptCheckpointError as exc:
+                    attempt.verdict = str(exc)
+                    voice.fetch_failed(exc, [t for t in tiers[i + 1 :] if any(t is h for h in holding)])
+                    continue
+                if fetched is not None:
+                    await attempt_on(held_open, fetched, step, attempt)
+            # Its template keys written so far: by earlier steps, by this step's tries (a step
+            # every rank leaves behind leaves what verified here written, too).
+            touched |= attempt.written
+            if attempt.loaded is not None and attempt.error is None:
+                attempt.error = uncovered(touched, attempt.loaded[2], step)
+            loaded, verdict, error = attempt.loaded, attempt.verdict, attempt.error
+            # One exchange per step, whatever happened here: every rank leaves the step together.
+            said = None if error is None else f"{type(error).__name__}: {error}"
+            verdicts = await _exchange(ranks, [None if loaded else verdict, said, bool(touched)])
+            touched_ranks |= {r for r, v in enumerate(verdicts) if v[2]}
+            if error is not None:
+                raise error
+            errors = [(r, v[1]) for r, v in enumerate(verdicts) if v[1]]
+            if errors:
+                raise RestoreError(f"restoring step {step} failed on rank {errors[0][0]}: {errors[0][1]}", step=step)
+            if all(v[:2] == [None, None] for v in verdicts):
+                assert loaded is not None
+                tier, read, targets, keys = loaded
+                state = await in_thread(finish, read, targets)
+                return Restored(step, state, tier.name, dict(read.metadata), *keys)
+        voice.step_failed(step, {r: v[0] for r, v in enumerate(verdicts) if v[0]}, common[n + 1 :], touched, touched_ranks)
+    failed = voice.none_verified(touched, touched_ranks)
+    if failed is not None:
+        raise failed
+    return None
+
+
+async def _exchange(ranks: Exchange, value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order; a group of one needs no thread for it."""
+    if ranks.world == 1:
+        return [value]
+    return await asyncio.to_thread(ranks.all_gather, value)
+
+
+def _after(rest: Sequence[Tier], step: int, tiers: Sequence[Tier], later: Sequence[int], only: int | None) -> str:
+    """What this rank tries after a copy of ``step`` failed: the next of ``rest`` (the tiers after it
+    that hold the step), else the first tier holding the next of the ``later`` steps, named."""
+    if rest:
+        return f"trying {where(rest[0].name, step)} next"
+    for s in later:
+        tier = next((t for t in tiers if t.has_part(s) and any(info.step == s for info in t.versions())), None)
+        if tier is not None:
+            return f"trying {where(tier.name, s)} next"
+    return f"no other copy of step {only} is left to try" if only is not None else "no other version is left to try"
+
+
+class Attempt:
+    """How reading this rank's part of one step went: ``loaded``, or why not (``verdict``: it did not
+    verify; ``error``: it cannot be loaded into the template, which every rank raises)."""
+
+    def __init__(self, verdict: str) -> None:
+        self.verdict = verdict
+        self.loaded: tuple[Tier, Any, list[Any], Any] | None = None
+        self.error: BaseException | None = None
+        self.written: set[str] = set()  # template keys its tries wrote into, whether they verified or not
+
+    @property
+    def wants(self) -> bool:
+        return self.loaded is None and self.error is None
+
+    def failed(self, tier: Tier, step: int, error: CorruptCheckpointError) -> None:
+        # The verdict follows "step N does not verify on rank(s) ...": it names the tier, not the step again.
+        why = f"tier {tier.name!r}: {after_where(error, tier.name, step)}"
+        self.verdict = why if tier.place is None else f"{why}, on {tier.place}"
+
+
+async def _try(
+    held_open: contextlib.ExitStack,
+    tier: Tier,
+    step: int,
+    attempt: Attempt,
+    *,
+    by_path: dict[str, Any],
+    staging: MemoryTier | None,
+    rank: int,
+    strict: bool,
+    cast: bool,
+    verify_first: bool,
+    stage_all: bool,
+) -> NotHere | CorruptCheckpointError | None:
+    """Read and verify this rank's part of ``step`` from ``tier`` into ``attempt``: with
+    ``verify_first`` into staging memory (with ``stage_all``, a snapshot in host memory too: nothing
+    of the template is written), else into the template as chunks verify (the keys it writes are added to ``attempt.written`` first). What it holds
+    (lease, files, staging slots) stays held by ``held_open``. Why it failed goes to ``attempt``:
+    ``verdict`` (the part does not verify), ``error`` (it cannot load: every rank raises it), or
+    nothing (this tier holds another rank's part only: a slower tier may do). Returns what is said
+    of it: the copy that did not verify, or that this tier holds only part of what is needed."""
+    try:
+        held_open.enter_context(tier.lease(step))
+    except KeyError:  # evicted from host memory since the steps were listed: nothing to warn about
+        attempt.failed(tier, step, CorruptCheckpointError(f"step {step} left tier {tier.name!r} meanwhile", tier=tier.name, step=step))
+        return None
+    try:
+        read, targets, keys = await read_version(
+            held_open, tier, step, by_path, staging, strict=strict, cast=cast, rank=rank,
+            verify_first=verify_first, stage_all=stage_all, touched=attempt.written,
+        )
+        attempt.loaded = (tier, read, targets, keys)
+    except NotHere as exc:  # this rank's host memory holds only its own part: a slower tier may do
+        return exc
+    except CorruptCheckpointError as exc:
+        attempt.failed(tier, step, exc)
+        return exc
+    except Exception as exc:  # a template that does not match, say: raised on every rank
+        attempt.error = exc
+    return None
