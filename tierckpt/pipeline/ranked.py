@@ -3,7 +3,9 @@ leader commits once all parts are durable.
 
 Per tier below host memory, the leader's flusher runs the tier's flush policy as a single process
 would, and publishes each decision (decision ``n``: flush step S, the leader's save number A) in the
-group's store. Each follower's flusher takes decisions only from there, in order: it waits for its
+group's store, then rings every follower's bell (one request) so that a follower blocked in the
+store's wait for its bell takes the decision at once. Each follower's flusher takes decisions only
+from there, in order: it waits for its
 own snapshot of S (its training may be a little behind), its save number A where it has it (the
 ranks number their saves alike: a step saved twice, and flushed twice by the leader, is written
 twice here too, each time from the save the leader took), writes its part into the staging
@@ -25,6 +27,7 @@ gone (the store cannot be reached) fails what waits and what comes, naming rank 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from dataclasses import replace
@@ -41,6 +44,10 @@ from tierckpt.tiers.base import GroupTier, Part, Staged, Tier, VersionInfo
 log = logging.getLogger("tierckpt")
 
 _FOLLOW_POLL_S = 0.02
+# A follower's wait for its bell may last as long as the tier selects nothing; it ends at a decision,
+# or when the follower stops and rings its own bell. A wait that times out prints the store client's
+# warning, so this one is long (the store's clients take at most ~24 days).
+_BELL_WATCH_S = 7 * 24 * 3600.0
 _EVERY_SAVE = 2**62  # a save number above any: (step, _EVERY_SAVE) covers every save of that step
 
 
@@ -53,6 +60,11 @@ class TierChannel:
 
     def key(self, *parts: Any) -> str:
         return "/".join(("tier", self.tier, *map(str, parts)))
+
+    def bell(self, rank: int) -> str:
+        """Rank ``rank``'s bell: set when a decision is published, so that a follower blocked in the
+        store's wait for it wakes at once; the follower removes it, and rings it itself to stop."""
+        return self.key("bell", rank)
 
     def staging(self, step: int, n: int) -> str:
         return f".tmp-{version_dirname(step)}-{self.group.run}-{n}"
@@ -140,6 +152,7 @@ class LeaderFlusher(_GroupFlusher):
         self._decisions += 1
         n = self._decisions
         await channel.group.put(channel.key("decision", n), [candidate.step, candidate.arrival])
+        await channel.group.put_many([channel.bell(r) for r in range(1, channel.group.world)], True)  # one request
         staged: Staged | None = None
         try:
             source = await located.open()
@@ -194,6 +207,7 @@ class FollowerFlusher(_GroupFlusher):
         # decided step needs, and both would wait out the timeout.
         self._passed: tuple[int, int] = (-1, 0)  # (step, save number), compared in that order
         self._lost: CoordinationLost | None = None
+        self._watching: tuple[concurrent.futures.Future[bool], float] | None = None  # the bell's watch, since when
 
     async def _step(self) -> None:
         """Follow the leader's next decision; once its store is gone, fail what waits and what comes."""
@@ -206,6 +220,45 @@ class FollowerFlusher(_GroupFlusher):
         self._fail_waiting()
         await self._sleep(None)
 
+    async def stop(self) -> None:
+        """Stop following, and end this rank's wait for its bell before the store can go: a process
+        that ends with a thread blocked in the store's wait may abort, and a wait the store's closing
+        cuts short prints the client's error."""
+        await super().stop()
+        if self._watching is None or self._watching[0].done():
+            return
+        try:
+            await self.channel.group.put(self.channel.bell(self.channel.group.rank), True)
+            await asyncio.wait_for(asyncio.wrap_future(self._watching[0]), self.channel.group.timeout_s)
+        except (CoordinationLost, asyncio.TimeoutError) as exc:
+            log.warning("tier %r: this rank's wait for the leader's decisions did not end (%s)", self.tier.name, exc)
+
+    async def _listen(self) -> concurrent.futures.Future[bool]:
+        """The watch of this rank's bell, which wakes this flusher the moment the leader publishes a
+        decision, rather than at the next look (the looks go on, for the leader's horizon, which
+        changes in place). A bell that rang is taken down first, and the decision looked for after."""
+        group, bell = self.channel.group, self.channel.bell(self.channel.group.rank)
+        if self._watching is not None:
+            watch, since = self._watching
+            if not watch.done():
+                return watch
+            if not watch.result() and time.monotonic() - since < _BELL_WATCH_S:
+                return watch  # it failed early (no client to be had): the looks go on meanwhile
+            if watch.result():
+                await group.delete(bell)
+        loop = asyncio.get_running_loop()
+
+        def wake(_: object) -> None:
+            try:
+                loop.call_soon_threadsafe(self._wake.set)
+            except RuntimeError:
+                pass  # the engine's loop is closed: nobody is left to wake
+
+        watch = group.watch([bell], _BELL_WATCH_S)
+        watch.add_done_callback(wake)
+        self._watching = (watch, time.monotonic())
+        return watch
+
     def _fail_waiting(self) -> None:
         assert self._lost is not None
         for candidate in self.state.waiting():
@@ -216,13 +269,15 @@ class FollowerFlusher(_GroupFlusher):
     async def _follow(self) -> None:
         channel = self.channel
         key = channel.key("decision", self._next)
+        watch = await self._listen()  # before the look: a decision published after it rings the bell
         if not await channel.group.has([key]):
             if await channel.group.has([channel.key("horizon")]):
                 step, arrival = await channel.group.get(channel.key("horizon"))
                 self._pass_over((step, arrival), inclusive=True)
             if not self.state.waiting():
                 self._idle.set()
-            await self._sleep(_FOLLOW_POLL_S)
+            if not (watch.done() and watch.result()):  # the bell may have rung during the looks above
+                await self._sleep(_FOLLOW_POLL_S)
             return
         n, (step, arrival) = self._next, await channel.group.get(key)
         self._next += 1

@@ -13,8 +13,11 @@ is named in the error the others raise after ``distributed.timeout``):
   of its part, the outcome of each version. A store needs no matching calls on every rank, and every
   wait on it has a timeout, so a dead or stuck rank costs a timeout, never a hang.
 
-Every store call runs on one thread of its own (a TCPStore client is one socket); waits poll
-``check``, which costs a few microseconds, backing off to 20 ms while nothing changes.
+Every store call runs on one thread of its own (a TCPStore client is one socket). A wait for keys
+(:meth:`RankGroup.watch`, :meth:`RankGroup.wait_for`) blocks in the store's own ``wait`` on a client of
+its own, in a daemon thread, so it ends the moment the last key is set: no polling delay on the
+commit's path. A wait with no end in sight (``timeout_s=None``) polls ``check`` instead, backing off
+to ``poll_max_s``, so that no thread stays blocked on a key that may never come.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import itertools
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 import zlib
@@ -46,6 +50,7 @@ _CONSTRUCTIONS: dict[tuple[int, ...], itertools.count[int]] = {}
 
 _POLL_MIN_S = 0.001
 _POLL_MAX_S = 0.02
+_CLOSE_WAIT_S = 10.0  # the longest close() waits for waits on the store to end (see RankGroup.close)
 
 
 class CoordinationLost(RuntimeError):
@@ -63,7 +68,10 @@ class RankGroup:
         timeout_s: how long a rank waits for the others (``distributed.timeout``).
     """
 
-    def __init__(self, rank: int, world: int, ranks: Sequence[int], run: str, timeout_s: float, store: Any, pg: Any, server: Any = None) -> None:
+    def __init__(
+        self, rank: int, world: int, ranks: Sequence[int], run: str, timeout_s: float, store: Any, pg: Any, server: Any = None,
+        address: tuple[str, int] | None = None,
+    ) -> None:
         self.rank = rank
         self.world = world
         self.ranks = tuple(ranks)
@@ -77,6 +85,12 @@ class RankGroup:
         self.nodes: list[list[int]] | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-store")
         self._lost: str | None = None
+        # Where the store is served, for the clients that block in waits (None: waits poll), and the
+        # idle ones: a client whose wait ended on its keys is used again, one that timed out is not.
+        self._address = address
+        self._waiters: list[Any] = []
+        self._waiters_lock = threading.Lock()
+        self._watches: set[concurrent.futures.Future[bool]] = set()  # not ended yet: close() waits for them
 
     @property
     def leader(self) -> bool:
@@ -118,7 +132,7 @@ class RankGroup:
         dist.broadcast_object_list(where, src=ranks[0], group=pg)
         host, port, run = (str(where[0]), int(where[1]), str(where[2]))
         store = server if server is not None else dist.TCPStore(host, port, None, False, timeout)
-        made = cls(rank, world, ranks, run, timeout_s, store, pg, server)
+        made = cls(rank, world, ranks, run, timeout_s, store, pg, server, address=(host, port))
         if bulk:
             made.bulk_group()
         if bulk or find_nodes:
@@ -143,6 +157,12 @@ class RankGroup:
     async def get(self, key: str) -> Any:
         return msgpack.unpackb(await self._call("get", key), raw=False)
 
+    async def put_many(self, keys: Sequence[str], value: Any) -> None:
+        """Set every one of ``keys`` to ``value``, in one request."""
+        if keys:
+            data = msgpack.packb(value, use_bin_type=True)
+            await self._call("multi_set", list(keys), [data] * len(keys))
+
     async def add(self, key: str, amount: int) -> int:
         return int(await self._call("add", key, amount))
 
@@ -153,8 +173,60 @@ class RankGroup:
         return bool(await self._call("check", list(keys)))
 
     async def wait_for(self, keys: Sequence[str], timeout_s: float | None, *, poll_max_s: float = _POLL_MAX_S) -> bool:
-        """Whether every key was set within ``timeout_s`` (None: wait as long as it takes). ``poll_max_s``:
-        the longest pause between looks, for waits that may idle for long and need not answer at once."""
+        """Whether every key was set within ``timeout_s``; it returns as soon as the last one is (see
+        :meth:`watch`). ``timeout_s=None``: as long as it takes, polling with pauses of up to
+        ``poll_max_s``, for waits that may idle for long and need not answer at once.
+
+        Raises CoordinationLost when the store cannot be reached."""
+        if await self.has(keys):
+            return True
+        if timeout_s is None or self._address is None:
+            return await self._poll(keys, timeout_s, poll_max_s)
+        if await asyncio.wrap_future(self.watch(keys, timeout_s)):
+            return True
+        return await self.has(keys)  # timed out, or the client lost the store: this call tells which
+
+    def watch(self, keys: Sequence[str], timeout_s: float) -> concurrent.futures.Future[bool]:
+        """A future that is True once every key is set, or False after ``timeout_s`` (or when the store
+        cannot be reached: ask :meth:`has`, which raises then). A daemon thread blocks in the store's
+        ``wait`` on a client of its own (a TCPStore client is one socket, which a wait holds), so it
+        resolves the moment the last key is set. Cancelling the future before the wait starts stops
+        it; a wait that started runs to its keys or its timeout (the thread never holds up an exit)."""
+        future: concurrent.futures.Future[bool] = concurrent.futures.Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                client = self._waiter()
+                client.wait(list(keys), datetime.timedelta(seconds=timeout_s))
+            except (RuntimeError, OSError):  # timed out (the client is then out of step), or the store is gone
+                future.set_result(False)
+                return
+            with self._waiters_lock:
+                self._waiters.append(client)
+            future.set_result(True)
+
+        with self._waiters_lock:
+            self._watches.add(future)
+        future.add_done_callback(self._ended)
+        threading.Thread(target=run, name="tierckpt-store-wait", daemon=True).start()
+        return future
+
+    def _ended(self, watch: concurrent.futures.Future[bool]) -> None:
+        with self._waiters_lock:
+            self._watches.discard(watch)
+
+    def _waiter(self) -> Any:
+        """An idle client of the store for a blocking wait, or a new one (connecting costs a round trip)."""
+        with self._waiters_lock:
+            if self._waiters:
+                return self._waiters.pop()
+        assert self._address is not None
+        host, port = self._address
+        return dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=self.timeout_s))
+
+    async def _poll(self, keys: Sequence[str], timeout_s: float | None, poll_max_s: float) -> bool:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         delay = _POLL_MIN_S
         while not await self.has(keys):
@@ -209,7 +281,18 @@ class RankGroup:
             log.warning("tierckpt: closing without the other ranks: %s", exc)
 
     def close(self) -> None:
+        """Let go of the store, once every wait on it ended: a process that exits while a thread is
+        blocked in the store's wait may abort. Waits end at their keys or their timeout; one that
+        outlasts ``_CLOSE_WAIT_S`` is logged and left."""
         self._executor.shutdown(wait=True)
+        with self._waiters_lock:
+            pending = list(self._watches)
+        if pending:
+            _, left = concurrent.futures.wait(pending, timeout=min(self.timeout_s, _CLOSE_WAIT_S))
+            if left:
+                log.warning("tierckpt: %d wait(s) on the checkpointing group's store did not end by close()", len(left))
+        with self._waiters_lock:
+            self._waiters.clear()
         self._store = self._server = None
 
 
