@@ -191,7 +191,9 @@ class RankGroup:
         cannot be reached: ask :meth:`has`, which raises then). A daemon thread blocks in the store's
         ``wait`` on a client of its own (a TCPStore client is one socket, which a wait holds), so it
         resolves the moment the last key is set. Cancelling the future before the wait starts stops
-        it; a wait that started runs to its keys or its timeout (the thread never holds up an exit)."""
+        it; a wait that started runs to its keys or its timeout. A process that exits while such a
+        thread is still blocked may abort, so every wait is ended first: :meth:`close` waits for
+        them, and a wait on a key that may never come is ended by its owner setting the key."""
         future: concurrent.futures.Future[bool] = concurrent.futures.Future()
 
         def run() -> None:
@@ -202,6 +204,9 @@ class RankGroup:
                 client.wait(list(keys), datetime.timedelta(seconds=timeout_s))
             except (RuntimeError, OSError):  # timed out (the client is then out of step), or the store is gone
                 future.set_result(False)
+                return
+            except BaseException as exc:  # a bug: raised where the future is awaited, never a wait that never ends
+                future.set_exception(exc)
                 return
             with self._waiters_lock:
                 self._waiters.append(client)
