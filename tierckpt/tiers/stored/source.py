@@ -54,13 +54,20 @@ class StoreVersion:
             text = f"{label} cannot be read ({exc.strerror or exc})"
         return CorruptCheckpointError(f"{where(tier, step)}: {text}", tier=tier, step=step)
 
+    def _listed(self, name: str) -> int | None:
+        """Object ``name``'s size from the listing (None: no listing); FileNotFoundError when the
+        listing lacks it, without a request."""
+        if self.sizes is None:
+            return None
+        if name not in self.sizes:
+            raise FileNotFoundError(name)
+        return self.sizes[name]
+
     def read_small(self, name: str, *, tier: str | None, step: int | None) -> bytes:
         """A manifest-sized object, whole: CorruptCheckpointError naming ``name`` when it is missing,
         larger than MAX_MANIFEST_BYTES (refused before it is read) or unreadable."""
-        size = self.sizes.get(name, -1) if self.sizes is not None else None
         try:
-            if size == -1:
-                raise FileNotFoundError(name)
+            size = self._listed(name)
             if size is not None and size > MAX_MANIFEST_BYTES:
                 raise TooLarge(size, MAX_MANIFEST_BYTES)
             return self.store.read_small(f"{self.container}/{name}", MAX_MANIFEST_BYTES)
@@ -84,12 +91,10 @@ class StoreVersion:
         try:
             for name in sorted(spans):
                 label = f"data {self.store.noun} {name}"
-                size = self.sizes.get(name, -1) if self.sizes is not None else None
                 try:
-                    if size == -1:
-                        raise FileNotFoundError(name)
-                    key = f"{self.container}/{name}"
-                    source.readers[name] = self.store.open_reader(key, size=size, spans=spans[name], every_chunk=every_chunk, direct=direct)
+                    source.readers[name] = self.store.open_reader(
+                        f"{self.container}/{name}", size=self._listed(name), spans=spans[name], every_chunk=every_chunk, direct=direct
+                    )
                 except OSError as exc:
                     raise self._damaged(exc, name, label, tier=tier, step=step) from exc
             check_records(manifest.records, {n: r.size for n, r in source.readers.items()}, tier=tier, step=step)
