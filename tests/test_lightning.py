@@ -198,7 +198,8 @@ def _result(root: Path, rank: int | str) -> dict[str, Any]:
 
 
 def _pointers(root: Path) -> dict[str, int]:
-    return {p.name: json.loads(p.read_text())["step"] for p in (root / "ckpts").iterdir()}
+    """The pointers in ``root/ckpts``; not a writer's temporary file, which a SIGKILL may leave empty."""
+    return {p.name: json.loads(p.read_text())["step"] for p in (root / "ckpts").iterdir() if not p.name.startswith(".")}
 
 
 def _killed_then_resumed(tmp_path: Path, whole: Path, strategy: str, hidden: int) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 from pathlib import Path
 
@@ -20,6 +21,9 @@ __all__ = ["FORMAT", "read_pointer", "write_pointer"]
 
 FORMAT = "tierckpt-pointer"
 _MAX_BYTES = 64 << 10  # a pointer is a few dozen bytes; anything large is not one
+_TMP_PREFIX = ".tierckpt-pointer-"
+# The host in a temporary file's name: on a shared file system only this host's leftovers are ours to judge.
+_HOST = socket.gethostname().replace("-", "_")
 
 
 def write_pointer(path: str | os.PathLike[str], step: int, tier: str) -> None:
@@ -30,7 +34,7 @@ def write_pointer(path: str | os.PathLike[str], step: int, tier: str) -> None:
     body = json.dumps({"format": FORMAT, "version": 1, "step": step, "tier": tier}).encode() + b"\n"
     # Not named after the pointer: a temporary file a crash left behind must not look like one
     # (Lightning finds last.ckpt by any name containing "last").
-    tmp = path.with_name(f".tierckpt-pointer-{os.getpid()}-{threading.get_ident()}.tmp")
+    tmp = path.with_name(f"{_TMP_PREFIX}{_HOST}-{os.getpid()}-{threading.get_ident()}.tmp")
     with open(tmp, "wb") as f:
         f.write(body)
         f.flush()
@@ -41,6 +45,27 @@ def write_pointer(path: str | os.PathLike[str], step: int, tier: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+    _remove_leftovers(path.parent)
+
+
+def _remove_leftovers(directory: Path) -> None:
+    """Remove the temporary files of writers on this host that died between creating one and
+    renaming it (a SIGKILLed job), so restarts do not pile them up. Another host's files are left:
+    whether their writer lives cannot be told from here."""
+    for leftover in directory.glob(f"{_TMP_PREFIX}{_HOST}-*.tmp"):
+        pid = leftover.name[len(_TMP_PREFIX) + len(_HOST) + 1 :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            leftover.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 def read_pointer(path: str | os.PathLike[str]) -> int:
