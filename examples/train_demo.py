@@ -120,12 +120,14 @@ class TinyGPT(nn.Module):
 
 
 def load_config(path: Path, directory: Path) -> Config:
-    """The config at ``path`` with each filesystem tier moved to ``directory/<tier name>``."""
+    """The config at ``path`` with each filesystem tier moved to ``directory/<tier name>``, and its
+    events file to ``directory``."""
     config = Config.from_yaml(path)
     tiers = tuple(
         dataclasses.replace(tier, path=directory / tier.name) if tier.type == "filesystem" else tier for tier in config.tiers
     )
-    return dataclasses.replace(config, tiers=tiers)
+    events = None if config.events is None else str(directory / Path(config.events).name)
+    return dataclasses.replace(config, tiers=tiers, events=events)
 
 
 def steps_by_tier(ckpt: Checkpointer) -> dict[str, list[int]]:
@@ -210,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
 
     save_times: list[float] = []
     started = time.perf_counter()
-    with Checkpointer(load_config(args.config, args.dir)) as ckpt:
+    config = load_config(args.config, args.dir)
+    with Checkpointer(config) as ckpt:
         ckpt.attach(optimizer)
         print(f"model: {parameters / 1e6:.2f} M parameters, batch {size.batch} x {size.block} tokens; tiers: {' -> '.join(ckpt.tiers)} ({args.dir})")
 
@@ -286,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     print("durable checkpoints:")
     for info in durable:
         print(f"  step {info.step:4d}  {info.tier:5s} {info.path}")
+    if config.events is not None:
+        print(f"events: {config.events} (draw them: tierckpt timeline {config.events} -o timeline.png)")
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)
         report = {

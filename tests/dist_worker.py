@@ -36,6 +36,7 @@ def config(root: Path, timeout: float) -> dict[str, Any]:
         "host": {"capacity": "64MiB", "snapshots": 2},
         "tiers": [{"name": "ram", "type": "memory"}, disk],
         "distributed": {"timeout": f"{timeout}s"},
+        "events": str(root / "events-{rank}.jsonl"),  # each rank its own file
     }
 
 

@@ -205,7 +205,7 @@ def test_wrong_choice_message(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "key", "line", "allowed"),
     [
-        (small() + "logging: {level: info}\n", "logging", 9, "host, tiers, distributed"),
+        (small() + "logging: {level: info}\n", "logging", 9, "host, tiers, distributed, events, metrics"),
         (small() + "distributed: {timout: 60s}\n", "distributed.timout", 9, "timeout, nodes"),
         (small(host="  capacity: 1GiB\n  snapshot: 2\n"), "host.snapshot", 3, "capacity, snapshots, on_full, copy_threads, pinned"),
         (small(nvme="    replicas: 2\n"), "tiers[1].replicas", 9, "name, type, path, flush, keep, compression, io_threads, scope, copies, bandwidth, url, endpoint, region, concurrency, part_size, retries, timeout"),
@@ -426,7 +426,7 @@ def test_from_dict_errors_name_the_source() -> None:
     assert str(caught.value) == "tiers[0].bogus: unknown key (tier 'ram'); allowed: name, type, path, flush, keep, compression, io_threads, scope, copies, bandwidth, url, endpoint, region, concurrency, part_size, retries, timeout"
     with pytest.raises(ConfigError, match=r"^tiers\[0\]\.bogus: unknown key \(tier 'ram', in job\.json\); allowed: "):
         Config.from_dict(data, source="job.json")
-    with pytest.raises(ConfigError, match=r"^config: \[\] is not a mapping; use a mapping with keys: host, tiers, distributed$"):
+    with pytest.raises(ConfigError, match=r"^config: \[\] is not a mapping; use a mapping with keys: host, tiers, distributed, events, metrics$"):
         Config.from_dict([])  # type: ignore[arg-type]
 
 

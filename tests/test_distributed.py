@@ -59,6 +59,13 @@ def test_ranks_save_and_restore_bitwise_with_replicated_bytes_stored_once(tmp_pa
     assert [r["step"] for r in restored] == [3] * world
     assert all(r["bitwise"] and r["template_filled"] for r in restored), restored
     assert all(r["warnings"] == [] for r in restored)
+    # Each rank wrote its own events file (config events: .../events-{rank}.jsonl), in both jobs.
+    for rank in range(world):
+        events = [json.loads(line) for line in (tmp_path / f"events-{rank}.jsonl").read_text().splitlines()]
+        assert {e["rank"] for e in events} == {rank}
+        assert [(e["event"], e["step"]) for e in events if e["event"] in ("save", "flushed", "restored")] == [
+            ("save", 1), ("flushed", 1), ("save", 2), ("flushed", 2), ("save", 3), ("flushed", 3), ("restored", 3),
+        ], events  # each save waited for its commit before the next
 
 
 @pytest.mark.slow

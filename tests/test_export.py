@@ -185,8 +185,8 @@ def test_explicit_format_wins_over_the_suffix_and_a_terminal_gets_a_progress_lin
     assert stdout.startswith(f"exported step {STEP}: 9 tensors")
     assert out.read_bytes()[8:9] == b"{"  # a safetensors header, not a zip
     drawn = terminal.getvalue()
-    assert f"\rexport step {STEP}: 9/9 tensors, {SIZE}/{SIZE}" in drawn
-    assert drawn.endswith("\r")  # the line is cleared before the summary
+    assert f"export step {STEP}: 100%|" in drawn and f"| {SIZE}/{SIZE} [" in drawn
+    assert drawn.endswith("\n")  # the bar is closed before the summary
 
 
 def _run_ranks(root: Path, world: int, env: dict[str, str]) -> None:

@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Coroutine, Mapping, Sequence
 
 from tierckpt.capture.barrier import LazyBarrier
 from tierckpt.config import Config
 from tierckpt.errors import ClosedError
 from tierckpt.handle import SaveHandle
+from tierckpt.observe.events import Events
 from tierckpt.pipeline import Counters, Engine
 from tierckpt.pipeline.engine import sync_twin
 from tierckpt.pipeline.request import save_request
+from tierckpt.pipeline.saves import SaveRequest
 from tierckpt.restore import Restored
 from tierckpt.restore.dispatch import prepare_restore
 from tierckpt.runtime import TierFactory, construct
 from tierckpt.snapshot import LayoutCache
-from tierckpt.tiers.base import VersionInfo
+from tierckpt.tiers.base import Tier, VersionInfo
 
 __all__ = ["Checkpointer", "SaveHandle", "TierFactory"]
 
@@ -88,6 +90,11 @@ class Checkpointer(LazyBarrier):
         return tuple(t.name for t in self._pipeline.tiers)
 
     @property
+    def metrics_url(self) -> str | None:
+        """Where this rank serves its Prometheus metrics (config ``metrics``), or None."""
+        return self._runtime.metrics_url
+
+    @property
     def counters(self) -> Counters:
         """Save, skip, flush and error counts, and each filesystem tier's compression, so far (a copy). ``flush_errors``
         counts failed flushes and deletions; ``failed[tier]`` per tier, and ``last_error[tier]`` is the latest such
@@ -118,10 +125,12 @@ class Checkpointer(LazyBarrier):
             FlushError: an earlier capture failed (a torn snapshot: state changed during its copy; reported once). This
                 save did not happen.
         """
+        began = time.monotonic()
         engine = self._open_engine()
-        request = save_request(step, state, metadata, replicated, self._layouts)
+        request = save_request(step, state, metadata, replicated, self._layouts, began=began)
         try:
             tracker = await engine.run(self._pipeline.save(request))
+            self._saved(request)
         finally:
             request.handoff.caller_done()  # starts the copies, off the engine (Handoff says why)
         return SaveHandle(tracker)
@@ -130,13 +139,19 @@ class Checkpointer(LazyBarrier):
         self, step: int, state: Any, *, metadata: Mapping[str, Any] | None = None, replicated: Sequence[Any] = ()
     ) -> SaveHandle:
         """Synchronous twin of :meth:`save`."""
+        began = time.monotonic()
         engine = self._open_engine()
-        request = save_request(step, state, metadata, replicated, self._layouts)
+        request = save_request(step, state, metadata, replicated, self._layouts, began=began)
         try:
             tracker = engine.run_sync(self._pipeline.save(request))
+            self._saved(request)
         finally:
             request.handoff.caller_done()
         return SaveHandle(tracker)
+
+    def _saved(self, request: SaveRequest) -> None:
+        # Before the copies start (Handoff), so the `captured` event always comes after its `save`.
+        self._pipeline.events.emit("save", step=request.step, bytes=request.nbytes, seconds=time.monotonic() - request.began)
 
     def _open_engine(self) -> Engine:
         """The engine, for a call that needs this Checkpointer open (every call but ``close``)."""
@@ -210,9 +225,10 @@ class Checkpointer(LazyBarrier):
     restore_sync = sync_twin(restore, _open_engine)
 
     async def _restore(self, template: Any, strict: bool, cast: bool, verify_first: bool, step: int | None = None, tier: str | None = None) -> Any:
-        engine, tiers, memory = self._open_engine(), self._pipeline.tiers, self._pipeline.memory
+        engine, tiers, memory, events = self._open_engine(), self._pipeline.tiers, self._pipeline.memory, self._pipeline.events
+        began = time.monotonic()
         work = prepare_restore(self._group, tiers, memory, template, strict=strict, cast=cast, verify_first=verify_first, step=step, tier=tier)
-        return await engine.run(work)
+        return await engine.run(_reported(work, tiers, events, step, began))
 
     def versions(self) -> list[VersionInfo]:
         """What each tier holds now: one :class:`VersionInfo` per committed version, per tier."""
@@ -248,3 +264,17 @@ class Checkpointer(LazyBarrier):
 
     def __exit__(self, *exc: object) -> None:
         self.close_sync()
+
+
+async def _reported(work: Coroutine[Any, Any, Restored | None], tiers: Sequence[Tier], events: Events, step: int | None, began: float) -> Restored | None:
+    """``work``, a restore, reported as a ``restored`` or ``restore_failed`` event (on the engine's
+    thread, which owns what the tiers hold)."""
+    try:
+        restored = await work
+    except Exception as exc:
+        events.emit("restore_failed", step=step, error=exc)
+        raise
+    if restored is not None:
+        held = next((v.nbytes for t in tiers if t.name == restored.tier for v in t.versions() if v.step == restored.step), None)
+        events.emit("restored", step=restored.step, tier=restored.tier, bytes=held, seconds=time.monotonic() - began)
+    return restored

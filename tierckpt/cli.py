@@ -1,6 +1,6 @@
 """``tierckpt ls|verify DIR``, ``tierckpt status CONFIG|DIR`` and ``tierckpt export VERSION OUT``: stored
-versions without a Checkpointer. ``python -m tierckpt`` is the same command line; ``tierckpt --version``
-prints ``tierckpt <version>``.
+versions without a Checkpointer; ``tierckpt timeline EVENTS... -o FILE``: a run's events file drawn.
+``python -m tierckpt`` is the same command line; ``tierckpt --version`` prints ``tierckpt <version>``.
 
 ``DIR`` is a filesystem tier's directory (every ``step-<12 digits>`` directory in it is a version) or
 one version directory; or a folder holding tier directories (``./checkpoints`` holding ``nvme/`` and
@@ -18,7 +18,8 @@ command works beside a running job.
   and how many chunks are damaged.
 
 - ``status`` prints one line per tier of a config (:mod:`tierckpt.clistatus`) or of ``DIR``: versions,
-  newest step, stored bytes, and with ``--verify`` what ``verify`` finds.
+  newest step, stored bytes, and with ``--verify`` what ``verify`` finds; with ``--events FILE`` (or
+  a config's ``events:`` file, rank 0's, when it exists) each tier's last flush and last failure.
 
 Exit status: 0 when every version is fine (or there is none), 1 when one is damaged, 2 on a usage
 error (a missing directory, a folder that is neither a tier directory nor holds one, a bad argument).
@@ -34,6 +35,14 @@ usage error: ``VERSION`` missing or not a version directory, ``OUT`` existing (`
 it), a value the format cannot hold (a dtype safetensors lacks: use ``--to torch``), named before
 anything is written.
 
+``timeline EVENTS... -o FILE [--rank N] [--title T]`` draws events files (config ``events:``; several
+files, or one holding several ranks, give one set of lanes per rank; ``--rank N`` keeps rank N's) as
+a timeline image, its format named by ``FILE``'s suffix (``.png``, ``.svg``, ``.pdf``):
+:mod:`tierckpt.observe.timeline`, with matplotlib (``pip install 'tierckpt[plot]'``). A half-written
+last line (a killed job's) is left out. It prints one summary line. Exit status: 0 when drawn; 1 when
+``FILE`` cannot be written; 2 on a usage error: an events file missing or holding a line that is not
+an event, no event to draw (of rank N), a suffix matplotlib cannot write, matplotlib not installed.
+
 Example::
 
     $ tierckpt verify ./checkpoints/nvme
@@ -42,6 +51,8 @@ Example::
     2 versions: 1 OK, 1 damaged
     $ tierckpt export ./checkpoints/nvme/step-000000000100 model.safetensors
     exported step 100: 5 tensors, 1.2 GiB to model.safetensors
+    $ tierckpt timeline events-0.jsonl -o timeline.png
+    drew 412 events of rank 0 over 96.3 s (lanes training, capture, nvme, pfs) to timeline.png
 """
 
 from __future__ import annotations
@@ -54,17 +65,18 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
 
 from tierckpt import export as exporting
 from tierckpt._version import __version__
 from tierckpt.clistatus import status as tier_status
 from tierckpt.cliversions import (
     DAMAGED, NO_TIER_HINT, OK, USAGE, ListedVersion, UsageError, bucket_versions, damage_message,
-    dir_versions, format_size, held_bytes, open_parts, verify_version,
+    dir_versions, format_size, held_bytes, open_parts, verify_bytes, verify_version,
 )
-from tierckpt.errors import CorruptCheckpointError, UnsupportedStateError
+from tierckpt.errors import ConfigError, CorruptCheckpointError, UnsupportedStateError
 from tierckpt.format import CommitMarker, Manifest
+from tierckpt.observe.progress import Progress, progress_bar
+from tierckpt.observe.timeline import draw_timeline, read_events
 from tierckpt.tiers.stored.find import holds_a_tier, tier_dirs
 
 __all__ = ["main"]
@@ -91,11 +103,13 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
     args = parser.parse_args(argv)
     if args.command == "export":
         return _export(parser.prog, args)
+    if args.command == "timeline":
+        return _timeline(parser.prog, args)
     try:
         if args.command in ("verify", "status") and args.threads < 1:
             raise UsageError(f"--threads must be at least 1, not {args.threads}")
         if args.command == "status":
-            return tier_status(args.target, verify=args.verify, threads=args.threads, endpoint=args.endpoint)
+            return tier_status(args.target, verify=args.verify, threads=args.threads, endpoint=args.endpoint, events=args.events)
         tiers = [_Tier(None, bucket_versions(args.dir, args.endpoint))] if args.dir.startswith("s3://") else _local_tiers(args.dir)
     except UsageError as exc:
         print(f"{parser.prog} {args.command}: {exc}", file=sys.stderr)
@@ -119,9 +133,9 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Look at, check and export tierckpt versions on a filesystem or object tier.")
+    parser = argparse.ArgumentParser(prog=prog, description="Look at, check and export tierckpt versions on a filesystem or object tier; draw events files.")
     parser.add_argument("--version", action="version", version=f"tierckpt {__version__}", help="print tierckpt's version and exit")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{ls,verify,status,export}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{ls,verify,status,export,timeline}")
     where = "a tier directory, a folder holding tier directories, or one version directory; or s3://bucket/prefix"
     ls = commands.add_parser("ls", help="list versions: step, sizes, creation time, valid (reads manifests only)")
     ls.add_argument("dir", metavar="DIR", help=where)
@@ -133,6 +147,10 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         help="a YAML config (every tier it names, in its order), or a DIR as ls takes it (one line per tier directory)",
     )
     status.add_argument("--verify", action="store_true", help="check every version as verify does; count OK and DAMAGED per tier")
+    status.add_argument(
+        "--events", metavar="FILE", default=None,
+        help="an events file: per tier, its last flush and last failure after the table (default: a config's events file of rank 0, if it exists)",
+    )
     export = commands.add_parser("export", help="write one version's consolidated state as a safetensors or a torch file")
     export.add_argument("version", metavar="VERSION", help="a version directory (step-<12 digits>) of a filesystem tier, or s3://bucket/prefix/step-...")
     export.add_argument("out", metavar="OUT", type=Path, help="the file to write")
@@ -141,6 +159,11 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         help="safetensors, or torch (a file torch.load reads); default: torch when OUT ends in .pt or .pth, else safetensors",
     )
     export.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    timeline = commands.add_parser("timeline", help="draw events files as a timeline: save calls, captures, flushes, failures per tier")
+    timeline.add_argument("events", metavar="EVENTS", nargs="+", help="events files (config events:), of one rank or several")
+    timeline.add_argument("-o", "--out", metavar="FILE", type=Path, required=True, help="the image to write: .png, .svg or .pdf")
+    timeline.add_argument("--rank", metavar="N", type=int, default=None, help="draw rank N's events only (default: every rank's, one set of lanes each)")
+    timeline.add_argument("--title", metavar="T", default=None, help="the image's title (default: the events files' names)")
     for command in (verify, status, export):
         threads = "threads reading and checking chunks (default 2)"
         command.add_argument("--threads", metavar="N", type=int, default=2, help=threads if command is not status else f"with --verify: {threads}")
@@ -209,23 +232,24 @@ def _ls(versions: list[ListedVersion]) -> int:
 def _verify(versions: list[ListedVersion], threads: int) -> int:
     width = max(len(v.name) for v in versions)
     damaged = 0
-    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tierckpt-verify") as executor:
+    desc = f"verify {len(versions)} version{'s' if len(versions) != 1 else ''}"
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tierckpt-verify") as executor, \
+            progress_bar(verify_bytes(versions), desc) as bar:
         for version in versions:
-            opened, damage = verify_version(version, executor)
+            opened, damage = verify_version(version, executor, bar.update)
             if damage is None:
                 assert opened is not None
                 logical = sum(r.nbytes for r in opened.logical_records())
                 ranks = f" from {opened.head.world_size} ranks" if isinstance(opened.head, CommitMarker) else ""
                 part = _part(opened.head)
                 ranks = ranks if part is None else f", {part} (complete)"
-                print(
+                bar.print_above(
                     f"{version.name.ljust(width)}  OK       {opened.tensors} tensors{ranks}, "
-                    f"{format_size(held_bytes(opened.head))} stored, {format_size(logical)} logical",
-                    flush=True,
+                    f"{format_size(held_bytes(opened.head))} stored, {format_size(logical)} logical"
                 )
             else:
                 damaged += 1
-                print(f"{version.name.ljust(width)}  DAMAGED  {damage}", flush=True)
+                bar.print_above(f"{version.name.ljust(width)}  DAMAGED  {damage}")
     print(f"{len(versions)} version{'s' if len(versions) != 1 else ''}: {len(versions) - damaged} OK, {damaged} damaged")
     return DAMAGED if damaged else OK
 
@@ -234,7 +258,7 @@ def _export(prog: str, args: argparse.Namespace) -> int:
     if args.threads < 1:
         print(f"{prog} export: --threads must be at least 1, not {args.threads}", file=sys.stderr)
         return USAGE
-    bar = _ProgressLine(sys.stderr) if sys.stderr.isatty() else None
+    bar = _ExportBar()
     try:
         summary = exporting.export(
             args.version, args.out, to=args.to, force=args.force, threads=args.threads, progress=bar, endpoint=args.endpoint
@@ -248,8 +272,7 @@ def _export(prog: str, args: argparse.Namespace) -> int:
     else:
         status, text = OK, ""
     finally:
-        if bar is not None:
-            bar.end()
+        bar.close()
     if status != OK:
         print(f"{prog} export: {text}", file=sys.stderr)
         return status
@@ -257,28 +280,52 @@ def _export(prog: str, args: argparse.Namespace) -> int:
     return OK
 
 
-class _ProgressLine:
-    """``export step 7: 12/40 tensors, 1.2 GiB/3.4 GiB``, redrawn in place at most 10 times a second."""
+def _timeline(prog: str, args: argparse.Namespace) -> int:
+    try:
+        events = [event for path in args.events for event in read_events(path)]
+    except FileNotFoundError as exc:
+        return _usage(prog, "timeline", f"{exc.filename}: no such file")
+    except (OSError, ValueError) as exc:  # a directory, an unreadable file; a line that is not an event
+        return _usage(prog, "timeline", str(exc))
+    if args.rank is not None:
+        there = sorted({event["rank"] for event in events})
+        events = [event for event in events if event["rank"] == args.rank]
+        if not events:
+            return _usage(prog, "timeline", f"no events of rank {args.rank} (ranks there: {', '.join(map(str, there)) or 'none'})")
+    title = args.title or "tierckpt timeline: " + ", ".join(Path(path).name for path in args.events)
+    try:
+        drawn = draw_timeline(events, args.out, title=title)
+    except (ConfigError, ValueError) as exc:  # matplotlib missing; nothing to draw, a format it cannot write
+        return _usage(prog, "timeline", str(exc))
+    except OSError as exc:
+        print(f"{prog} timeline: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
+        return DAMAGED
+    ranks = f"rank {drawn.ranks[0]}" if len(drawn.ranks) == 1 else f"ranks {', '.join(map(str, drawn.ranks))}"
+    lanes = dict.fromkeys(lane.partition(": ")[2] if len(drawn.ranks) > 1 else lane for lane in drawn.lanes)
+    span = f"{drawn.seconds:.1f} s" if drawn.seconds >= 1 else f"{drawn.seconds * 1000:.1f} ms"
+    print(f"drew {drawn.events} events of {ranks} over {span} (lanes {', '.join(lanes)}) to {drawn.path}")
+    return OK
 
-    def __init__(self, stream: TextIO) -> None:
-        self._stream = stream
-        self._drawn = 0.0
-        self._width = 0
+
+def _usage(prog: str, command: str, text: str) -> int:
+    print(f"{prog} {command}: {text}", file=sys.stderr)
+    return USAGE
+
+
+class _ExportBar:
+    """One progress bar over an export's bytes (drawn when stderr is a terminal), made at the first
+    tensor's report, which brings the total."""
+
+    def __init__(self) -> None:
+        self._bar: Progress | None = None
+        self._done = 0
 
     def __call__(self, p: exporting.ExportProgress) -> None:
-        now = time.monotonic()
-        if now - self._drawn < 0.1 and p.tensors < p.total_tensors:
-            return
-        self._drawn = now
-        line = f"export step {p.step}: {p.tensors}/{p.total_tensors} tensors, {format_size(p.nbytes)}/{format_size(p.total_nbytes)}"
-        if p.tensors == p.total_tensors:
-            line += ", writing" if p.total_tensors else ""
-        self._width = max(self._width, len(line))
-        self._stream.write("\r" + line.ljust(self._width))
-        self._stream.flush()
+        if self._bar is None:
+            self._bar = progress_bar(p.total_nbytes, f"export step {p.step}")
+        self._bar.update(p.nbytes - self._done)
+        self._done = p.nbytes
 
-    def end(self) -> None:
-        """Clear the line (the summary or the error follows)."""
-        if self._width:
-            self._stream.write("\r" + " " * self._width + "\r")
-            self._stream.flush()
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

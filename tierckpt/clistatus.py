@@ -1,4 +1,4 @@
-"""``tierckpt status CONFIG|DIR [--verify] [--threads N]``: one line per tier, what it holds now.
+"""``tierckpt status CONFIG|DIR [--verify] [--threads N] [--events FILE]``: one line per tier, what it holds now.
 
 For each tier: its name, its type, the number of versions it holds, the newest step, the bytes they
 store, and with ``--verify`` how many verify and how many are damaged (each version checked as
@@ -22,12 +22,19 @@ reads): every tier it names, in its order, where the Checkpointer would find it 
 ``DIR`` is what ``ls`` takes: a tier directory (one line), a folder holding tier directories (one
 line per tier directory, named after it), one version directory, or ``s3://bucket/prefix``.
 
+With an events file (``--events FILE``; for a ``CONFIG`` with an ``events:`` key and no ``--events``,
+rank 0's file of it, when it exists), a second table follows: per tier, when its last flush ended
+(local ISO time, and its step) and its last failure (``flush_failed`` or ``delete_failed``: time,
+step, error), as the file recorded them. What a running job already did: a recorded failure does not
+change the exit status (a later flush may have gone through; the first table says what is held).
+
 Nothing is written and no tier's lock is taken, so it runs beside a training job; a version that
 retention removes while it is being read is left out rather than reported damaged.
 
 Exit status: 0 when every version read is fine, 1 when one is damaged (a manifest that does not
 read, or with ``--verify`` any damage) or a tier cannot be listed, 2 on a usage error (a missing
-path, a config that does not load, a folder that is neither a tier directory nor holds one).
+path, a config that does not load, a folder that is neither a tier directory nor holds one, an
+``--events`` file missing or holding a line that is not an event).
 """
 
 from __future__ import annotations
@@ -36,7 +43,9 @@ import concurrent.futures
 import os
 import re
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -47,6 +56,8 @@ from tierckpt.cliversions import (
 from tierckpt.config import Config, TierConfig
 from tierckpt.errors import ConfigError, CorruptCheckpointError
 from tierckpt.format import parse_version_dirname
+from tierckpt.observe.eventfile import events_path
+from tierckpt.observe.timeline import read_events
 from tierckpt.tiers.stored.find import holds_a_tier, tier_dirs
 from tierckpt.tiers.memory.shm import POOL_INFO
 
@@ -77,7 +88,22 @@ class _Row:
     damage: list[tuple[str, str]] = field(default_factory=list)  # (version, what is damaged)
 
 
-def status(target: str, *, verify: bool, threads: int, endpoint: str | None) -> int:
+@dataclass
+class _Recorded:
+    """What an events file says of each tier: its last ``flushed`` event and its last failure; or,
+    for a config's file that does not read, why (``problem``)."""
+
+    path: Path
+    flushed: dict[str, dict[str, Any]] = field(default_factory=dict)
+    failed: dict[str, dict[str, Any]] = field(default_factory=dict)
+    ranks: set[int] = field(default_factory=set)
+    problem: str | None = None
+
+
+_FAILURES = ("flush_failed", "delete_failed")
+
+
+def status(target: str, *, verify: bool, threads: int, endpoint: str | None, events: str | None = None) -> int:
     """Print the table for ``target``; returns the exit status (see the module docstring).
 
     Args:
@@ -86,26 +112,32 @@ def status(target: str, *, verify: bool, threads: int, endpoint: str | None) -> 
         verify: check every chunk of every version, as ``tierckpt verify`` does.
         threads: threads reading and checking chunks (>= 1).
         endpoint: the S3-compatible server of an ``s3://`` target (a config's tiers name their own).
+        events: an events file: each tier's last flush and failure follow the table (None: a config's
+            ``events:`` file of rank 0, where there is one).
 
     Raises:
-        tierckpt.cliversions.UsageError: before anything is printed, when ``target`` is none of those (the
-            command line prints it and exits 2).
+        tierckpt.cliversions.UsageError: before anything is printed, when ``target`` is none of those, or
+            ``events`` is missing or not an events file (the command line prints it and exits 2).
 
     Example: ``tierckpt status ./checkpoints`` runs ``status("./checkpoints", verify=False, threads=2,
     endpoint=None)``.
     """
-    rows = _rows(target, endpoint)
+    rows, configured = _rows(target, endpoint)
+    recorded = _recorded(events, configured)
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tierckpt-status") as executor:
         for row in rows:
             _tally(row, verify, executor)
     _print(rows, verify)
+    if recorded is not None:
+        _print_recorded(recorded, rows)
     return DAMAGED if any(row.damage or row.broken for row in rows) else OK
 
 
-def _rows(target: str, endpoint: str | None) -> list[_Row]:
+def _rows(target: str, endpoint: str | None) -> tuple[list[_Row], str | None]:
+    """The rows of ``target``, and a config's ``events:`` path (None for a directory or a prefix)."""
     if target.startswith("s3://"):
         name = target.rstrip("/").rpartition("/")[2] or target
-        return [_Row(name, "object", target, bucket_versions(target, endpoint))]
+        return [_Row(name, "object", target, bucket_versions(target, endpoint))], None
     path = Path(target)
     if not path.exists():
         raise UsageError(f"{target}: no such file or directory")
@@ -114,11 +146,11 @@ def _rows(target: str, endpoint: str | None) -> list[_Row]:
     if dir_versions(path) or holds_a_tier(path):
         resolved = path.resolve()
         own = resolved.parent if parse_version_dirname(resolved.name) is not None else resolved
-        return [_local_row(own.name, _dir_type(own), path)]
+        return [_local_row(own.name, _dir_type(own), path)], None
     names = tier_dirs(path)
     if not names:
         raise UsageError(f"{target}: {NO_TIER_HINT}, or a YAML config")
-    return [_local_row(name, _dir_type(path / name), path / name) for name in names]
+    return [_local_row(name, _dir_type(path / name), path / name) for name in names], None
 
 
 def _dir_type(directory: Path) -> str:
@@ -137,7 +169,7 @@ def _local_row(tier: str, kind: str, directory: Path, note: str = "") -> _Row:
     return _Row(tier, kind, f"{directory}" + (f" ({note})" if note else ""), versions)
 
 
-def _config_rows(path: Path) -> list[_Row]:
+def _config_rows(path: Path) -> tuple[list[_Row], str | None]:
     try:
         config = Config.from_yaml(path)
     except ConfigError as exc:  # it names the file, the key and the line
@@ -154,7 +186,7 @@ def _config_rows(path: Path) -> list[_Row]:
             rows.append(_object_row(tier))
         else:
             rows.extend(_filesystem_rows(tier, config))
-    return rows
+    return rows, config.events
 
 
 def _shm_rows(tier: TierConfig, root: Path) -> list[_Row]:
@@ -243,3 +275,67 @@ def _print(rows: list[_Row], verify: bool) -> None:
     if verify:
         held = sum(row.held for row in rows)
         print(f"{held} version{'s' if held != 1 else ''}: {held - len(damaged)} OK, {len(damaged)} damaged")
+
+
+def _recorded(given: str | None, configured: str | None) -> _Recorded | None:
+    """The events file's last flush and failure per tier: ``given`` (a usage error when it is missing or
+    not an events file), else rank 0's file of a config's ``events:`` where it exists (where it does not
+    read, the reason is printed in place of the table: the command was not asked for it)."""
+    if given is not None:
+        path = Path(given)
+        if not path.is_file():
+            raise UsageError(f"--events {given}: no such file")
+    elif configured is not None:
+        path = events_path(configured, 0)  # relative to here, as the Checkpointer would open it
+        if not path.is_file():
+            return None
+    else:
+        return None
+    recorded = _Recorded(path)
+    try:
+        events = read_events(path)
+    except (OSError, ValueError) as exc:
+        if given is not None:
+            raise UsageError(f"--events {exc}") from None
+        recorded.problem = str(exc)
+        return recorded
+    for event in events:
+        tier, kind = event["tier"], event["event"]
+        latest = recorded.flushed if kind == "flushed" else recorded.failed if kind in _FAILURES else None
+        if latest is None or tier is None:
+            continue
+        recorded.ranks.add(event["rank"])
+        if tier not in latest or event["time"] >= latest[tier]["time"]:  # the later line wins a tie
+            latest[tier] = event
+    return recorded
+
+
+def _print_recorded(recorded: _Recorded, rows: list[_Row]) -> None:
+    print()
+    if recorded.problem is not None:
+        print(f"events: {recorded.path} cannot be read: {recorded.problem}")
+        return
+    print(f"events: {recorded.path}")
+    ranked = len(recorded.ranks) > 1  # one file several ranks wrote: say whose
+    tiers = dict.fromkeys([row.tier for row in rows] + list(recorded.flushed) + list(recorded.failed))
+    table = [["TIER", "LAST FLUSHED", "LAST FAILURE"]]
+    for tier in tiers:
+        flushed, failed = recorded.flushed.get(tier), recorded.failed.get(tier)
+        last_flush = "-" if flushed is None else f"{_local_time(flushed['time'])} step {_step(flushed, ranked)}"
+        last_failure = "-"
+        if failed is not None:
+            error = " ".join(str(failed["error"] or "no error recorded").split())  # one line
+            last_failure = f"{_local_time(failed['time'])} step {_step(failed, ranked)} {failed['event']}: {error}"
+        table.append([tier, last_flush, last_failure])
+    widths = [max(len(line[i]) for line in table) for i in range(2)]
+    for line in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)) + "  " + line[-1])
+
+
+def _local_time(unix: float) -> str:
+    return datetime.fromtimestamp(unix).astimezone().isoformat(timespec="seconds")
+
+
+def _step(event: dict[str, Any], ranked: bool) -> str:
+    step = "-" if event["step"] is None else str(event["step"])  # None: the flusher itself failed
+    return f"{step} (rank {event['rank']})" if ranked else step

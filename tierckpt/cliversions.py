@@ -12,17 +12,20 @@ import concurrent.futures
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, TensorRecord, parse_version_dirname
 from tierckpt.format.layout import where
+from tierckpt.observe.progress import format_size
 from tierckpt.storage.scratch import scratch, scratch2, scratch_bytes
 from tierckpt.tiers.stored.read import open_source, read_head, read_rank_manifest, version_files
 from tierckpt.tiers.stored.source import StoredSource, StoreVersion
 
 __all__ = [
     "DAMAGED", "NO_TIER_HINT", "OK", "USAGE", "ListedVersion", "OpenedVersion", "UsageError",
-    "bucket_versions", "damage_message", "dir_versions", "format_size", "held_bytes", "open_parts", "verify_version",
+    "bucket_versions", "damage_message", "dir_versions", "format_size", "held_bytes", "open_parts", "verify_bytes",
+    "verify_version",
 ]
 
 OK, DAMAGED, USAGE = 0, 1, 2  # the commands' exit statuses
@@ -96,15 +99,6 @@ def damage_message(exc: CorruptCheckpointError, version: ListedVersion) -> str:
     return text[len(prefix) :] if text.startswith(prefix) else text
 
 
-def format_size(n: int) -> str:
-    """``n`` bytes as the commands print sizes (``512 B``, ``1.2 GiB``)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    raise AssertionError
-
-
 @dataclass
 class OpenedVersion:
     """A version's manifests and open files: one per rank that saved it."""
@@ -153,6 +147,19 @@ def held_bytes(head: Manifest | CommitMarker) -> int:
     return head.held_bytes if isinstance(head, CommitMarker) else head.stored_bytes
 
 
+def verify_bytes(versions: list[ListedVersion]) -> int:
+    """The bytes :func:`verify_version` reads of ``versions``, in all: what each one's head says it
+    stores (:func:`held_bytes`); a version whose head cannot be read counts none, as none of it is read.
+    The total of a progress bar over verifying them."""
+    total = 0
+    for version in versions:
+        try:
+            total += held_bytes(read_head(version.files, tier=None, step=version.step))
+        except CorruptCheckpointError:
+            pass
+    return total
+
+
 def _check_chunk(source: StoredSource, record: TensorRecord, chunk: int) -> str | None:
     """None if the chunk verifies (and decodes), else the damage."""
     _, length = record.chunk_span(chunk)
@@ -164,9 +171,16 @@ def _check_chunk(source: StoredSource, record: TensorRecord, chunk: int) -> str 
     return None
 
 
-def verify_version(version: ListedVersion, executor: concurrent.futures.Executor) -> tuple[OpenedVersion | None, str | None]:
+def verify_version(
+    version: ListedVersion, executor: concurrent.futures.Executor, progress: Callable[[int], None] | None = None
+) -> tuple[OpenedVersion | None, str | None]:
     """The version and None if it verifies (every rank's part), else its damage (the first found, and
-    how many chunks are damaged)."""
+    how many chunks are damaged).
+
+    ``progress``: called in this thread with each chunk's stored bytes once it was checked, damaged
+    or not; of a version that opens, :func:`held_bytes` of its head in all (of one that does not,
+    nothing). ``progress_bar(verify_bytes(versions), ...).update`` draws one bar over several.
+    """
     try:
         opened = open_parts(version)
     except CorruptCheckpointError as exc:
@@ -179,7 +193,13 @@ def verify_version(version: ListedVersion, executor: concurrent.futures.Executor
             for c, chunk in enumerate(record.chunks)
             if chunk is not None  # a shared chunk is checked in the part of the rank that stored it
         ]
-        damage = [d for d in executor.map(lambda job: _check_chunk(*job), jobs) if d is not None]
+        damage = []
+        # In order, as the checks finish: the callback runs here, never on the executor's threads.
+        for (_, record, c), found in zip(jobs, executor.map(lambda job: _check_chunk(*job), jobs)):
+            if found is not None:
+                damage.append(found)
+            if progress is not None:
+                progress(record.chunk(c).stored)
     finally:
         opened.close()
     if not damage:

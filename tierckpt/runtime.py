@@ -22,6 +22,7 @@ from tierckpt.capture import Copier, HostPool
 from tierckpt.capture.pool import FILE_POOL_BYTES
 from tierckpt.config import Config, TierConfig, check_disjoint_paths
 from tierckpt.errors import ConfigError
+from tierckpt.observe import Events, open_events
 from tierckpt.pipeline import Engine, Pipeline
 from tierckpt.pipeline.flusher import Flusher
 from tierckpt.ranks import RankGroup
@@ -46,12 +47,17 @@ class Runtime:
     background and is drained at interpreter exit, instead of dying with the daemon engine thread.
     """
 
-    def __init__(self, engine: Engine, pipeline: Pipeline, copier: Copier, pool: HostPool, group: RankGroup | None = None) -> None:
+    def __init__(
+        self, engine: Engine, pipeline: Pipeline, copier: Copier, pool: HostPool, group: RankGroup | None = None, events: Events | None = None
+    ) -> None:
         self.engine: Engine | None = engine
         self.pipeline: Pipeline | None = pipeline
         self.copier: Copier | None = copier
         self.pool: HostPool | None = pool
         self.group = group
+        self.events = events
+        # The metrics endpoint's address (config `metrics`): the sink that serves one has a url.
+        self.metrics_url: str | None = next((u for s in events.sinks if isinstance(u := getattr(s, "url", None), str)), None) if events else None
         self.closed = False
 
     async def _close(self) -> None:
@@ -91,8 +97,8 @@ class Runtime:
 
     def teardown(self) -> None:
         self.closed = True
-        engine, copier, pool, group = self.engine, self.copier, self.pool, self.group
-        self.engine = self.pipeline = self.copier = self.pool = self.group = None
+        engine, copier, pool, group, events = self.engine, self.copier, self.pool, self.group, self.events
+        self.engine = self.pipeline = self.copier = self.pool = self.group = self.events = None
         if group is not None:
             group.close()
         if engine is not None:
@@ -101,6 +107,8 @@ class Runtime:
             copier.close()
         if pool is not None:
             pool.close()
+        if events is not None:
+            events.close()  # last: the drain's events are written
 
     def holdings(self) -> list[Any]:
         """What each tier of this rank tells the others after construction (:meth:`Tier.holdings`)."""
@@ -133,8 +141,21 @@ def assemble(config: Config, group: RankGroup | None, tier_factory: TierFactory 
 
     Raises:
         ConfigError: a bad setting, two tiers in one directory, a tier directory that cannot be
-            created or locked.
+            created or locked, an events file that cannot be opened or a metrics port that is taken.
     """
+    pipeline: Pipeline | None = None  # the metrics endpoint asks it how many host slots are busy
+    names = [cfg.name for cfg in config.tiers]
+    events = open_events(config, group, names, lambda: pipeline.memory.busy_slots() if pipeline is not None else 0)
+    try:
+        runtime = _assemble(config, group, tier_factory, clock, events)
+    except BaseException:
+        events.close()
+        raise
+    pipeline = runtime.pipeline
+    return runtime
+
+
+def _assemble(config: Config, group: RankGroup | None, tier_factory: TierFactory | None, clock: Callable[[], float], events: Events) -> Runtime:
     host = config.host
     tier_configs = [_on_this_node(cfg, config, group) for cfg in config.tiers]
     check_disjoint_paths(tier_configs)
@@ -184,9 +205,9 @@ def assemble(config: Config, group: RankGroup | None, tier_factory: TierFactory 
     flusher: Callable[..., Flusher] = Flusher
     if group is not None:
         flusher = functools.partial(LeaderFlusher if group.leader else FollowerFlusher, group=group)
-    pipeline = Pipeline(config, copier, memory, below, clock=clock, flusher=flusher, several_ranks=group is not None)
+    pipeline = Pipeline(config, copier, memory, below, clock=clock, flusher=flusher, several_ranks=group is not None, events=events)
     engine = Engine()
-    runtime = Runtime(engine, pipeline, copier, pool, group)
+    runtime = Runtime(engine, pipeline, copier, pool, group, events)
     try:
         engine.run_sync(pipeline.start())
     except BaseException:

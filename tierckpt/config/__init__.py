@@ -18,6 +18,7 @@ The package, each module importing only those before it:
   reading with line numbers;
 - :mod:`~tierckpt.config.sections`: ``host``, ``distributed``, and a tier's ``flush``, ``keep`` and
   ``compression`` sections;
+- :mod:`~tierckpt.config.observe`: ``events`` and the ``metrics`` section (where a running Checkpointer reports);
 - :mod:`~tierckpt.config.tier`: :class:`TierConfig` and the ``tiers`` list;
 - :mod:`~tierckpt.config.document`: :class:`Config`, from and to a mapping or YAML;
 - :mod:`~tierckpt.config.paths`: :func:`check_disjoint_paths`, the check that needs the file system.
@@ -26,6 +27,7 @@ The package, each module importing only those before it:
 from __future__ import annotations
 
 from tierckpt.config.document import Config
+from tierckpt.config.observe import MetricsConfig
 from tierckpt.config.paths import check_disjoint_paths
 from tierckpt.config.sections import (
     CompressionConfig,
@@ -36,4 +38,4 @@ from tierckpt.config.sections import (
 )
 from tierckpt.config.tier import TierConfig
 
-__all__ = ["Config", "HostConfig", "TierConfig", "FlushPolicy", "KeepPolicy", "CompressionConfig", "DistributedConfig", "check_disjoint_paths"]
+__all__ = ["Config", "HostConfig", "TierConfig", "FlushPolicy", "KeepPolicy", "CompressionConfig", "DistributedConfig", "MetricsConfig", "check_disjoint_paths"]

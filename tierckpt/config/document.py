@@ -17,8 +17,10 @@ from typing import Any
 
 import yaml
 
+from tierckpt.config.observe import MetricsConfig, read_events, read_metrics, write_metrics
 from tierckpt.config.schema import (
     Key,
+    optional,
     Site,
     build,
     check_mapping,
@@ -47,6 +49,9 @@ class Config:
     Attributes:
         host: the host memory that snapshots are captured into.
         distributed: how ranks coordinate when ``torch.distributed`` is initialized.
+        events: the path of a JSON Lines file of events (``{rank}`` replaced by the rank), or None
+            (docs/observability.md).
+        metrics: a Prometheus endpoint to serve while open (:class:`~tierckpt.config.observe.MetricsConfig`), or None.
         tiers: at least one tier, names unique; a memory tier may only be the first; a peer tier may
             not be the first, and there is at most one. A list is stored as a tuple.
 
@@ -62,9 +67,15 @@ class Config:
     host: HostConfig = HostConfig()
     tiers: tuple[TierConfig, ...]
     distributed: DistributedConfig = DistributedConfig()
+    events: str | None = None
+    metrics: MetricsConfig | None = None
 
     def __post_init__(self) -> None:
         at = site()
+        if self.events is not None:
+            object.__setattr__(self, "events", read_events(self.events, at.at("events")))
+        if self.metrics is not None and not isinstance(self.metrics, MetricsConfig):
+            raise at.error("metrics", problem=f"{self.metrics!r} is not allowed", hint="use a MetricsConfig, or in YAML a mapping with a port")
         if not isinstance(self.host, HostConfig):
             raise at.error("host", problem=f"{self.host!r} is not allowed", hint="use a HostConfig")
         if isinstance(self.tiers, list):
@@ -166,7 +177,7 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         """The config as a mapping spelled as the YAML file: sizes in bytes, durations in seconds, paths
         as ``str``; ``Config.from_dict(config.to_dict()) == config``."""
-        return write(self, _CONFIG_KEYS)
+        return write(self, _CONFIG_KEYS, skip=frozenset(k for k in ("events", "metrics") if getattr(self, k) is None))
 
     def to_yaml(self) -> str:
         """The config as YAML text; ``Config.from_yaml`` of a file holding it gives an equal config."""
@@ -183,4 +194,6 @@ _CONFIG_KEYS = (
     Key("host", "host", *section(HostConfig, _HOST_KEYS)),
     Key("tiers", "tiers", _read_tiers, _write_tiers),
     Key("distributed", "distributed", *section(DistributedConfig, _DISTRIBUTED_KEYS)),
+    Key("events", "events", optional(read_events)),
+    Key("metrics", "metrics", optional(read_metrics), write_metrics),  # both written only when set: to_dict skips None
 )

@@ -46,15 +46,18 @@ DEFER_FLOOR_S = 1.0
 class FlushEvents(Protocol):
     """What the pipeline hears from a flusher (all called on the engine thread)."""
 
-    def skipped(self, tier: str, token: int) -> None: ...
+    def skipped(self, tier: str, token: int, step: int) -> None: ...
 
     def forced(self, tier: str, candidate: Candidate) -> None: ...
 
-    def committed(self, tier: str, candidate: Candidate, info: VersionInfo) -> None: ...
+    def committed(self, tier: str, candidate: Candidate, info: VersionInfo, started: float) -> None:
+        """``started``: when the flush began, on the flusher's clock."""
 
     def failed(self, tier: str, candidate: Candidate | None, error: BaseException) -> None: ...
 
     def delete_failed(self, tier: str, step: int, error: BaseException) -> None: ...
+
+    def deleted(self, tier: str, step: int) -> None: ...
 
 
 @dataclass
@@ -147,7 +150,7 @@ class Flusher:
     def _apply(self, update: Update) -> None:
         self.state = update.state  # first: the events below look at what waits here
         for candidate in update.passed_over:
-            self._events.skipped(self.tier.name, candidate.token)
+            self._events.skipped(self.tier.name, candidate.token, candidate.step)
 
     def wake(self) -> None:
         if self._retention_owed is not None:
@@ -179,11 +182,14 @@ class Flusher:
         await asyncio.gather(self._task, return_exceptions=True)
 
     async def _sleep(self, timeout: float | None) -> None:
-        self._wake.clear()
+        """Sleep until woken (or ``timeout``). A wake-up that came since the last sleep ended returns at
+        once: the decision to sleep may predate it (a retention retry awaits its deletions between the
+        decision and here, while a capture ends and offers a version), so it is consumed only here."""
         try:
             await asyncio.wait_for(self._wake.wait(), timeout)
         except asyncio.TimeoutError:
             pass
+        self._wake.clear()
 
     async def _run(self) -> None:
         while True:
@@ -254,7 +260,7 @@ class Flusher:
             located.lease.release()
         self._last_write_s = time.monotonic() - began
         self.state = finished(self.state, started=started, ok=True)
-        self._events.committed(self.tier.name, candidate, info)
+        self._events.committed(self.tier.name, candidate, info, started)
         await self.prune(committed=candidate.step)
 
     async def _store(self, candidate: Candidate, located: Located) -> VersionInfo:
@@ -298,3 +304,5 @@ class Flusher:
                 await self.tier.delete(step)
             except Exception as exc:  # logged by the pipeline; the version is whole, or under .trash-
                 self._events.delete_failed(self.tier.name, step, exc)
+            else:
+                self._events.deleted(self.tier.name, step)

@@ -31,6 +31,7 @@ from typing import Callable, Sequence
 from tierckpt.capture import Copier
 from tierckpt.config import Config
 from tierckpt.errors import CorruptCheckpointError, FlushError, flush_failure
+from tierckpt.observe.events import Events
 from tierckpt.pipeline.flusher import Flusher
 from tierckpt.pipeline.saves import Counters, SaveRequest, SaveTracker, capture_failure
 from tierckpt.pipeline.sources import Sources
@@ -48,7 +49,7 @@ class Pipeline:
     ``memory(hooks)`` makes the memory tier: the pipeline is its :class:`MemoryHooks`. ``below``: the
     other tiers, fastest first. ``flusher``: the kind of flusher each of those gets (of several ranks,
     the leader's flushers decide and the others follow: :mod:`tierckpt.pipeline.ranked`), and
-    ``several_ranks`` says so.
+    ``several_ranks`` says so. ``events``: where what happens is reported (:mod:`tierckpt.observe`).
     """
 
     def __init__(
@@ -61,12 +62,14 @@ class Pipeline:
         clock: Callable[[], float],
         flusher: Callable[..., Flusher] = Flusher,
         several_ranks: bool = False,
+        events: Events | None = None,
     ) -> None:
         self.config = config
         self.copier = copier
         self.memory = memory(self)
         self.tiers: list[Tier] = [self.memory, *below]
         self.counters = Counters()
+        self.events = events if events is not None else Events()
         self._clock = clock
         # Unix time on the injected clock: version creation times and keep.within use it, so a test's
         # clock moves them too, and a wall-clock step during a run does not.
@@ -184,6 +187,7 @@ class Pipeline:
             self.counters.skipped_saves += 1
             why = "being read" if on_full == "evict" else "busy"
             log.info("save of step %d skipped: every host slot is %s (host.on_full: %s)", step, why, on_full)
+            self.events.emit("save_skipped", step=step)
             tracker = SaveTracker(step, 0, committed={t.name: concurrent.futures.Future() for t in self.tiers})
             tracker.captured.set_result(False)
             for tier in self.tiers:
@@ -200,7 +204,7 @@ class Pipeline:
             created=self._wall(),
             slot=slot,
         )
-        tracker = SaveTracker(step, snapshot.seq, committed={t.name: concurrent.futures.Future() for t in self.tiers})
+        tracker = SaveTracker(step, snapshot.seq, committed={t.name: concurrent.futures.Future() for t in self.tiers}, began=request.began)
         self._trackers[snapshot.seq] = tracker
         self.memory.add(snapshot)
         loop = asyncio.get_running_loop()
@@ -231,6 +235,7 @@ class Pipeline:
                 step=snapshot.step,
             )
             failure.__cause__ = error
+            self.events.emit("capture_failed", step=snapshot.step, tier=self.memory.name, error=failure)
             if snapshot.report_failure:
                 self._capture_errors.append(failure)
             if tracker is not None:
@@ -241,6 +246,8 @@ class Pipeline:
             self.memory.drop(snapshot)
         else:
             snapshot.state = SnapshotState.CAPTURED
+            since = time.monotonic() - tracker.began if tracker is not None and tracker.began else None
+            self.events.emit("captured", step=snapshot.step, bytes=snapshot.nbytes, seconds=since)
             if tracker is not None:
                 tracker.captured.set_result(True)
                 if not self.memory.persistent:
@@ -261,15 +268,18 @@ class Pipeline:
         lease = self.memory.hold(snapshot)
 
         async def persist() -> None:
+            began = time.monotonic()
             try:
                 await self.memory.persist(snapshot)
             except Exception as exc:
                 failure = flush_failure(self.memory.name, snapshot.step, f"writing step {snapshot.step} to its RAM file system", exc)
                 self.counters.record(self.memory.name, failure)
+                self.events.emit("flush_failed", step=snapshot.step, tier=self.memory.name, error=failure)
                 log.error("%s; the snapshot stays in this process's memory only", failure)
                 result: bool | BaseException = failure
             else:
                 result = True
+                self.events.emit("flushed", step=snapshot.step, tier=self.memory.name, bytes=snapshot.nbytes, seconds=time.monotonic() - began)
             finally:
                 lease.release()
             if tracker is not None:
@@ -285,6 +295,7 @@ class Pipeline:
         lost = self.sources.lost(snapshot)
         names = ", ".join(repr(f.tier.name) for f in lost)
         log.info("step %d evicted from host memory before tier(s) %s took it (host.on_full: evict)", snapshot.step, names)
+        self.events.emit("evicted", step=snapshot.step, tier=self.memory.name)
         for flusher in lost:
             flusher.forget(snapshot.seq)
 
@@ -293,8 +304,9 @@ class Pipeline:
     def _index(self, tier: str) -> int:
         return next(i for i, t in enumerate(self.tiers) if t.name == tier)
 
-    def skipped(self, tier: str, token: int) -> None:
+    def skipped(self, tier: str, token: int, step: int) -> None:
         self.counters.passed_over[tier] = self.counters.passed_over.get(tier, 0) + 1
+        self.events.emit("passed_over", step=step, tier=tier)
         tracker = self._trackers.get(token)
         if tracker is None:
             self.memory.notify()
@@ -308,8 +320,9 @@ class Pipeline:
         self.counters.forced[tier] = self.counters.forced.get(tier, 0) + 1
         log.info("tier %r: taking step %d because max_staleness has passed", tier, candidate.step)
 
-    def committed(self, tier: str, candidate: Candidate, info: VersionInfo) -> None:
+    def committed(self, tier: str, candidate: Candidate, info: VersionInfo, started: float) -> None:
         self.counters.flushed[tier] = self.counters.flushed.get(tier, 0) + 1
+        self.events.emit("flushed", step=candidate.step, tier=tier, bytes=info.nbytes, seconds=self._clock() - started)
         self._unresolved.pop(tier, None)
         failures = self._failing.pop(tier, 0)
         if failures:
@@ -335,6 +348,7 @@ class Pipeline:
         step = candidate.step if candidate else None
         failure = flush_failure(tier, step, f"flushing step {step}" if step is not None else "its flusher", error)
         self.counters.record(tier, failure)
+        self.events.emit("flush_failed", step=step, tier=tier, error=failure)
         self._unresolved[tier] = failure
         self._failing[tier] = self._failing.get(tier, 0) + 1
         log.error("%s; tier %r holds steps %s; its next flush tries again", failure, tier, self._held(tier))
@@ -348,11 +362,15 @@ class Pipeline:
     def delete_failed(self, tier: str, step: int, error: BaseException) -> None:
         failure = flush_failure(tier, step, f"deleting step {step}", error)
         self.counters.record(tier, failure)
+        self.events.emit("delete_failed", step=step, tier=tier, error=failure)
         if step in self._held(tier):
             where = "stays whole and in place; retention tries again after the next commit"
         else:
             where = "is no longer part of the tier; what is left of it under .trash- is swept later"
         log.error("%s; step %d %s", failure, step, where)
+
+    def deleted(self, tier: str, step: int) -> None:
+        self.events.emit("deleted", step=step, tier=tier)
 
     def _held(self, tier: str) -> list[int]:
         return [info.step for info in self.tiers[self._index(tier)].versions()]

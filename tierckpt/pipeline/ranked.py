@@ -340,7 +340,7 @@ class FollowerFlusher(_GroupFlusher):
             return
         info = await self.tier.adopt(staged, outcome["nbytes"])
         self.state = finished(self.state, started=started, ok=True)
-        self._events.committed(self.tier.name, candidate, info)
+        self._events.committed(self.tier.name, candidate, info, started)
         for step in outcome["delete"]:
             await self.tier.forget(step)
 

@@ -20,9 +20,9 @@ from tierckpt.state import survey
 
 
 def save_request(
-    step: int, state: Any, metadata: Mapping[str, Any] | None, replicated: Sequence[Any], layouts: LayoutCache
+    step: int, state: Any, metadata: Mapping[str, Any] | None, replicated: Sequence[Any], layouts: LayoutCache, *, began: float = 0.0
 ) -> SaveRequest:
-    """The request that saves ``state`` as version ``step``.
+    """The request that saves ``state`` as version ``step`` (``began``: when the call began, ``time.monotonic()``).
 
     Raises:
         TypeError: ``step`` is not an int, or ``metadata`` holds a value msgpack cannot encode.
@@ -37,4 +37,4 @@ def save_request(
         raise TypeError(f"metadata must hold only msgpack types (str, int, float, bool, None, bytes, lists, dicts): {exc}") from exc
     found = survey(state)
     entries, nbytes = layouts.entries(found, replicated)
-    return SaveRequest(step, found.values, entries, nbytes, found.skeleton, meta, moment(found))
+    return SaveRequest(step, found.values, entries, nbytes, found.skeleton, meta, moment(found), began)

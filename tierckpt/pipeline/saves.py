@@ -61,6 +61,7 @@ class SaveRequest:
     skeleton: Any  # the state without its arrays (msgpack-able)
     metadata: dict[str, Any]
     seen: SaveMoment  # what save() saw of each leaf (tensor versions, CUDA events)
+    began: float = 0.0  # time.monotonic() when the save() call began
     handoff: Handoff = field(default_factory=Handoff, compare=False)
 
 
@@ -72,6 +73,7 @@ class SaveTracker:
     token: int  # the snapshot's seq; 0 for a skipped save
     captured: concurrent.futures.Future[bool] = field(default_factory=concurrent.futures.Future)
     committed: dict[str, concurrent.futures.Future[bool]] = field(default_factory=dict)
+    began: float = 0.0  # time.monotonic() when its save() call began (0: unknown)
 
     def __post_init__(self) -> None:
         # A waiter must not cancel these: asyncio.wrap_future cancels its source when the awaiting task

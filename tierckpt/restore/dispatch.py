@@ -33,7 +33,9 @@ def prepare_restore(
 ) -> Coroutine[Any, Any, Any]:
     """The restore to run on the engine: of step ``step`` (else the newest that verifies), from tier
     ``tier`` only (else from any of ``tiers``, fastest first), collectively when ``group`` is given.
-    Its result is a :class:`Restored`, or None when no step was asked for and no tier holds a version.
+    Rank 0 (or the one process) shows a progress bar per copy it reads, when stderr is a terminal
+    (:mod:`tierckpt.observe.progress`). Its result is a :class:`Restored`, or None when no step was
+    asked for and no tier holds a version.
 
     Raises:
         TypeError, ValueError: ``step`` cannot name a version (:func:`~tierckpt.format.layout.checked_step`).
@@ -64,7 +66,11 @@ async def _restore(
     only: list[Tier] | None,
 ) -> Restored | None:
     tiers = listed if only is None else only
-    work = restore_versions(group, tiers, template, memory, strict=strict, cast=cast, verify_first=verify_first, only=step, listed=listed)
+    # One bar per copy tried, on rank 0 only: every rank drawing its own would garble the terminal.
+    show = group is None or group.rank == 0
+    work = restore_versions(
+        group, tiers, template, memory, strict=strict, cast=cast, verify_first=verify_first, only=step, listed=listed, show_progress=show
+    )
     # Faulting the host pool in the background would take cores from the restore, which every
     # rank of the job waits for: it waits until the restore is over.
     with memory.pool.paused():

@@ -80,6 +80,7 @@ async def restore_versions(
     only: int | None = None,
     listed: Sequence[Tier] | None = None,
     verify_first: bool = False,
+    show_progress: bool = False,
 ) -> Restored | None:
     """The newest step every rank can load and verify, loaded on every rank; None on every rank if
     none. ``group``: the ranks (None: this process alone).
@@ -90,6 +91,7 @@ async def restore_versions(
     every rank verified its part); else each rank lands its chunks in the template as they verify,
     and the ranks fall back together all the same. ``strict`` and ``cast``: see
     :func:`~tierckpt.restore.read.check_keys` and :func:`tierckpt.restore.plan.plan`.
+    ``show_progress``: a progress bar per copy tried, when stderr is a terminal (one rank asks for it).
 
     Raises:
         NoCheckpointError: some rank can get step ``only`` from none of ``tiers``; names those ranks
@@ -119,7 +121,7 @@ async def restore_versions(
     attempt_on = functools.partial(
         _try, by_path=template_leaves(template), staging=staging, rank=ranks.rank, strict=strict, cast=cast, verify_first=verify_first,
         # Of several ranks, not even a verified snapshot in host memory lands before every rank verified.
-        stage_all=verify_first and ranks.world > 1,
+        stage_all=verify_first and ranks.world > 1, show_progress=show_progress,
     )
     touched: set[str] = set()  # template keys this rank wrote into, for steps not every rank verified
     touched_ranks: set[int] = set()
@@ -227,6 +229,7 @@ async def _try(
     cast: bool,
     verify_first: bool,
     stage_all: bool,
+    show_progress: bool,
 ) -> NotHere | CorruptCheckpointError | None:
     """Read and verify this rank's part of ``step`` from ``tier`` into ``attempt``: with
     ``verify_first`` into staging memory (with ``stage_all``, a snapshot in host memory too: nothing
@@ -243,7 +246,7 @@ async def _try(
     try:
         read, targets, keys = await read_version(
             held_open, tier, step, by_path, staging, strict=strict, cast=cast, rank=rank,
-            verify_first=verify_first, stage_all=stage_all, touched=attempt.written,
+            verify_first=verify_first, stage_all=stage_all, touched=attempt.written, show_progress=show_progress,
         )
         attempt.loaded = (tier, read, targets, keys)
     except NotHere as exc:  # this rank's host memory holds only its own part: a slower tier may do

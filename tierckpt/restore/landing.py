@@ -38,8 +38,9 @@ class Target:
     cuda_bytes: Any = None  # a CUDA template's bytes, which chunks reach through a DeviceRing (device.py)
 
 
-# One chunk job of a plan: a function of the open source, and its other arguments; it reads one
-# stored chunk and lands its bytes in a target (tierckpt.restore.plan.Plan.run runs them).
+# One chunk job of a plan: a function of the open source, and its other arguments, which begin with
+# the record and the index of the chunk it reads (Plan.read_bytes counts them); it reads that stored
+# chunk and lands its bytes in a target (tierckpt.restore.plan.Plan.run runs them).
 Work = tuple[Callable[..., None], tuple[Any, ...]]
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-from typing import Any, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 from tierckpt._buffers import prefault
 from tierckpt.errors import CorruptCheckpointError
@@ -126,6 +126,11 @@ class Plan:
         return [t.record.key for t in self.targets if t.template and t.staged is None and t.record.nbytes]
 
     @property
+    def read_bytes(self) -> int:
+        """The stored bytes :meth:`run` reads: what its ``progress`` callback counts in all."""
+        return sum(_stored(args) for _, args in self._work)
+
+    @property
     def exact(self) -> bool:
         """Whether this is the exact-fit fast path (reading the whole source it was given)."""
         return self.records is None
@@ -138,22 +143,32 @@ class Plan:
             return self.saved.open(self.records, shared=self.partial)
         return self.saved
 
-    def run(self, source: VersionSource, executor: concurrent.futures.Executor, threads: int = 2) -> list[Target]:
+    def run(
+        self, source: VersionSource, executor: concurrent.futures.Executor, threads: int = 2, progress: Callable[[int], None] | None = None
+    ) -> list[Target]:
         """Read, verify and land every planned chunk of ``source``; returns the targets (blocking).
 
         ``threads`` of the tier's ``executor`` run the chunk jobs; meanwhile this thread faults the
-        fresh destination pages in ahead of them, then runs jobs alongside them.
+        fresh destination pages in ahead of them, then runs jobs alongside them. ``progress``: called
+        with each chunk's stored bytes once it landed, from the thread that read it (several at once);
+        :attr:`read_bytes` in all.
         """
         if self._ring is not None:
             self._ring.start(threads + 1)  # the tier's threads and this one
         try:
-            return self._run(source, executor, threads)
+            return self._run(source, executor, threads, progress)
         finally:
             if self._ring is not None:
                 self._ring.close()  # every copy to a device is done before the targets are handed on
 
-    def _run(self, source: VersionSource, executor: concurrent.futures.Executor, threads: int) -> list[Target]:
-        jobs = ChunkJobs([functools.partial(fn, source, *args) for fn, args in self._work], executor, threads)
+    def _run(
+        self, source: VersionSource, executor: concurrent.futures.Executor, threads: int, progress: Callable[[int], None] | None
+    ) -> list[Target]:
+        calls: list[Callable[[], None]] = [functools.partial(fn, source, *args) for fn, args in self._work]
+        if progress is not None:
+            # Wrapped only when someone counts: without a bar the chunk jobs are exactly as before.
+            calls = [functools.partial(_counted, call, _stored(args), progress) for call, (_, args) in zip(calls, self._work)]
+        jobs = ChunkJobs(calls, executor, threads)
         try:
             # Skip what the readers have reached already: where faults are slower than the disk, each
             # side then faults pages of its own instead of both waiting on the same ones.
@@ -169,6 +184,18 @@ class Plan:
                 raise CorruptCheckpointError(str(exc), tier=self.saved.tier, step=self.saved.step) from exc
             raise
         return self.targets
+
+
+def _stored(args: tuple[Any, ...]) -> int:
+    """The stored bytes a chunk job reads: its arguments begin with the record and the chunk index
+    (:data:`~tierckpt.restore.landing.Work`). A chunk not resolved counts nothing here: its job raises."""
+    found = args[0].chunks[args[1]]
+    return 0 if found is None else int(found.stored)
+
+
+def _counted(call: Callable[[], None], nbytes: int, progress: Callable[[int], None]) -> None:
+    call()
+    progress(nbytes)
 
 
 def plan(

@@ -26,6 +26,7 @@ from typing import Any, Iterator, Sequence
 from tierckpt.errors import LayoutError, RestoreError
 from tierckpt.format import TensorRecord
 from tierckpt.format.source import VersionSource
+from tierckpt.observe.progress import progress_bar
 from tierckpt.restore.landing import Target
 from tierckpt.restore.plan import Saved, fits, plan, staging_bytes
 from tierckpt.state import Leaf
@@ -50,13 +51,15 @@ async def read_version(
     verify_first: bool = True,
     stage_all: bool = False,
     touched: set[str] | None = None,
+    show_progress: bool = False,
 ) -> tuple[Saved, list[Target], tuple[tuple[str, ...], tuple[str, ...]]]:
     """Read and verify what this rank restores of ``step`` from ``tier``; returns what
     :func:`~tierckpt.restore.landing.finish` takes, and the keys :func:`check_keys` found. With
     ``verify_first``, only a snapshot in host memory may have written into the template yet (none
     with ``stage_all``); without, the template keys the read lands in directly are added to
     ``touched`` before a byte is read (:attr:`Plan.touched <tierckpt.restore.plan.Plan.touched>`).
-    What it holds (files, staging) is released by ``held_open``.
+    What it holds (files, staging) is released by ``held_open``. ``show_progress``: a bar over the
+    bytes it reads, when stderr is a terminal (:func:`~tierckpt.observe.progress.progress_bar`).
 
     A version whose records are exactly this rank's template is read as it is; any other (saved with
     another parallel layout, or needing consolidation or a dtype conversion) is read from its saved
@@ -92,7 +95,12 @@ async def read_version(
     else:
         opened = await asyncio.to_thread(planned.open)
         held_open.callback(opened.close)
-    return planned.saved, await in_thread(planned.run, opened, executor, threads), (tuple(missing), tuple(unexpected))
+    desc = f"restore step {step} from {tier.name}"
+    with progress_bar(planned.read_bytes, desc, enabled=None if show_progress else False) as bar:
+        # No bar: no callback at all, so the chunk jobs run as they would without this.
+        counted = bar.update if bar.enabled else None
+        targets = await in_thread(planned.run, opened, executor, threads, counted)
+    return planned.saved, targets, (tuple(missing), tuple(unexpected))
 
 
 def check_keys(records: Sequence[TensorRecord], templates: dict[str, Leaf], *, strict: bool, tier: str, step: int) -> tuple[list[str], list[str]]:

@@ -275,6 +275,10 @@ class MemoryTier(Tier):
     def snapshots(self) -> list[Snapshot]:
         return list(self._snapshots.values())
 
+    def busy_slots(self) -> int:
+        """Host slots holding a snapshot or lent out; read by the metrics endpoint's thread (a length: no lock needed)."""
+        return len(self._snapshots) + len(self.lent)
+
     def capturing(self) -> list[Snapshot]:
         return [s for s in self._snapshots.values() if s.state is SnapshotState.CAPTURING]
 
