@@ -8,9 +8,19 @@ each save, in the same job, the **floor**: a barrier, then the time of a barrier
 needs two rounds (the leader's decision out, every rank's report in) plus the writes, so
 commit / floor says how much coordination the protocol adds beyond the rounds it must make. The
 saves alternate with the floors, so that both see the same machine; the first of each is a warm-up.
-``--ranks 1`` is the one-process commit (no floor): the reference for the commit at 2 ranks.
+``--ranks 1`` is the one-process commit (no floor): the reference for the commit at 2 ranks. Each
+rank also counts what it asked of the group's store (:class:`~tierckpt.ranks.group.StoreTally`): the
+requests a save costs, all ranks together.
+
+``--simulate 1000 4000 10000``: the commit protocol's real code for that many ranks in this one process
+(:mod:`tierckpt.testing.simranks`: every rank's real flusher and RankGroup over an in-process store,
+a tier that stores no bytes), per save: the store requests of all ranks and of the leader, the bytes
+through the store, the largest message, the commit marker's size, the leader's CPU time alone (its
+reports already in), and a fitted linear model of each. ``--ranks`` and ``--simulate`` may be given
+together; tests/test_scale_simulation.py holds the simulation's counts against a real job's.
 
     flock /tmp/tierckpt-bench.lock .venv/bin/python benchmarks/scale.py --ranks 1 2 8 16
+    .venv/bin/python benchmarks/scale.py --ranks --simulate 1000 4000 10000
 
 Results: JSON in benchmarks/results/scale.json and a markdown table (printed, and written to
 /tmp/scale_results.md). On 2 cores, 16 processes are themselves the floor: the table says what the
@@ -52,8 +62,11 @@ def rank_worker(job: dict[str, Any]) -> None:
         common.disk_tier(job["dir"], keep={"last": 2}), capacity=4 * (job["kib"] << 10) + (4 << 20), snapshots=3,
         distributed={"timeout": job["timeout"]},
     )
+    from tierckpt.testing.inspect import store_tally
+
     commits: list[float] = []
     floors: list[float] = []
+    tallies: list[dict[str, int]] = []  # what this rank asked of the store so far, after each commit
     with Checkpointer(config) as ckpt:
         for step in range(1, job["saves"] + 2):  # the first: a warm-up
             if ranked:
@@ -65,10 +78,15 @@ def rank_worker(job: dict[str, Any]) -> None:
             handle = ckpt.save_sync(step, state)
             assert handle.committed_sync("disk", job["timeout"]), f"step {step} not committed"
             commits.append(time.perf_counter() - started)
+            tally = store_tally(ckpt)
+            if tally is not None:
+                tallies.append(dict(tally.by_key))
     if ranked:
         dist.barrier()
         dist.destroy_process_group()
-    Path(job["results"], f"rank-{rank}.json").write_text(json.dumps({"rank": rank, "commit_s": commits[1:], "floor_s": floors[1:]}))
+    Path(job["results"], f"rank-{rank}.json").write_text(
+        json.dumps({"rank": rank, "commit_s": commits[1:], "floor_s": floors[1:], "tallies": tallies})
+    )
 
 
 def _floor() -> float:
@@ -92,21 +110,86 @@ def one_world(ranks: int, job: dict[str, Any], base: Path) -> dict[str, Any]:
     commit = statistics.median(mine["commit_s"])
     floor = statistics.median(mine["floor_s"]) if mine["floor_s"] else None
     return {"ranks": ranks, "commit_ms": 1e3 * commit, "floor_ms": None if floor is None else 1e3 * floor,
-            "commit_per_floor": None if floor is None else commit / floor, "commits_ms": [1e3 * s for s in mine["commit_s"]]}
+            "commit_per_floor": None if floor is None else commit / floor, "commits_ms": [1e3 * s for s in mine["commit_s"]],
+            "requests_per_save": per_save(out)}
+
+
+def per_save(ranks: list[dict[str, Any]]) -> dict[str, float]:
+    """Store requests a save, all ranks together, by kind and key family (after the warm-up save)."""
+    total: dict[str, float] = {}
+    for rank in ranks:
+        tallies = rank["tallies"]
+        if len(tallies) < 2:
+            continue
+        first, last, saves = tallies[0], tallies[-1], len(tallies) - 1
+        for kind in set(first) | set(last):
+            total[kind] = total.get(kind, 0.0) + (last.get(kind, 0) - first.get(kind, 0)) / saves
+    return {k: v for k, v in sorted(total.items()) if v}
+
+
+def simulate(worlds: list[int], saves: int) -> list[dict[str, Any]]:
+    """The commit protocol of each world size in this process (tierckpt.testing.simranks)."""
+    from tierckpt.testing.simranks import leader_seconds, simulate_saves
+
+    rows = []
+    for world in worlds:
+        started = time.perf_counter()
+        costs = simulate_saves(world, saves + 1)[1:]  # the first sets up every rank's waits
+        leader = leader_seconds(world, saves + 1)[1:]
+        last = costs[-1]
+        rows.append({
+            "ranks": world, "requests": statistics.median(c.total for c in costs), "by_kind": last.requests,
+            "by_key": last.by_key, "leader_requests": sum(last.leader_requests.values()),
+            "bytes": statistics.median(c.bytes for c in costs), "largest": last.largest, "marker_bytes": last.marker_bytes,
+            "leader_cpu_ms": 1e3 * statistics.median(leader), "leader_cpu_min_ms": 1e3 * min(leader),
+            "save_s": statistics.median(c.seconds for c in costs), "wall_s": time.perf_counter() - started,
+        })
+    return rows
+
+
+def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least squares ``y = a + b x``: (a, b)."""
+    n, mx, my = len(xs), statistics.fmean(xs), statistics.fmean(ys)
+    if n < 2:
+        return my, 0.0
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def simulated_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| ranks | store requests a save | a rank | the leader's | bytes through the store | largest message | commit marker | leader CPU, median (min) | simulated save, one core |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['ranks']:,} | {r['requests']:,.0f} | {r['requests'] / r['ranks']:.1f} | {r['leader_requests']} | "
+            f"{r['bytes'] / 2**20:.2f} MiB | {r['largest'] / 2**10:.0f} KiB | {r['marker_bytes'] / 2**10:.0f} KiB | "
+            f"{r['leader_cpu_ms']:.1f} ms ({r['leader_cpu_min_ms']:.1f}) | {r['save_s']:.2f} s |"
+        )
+    xs = [float(r["ranks"]) for r in rows]
+    models = []
+    for name, key, unit in (("requests", "requests", ""), ("bytes", "bytes", " B"), ("leader CPU", "leader_cpu_ms", " ms")):
+        a, b = fit(xs, [float(r[key]) for r in rows])
+        models.append(f"{name} ≈ {a:,.1f}{unit} + {b:,.4g}{unit} × N")
+    return [*lines, "", "Fitted: " + "; ".join(models) + "."]
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
-    lines = ["| ranks | commit median ms | floor median ms | commit / floor |", "| ---: | ---: | ---: | ---: |"]
+    lines = ["| ranks | commit median ms | floor median ms | commit / floor | store requests a save |", "| ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         floor = "—" if r["floor_ms"] is None else f"{r['floor_ms']:.1f}"
         ratio = "—" if r["commit_per_floor"] is None else f"{r['commit_per_floor']:.2f}"
-        lines.append(f"| {r['ranks']} | {r['commit_ms']:.1f} | {floor} | {ratio} |")
+        requests = f"{sum(r['requests_per_save'].values()):.1f}" if r["requests_per_save"] else "—"
+        lines.append(f"| {r['ranks']} | {r['commit_ms']:.1f} | {floor} | {ratio} | {requests} |")
     return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 8, 16], help="job sizes (1: one process)")
+    parser.add_argument("--ranks", type=int, nargs="*", default=[1, 2, 8, 16], help="job sizes (1: one process); none: no real jobs")
+    parser.add_argument("--simulate", type=int, nargs="*", default=[], help="simulated job sizes (e.g. 1000 4000 10000)")
+    parser.add_argument("--sim-saves", type=int, default=5, help="saves of each simulated job (after a warm-up)")
     parser.add_argument("--kib", type=int, default=256, help="KiB of state a rank")
     parser.add_argument("--saves", type=int, default=20, help="saves a job (after a warm-up)")
     parser.add_argument("--timeout", type=float, default=120.0, help="distributed.timeout, seconds")
@@ -123,12 +206,18 @@ def main() -> None:
         rows = [one_world(n, job, base) for n in args.ranks]
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    report = {"kib": args.kib, "saves": args.saves, "cpus": os.cpu_count(), "python": sys.version.split()[0], "rows": rows}
+    simulated = simulate(args.simulate, args.sim_saves)
+    report = {"kib": args.kib, "saves": args.saves, "cpus": os.cpu_count(), "python": sys.version.split()[0], "rows": rows,
+              "simulated": simulated}
     results = args.out / "scale.json"
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps(report, indent=1))
-    title = f"## Scale: commit against the floor ({args.kib} KiB a rank, {args.saves} saves, {os.cpu_count()} cores)"
-    common.show_report([title, "", *table(rows)], Path("/tmp/scale_results.md"), results, time.perf_counter() - started)
+    lines: list[str] = []
+    if rows:
+        lines += [f"## Scale: commit against the floor ({args.kib} KiB a rank, {args.saves} saves, {os.cpu_count()} cores)", "", *table(rows), ""]
+    if simulated:
+        lines += [f"## Scale, simulated: what one save asks of the store ({args.sim_saves} saves each)", "", *simulated_table(simulated)]
+    common.show_report(lines, Path("/tmp/scale_results.md"), results, time.perf_counter() - started)
 
 
 if __name__ == "__main__":

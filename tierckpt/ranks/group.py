@@ -23,16 +23,19 @@ to ``poll_max_s``, so that no thread stays blocked on a key that may never come.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import datetime
 import itertools
 import logging
 import os
+import re
 import socket
 import threading
 import time
 import uuid
 import zlib
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import msgpack
@@ -51,6 +54,50 @@ _CONSTRUCTIONS: dict[tuple[int, ...], itertools.count[int]] = {}
 _POLL_MIN_S = 0.001
 _POLL_MAX_S = 0.02
 _CLOSE_WAIT_S = 10.0  # the longest close() waits for waits on the store to end (see RankGroup.close)
+
+
+@dataclass
+class StoreTally:
+    """What one rank asked of the store so far: requests by kind (the store's method names, ``wait``
+    for a blocking wait), and by kind and key family (``set tier/#/report/#/#``: the key of the
+    request, or its first, with numbers as ``#``), the bytes sent and received (keys and values), the
+    largest single message. ``benchmarks/scale.py`` reads it to count what a save costs the coordinator."""
+
+    requests: collections.Counter[str] = field(default_factory=collections.Counter)
+    by_key: collections.Counter[str] = field(default_factory=collections.Counter)
+    sent: int = 0
+    received: int = 0
+    largest: int = 0
+
+    def record(self, method: str, args: Sequence[Any], result: Any = None) -> None:
+        sent, received = _size(args), _size(result)
+        self.requests[method] += 1
+        first = args[0] if args else ""
+        first = first[0] if isinstance(first, list) and first else first
+        self.by_key[f"{method} {_DIGITS.sub('#', first) if isinstance(first, str) else ''}"] += 1
+        self.sent += sent
+        self.received += received
+        self.largest = max(self.largest, sent, received)
+
+    def copy(self) -> StoreTally:
+        return StoreTally(collections.Counter(self.requests), collections.Counter(self.by_key), self.sent, self.received, self.largest)
+
+
+_DIGITS = re.compile(r"\d+")
+
+
+def _size(value: Any) -> int:
+    """The bytes of a store call's arguments or result: keys, values, and lists of them."""
+    if isinstance(value, (bytes, bytearray, str)):
+        return len(value)
+    if isinstance(value, (list, tuple)):
+        if value and all(isinstance(v, (bytes, str)) for v in (value[0], value[-1])):
+            try:
+                return sum(map(len, value))  # keys or values: the common case, and 10,000 long at scale
+            except TypeError:
+                pass
+        return sum(_size(v) for v in value)
+    return 8 if isinstance(value, int) else 0
 
 
 class CoordinationLost(RuntimeError):
@@ -91,6 +138,7 @@ class RankGroup:
         self._waiters: list[Any] = []
         self._waiters_lock = threading.Lock()
         self._watches: set[concurrent.futures.Future[bool]] = set()  # not ended yet: close() waits for them
+        self.tally = StoreTally()
 
     @property
     def leader(self) -> bool:
@@ -146,16 +194,24 @@ class RankGroup:
             raise CoordinationLost(self._lost)
         fn = getattr(self._store, method)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+            result = await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
         except (RuntimeError, OSError) as exc:  # DistNetworkError / DistStoreError are RuntimeErrors
             self._lost = f"lost contact with the leader (rank 0) of the checkpointing group: {exc}"
             raise CoordinationLost(self._lost) from exc
+        self.tally.record(method, args, result)
+        return result
 
     async def put(self, key: str, value: Any) -> None:
         await self._call("set", key, msgpack.packb(value, use_bin_type=True))
 
     async def get(self, key: str) -> Any:
         return msgpack.unpackb(await self._call("get", key), raw=False)
+
+    async def get_many(self, keys: Sequence[str]) -> list[Any]:
+        """The values of ``keys``, every one of them set, in one request."""
+        if not keys:
+            return []
+        return [msgpack.unpackb(v, raw=False) for v in await self._call("multi_get", list(keys))]
 
     async def put_many(self, keys: Sequence[str], value: Any) -> None:
         """Set every one of ``keys`` to ``value``, in one request."""
@@ -214,6 +270,7 @@ class RankGroup:
 
         with self._waiters_lock:
             self._watches.add(future)
+            self.tally.record("wait", list(keys))
         future.add_done_callback(self._ended)
         threading.Thread(target=run, name="tierckpt-store-wait", daemon=True).start()
         return future

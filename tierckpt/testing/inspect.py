@@ -41,6 +41,7 @@ from tierckpt.handle import SaveHandle
 from tierckpt.integrations.saves import DurableSaves
 from tierckpt.pipeline import Pipeline
 from tierckpt.pipeline.flusher import Flusher
+from tierckpt.ranks.group import StoreTally
 from tierckpt.snapshot import Slot, Snapshot
 from tierckpt.storage.coalesce import CoalescingReader
 from tierckpt.tiers.base import Tier
@@ -49,7 +50,7 @@ from tierckpt.tiers.memory.tier import MemoryHooks, MemoryTier
 __all__ = [
     "PoolView", "PreparerView", "HostSlots",
     "host_pool", "tiers_of", "tier_of", "pipeline_of", "flushers_of", "flusher_of", "is_closed",
-    "engine_loop", "engine_thread", "run_on_engine", "call_on_engine",
+    "engine_loop", "engine_thread", "run_on_engine", "call_on_engine", "store_tally",
     "newest_save_number", "host_slots", "committed_saves", "noticed_copy_checks",
     "captured_done", "committed_done", "settled", "save_number",
     "device_copies_of", "wait_device_queued", "pending_device_snapshots", "copy_done_event", "device_slot_views",
@@ -188,6 +189,12 @@ def call_on_engine(ckpt: Checkpointer, fn: Callable[[], T]) -> T:
         return fn()
 
     return run_on_engine(ckpt, call())
+
+
+def store_tally(ckpt: Checkpointer) -> StoreTally | None:
+    """A copy of what this rank of ``ckpt`` asked of its group's store so far (None: one process)."""
+    group = ckpt._group
+    return None if group is None else call_on_engine(ckpt, group.tally.copy)
 
 
 def newest_save_number(ckpt: Checkpointer) -> int:

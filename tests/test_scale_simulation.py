@@ -1,0 +1,52 @@
+"""The simulated commit protocol (tierckpt.testing.simranks) against a real job of 4 ranks: the
+requests whose number the protocol fixes must be the same in both, so that the simulation cannot
+drift from the code that it drives; and what it says about growth."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tierckpt.testing.simranks import leader_seconds, simulate_saves
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "scale.py"
+# The requests a save makes a fixed number of times, whatever the timing: the decision, every
+# report, the outcome, written once each and read once by each rank that needs them. (How often a
+# rank looks at a key before it is there, and the horizon, depend on who was first.)
+FIXED = ("set tier/*/decision/#", "set tier/*/report/#/#", "set tier/*/outcome/#", "multi_get tier/*/report/#/#",
+         "get tier/*/decision/#", "get tier/*/outcome/#")
+
+
+def family(key: str) -> str:
+    return re.sub(r"tier/[^/]+/", "tier/*/", key)
+
+
+@pytest.mark.slow
+def test_a_real_job_of_4_ranks_makes_the_requests_the_simulation_counts(tmp_path: Path) -> None:
+    command = [sys.executable, str(SCRIPT), "--ranks", "4", "--saves", "4", "--kib", "16", "--timeout", "60",
+               "--simulate", "4", "--sim-saves", "3", "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{' '.join(command)} exited {done.returncode}\n{done.stdout}\n{done.stderr}"
+    report = json.loads((tmp_path / "scale.json").read_text())
+    real = {family(k): v for k, v in report["rows"][0]["requests_per_save"].items()}
+    simulated = {family(k): v for k, v in report["simulated"][0]["by_key"].items()}
+    assert {k: real.get(k) for k in FIXED} == {k: simulated.get(k) for k in FIXED}
+    assert simulated["set tier/*/report/#/#"] == 3 and simulated["multi_get tier/*/report/#/#"] == 1
+    # Nothing else appears in one and not the other (a new kind of request must be simulated too).
+    assert set(real) == set(simulated), (sorted(real), sorted(simulated))
+    assert "| 4 |" in done.stdout and "Fitted: requests" in done.stdout
+
+
+def test_a_rank_asks_the_same_of_the_store_whatever_the_job_size_and_the_leader_too() -> None:
+    small, large = simulate_saves(50, 3)[-1], simulate_saves(400, 3)[-1]
+    assert small.leader_requests == large.leader_requests  # one request for all the reports, one for all the bells
+    assert small.per_rank == pytest.approx(large.per_rank, rel=0.05)
+    assert large.largest > 7 * small.largest  # the reports' one message grows with the ranks, as it must
+    assert large.marker_bytes > 7 * small.marker_bytes
+    assert all(s > 0 for s in leader_seconds(400, 2))
