@@ -146,6 +146,7 @@ class LeaderFlusher(_GroupFlusher):
         self._decisions = 0
         self._doomed: list[int] = []
         self._published: tuple[int, int] = (-1, 0)
+        self._decided: tuple[int, int] = (-1, 0)  # the step and save number of the newest decision
 
     async def _sleep(self, timeout: float | None) -> None:
         horizon = (self._newest_offered, self._newest_arrival)
@@ -158,8 +159,10 @@ class LeaderFlusher(_GroupFlusher):
                 await group.put(self.channel.key("horizon"), list(horizon))
                 # The followers block on their bells and look at the horizon only when one rings: an
                 # idle follower sends nothing (polling, 10,000 ranks would send 1.5 million requests a
-                # second to the one store).
-                await group.put_many(self.channel.bells(), True)
+                # second to the one store). A horizon at the save just decided tells them nothing that
+                # decision did not (they passed over every older save as they followed it): no ring.
+                if horizon != self._decided:
+                    await group.put_many(self.channel.bells(), True)
                 self._published = horizon
             except CoordinationLost as exc:
                 log.error("tier %r: %s", self.tier.name, exc)
@@ -172,6 +175,7 @@ class LeaderFlusher(_GroupFlusher):
         self._decisions += 1
         n = self._decisions
         await channel.group.put(channel.key("decision", n), [candidate.step, candidate.arrival])
+        self._decided = (candidate.step, candidate.arrival)
         await channel.group.put_many(channel.bells(), True)  # one request
         staged: Staged | None = None
         try:
@@ -291,7 +295,9 @@ class FollowerFlusher(_GroupFlusher):
         key = channel.key("decision", self._next)
         watch = await self._listen()  # before the look: a decision published after it rings the bell
         if not await channel.group.has([key]):
-            if await channel.group.has([channel.key("horizon")]):
+            # The horizon passes over saves waiting here; with none waiting, looking costs two requests
+            # for nothing (a save that comes later wakes this rank, which looks then).
+            if self.state.waiting() and await channel.group.has([channel.key("horizon")]):
                 step, arrival = await channel.group.get(channel.key("horizon"))
                 self._pass_over((step, arrival), inclusive=True)
             if not self.state.waiting():
