@@ -24,7 +24,7 @@ __all__ = ["EVENTS", "Event", "Events", "Sink"]
 
 # Every event's name, and what its fields hold beyond ``time``, ``event`` and ``rank``.
 EVENTS: dict[str, str] = {
-    "save": "step; seconds: the save() call, until it returned its handle; bytes: the state's",
+    "save": "step; seconds: the save() call, up to starting its copies; bytes: the state's",
     "save_skipped": "step: every host slot was busy (host.on_full: skip), or being read (evict)",
     "captured": "step; seconds: since the save() call began; bytes: copied into host memory",
     "capture_failed": "step; tier: the memory tier; error",
@@ -41,8 +41,8 @@ EVENTS: dict[str, str] = {
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """One thing that happened. ``time``: Unix seconds when it happened (for ``save``, when the call
-    returned; ``time - seconds`` is when it began, for every event that has ``seconds``)."""
+    """One thing that happened. ``time``: Unix seconds when it happened (for ``save``, just before the
+    call starts its copies; ``time - seconds`` is when it began, for every event that has ``seconds``)."""
 
     event: str
     time: float

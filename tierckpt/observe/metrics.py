@@ -84,7 +84,7 @@ class Metrics:
         def histogram(name: str, text: str, buckets: Sequence[float], tier: bool = False) -> Histogram:
             return Histogram(name, text, ["tier"] if tier else [], registry=registry, buckets=buckets)
 
-        self._saves = counter("tierckpt_saves_total", "save() calls that captured or queued a snapshot")
+        self._saves = counter("tierckpt_saves_total", "save() calls (the skipped ones too)")
         self._saves_skipped = counter("tierckpt_saves_skipped_total", "save() calls skipped: every host slot busy")
         self._save_call = histogram("tierckpt_save_call_seconds", "How long save() blocked the training loop", _SAVE_CALL_BUCKETS)
         self._capture = histogram("tierckpt_capture_seconds", "From the save() call until its snapshot was in host memory", _CAPTURE_BUCKETS)
