@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 from tierckpt.errors import CorruptCheckpointError, NoCheckpointError
+from tierckpt.storage.lock import process_alive
 
 __all__ = ["FORMAT", "read_pointer", "write_pointer"]
 
@@ -54,18 +55,8 @@ def _remove_leftovers(directory: Path) -> None:
     whether their writer lives cannot be told from here."""
     for leftover in directory.glob(f"{_TMP_PREFIX}{_HOST}-*.tmp"):
         pid = leftover.name[len(_TMP_PREFIX) + len(_HOST) + 1 :].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not process_alive(int(pid)):
             leftover.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
 
 
 def read_pointer(path: str | os.PathLike[str]) -> int:

@@ -26,7 +26,7 @@ import sys
 import threading
 from typing import Any, TextIO
 
-__all__ = ["ENV", "Progress", "format_size", "progress_bar"]
+__all__ = ["ENV", "Progress", "format_size", "progress_bar", "progress_wanted"]
 
 ENV = "TIERCKPT_PROGRESS"
 
@@ -105,7 +105,7 @@ def progress_bar(total_bytes: int, desc: str, *, enabled: bool | None = None) ->
             for chunk in chunks:
                 bar.update(len(chunk))
     """
-    if total_bytes <= 0 or not _wanted(enabled):
+    if total_bytes <= 0 or not progress_wanted(enabled):
         return _QUIET
     bar_class = _bar_class()
     if bar_class is None:
@@ -113,7 +113,9 @@ def progress_bar(total_bytes: int, desc: str, *, enabled: bool | None = None) ->
     return _Drawn(bar_class(total=total_bytes, desc=desc, file=sys.stderr, bar_format=_FORMAT, dynamic_ncols=True))
 
 
-def _wanted(enabled: bool | None) -> bool:
+def progress_wanted(enabled: bool | None = None) -> bool:
+    """Whether a bar asked for with ``enabled`` (see :func:`progress_bar`) would be drawn: a caller
+    whose total costs work to count asks this first."""
     if enabled is False:
         return False
     said = os.environ.get(ENV)

@@ -20,15 +20,16 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Sequence
 
 from tierckpt.errors import ConfigError
+from tierckpt.observe.events import Event
 
 __all__ = ["Drawn", "read_events", "draw_timeline"]
 
-_FIELDS = ("time", "event", "step", "tier", "bytes", "seconds", "rank", "error")
+_FIELDS = tuple(f.name for f in fields(Event))  # the keys of each line, as the events file writes them
 
 # What each event draws, a bar or a mark: (its lane, its legend entry). The lane "tier" is the event's
 # own tier's; the others are fixed.

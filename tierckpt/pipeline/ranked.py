@@ -166,8 +166,7 @@ class LeaderFlusher(_GroupFlusher):
                 self._published = horizon
             except CoordinationLost as exc:
                 log.error("tier %r: %s", self.tier.name, exc)
-            if self._wake.is_set():
-                return  # woken while publishing (a capture ended, a version arrived): decide again first
+        # Woken while publishing (a capture ended, a version arrived): this returns at once (Flusher._sleep).
         await super()._sleep(timeout)
 
     async def _store(self, candidate: Candidate, located: Located) -> VersionInfo:

@@ -26,7 +26,7 @@ from typing import Any, Iterator, Sequence
 from tierckpt.errors import LayoutError, RestoreError
 from tierckpt.format import TensorRecord
 from tierckpt.format.source import VersionSource
-from tierckpt.observe.progress import progress_bar
+from tierckpt.observe.progress import progress_bar, progress_wanted
 from tierckpt.restore.landing import Target
 from tierckpt.restore.plan import Saved, fits, plan, staging_bytes
 from tierckpt.state import Leaf
@@ -95,8 +95,9 @@ async def read_version(
     else:
         opened = await asyncio.to_thread(planned.open)
         held_open.callback(opened.close)
-    desc = f"restore step {step} from {tier.name}"
-    with progress_bar(planned.read_bytes, desc, enabled=None if show_progress else False) as bar:
+    # The total is counted over every chunk: only for a bar that is drawn.
+    total = planned.read_bytes if show_progress and progress_wanted() else 0
+    with progress_bar(total, f"restore step {step} from {tier.name}") as bar:
         # No bar: no callback at all, so the chunk jobs run as they would without this.
         counted = bar.update if bar.enabled else None
         targets = await in_thread(planned.run, opened, executor, threads, counted)

@@ -20,6 +20,18 @@ from tierckpt.errors import ConfigError
 log = logging.getLogger("tierckpt")
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host (another user's counts): for what a writer left
+    behind that only a dead writer's may be taken over or removed."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _holder(fd: int) -> str:
     """Who holds the flock on ``fd``'s inode, from /proc/locks (best effort)."""
     st = os.fstat(fd)

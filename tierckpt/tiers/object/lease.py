@@ -21,6 +21,7 @@ import uuid
 from typing import Any
 
 from tierckpt.errors import ConfigError
+from tierckpt.storage.lock import process_alive
 from tierckpt.storage.s3 import Bucket
 
 log = logging.getLogger("tierckpt")
@@ -30,16 +31,6 @@ __all__ = ["LEASE_KEY", "RENEW_S", "STALE_S", "WriterLease"]
 LEASE_KEY = ".writer-lease"
 RENEW_S = 30.0
 STALE_S = 120.0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class WriterLease:
@@ -69,7 +60,7 @@ class WriterLease:
             theirs = {}
         age = (datetime.datetime.now(datetime.timezone.utc) - meta["last_modified"]).total_seconds()
         here = theirs.get("host") == self.holder["host"] and isinstance(theirs.get("pid"), int)
-        gone = here and not _alive(theirs["pid"])
+        gone = here and not process_alive(theirs["pid"])
         if not gone and age < STALE_S:
             who = f"pid {theirs.get('pid', '?')} on {theirs.get('host', '?')}"
             raise ConfigError(
