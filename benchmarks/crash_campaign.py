@@ -55,6 +55,7 @@ from typing import Any, Callable
 import torch
 
 from tierckpt import Checkpointer
+from tierckpt.format import version_dirname
 
 HERE = Path(__file__).resolve().parent
 CHILD = HERE.parent / "tests" / "crash_child.py"
@@ -252,8 +253,10 @@ def _differences(actual: Any, expected: Any, prefix: str = "") -> list[str]:
 
 
 class Campaign:
-    def __init__(self, workdir: Path, seed: int, *, max_delay_s: float, max_steps: int, log: Callable[[str], None]) -> None:
+    def __init__(self, workdir: Path, seed: int, *, max_delay_s: float, max_steps: int, log: Callable[[str], None],
+                 delta: int | None = None) -> None:
         self.work = workdir
+        self.delta = delta  # both disk tiers store differential versions: delta: {full_every: delta}
         self.data = workdir / "data"  # the tiers' directories, as the runs leave them
         self.runs = workdir / "runs"
         for path in (self.data, self.runs):
@@ -320,6 +323,7 @@ class Campaign:
             "target": None if kill.plan == "random" else kill.plan,
             "n": kill.n,
             "max_steps": self.max_steps,
+            "delta": self.delta,
         }
         zygote.spawn(spec)
         status = self._until_dead(zygote, kill, events)
@@ -411,10 +415,14 @@ class Campaign:
         return key, [f"{what}: differs from what run {variant} saved at step {step}: {diff[:3]}"] if diff else []
 
     def _alone(self, info: Any, check: Path) -> tuple[Key | None, list[str]]:
-        """Restore one listed version on its own (a tier holding only it), and verify it."""
+        """Restore one listed version on its own (a tier holding only it, and its base if it is a
+        differential version), and verify it."""
         alone = check / "alone" / info.tier
         shutil.rmtree(alone.parent, ignore_errors=True)
         _link_copy(Path(info.path), alone / Path(info.path).name)
+        if info.base is not None:
+            base = Path(info.path).with_name(version_dirname(info.base))
+            _link_copy(base, alone / base.name)
         config = {"host": {"capacity": "16MiB", "snapshots": 2},
                   "tiers": [{"name": "ram", "type": "memory"}, {"name": info.tier, "type": "filesystem", "path": str(alone)}]}
         what = f"{info.tier} step {info.step}"
@@ -434,7 +442,7 @@ class Campaign:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                with Checkpointer(child.campaign_config(check / "data")) as ckpt:
+                with Checkpointer(child.campaign_config(check / "data", self.delta)) as ckpt:
                     left = {t: _leftovers(check / "data" / t) for t in ("nvme", "pfs")}
                     infos = ckpt.versions()
                     restored = ckpt.restore_latest_sync()
@@ -540,13 +548,14 @@ class Campaign:
 
 
 def campaign(kills: int, seed: int, workdir: Path, *, max_delay_s: float = 1.5, max_steps: int = 12,
-             log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run ``kills`` kills; returns the report (see :meth:`Campaign.report`)."""
-    c = Campaign(workdir, seed, max_delay_s=max_delay_s, max_steps=max_steps, log=log)
+             log: Callable[[str], None] = print, delta: int | None = None) -> dict[str, Any]:
+    """Run ``kills`` kills; returns the report (see :meth:`Campaign.report`). ``delta``: the disk
+    tiers store differential versions, a whole one every ``delta``."""
+    c = Campaign(workdir, seed, max_delay_s=max_delay_s, max_steps=max_steps, log=log, delta=delta)
     began = time.perf_counter()
     c.run(kills)
     report = c.report()
-    report.update(seed=seed, max_delay_s=max_delay_s, max_steps=max_steps, wall_s=round(time.perf_counter() - began, 1))
+    report.update(seed=seed, max_delay_s=max_delay_s, max_steps=max_steps, delta=delta, wall_s=round(time.perf_counter() - began, 1))
     return report
 
 
@@ -560,7 +569,9 @@ def markdown(report: dict[str, Any], machine: dict[str, Any], json_name: str) ->
         f"Python {machine.get('python', '?')}, torch {machine.get('torch', '?')}; shared with other work. "
         f"Command: `flock /tmp/tierckpt-bench.lock {report['command']}`; raw numbers: `{json_name}`.",
         "",
-        "A 6 MiB state saved every step through ram → nvme (keep 2) → pfs (even steps, zstd, keep 2); each run "
+        "A 6 MiB state saved every step through ram → nvme (keep 2) → pfs (even steps, zstd, keep 2)"
+        + (f", both disk tiers storing differential versions (`delta: {{full_every: {report['delta']}}}`)" if report.get("delta") else "")
+        + "; each run "
         "resumes from what the last kill left (one in five a few steps back, replacing committed steps). "
         f"{report['random_kills']} kills after a random delay (0–{report['max_delay_s']} s after open), "
         f"{report['targeted_kills']} aimed at a kill point ({report['targeted_hits']} reached it; a run that had not after "
@@ -607,9 +618,10 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
     parser.add_argument("--no-record", action="store_true", help="print only: no JSON, no RESULTS.md section")
     parser.add_argument("--quiet", action="store_true", help="no line per kill")
+    parser.add_argument("--delta", type=int, default=None, metavar="N", help="the disk tiers store differential versions, a whole one every N")
     args = parser.parse_args()
     logging.getLogger("tierckpt").setLevel(logging.ERROR)  # the sweeps' notes on what each kill left: expected here
-    report = campaign(args.kills, args.seed, args.dir, max_delay_s=args.max_delay, max_steps=args.max_steps,
+    report = campaign(args.kills, args.seed, args.dir, max_delay_s=args.max_delay, max_steps=args.max_steps, delta=args.delta,
                       log=(lambda line: None) if args.quiet else (lambda line: print(line, flush=True)))
     report["command"] = "python " + " ".join([os.path.relpath(__file__, HERE.parent), *sys.argv[1:]])
     report["finished"] = time.time()

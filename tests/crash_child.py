@@ -166,9 +166,10 @@ PHASE_GROUP = {
 }
 
 
-def campaign_config(root: str | Path) -> dict[str, Any]:
-    """ram → nvme (every version, keep 2) → pfs (even steps, zstd, keep 2): promotion and pruning all the time."""
-    return {
+def campaign_config(root: str | Path, delta: int | None = None) -> dict[str, Any]:
+    """ram → nvme (every version, keep 2) → pfs (even steps, zstd, keep 2): promotion and pruning all the
+    time; ``delta``: both disk tiers store differential versions (``delta: {full_every: delta}``)."""
+    config = {
         "host": {"capacity": "16MiB", "snapshots": 2},
         "tiers": [
             {"name": "ram", "type": "memory", "keep": {"last": 1}},
@@ -183,6 +184,10 @@ def campaign_config(root: str | Path) -> dict[str, Any]:
             },
         ],
     }
+    if delta is not None:
+        for tier in config["tiers"][1:]:
+            tier["delta"] = {"full_every": delta}
+    return config
 
 
 def campaign_bases() -> dict[str, torch.Tensor]:
@@ -344,7 +349,7 @@ def campaign_run(spec: dict[str, Any]) -> NoReturn:
         from tierckpt import Checkpointer
 
         run.enter("open")
-        ckpt = Checkpointer(campaign_config(spec["root"]))
+        ckpt = Checkpointer(campaign_config(spec["root"], spec.get("delta")))
         run.leave("open")
         run.event("ready")
 

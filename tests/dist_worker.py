@@ -32,6 +32,8 @@ def config(root: Path, timeout: float) -> dict[str, Any]:
     disk = {"name": "disk", "type": "filesystem", "path": str(root / "disk"), "keep": {"last": 3}}
     if "S3_TIER" in os.environ:
         disk = json.loads(os.environ["S3_TIER"]) | {"name": "disk", "keep": {"last": 3}}
+    if "DELTA" in os.environ:  # differential versions (tests/test_delta.py)
+        disk["delta"] = {"full_every": int(os.environ["DELTA"])}
     return {
         "host": {"capacity": "64MiB", "snapshots": 2},
         "tiers": [{"name": "ram", "type": "memory"}, disk],
@@ -42,6 +44,10 @@ def config(root: Path, timeout: float) -> dict[str, Any]:
 
 def model(step: int) -> dict[str, torch.Tensor]:
     """What every rank holds alike at ``step`` (data-parallel weights)."""
+    if "DELTA" in os.environ:  # weights that move a little each step, beside a frozen part
+        g = torch.Generator().manual_seed(1000)
+        w, frozen = torch.randn(MODEL_NUMEL, generator=g), torch.randn(MODEL_NUMEL, generator=g)
+        return {"w": w + step * 1e-3, "frozen": frozen, "b": torch.randn(7, generator=g).to(torch.bfloat16)}
     g = torch.Generator().manual_seed(1000 + step)
     return {"w": torch.randn(MODEL_NUMEL, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16)}
 

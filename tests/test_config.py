@@ -208,7 +208,7 @@ def test_wrong_choice_message(tmp_path: Path) -> None:
         (small() + "logging: {level: info}\n", "logging", 9, "host, tiers, distributed, events, metrics"),
         (small() + "distributed: {timout: 60s}\n", "distributed.timout", 9, "timeout, nodes"),
         (small(host="  capacity: 1GiB\n  snapshot: 2\n"), "host.snapshot", 3, "capacity, snapshots, on_full, copy_threads, pinned"),
-        (small(nvme="    replicas: 2\n"), "tiers[1].replicas", 9, "name, type, path, flush, keep, compression, io_threads, scope, copies, bandwidth, url, endpoint, region, concurrency, part_size, retries, timeout"),
+        (small(nvme="    replicas: 2\n"), "tiers[1].replicas", 9, "name, type, path, flush, keep, compression, delta, io_threads, scope, copies, bandwidth, url, endpoint, region, concurrency, part_size, retries, timeout"),
         (small(nvme="    flush:\n      every: 2\n      max_stale: 1m\n"), "tiers[1].flush.max_stale", 11, "every, every_steps, min_interval, max_staleness, newest_only"),
         (small(nvme="    keep: {last: 2, newer_than: 1h}\n"), "tiers[1].keep.newer_than", 9, "last, every_steps, within, max_bytes"),
         (small(nvme="    compression: {codec: zstd, planes: 4}\n"), "tiers[1].compression.planes", 9, "codec, level, shuffle, min_ratio, when"),
@@ -423,7 +423,7 @@ def test_from_dict_errors_name_the_source() -> None:
     data = {"tiers": [{"name": "ram", "type": "memory", "bogus": 1}]}
     with pytest.raises(ConfigError) as caught:
         Config.from_dict(data)
-    assert str(caught.value) == "tiers[0].bogus: unknown key (tier 'ram'); allowed: name, type, path, flush, keep, compression, io_threads, scope, copies, bandwidth, url, endpoint, region, concurrency, part_size, retries, timeout"
+    assert str(caught.value) == "tiers[0].bogus: unknown key (tier 'ram'); allowed: name, type, path, flush, keep, compression, delta, io_threads, scope, copies, bandwidth, url, endpoint, region, concurrency, part_size, retries, timeout"
     with pytest.raises(ConfigError, match=r"^tiers\[0\]\.bogus: unknown key \(tier 'ram', in job\.json\); allowed: "):
         Config.from_dict(data, source="job.json")
     with pytest.raises(ConfigError, match=r"^config: \[\] is not a mapping; use a mapping with keys: host, tiers, distributed, events, metrics$"):

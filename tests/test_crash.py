@@ -210,8 +210,10 @@ _CAMPAIGN = Path(__file__).resolve().parents[1] / "benchmarks" / "crash_campaign
 
 
 @pytest.mark.slow
-def test_a_short_crash_campaign_loses_nothing(tmp_path: Path) -> None:
-    """20 SIGKILLs (10 at random, 10 at kill points) of a run saving through ram → nvme → pfs.
+@pytest.mark.parametrize("delta", [None, 3], ids=["whole", "delta"])
+def test_a_short_crash_campaign_loses_nothing(tmp_path: Path, delta: int | None) -> None:
+    """20 SIGKILLs (10 at random, 10 at kill points) of a run saving through ram → nvme → pfs; with
+    ``delta``, both disk tiers store differential versions (a whole one every 3).
 
     After each: nothing left to sweep once a new Checkpointer opened, every listed version verifies
     bitwise on its own, and the restore is bitwise what was saved and no older than the newest version
@@ -223,7 +225,7 @@ def test_a_short_crash_campaign_loses_nothing(tmp_path: Path) -> None:
     sys.modules[spec.name] = campaign  # dataclasses look their module up while it runs
     spec.loader.exec_module(campaign)
     lines: list[str] = []
-    report = campaign.campaign(20, seed=11, workdir=tmp_path, max_delay_s=1.0, log=lines.append)
+    report = campaign.campaign(20, seed=11, workdir=tmp_path, max_delay_s=1.0, log=lines.append, delta=delta)
     summary = "\n".join(lines)
     assert report["kills"] == 20, summary
     assert report["violations"] == [], summary

@@ -70,8 +70,8 @@ from tierckpt import export as exporting
 from tierckpt._version import __version__
 from tierckpt.clistatus import status as tier_status
 from tierckpt.cliversions import (
-    DAMAGED, NO_TIER_HINT, OK, USAGE, ListedVersion, UsageError, bucket_versions, damage_message,
-    dir_versions, format_size, held_bytes, open_parts, verify_bytes, verify_version,
+    DAMAGED, NO_TIER_HINT, OK, USAGE, ListedVersion, OpenedVersion, UsageError, base_of, bucket_versions,
+    damage_message, dir_versions, format_size, held_bytes, open_parts, verify_bytes, verify_version,
 )
 from tierckpt.errors import ConfigError, CorruptCheckpointError, UnsupportedStateError
 from tierckpt.format import CommitMarker, Manifest
@@ -201,14 +201,34 @@ def _part(head: Manifest | CommitMarker) -> str | None:
     return f"node {head.node}'s part: ranks {', '.join(map(str, head.holds))} of {head.world_size}"
 
 
+def _dependency(head: Manifest | CommitMarker, needed_by: list[int]) -> str | None:
+    """How a version of a tier with ``delta`` depends on others (``delta of step 4``, ``base of 5, 6``)."""
+    base = base_of(head)
+    if base is not None:
+        return f"delta of step {base}"
+    if needed_by:
+        return f"base of {', '.join(map(str, sorted(needed_by)))}"
+    return None
+
+
 def _ls(versions: list[ListedVersion]) -> int:
     rows = [("NAME", "STEP", "STORED", "LOGICAL", "CREATED", "VALID")]
     status = OK
+    listed: list[tuple[ListedVersion, OpenedVersion | CorruptCheckpointError]] = []
     for version in versions:
         try:
             opened = open_parts(version)
             opened.close()
+            listed.append((version, opened))
         except CorruptCheckpointError as exc:
+            listed.append((version, exc))
+    # Of each base, the differential versions listed here that depend on it.
+    needed: dict[int, list[int]] = {}
+    for _, got in listed:
+        if not isinstance(got, CorruptCheckpointError) and (base := base_of(got.head)) is not None:
+            needed.setdefault(base, []).append(got.head.step)
+    for version, got in listed:
+        if isinstance(got, CorruptCheckpointError):
             status = DAMAGED
             try:
                 assert version.path is not None
@@ -216,12 +236,13 @@ def _ls(versions: list[ListedVersion]) -> int:
             except (OSError, AssertionError):
                 created = "-"
             step = "-" if version.step is None else str(version.step)
-            rows.append((version.name, step, "-", "-", created, f"no: {damage_message(exc, version)}"))
+            rows.append((version.name, step, "-", "-", created, f"no: {damage_message(got, version)}"))
             continue
-        head = opened.head
-        logical = sum(r.nbytes for r in opened.logical_records())
+        head = got.head
+        logical = sum(r.nbytes for r in got.logical_records())
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(head.created))
-        valid = "yes" if _part(head) is None else f"yes, {_part(head)}"
+        notes = [n for n in (_part(head), _dependency(head, needed.get(head.step, []))) if n]
+        valid = ", ".join(["yes", *notes])
         rows.append((version.name, str(head.step), format_size(held_bytes(head)), format_size(logical), created, valid))
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     for row in rows:

@@ -50,7 +50,7 @@ from typing import Any
 import yaml
 
 from tierckpt.cliversions import (
-    DAMAGED, NO_TIER_HINT, OK, ListedVersion, UsageError, bucket_versions, damage_message, dir_versions,
+    DAMAGED, NO_TIER_HINT, OK, ListedVersion, UsageError, base_of, bucket_versions, damage_message, dir_versions,
     format_size, held_bytes, open_parts, verify_version,
 )
 from tierckpt.config import Config, TierConfig
@@ -85,6 +85,7 @@ class _Row:
     held: int = 0
     newest: int | None = None
     stored: int = 0
+    deltas: int = 0  # differential versions among those held
     damage: list[tuple[str, str]] = field(default_factory=list)  # (version, what is damaged)
 
 
@@ -247,6 +248,7 @@ def _tally(row: _Row, verify: bool, executor: concurrent.futures.Executor) -> No
             row.newest = step if row.newest is None else max(row.newest, step)
         if opened is not None:
             row.stored += held_bytes(opened.head)
+            row.deltas += base_of(opened.head) is not None
         if damage is not None:
             row.damage.append((version.name, damage))
 
@@ -258,7 +260,8 @@ def _print(rows: list[_Row], verify: bool) -> None:
         if row.versions is None:
             cells = ["-", "-", "-"] + (["-"] if verify else [])
         else:
-            cells = [str(row.held), "-" if row.newest is None else str(row.newest), format_size(row.stored)]
+            count = f"{row.held} ({row.deltas} delta{'s' if row.deltas != 1 else ''})" if row.deltas else str(row.held)
+            cells = [count, "-" if row.newest is None else str(row.newest), format_size(row.stored)]
             if verify:
                 ok = row.held - len(row.damage)
                 cells.append("-" if not row.held else f"{ok} OK" + (f", {len(row.damage)} DAMAGED" if row.damage else ""))

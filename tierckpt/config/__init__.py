@@ -31,6 +31,7 @@ from tierckpt.config.observe import MetricsConfig
 from tierckpt.config.paths import check_disjoint_paths
 from tierckpt.config.sections import (
     CompressionConfig,
+    DeltaConfig,
     DistributedConfig,
     FlushPolicy,
     HostConfig,

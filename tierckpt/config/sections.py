@@ -25,7 +25,7 @@ from tierckpt.config.schema import (
 )
 from tierckpt.units import format_size
 
-__all__ = ["HostConfig", "DistributedConfig", "FlushPolicy", "KeepPolicy", "CompressionConfig"]
+__all__ = ["HostConfig", "DistributedConfig", "FlushPolicy", "KeepPolicy", "CompressionConfig", "DeltaConfig"]
 
 _ON_FULL = ("block", "skip", "evict")
 _CODECS = ("none", "zstd")
@@ -267,6 +267,42 @@ class CompressionConfig:
         return "zstd+shuffle" if self.shuffle else self.codec
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeltaConfig:
+    """Differential versions on a filesystem or object tier (YAML section ``delta``).
+
+    Every ``full_every``-th version the tier stores is whole; each other one stores only what changed
+    against the last whole version before it (its *base*): a chunk whose bytes equal the base's is a
+    reference to it, and a floating-point chunk that changed is stored as its XOR against the base's,
+    in byte planes, zstd-compressed, where that is ``min_ratio`` times smaller than the chunk stored
+    whole (:mod:`tierckpt.xordelta`).
+
+    Attributes:
+        full_every: N >= 2: one whole version, then up to N - 1 versions that depend on it.
+        min_ratio: a changed chunk is stored as a delta only when that makes it at least this many
+            times smaller than stored whole (its base chunk's stored size) (1.0..100); else as the
+            tier's compression stores it.
+
+    Raises:
+        ConfigError: a value is of the wrong type or out of range.
+
+    Example:
+        >>> DeltaConfig(full_every=10).full_every
+        10
+    """
+
+    full_every: int
+    min_ratio: float = 1.05
+
+    def __post_init__(self) -> None:
+        at = site("delta")
+        check_int(at, "full_every", self.full_every, low=2)
+        ratio = self.min_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 1.0 <= ratio <= 100.0:
+            raise at.error("min_ratio", problem=f"{ratio!r} is not allowed", hint="use a number from 1.0 to 100, e.g. 1.05")
+        object.__setattr__(self, "min_ratio", float(ratio))
+
+
 # One row per YAML key: a new key is a row here, plus its field and its check in the dataclass.
 _HOST_KEYS = (
     Key("capacity", "capacity_bytes", optional(read_size)),
@@ -289,6 +325,7 @@ _KEEP_KEYS = (
     Key("within", "within_s", optional(read_duration)),
     Key("max_bytes", "max_bytes", optional(read_size)),
 )
+_DELTA_KEYS = (Key("full_every", "full_every"), Key("min_ratio", "min_ratio"))
 _COMPRESSION_KEYS = (
     Key("codec", "codec"),
     Key("level", "level"),

@@ -34,9 +34,11 @@ from tierckpt.config.schema import (
 )
 from tierckpt.config.sections import (
     _COMPRESSION_KEYS,
+    _DELTA_KEYS,
     _FLUSH_KEYS,
     _KEEP_KEYS,
     CompressionConfig,
+    DeltaConfig,
     FlushPolicy,
     KeepPolicy,
 )
@@ -75,6 +77,7 @@ _NOT_FOR_TYPE: dict[str, dict[str, str]] = {
         "scope": _SCOPE_FS,
         "flush": "a memory tier is the first tier and receives every save",
         "compression": "a memory tier holds snapshots uncompressed; compress on a filesystem tier",
+        "delta": "a memory tier holds whole snapshots; differential versions are for filesystem and object tiers",
         "io_threads": "a memory tier does no file I/O; io_threads applies to filesystem tiers",
         **_PEER_ONLY,
         **_OBJECT_ONLY,
@@ -84,6 +87,7 @@ _NOT_FOR_TYPE: dict[str, dict[str, str]] = {
         "scope": _SCOPE_FS,
         "path": "a peer tier's copies live in the memory tier's directory, or in process memory",
         "compression": "a peer tier holds snapshots uncompressed in other nodes' memory",
+        "delta": "a peer tier holds whole snapshots; differential versions are for filesystem and object tiers",
         "io_threads": "a peer tier does no file I/O; io_threads applies to filesystem tiers",
         **_OBJECT_ONLY,
     },
@@ -113,7 +117,9 @@ class TierConfig:
             and receives every save. (A filesystem tier listed first is fed by the host tier that the
             Checkpointer puts in front of it, so it may have one.)
         keep: which committed versions this tier keeps.
-        compression: how tensor bytes are compressed; filesystem tiers only.
+        compression: how tensor bytes are compressed; filesystem and object tiers.
+        delta: differential versions (:class:`~tierckpt.config.DeltaConfig`), or ``None`` (every version
+            whole); filesystem and object tiers.
         io_threads: writer and reader threads of a filesystem tier (1..64); filesystem tiers only.
         scope: ``"shared"`` (default): one directory that every rank sees (a parallel file system, or one
             node's disk for all its ranks); ``"node"``: each node's own directory at ``path`` (its local
@@ -151,6 +157,7 @@ class TierConfig:
     flush: FlushPolicy = FlushPolicy()
     keep: KeepPolicy = KeepPolicy()
     compression: CompressionConfig = CompressionConfig()
+    delta: DeltaConfig | None = None
     io_threads: int = 2
     scope: str = "shared"
     copies: int = 1
@@ -180,8 +187,13 @@ class TierConfig:
         for key, kind in (("flush", FlushPolicy), ("keep", KeepPolicy), ("compression", CompressionConfig)):
             if not isinstance(value := getattr(self, key), kind):
                 raise at.error(key, problem=f"{value!r} is not allowed", hint=f"use a {kind.__name__}")
+        if self.delta is not None and not isinstance(self.delta, DeltaConfig):
+            raise at.error("delta", problem=f"{self.delta!r} is not allowed", hint="use a DeltaConfig, e.g. delta: {full_every: 10}")
         check_int(at, "io_threads", self.io_threads, low=1, high=64)
         check_choice(at, "scope", self.scope, _SCOPES)
+        if self.delta is not None and self.scope == "node":
+            hint = "use delta on a shared filesystem tier or an object tier; a node-local tier stores whole versions"
+            raise at.error("delta", problem="not supported on a node-local tier (scope: node) yet", hint=hint)
         if self.path is not None:
             _check_placeholders(at, str(self.path), self.scope)
         check_int(at, "copies", self.copies, low=1, high=_MAX_COPIES)
@@ -253,6 +265,7 @@ def _write_tiers(tiers: tuple[TierConfig, ...]) -> list[dict[str, Any]]:
             skip=frozenset(_NOT_FOR_TYPE[tier.type])
             | ({"keep"} if tier.keep.keeps_all else set())
             | ({"path"} if tier.path is None else set())
+            | ({"delta"} if tier.delta is None else set())
             | {k for k in ("url", "endpoint", "region") if getattr(tier, k) is None},
         )
         for tier in tiers
@@ -277,6 +290,7 @@ def _read_keep(data: Any, at: Site) -> KeepPolicy:
 
 # One row per YAML key: a new key is a row here, plus its field and its check in the dataclass.
 _read_keep_section, _write_keep_section = section(KeepPolicy, _KEEP_KEYS)
+_read_delta_section, _write_delta_section = section(DeltaConfig, _DELTA_KEYS)
 _TIER_KEYS = (
     Key("name", "name"),
     Key("type", "type"),
@@ -284,6 +298,7 @@ _TIER_KEYS = (
     Key("flush", "flush", *section(FlushPolicy, _FLUSH_KEYS)),
     Key("keep", "keep", _read_keep, _write_keep_section),
     Key("compression", "compression", *section(CompressionConfig, _COMPRESSION_KEYS)),
+    Key("delta", "delta", optional(_read_delta_section), lambda value: None if value is None else _write_delta_section(value)),
     Key("io_threads", "io_threads"),
     Key("scope", "scope"),
     Key("copies", "copies"),

@@ -14,7 +14,7 @@ from tierckpt.format.layout import (
     version_dirname,
 )
 from tierckpt.format.manifest import CommitMarker, Manifest, decode_document
-from tierckpt.format.records import Chunk, Region, TensorInfo, TensorRecord
+from tierckpt.format.records import DELTA_CODECS, BaseChunk, Chunk, Region, TensorInfo, TensorRecord
 
 __all__ = [
     "ALIGN",
@@ -25,7 +25,9 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_FILE",
     "RANK_MANIFEST_FILE",
+    "BaseChunk",
     "Chunk",
+    "DELTA_CODECS",
     "CommitMarker",
     "Manifest",
     "Region",

@@ -11,7 +11,10 @@ import re
 
 FORMAT_NAME = "tierckpt"
 FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# A version that keeps what a differential version needs (a base, chunk digests) is written as version
+# 4, which an older release refuses by its version rather than misreading.
+DELTA_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 MANIFEST_FILE = "manifest.msgpack"  # a single process's manifest, or the commit marker of several ranks'
 RANK_MANIFEST_FILE = "manifest-r{rank:05d}.msgpack"
 DATA_FILE = "data-r{rank:05d}.bin"

@@ -16,6 +16,13 @@ it names each rank manifest with its checksum. A record of a value every rank ho
 ``shared[i % len(shared)]``, and the other ranks' manifests hold ``None`` in its place. A version saved
 by one process is still written as version 2.
 
+Version 4 is a version of a tier with ``delta`` (:mod:`tierckpt.xordelta`): a whole one keeps each
+chunk's logical digest; a differential one names its ``base`` (the base version's step, and the
+checksum of the base's manifest of the same rank: ``manifest.msgpack`` of one process, else its rank
+manifest), and its chunks stored against the base (codec ``ref`` or ``delta``) say where their base
+chunk lies (:class:`~tierckpt.format.records.BaseChunk`). The commit marker of a differential version
+of several ranks names the base's step.
+
 A record of a DTensor also has a ``region``: the global shape of the whole tensor and the offset of the
 stored piece (the record's ``shape``) in it, so that a job with another parallel layout can find the
 bytes it needs (:mod:`tierckpt.restore.reshard`). A reader that ignores it reads the same local shards it wrote.
@@ -31,6 +38,7 @@ encoding; the layout constants are in :mod:`tierckpt.format.layout` and the tens
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,9 +46,10 @@ import msgpack
 
 from tierckpt.errors import CorruptCheckpointError, FormatVersionError, UnsupportedStateError
 from tierckpt.format.checksum import CHECKSUM_ALGORITHM, checksum
-from tierckpt.format.layout import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, READABLE_VERSIONS, where
+from tierckpt.format.layout import DELTA_VERSION, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, READABLE_VERSIONS, where
 from tierckpt.format.records import (
     TensorRecord,
+    differential,
     _decode_record,
     _encode_record,
     _file_name,
@@ -70,10 +79,20 @@ class Manifest:
     metadata: dict[str, Any] = field(default_factory=dict)
     world_size: int = 1
     rank: int = 0
+    # A differential version's base: its step, and the checksum of its manifest of this rank; and
+    # which version after that base this one is (1..full_every - 1; 0: a whole version).
+    base: tuple[int, int] | None = None
+    chain: int = 0
 
     @property
     def stored_bytes(self) -> int:
         return sum(r.stored for r in self.records)
+
+    @property
+    def format_version(self) -> int:
+        if self.base is not None or any(differential(c) for r in self.records for c in r.chunks):
+            return DELTA_VERSION
+        return FORMAT_VERSION if self.world_size > 1 else 2  # what one process writes, older readers read
 
     def encode(self) -> bytes:
         """The manifest file's bytes.
@@ -84,7 +103,7 @@ class Manifest:
         """
         fields = {
             "format": FORMAT_NAME,
-            "version": FORMAT_VERSION if self.world_size > 1 else 2,  # what one process writes, older readers read
+            "version": self.format_version,
             "step": self.step,
             "created": self.created,
             "world_size": self.world_size,
@@ -95,6 +114,8 @@ class Manifest:
         }
         if self.world_size > 1:
             fields["rank"] = self.rank
+        if self.base is not None:
+            fields["base"] = [*self.base, self.chain]
         data = _seal(fields)
         if len(data) > MAX_MANIFEST_BYTES:
             raise UnsupportedStateError(
@@ -143,6 +164,8 @@ class CommitMarker:
     metadata: dict[str, Any] = field(default_factory=dict)
     holds: tuple[int, ...] | None = None
     node: str | None = None
+    base: int | None = None  # a differential version's base step
+    chain: int = 0  # which version after its base this one is
 
     @property
     def held_bytes(self) -> int:
@@ -157,7 +180,7 @@ class CommitMarker:
         return _seal(
             {
                 "format": FORMAT_NAME,
-                "version": FORMAT_VERSION,
+                "version": FORMAT_VERSION if self.base is None else DELTA_VERSION,
                 "kind": "commit",
                 "step": self.step,
                 "created": self.created,
@@ -168,6 +191,7 @@ class CommitMarker:
             }
             | ({} if self.holds is None else {"holds": list(self.holds)})
             | ({} if self.node is None else {"node": self.node})
+            | ({} if self.base is None else {"base": [self.base, self.chain]})
         )
 
 
@@ -218,6 +242,9 @@ def decode_document(
                 holds=tuple(_int(r) for r in _list(body["holds"])) if "holds" in body else None,
                 node=_str(body["node"]) if "node" in body else None,
             )
+            if "base" in body:
+                base, chain = _base(body["base"], 2)
+                marker = dataclasses.replace(marker, base=base, chain=chain)
             if not 1 < marker.world_size == len(marker.ranks):
                 raise ValueError(f"{len(marker.ranks)} rank entries for a world of {marker.world_size}")
             held = marker.holds
@@ -236,11 +263,18 @@ def decode_document(
             world_size=_int(body["world_size"]),
             rank=_int(body.get("rank", 0)),
         )
+        if "base" in body:
+            step_, digest, chain = _base(body["base"], 3)
+            manifest = dataclasses.replace(manifest, base=(step_, digest), chain=chain)
         if manifest.world_size < 1 or manifest.rank >= manifest.world_size:
             raise ValueError(f"rank {manifest.rank} of a world of {manifest.world_size}")
         for r in records:
             if any(q >= manifest.world_size for q in (r.shared or ()) + (r.saved_shared or ())):
                 raise ValueError(f"{_short(r.key)}: shared by a rank outside the world of {manifest.world_size}")
+            if manifest.base is None and any(c is not None and c.base is not None for c in r.chunks):
+                raise ValueError(f"{_short(r.key)}: chunks stored against a base, in a version that names none")
+        if manifest.base is not None and manifest.base[0] == manifest.step:
+            raise ValueError(f"step {manifest.step} names itself as its base")
     except KeyError as exc:
         raise bad(f"malformed field (missing {_short(exc.args[0] if exc.args else None)})") from exc
     except (TypeError, ValueError, OverflowError) as exc:
@@ -250,6 +284,17 @@ def decode_document(
     if [r.index for r in records] != list(range(len(records))):
         raise bad("tensor records are not numbered 0..n-1")
     return manifest
+
+
+def _base(value: Any, fields: int) -> tuple[int, ...]:
+    """A differential version's base: [step, checksum of its manifest, chain] in a manifest (3
+    fields), [step, chain] in a commit marker (2)."""
+    if type(value) is not list or len(value) != fields:
+        raise ValueError(f"a base is {'[step, checksum, chain]' if fields == 3 else '[step, chain]'}, got {_short(value)}")
+    values = tuple(_int(v) for v in value)
+    if not values[-1]:
+        raise ValueError("a differential version is version 1 or later after its base, not 0")
+    return values
 
 
 def _rank_entry(value: Any) -> tuple[str, int, int]:

@@ -15,7 +15,24 @@ from typing import Any
 from tierckpt.codecs import CODECS
 from tierckpt.format.layout import CHUNK_BYTES
 
+# Chunk codecs of a differential version (:mod:`tierckpt.xordelta`): "ref", the base chunk's bytes as
+# they are (nothing stored); "delta", the XOR against the base chunk's bytes, in byte planes.
+DELTA_CODECS = ("ref", "delta")
+DIGEST_BYTES = 16  # a chunk's logical digest: xxh3-128 of its decoded bytes
+
 _MAX_NAME_BYTES = 255  # NAME_MAX: a longer file name cannot exist
+
+
+@dataclass(frozen=True)
+class BaseChunk:
+    """Where the base of a differential chunk lies: a chunk of the base version's data file, as stored
+    there (the base is a whole version: ``codec`` is one of :data:`~tierckpt.codecs.CODECS`)."""
+
+    file: str
+    offset: int
+    stored: int
+    checksum: int  # of its stored bytes, verified when read
+    codec: str
 
 
 @dataclass(frozen=True)
@@ -29,6 +46,11 @@ class Chunk:
     # The data file holding it when not its record's: a shared chunk another rank stored, resolved at
     # restore (never written: on disk, a rank manifest holds None for a chunk another rank stored).
     file: str | None = None
+    # A chunk of a differential version stored against its base (codec "ref" or "delta"): the base chunk.
+    base: BaseChunk | None = None
+    # xxh3-128 of the chunk's logical bytes, kept by a whole version on a tier with ``delta``: a later
+    # version's chunk with the same digest is a reference to this one.
+    digest: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -137,16 +159,46 @@ def _encode_record(r: TensorRecord) -> dict[str, Any]:
 def _encode_chunk(c: Chunk | None, record_codec: str) -> list[Any] | None:
     if c is None:
         return None
-    if c.codec is None or c.codec == record_codec:
-        return [c.offset, c.stored, c.checksum]
-    return [c.offset, c.stored, c.checksum, c.codec]
+    codec = None if c.codec is None or c.codec == record_codec else c.codec
+    if c.base is not None or c.digest is not None:  # format version 4
+        extra: dict[str, Any] = {} if c.digest is None else {"digest": c.digest}
+        if c.base is not None:
+            b = c.base
+            extra["base"] = [b.file, b.offset, b.stored, b.checksum, b.codec]
+        return [c.offset, c.stored, c.checksum, codec, extra]
+    return [c.offset, c.stored, c.checksum] if codec is None else [c.offset, c.stored, c.checksum, codec]
+
+
+def differential(c: Chunk | None) -> bool:
+    """Whether chunk ``c`` is written in format version 4 (a base or a digest)."""
+    return c is not None and (c.base is not None or c.digest is not None)
 
 
 def _decode_chunk(value: Any) -> Chunk:
-    if type(value) is not list or len(value) not in (3, 4):
-        raise ValueError(f"a chunk is [offset, stored, checksum(, codec)], got {_short(value)}")
+    if type(value) is not list or len(value) not in (3, 4, 5):
+        raise ValueError(f"a chunk is [offset, stored, checksum(, codec(, extra))], got {_short(value)}")
     offset, stored, digest = (_int(v) for v in value[:3])
-    return Chunk(offset, stored, digest, _codec(value[3]) if len(value) == 4 else None)
+    if len(value) < 5:
+        return Chunk(offset, stored, digest, _codec(value[3]) if len(value) == 4 else None)
+    extra = _map(value[4])
+    if not set(extra) <= {"base", "digest"}:
+        raise ValueError(f"a chunk's extra fields are base and digest, got {_short(sorted(map(str, extra)))}")
+    logical = extra.get("digest")
+    if logical is not None and (type(logical) is not bytes or len(logical) != DIGEST_BYTES):
+        raise ValueError(f"a chunk's digest is {DIGEST_BYTES} bytes, got {_short(logical)}")
+    base = _base_chunk(extra["base"]) if "base" in extra else None
+    codec = None if value[3] is None else (_codec(value[3]) if base is None else _str(value[3]))
+    if (base is not None) != (codec in DELTA_CODECS):
+        raise ValueError(f"a chunk stored {codec or 'as its record'} {'has' if base else 'without'} a base chunk")
+    if codec == "ref" and stored:
+        raise ValueError(f"a reference to its base chunk stores {stored} bytes, not 0")
+    return Chunk(offset, stored, digest, codec, base=base, digest=logical)
+
+
+def _base_chunk(value: Any) -> BaseChunk:
+    if type(value) is not list or len(value) != 5:
+        raise ValueError(f"a base chunk is [file, offset, stored, checksum, codec], got {_short(value)}")
+    return BaseChunk(_file_name(value[0]), _int(value[1]), _int(value[2]), _int(value[3]), _codec(value[4]))
 
 
 def _decode_record(raw: Any) -> TensorRecord:

@@ -287,14 +287,23 @@ class Flusher:
         The version just committed always stays (a leftover newer step from an earlier run must not
         push it out), and versions whose manifest did not verify are neither counted nor deleted.
         Retention runs only after a commit: a failed flush never deletes anything, so the last good
-        version stays. What it spares for a tier below is owed: tried again when a flush ends.
+        version stays. What it spares for a tier below is owed: tried again when a flush ends. The
+        base of a differential version it keeps or spares is kept with it; the differential versions
+        of a step saved again go with the version they were written against.
         """
         infos = [i for i in self.tier.versions() if i.valid]
-        keep = retain(infos, self.tier.config.keep, now=self._wall_clock()) | {committed}
+        # Versions that depend on ``committed`` were written against the version of that step this
+        # commit replaced (none can depend on a version just committed): they can never be read again.
+        broken = {i.step for i in infos if i.base == committed}
+        keep = (retain(infos, self.tier.config.keep, now=self._wall_clock()) | {committed}) - broken
         dropped = [info.step for info in infos if info.step not in keep]
         spared = {s for s in dropped if self.tier.leased(s) or self.upstream.spared(self.tier.name, s)}
         self._retention_owed = committed if spared and self.retries_retention else None
-        return [s for s in dropped if s not in spared]
+        # A differential version's base stays while the version does (tiers with delta).
+        needed = {i.base for i in infos if i.base is not None and (i.step in keep or i.step in spared)}
+        doomed = [i for i in infos if i.step in dropped and i.step not in spared and i.step not in needed]
+        # Differential versions before the bases: a crash between two deletes never leaves one without its base.
+        return [i.step for i in sorted(doomed, key=lambda i: (i.base is None, i.step))]
 
     async def delete(self, steps: list[int]) -> None:
         """A failed delete leaves the version whole (tried again at the next prune) or under ``.trash-``

@@ -42,6 +42,12 @@ class VersionInfo:
     # (and warns); retention neither counts nor deletes it, so a damaged newer version can never
     # push good ones out.
     valid: bool = True
+    # A differential version (a tier with ``delta``): the step of the whole version it depends on, and
+    # which version after that base it is (0: a whole version). ``needed_by``: of a whole version, the
+    # differential versions on this tier that depend on it (retention keeps it while they are kept).
+    base: int | None = None
+    chain: int = 0
+    needed_by: tuple[int, ...] = ()
 
 
 class Part(NamedTuple):
@@ -61,6 +67,8 @@ class Staged:
     nbytes: int
     created: float
     part: Part | None = None  # of a version several ranks save: this rank's part
+    base: int | None = None  # a differential version's base step (the tier's decision: every rank's the same)
+    chain: int = 0
 
 
 class Lease:

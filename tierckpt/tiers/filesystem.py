@@ -135,7 +135,7 @@ class FilesystemTier(StoredTier):
         try:
             head = await _read_head(StoreVersion(self.store, name), tier=self.name, step=step)
             self._seen(step, head)
-            return VersionInfo(self.name, step, head.stored_bytes, head.created, str(path))
+            return self._info(step, head.stored_bytes, head.created, str(path), head=head)
         except CorruptCheckpointError as exc:
             log.warning("tier %r: %s", self.name, exc)
             stat = await _lstat(path)  # it may be a symlink, refused: not followed here either
@@ -164,7 +164,7 @@ class FilesystemTier(StoredTier):
         manifest_key = f"{tmp}/{manifest_name}"
         await self.store.stage(tmp, shared=ranked)
         try:
-            manifest, encoded = await self._write_part(source, data, self.store, threads=self.config.io_threads, shared_by=self.sharing)
+            manifest, encoded, choice = await self._write_part(source, data, self.store, threads=self.config.io_threads, shared_by=self.sharing)
             await self.store.write_small(manifest_key, encoded)
             await self.store.sync(tmp)
         except BaseException:
@@ -173,7 +173,7 @@ class FilesystemTier(StoredTier):
             else:
                 await self._discard(tmp)
             raise
-        return self._staged(source, tmp, manifest, encoded, manifest_name)
+        return self._staged(source, tmp, manifest, encoded, manifest_name, choice)
 
     async def seal(self, staged: Staged, parts: list[Part], metadata: dict[str, Any]) -> None:
         """The leader, once every rank's part is durable: write the commit marker into the staged version."""
@@ -184,7 +184,7 @@ class FilesystemTier(StoredTier):
 
     async def adopt(self, staged: Staged, nbytes: int) -> VersionInfo:
         """A follower: the leader committed the version this rank staged a part of; index it."""
-        info = VersionInfo(self.name, staged.step, nbytes, staged.created, str(self.root / version_dirname(staged.step)))
+        info = self._info(staged.step, nbytes, staged.created, str(self.root / version_dirname(staged.step)), head=staged)
         self._index[staged.step] = info
         return info
 
@@ -209,7 +209,7 @@ class FilesystemTier(StoredTier):
         return self._indexed(staged)
 
     def _indexed(self, staged: Staged) -> VersionInfo:
-        info = VersionInfo(self.name, staged.step, staged.nbytes, staged.created, str(self.root / version_dirname(staged.step)))
+        info = self._info(staged.step, staged.nbytes, staged.created, str(self.root / version_dirname(staged.step)), head=staged)
         self._index[staged.step] = info
         return info
 
@@ -230,7 +230,7 @@ class FilesystemTier(StoredTier):
 
     def _after_take_back(self, staged: Staged, left: Left) -> None:
         if left.new_in_place:
-            self._index[staged.step] = VersionInfo(self.name, staged.step, staged.nbytes, staged.created, str(self.root / version_dirname(staged.step)))
+            self._index[staged.step] = self._info(staged.step, staged.nbytes, staged.created, str(self.root / version_dirname(staged.step)), head=staged)
             if left.old_aside is not None:
                 self._leftovers.add(left.old_aside)  # the step is in place: the old copy goes once the directory syncs
         elif left.old_aside is not None:

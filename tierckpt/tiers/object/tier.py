@@ -162,7 +162,7 @@ class ObjectTier(StoredTier):
                 self._index[step] = VersionInfo(self.name, step, 0, 0.0, self.bucket.url_of(container), valid=False)
                 continue
             writes = referenced_writes(head)
-            self._index[step] = VersionInfo(self.name, step, head.stored_bytes, head.created, self.bucket.url_of(container))
+            self._index[step] = self._info(step, head.stored_bytes, head.created, self.bucket.url_of(container), head=head)
             self._held[step] = _CommittedWrites(writes)
             stray = {n: s for n, s in names.items() if n != MANIFEST_FILE and write_of(n) not in writes}
             if sweep and stray:
@@ -201,7 +201,7 @@ class ObjectTier(StoredTier):
         data = f"{container}/data-r{self.rank:05d}.{wid}.bin"
         done = _Write(container, wid, [data])
         try:
-            manifest, encoded = await self._write_part(source, data, self.bucket, threads=min(self.config.concurrency, os.cpu_count() or 2))
+            manifest, encoded, choice = await self._write_part(source, data, self.bucket, threads=min(self.config.concurrency, os.cpu_count() or 2))
             if ranked:
                 name = f"manifest-r{self.rank:05d}.{wid}.msgpack"
                 done.keys.append(f"{container}/{name}")
@@ -211,7 +211,7 @@ class ObjectTier(StoredTier):
         except BaseException:
             await self._discard(done)
             raise
-        return self._staged(source, done, manifest, encoded, name if ranked else MANIFEST_FILE)
+        return self._staged(source, done, manifest, encoded, name if ranked else MANIFEST_FILE, choice)
 
     async def seal(self, staged: Staged, parts: list[Part], metadata: dict[str, Any]) -> None:
         marker = self._marker(staged, parts, metadata)
@@ -237,7 +237,7 @@ class ObjectTier(StoredTier):
 
     def _indexed(self, staged: Staged) -> VersionInfo:
         done: _Write = staged.location
-        info = VersionInfo(self.name, staged.step, staged.nbytes, staged.created, self.bucket.url_of(done.container))
+        info = self._info(staged.step, staged.nbytes, staged.created, self.bucket.url_of(done.container), head=staged)
         self._index[staged.step] = info
         old = self._held.get(staged.step)
         self._held[staged.step] = _CommittedWrites({done.write}, (old.writes | old.stale) - {done.write} if old else set())

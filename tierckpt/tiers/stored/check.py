@@ -19,6 +19,7 @@ Every failure is a :class:`CorruptCheckpointError` naming tier, step, the file a
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import CHUNK_BYTES, MANIFEST_FILE, TensorRecord
@@ -68,14 +69,19 @@ def check_records(records: tuple[TensorRecord, ...], sizes: dict[str, int], *, t
         for i, c in enumerate(r.chunks):
             if c is None:  # stored by another rank: checked when resolved, by that rank's files
                 continue
+            _, length = r.chunk_span(i)
+            if c.base is not None and not c.stored:  # a reference: only its base chunk holds bytes
+                _check_stored(bad, i, c.base.codec, c.base.stored, length, r.chunk_bytes, what="its base chunk")
+                continue
             file = r.chunk_file(i)
             size = sizes[file]
-            _, length = r.chunk_span(i)
-            if r.chunk_codec(i) == "none":
-                if c.stored != length:
-                    raise bad(f"chunk {i} is stored raw in {c.stored} bytes, but holds {length}")
-            elif not 0 < c.stored <= scratch_bytes(r.chunk_bytes) or length > c.stored * ZSTD_MAX_EXPANSION:
-                raise bad(f"chunk {i} cannot decode {c.stored} stored bytes into {length}")
+            codec = r.chunk_codec(i)
+            if c.base is not None:  # stored against a base chunk, which must hold the chunk's bytes
+                _check_stored(bad, i, c.base.codec, c.base.stored, length, r.chunk_bytes, what="its base chunk")
+                if codec == "delta" and not 0 < c.stored <= scratch_bytes(r.chunk_bytes):
+                    raise bad(f"chunk {i} is a delta frame of {c.stored} bytes")
+            else:
+                _check_stored(bad, i, codec, c.stored, length, r.chunk_bytes)
             if c.offset + c.stored > size:
                 raise CorruptCheckpointError(
                     f"{where(tier, step)}: {file}: {r.key} chunk {i} (bytes {c.offset}..{c.offset + c.stored}) lies past "
@@ -96,6 +102,16 @@ def check_records(records: tuple[TensorRecord, ...], sizes: dict[str, int], *, t
                     step=step,
                     key=other,
                 )
+
+
+def _check_stored(bad: Any, i: int, codec: str, stored: int, length: int, chunk_bytes: int, *, what: str = "") -> None:
+    """That ``stored`` bytes in ``codec`` can hold a chunk of ``length`` logical bytes."""
+    of = f" ({what})" if what else ""
+    if codec == "none":
+        if stored != length:
+            raise bad(f"chunk {i}{of} is stored raw in {stored} bytes, but holds {length}")
+    elif not 0 < stored <= scratch_bytes(chunk_bytes) or length > stored * ZSTD_MAX_EXPANSION:
+        raise bad(f"chunk {i}{of} cannot decode {stored} stored bytes into {length}")
 
 
 def _dims(shape: tuple[int, ...]) -> str:

@@ -21,11 +21,15 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tierckpt.codecs import Codec, get_codec
 from tierckpt.config import CompressionConfig
 from tierckpt.format import TensorRecord
 from tierckpt.state import numpy_dtype, torch_dtype
+
+if TYPE_CHECKING:
+    from tierckpt.tiers.stored.delta import DeltaBase
 
 log = logging.getLogger("tierckpt")
 
@@ -43,6 +47,9 @@ class CompressionStats:
     stored_bytes: int = 0  # what they took on the tier
     chunks_compressed: int = 0
     chunks_raw: int = 0  # chunks stored raw in a compressing version: min_ratio was not met
+    chunks_referenced: int = 0  # chunks of differential versions equal to their base's: nothing stored
+    chunks_delta: int = 0  # chunks of differential versions stored as their XOR against the base's
+    versions_delta: int = 0  # versions written against a base (``delta``)
     versions_compressed: int = 0
     versions_bypassed: int = 0  # versions written raw under when: faster (slower to compress, or measuring)
     compress_bytes_per_s: float = 0.0  # the compressor, with the tier's threads, in logical bytes
@@ -67,9 +74,15 @@ def element(record: TensorRecord) -> tuple[int, bool]:
 class VersionEncoding:
     """How one version is written: the codec per record, and the accounting of its chunks."""
 
-    def __init__(self, tier: TierEncoding, compress: bool) -> None:
+    def __init__(self, tier: TierEncoding, compress: bool, *, digests: bool = False, delta: DeltaBase | None = None) -> None:
         self._tier = tier
         self.compress = compress
+        # A tier with ``delta``: every chunk's logical digest is taken (a whole version keeps them), and
+        # ``delta``, this rank's part of the base open, makes this a differential version. A changed
+        # chunk is XOR-encoded unless ``when: faster`` chose to write this version raw.
+        self.digests = digests or delta is not None
+        self.delta = delta
+        self.xor = delta is not None and (compress or tier.config.codec == "none")
         self._lock = threading.Lock()
         self.logical = 0
         self.stored = 0
@@ -78,11 +91,14 @@ class VersionEncoding:
         self.encoders: set[int] = set()  # the threads that did
         self.chunks_compressed = 0
         self.chunks_raw = 0
+        self.chunks_referenced = 0
+        self.chunks_delta = 0
 
     @property
     def raw_layout(self) -> bool:
-        """Every record stored uncompressed, in the host slot's 4 KiB-aligned layout."""
-        return not self.compress
+        """Every record stored uncompressed, in the host slot's 4 KiB-aligned layout (a differential
+        version's chunks are packed: a reference takes no room)."""
+        return not self.compress and self.delta is None
 
     def codec_for(self, record: TensorRecord) -> str:
         """The codec ``record`` is stored with on this tier for this version."""
@@ -102,17 +118,31 @@ class VersionEncoding:
             return "none", data
         started = time.perf_counter()
         result = self._tier.codec(codec).encode(data, itemsize)
-        seconds = time.perf_counter() - started
-        with self._lock:
-            self.encoded += data.nbytes
-            self.encode_s += seconds
-            self.encoders.add(threading.get_ident())
+        self.account_encoding(data.nbytes, time.perf_counter() - started)
         out = memoryview(result)
         if result is data or out.nbytes * self._tier.config.min_ratio > data.nbytes:
             self.account(data.nbytes, data.nbytes, compressed=False)
             return "none", data
         self.account(data.nbytes, out.nbytes, compressed=True)
         return codec, out
+
+    def account_encoding(self, logical: int, seconds: float) -> None:
+        """``logical`` bytes went through an encoder (a codec, or a delta frame) in ``seconds`` of this thread."""
+        with self._lock:
+            self.encoded += logical
+            self.encode_s += seconds
+            self.encoders.add(threading.get_ident())
+
+    def account_reference(self, logical: int) -> None:
+        with self._lock:
+            self.logical += logical
+            self.chunks_referenced += 1
+
+    def account_delta(self, logical: int, stored: int) -> None:
+        with self._lock:
+            self.logical += logical
+            self.stored += stored
+            self.chunks_delta += 1
 
     def account(self, logical: int, stored: int, *, compressed: bool) -> None:
         with self._lock:
@@ -150,12 +180,12 @@ class TierEncoding:
         with self._lock:
             return self._stats
 
-    def begin(self) -> VersionEncoding:
-        """How the next version is written."""
+    def begin(self, *, digests: bool = False, delta: DeltaBase | None = None) -> VersionEncoding:
+        """How the next version is written (``digests``, ``delta``: see :class:`VersionEncoding`)."""
         if self.config.codec == "none":
-            return VersionEncoding(self, compress=False)
+            return VersionEncoding(self, compress=False, digests=digests, delta=delta)
         if self.config.when == "always":
-            return VersionEncoding(self, compress=True)
+            return VersionEncoding(self, compress=True, digests=digests, delta=delta)
         self._versions += 1
         if self._write_bps is None:
             compress = False
@@ -165,7 +195,7 @@ class TierEncoding:
             compress = self._compress_bps >= self._write_bps
             if self._versions % PROBE_EVERY == 0:
                 compress = not compress
-        return VersionEncoding(self, compress=compress)
+        return VersionEncoding(self, compress=compress, digests=digests, delta=delta)
 
     def finish(self, version: VersionEncoding, seconds: float) -> None:
         """Account a version that was written in ``seconds`` (wall clock, fsync included)."""
@@ -174,7 +204,7 @@ class TierEncoding:
             # Per-thread rate times the threads that ran side by side: with more threads than cores,
             # each thread's rate already shows the sharing; with one chunk, one thread compressed.
             compress_bps = version.encoded / version.encode_s * len(version.encoders)
-        if not version.compress and version.logical and seconds > 0:
+        if not version.compress and version.delta is None and version.logical and seconds > 0:  # references write nothing
             write_bps = version.logical / seconds
         with self._lock:
             self._compress_bps = compress_bps or self._compress_bps
@@ -194,6 +224,9 @@ class TierEncoding:
                 stored_bytes=s.stored_bytes + version.stored,
                 chunks_compressed=s.chunks_compressed + version.chunks_compressed,
                 chunks_raw=s.chunks_raw + version.chunks_raw,
+                chunks_referenced=s.chunks_referenced + version.chunks_referenced,
+                chunks_delta=s.chunks_delta + version.chunks_delta,
+                versions_delta=s.versions_delta + (1 if version.delta is not None else 0),
                 versions_compressed=s.versions_compressed + (1 if version.compress else 0),
                 versions_bypassed=s.versions_bypassed + (1 if bypassing else 0),
                 compress_bytes_per_s=self._compress_bps or 0.0,

@@ -31,9 +31,12 @@ def filesystem_layout(tier: str, path: Path | StoreVersion, rank: int, *, direct
         parts = {q: read_rank_manifest(path, head, q, tier=tier) for q in range(head.world_size)}
         parts = {q: resolve_shared(path, head, m, tier=tier, manifests=parts) for q, m in parts.items()}
     home = home_rank(rank, len(parts))
+    # A differential version's parts name one base (the tier chose it for every rank); a part written
+    # whole names none. Its chunks say where in the base they lie, whichever rank's they are.
+    base = next((m.base for m in parts.values() if m.base is not None), None)
 
     def open_pieces(records: Sequence[TensorRecord], shared: bool) -> VersionSource:
-        manifest = Manifest(step, head.created, parts[home].skeleton, tuple(records), head.metadata)
+        manifest = Manifest(step, head.created, parts[home].skeleton, tuple(records), head.metadata, base=base)
         # Shared pieces overlap the destination only in part: some of their chunks are not read.
         return version_files(path).open_source(tier, manifest, direct=direct and not shared, every_chunk=not shared)
 

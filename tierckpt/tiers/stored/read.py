@@ -35,12 +35,12 @@ from typing import Mapping, cast
 
 from tierckpt.errors import CorruptCheckpointError, LayoutError
 from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, TensorRecord, checksum, decode_document
-from tierckpt.format.layout import where
+from tierckpt.format.layout import after_where, where
 from tierckpt.state import skeleton_leaf_count
 from tierckpt.storage.localread import LocalFiles
 from tierckpt.tiers.stored.source import StoredSource, StoreVersion
 
-__all__ = ["open_source", "read_head", "read_manifest", "read_rank_manifest", "resolve_shared", "version_files"]
+__all__ = ["check_base", "open_source", "read_head", "read_manifest", "read_rank_manifest", "resolve_shared", "version_files"]
 
 
 def version_files(where: Path | StoreVersion) -> StoreVersion:
@@ -171,4 +171,35 @@ def open_source(tier: str | None, path: Path | StoreVersion, manifest: Manifest,
             tier=tier,
             step=manifest.step,
         )
-    return version_files(path).open_source(tier, manifest, direct=direct)
+    files = version_files(path)
+    if manifest.base is not None:
+        check_base(files, manifest, tier=tier)
+    return files.open_source(tier, manifest, direct=direct)
+
+
+def check_base(files: StoreVersion, manifest: Manifest, *, tier: str | None) -> None:
+    """That the base of the differential version ``manifest`` is there and is the version it was
+    written against: its manifest of the same rank has the checksum ``manifest`` records.
+
+    Raises CorruptCheckpointError naming the base (missing, damaged, or saved again since).
+    """
+    assert manifest.base is not None
+    step, (base_step, expected) = manifest.step, manifest.base
+    try:
+        data = files.base_of(manifest).read_small(MANIFEST_FILE, tier=tier, step=base_step)
+        head = decode_document(data, tier=tier, step=base_step)
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(
+            f"{where(tier, step)}: its base, step {base_step}: {after_where(exc, tier, base_step)}", tier=tier, step=step
+        ) from exc
+    if isinstance(head, Manifest):
+        found: int | None = checksum(data)
+    else:
+        found = head.ranks[manifest.rank][1] if manifest.rank < head.world_size else None
+    if found != expected:
+        raise CorruptCheckpointError(
+            f"{where(tier, step)}: its base, step {base_step}, is not the version it was written against "
+            "(saved again since, or its manifest was replaced)",
+            tier=tier,
+            step=step,
+        )

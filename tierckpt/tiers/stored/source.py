@@ -13,14 +13,19 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 from tierckpt._buffers import copy_pieces
+from tierckpt.codecs import decoder
 from tierckpt.errors import CorruptCheckpointError
-from tierckpt.format import Manifest, TensorRecord, checksum
+from tierckpt.format import Manifest, TensorRecord, checksum, version_dirname
 from tierckpt.format.checksum import checksum_pieces
-from tierckpt.format.layout import where
+from tierckpt.format.layout import after_where, where
 from tierckpt.format.manifest import MAX_MANIFEST_BYTES
 from tierckpt.storage.store import RangeReader, ReadableStore, TooLarge, Unreadable
 from tierckpt.tiers.base import VersionSource
+from tierckpt.storage.scratch import scratch2, scratch_bytes
 from tierckpt.tiers.stored.check import check_records
+from tierckpt.xordelta import DeltaCodec
+
+_DELTA = DeltaCodec()  # decoding only: its level and min_ratio do not matter there
 
 __all__ = ["StoreVersion", "StoredSource"]
 
@@ -83,25 +88,54 @@ class StoreVersion:
         """
         step = manifest.step
         spans: dict[str, list[tuple[int, int]]] = {}
+        base_spans: dict[str, list[tuple[int, int]]] = {}
         for r in manifest.records:
             for i, c in enumerate(r.chunks):
-                if c is not None:
+                if c is None:
+                    continue
+                if c.stored:
                     spans.setdefault(r.chunk_file(i), []).append((c.offset, c.stored))
+                if c.base is not None:
+                    base_spans.setdefault(c.base.file, []).append((c.base.offset, c.base.stored))
         source = StoredSource(tier, manifest)
         try:
             for name in sorted(spans):
-                label = f"data {self.store.noun} {name}"
-                try:
-                    source.readers[name] = self.store.open_reader(
-                        f"{self.container}/{name}", size=self._listed(name), spans=spans[name], every_chunk=every_chunk, direct=direct
-                    )
-                except OSError as exc:
-                    raise self._damaged(exc, name, label, tier=tier, step=step) from exc
+                source.readers[name] = self._reader(name, spans[name], tier=tier, step=step, every_chunk=every_chunk, direct=direct)
             check_records(manifest.records, {n: r.size for n, r in source.readers.items()}, tier=tier, step=step)
+            if base_spans:
+                if manifest.base is None:
+                    raise CorruptCheckpointError(f"{where(tier, step)}: chunks stored against a base, in a version that names none", tier=tier, step=step)
+                base = self.base_of(manifest)
+                source.base_step = manifest.base[0]
+                for name in sorted(base_spans):
+                    try:
+                        reader = base._reader(name, base_spans[name], tier=tier, step=step, every_chunk=every_chunk, direct=direct)
+                    except CorruptCheckpointError as exc:
+                        raise CorruptCheckpointError(f"{where(tier, step)}: its base, step {manifest.base[0]}: {after_where(exc, tier, step)}", tier=tier, step=step) from exc
+                    source.base_readers[name] = reader
+                    end = max(offset + stored for offset, stored in base_spans[name])
+                    if end > reader.size:
+                        raise CorruptCheckpointError(
+                            f"{where(tier, step)}: its base, step {manifest.base[0]}: {name} holds {reader.size} bytes, and a chunk "
+                            f"stored against it lies at up to {end}: not the base this version was written against",
+                            tier=tier,
+                            step=step,
+                        )
         except BaseException:
             source.close()
             raise
         return source
+
+    def base_of(self, manifest: Manifest) -> StoreVersion:
+        """The container of ``manifest``'s base version, beside this one in the same store."""
+        assert manifest.base is not None
+        return StoreVersion(self.store, version_dirname(manifest.base[0]))
+
+    def _reader(self, name: str, spans: list[tuple[int, int]], *, tier: str | None, step: int, every_chunk: bool, direct: bool) -> RangeReader:
+        try:
+            return self.store.open_reader(f"{self.container}/{name}", size=self._listed(name), spans=spans, every_chunk=every_chunk, direct=direct)
+        except OSError as exc:
+            raise self._damaged(exc, name, f"data {self.store.noun} {name}", tier=tier, step=step) from exc
 
 
 class StoredSource(VersionSource):
@@ -121,6 +155,10 @@ class StoredSource(VersionSource):
         self.metadata = manifest.metadata
         self.records = manifest.records
         self.readers: dict[str, RangeReader] = {}
+        # A differential version: its base's step, and readers of the base's data objects that hold
+        # the chunks this version's are stored against (by file name).
+        self.base_step: int | None = None
+        self.base_readers: dict[str, RangeReader] = {}
 
     def _where(self, record: TensorRecord, chunk: int) -> str:
         return f"{where(self.tier, self.step)}: {record.chunk_file(chunk)}: {record.key} chunk {chunk}"
@@ -161,9 +199,43 @@ class StoredSource(VersionSource):
         self._verify(record, chunk, out)
         return out
 
+    def _read_base(self, record: TensorRecord, chunk: int, out: memoryview, scratch: memoryview) -> None:
+        """The logical bytes of the base chunk that chunk ``chunk`` is stored against, into ``out``, verified."""
+        b = record.chunk(chunk).base
+        assert b is not None
+        what = f"{where(self.tier, self.step)}: its base, step {self.base_step}: {b.file}: {record.key} chunk {chunk}"
+        try:
+            stored = self.base_readers[b.file].read_span(b.offset, b.stored, scratch, what=what)
+            if checksum(stored) != b.checksum:
+                raise CorruptCheckpointError(f"{what}: checksum mismatch at bytes {b.offset}..{b.offset + b.stored}")
+            decoder(b.codec).decode_into(stored, out)
+        except CorruptCheckpointError as exc:
+            raise self._corrupt(record, str(exc) if str(exc).startswith(what) else f"{what}: {exc}") from None
+        except OSError as exc:
+            raise self._corrupt(record, f"{what}: read failed ({exc.strerror or exc})") from exc
+
+    def _read_against_base(self, record: TensorRecord, chunk: int, out: memoryview, scratch: memoryview) -> None:
+        """A chunk stored against its base (``ref``, ``delta``), decoded into ``out``."""
+        self._read_base(record, chunk, out, scratch)
+        if record.chunk_codec(chunk) == "ref":
+            return
+        frame = self.read_stored(record, chunk, scratch)
+        try:
+            _DELTA.apply(frame, out)
+        except CorruptCheckpointError as exc:
+            raise self._corrupt(record, f"{self._where(record, chunk)} does not decode ({exc})") from exc
+
     def read_logical(self, record: TensorRecord, chunk: int, out: memoryview, scratch: memoryview, *, private: bool = True) -> None:
         c = record.chunk(chunk)
         codec = record.chunk_codec(chunk)
+        if c.base is not None:
+            if private:
+                self._read_against_base(record, chunk, out, scratch)
+            else:  # into a template: the whole chunk verified before a byte lands
+                whole = scratch2(scratch_bytes(record.chunk_bytes))[: out.nbytes]
+                self._read_against_base(record, chunk, whole, scratch)
+                copy_pieces(out, [whole])
+            return
         if codec != "none":
             try:
                 super().read_logical(record, chunk, out, scratch)
@@ -193,6 +265,7 @@ class StoredSource(VersionSource):
         self._verify(record, chunk, out)
 
     def close(self) -> None:
-        readers, self.readers = list(self.readers.values()), {}
+        readers, self.readers = list(self.readers.values()) + list(self.base_readers.values()), {}
+        self.base_readers = {}
         for reader in readers:
             reader.close()

@@ -19,23 +19,28 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
+import logging
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
 from tierckpt.config import TierConfig
-from tierckpt.errors import ConfigError, CorruptCheckpointError
-from tierckpt.format import CommitMarker, Manifest, checksum
+from tierckpt.errors import ConfigError, CorruptCheckpointError, LayoutError
+from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, checksum
 from tierckpt.format.saved_layout import SavedLayout
 from tierckpt.storage.store import DataStore
 from tierckpt.tiers.base import GroupTier, Part, Staged, VersionInfo, VersionSource
+from tierckpt.tiers.stored.delta import BaseChoice, BaseUnreadable, DeltaBase, choose_base, needed_by
 from tierckpt.tiers.stored.encoding import TierEncoding
 from tierckpt.tiers.stored.layout import filesystem_layout
 from tierckpt.tiers.stored.read import open_source, read_head, read_manifest, resolve_shared
 from tierckpt.tiers.stored.write import write_data_file
 from tierckpt.tiers.stored.source import StoredSource, StoreVersion
+from tierckpt.xordelta import DeltaCodec
 
 if TYPE_CHECKING:
     from tierckpt.ranks import RankGroup
+
+log = logging.getLogger("tierckpt")
 
 __all__ = ["StoredTier"]
 
@@ -75,7 +80,19 @@ class StoredTier(GroupTier):
     _open_key = property(lambda self: f"open/{self.name}")  # the keeper's word that it opened
 
     def versions(self) -> list[VersionInfo]:
-        return [self._index[s] for s in sorted(self._index)]
+        infos = [self._index[s] for s in sorted(self._index)]
+        if self.config.delta is None and all(i.base is None for i in infos):
+            return infos
+        needs = needed_by(infos)
+        return [dataclasses.replace(i, needed_by=needs[i.step]) if i.step in needs else i for i in infos]
+
+    def _info(self, step: int, nbytes: int, created: float, at: str | None, *, head: Manifest | CommitMarker | Staged) -> VersionInfo:
+        """A committed version's index entry, with the base it depends on as ``head`` names it."""
+        if isinstance(head, Manifest):
+            base = head.base[0] if head.base is not None else None
+        else:
+            base = head.base
+        return VersionInfo(self.name, step, nbytes, created, at, base=base, chain=head.chain if base is not None else 0)
 
     # -- opening: the keeper first ------------------------------------------------------------------------
 
@@ -117,28 +134,91 @@ class StoredTier(GroupTier):
 
     async def _write_part(
         self, source: VersionSource, data: str, store: DataStore, *, threads: int, shared_by: tuple[int, ...] | None = None
-    ) -> tuple[Manifest, bytes]:
+    ) -> tuple[Manifest, bytes, BaseChoice | None]:
         """Write this rank's data object of ``source`` at key ``data`` of ``store`` (the tier's codec,
-        ``threads`` of its executor), and make its manifest; returns it and its bytes, not stored yet."""
-        encoding = self.encoding.begin()
-        started = time.perf_counter()
-        records = await asyncio.to_thread(
-            write_data_file, source, data, encoding, self.executor, threads=threads, rank=self.rank, store=store, shared_by=shared_by
-        )
+        ``threads`` of its executor), and make its manifest; returns it and its bytes, not stored yet,
+        and the base the version depends on (a tier with ``delta``; None: a whole version)."""
+        choice = choose_base(self.versions(), source.step, self.config.delta.full_every) if self.config.delta else None
+        lease = self.lease(choice.step) if choice is not None else None  # the base stays while it is read
+        try:
+            base = await self._open_base(choice) if choice is not None else None
+            while True:
+                encoding = self.encoding.begin(digests=self.config.delta is not None, delta=base)
+                started = time.perf_counter()
+                try:
+                    records = await asyncio.to_thread(
+                        write_data_file, source, data, encoding, self.executor, threads=threads, rank=self.rank, store=store, shared_by=shared_by
+                    )
+                    break
+                except BaseUnreadable as exc:
+                    assert base is not None and choice is not None
+                    log.warning("tier %r: writing step %d again, whole: its base is damaged (%s)", self.name, source.step, exc)
+                    if choice.step in self._index:  # no later version is written against it
+                        self._index[choice.step] = dataclasses.replace(self._index[choice.step], valid=False)
+                    base.close()
+                    base = None
+                finally:
+                    if base is not None:
+                        base.close()
+        finally:
+            if lease is not None:
+                lease.release()
         self.encoding.finish(encoding, time.perf_counter() - started)
         world = self.group.world if self.group else 1
-        manifest = Manifest(source.step, source.created, source.skeleton, records, source.metadata, world_size=world, rank=self.rank)
-        return manifest, manifest.encode()
+        manifest = Manifest(
+            source.step, source.created, source.skeleton, records, source.metadata, world_size=world, rank=self.rank,
+            base=(base.step, base.checksum) if base is not None else None, chain=base.chain if base is not None else 0,
+        )
+        return manifest, manifest.encode(), choice
 
-    def _staged(self, source: VersionSource, location: Any, manifest: Manifest, encoded: bytes, manifest_name: str) -> Staged:
+    async def _open_base(self, choice: BaseChoice) -> DeltaBase | None:
+        """This rank's part of base ``choice.step``, open for the writer; None when it cannot be read
+        (the part is then written whole, and a warning says why)."""
+        assert self.config.delta is not None
+        files = await self._files(choice.step) if choice.step in self._index else None
+        world = self.group.world if self.group else 1
+        delta = self.config.delta
+        level = self.config.compression.level
+
+        def opened() -> DeltaBase | None:
+            assert files is not None
+            head = read_head(files, tier=self.name, step=choice.step)
+            manifest = read_manifest(files, tier=self.name, step=choice.step, rank=self.rank, world=world)
+            if isinstance(head, CommitMarker):
+                digest = head.ranks[self.rank][1]
+                manifest = resolve_shared(files, head, manifest, tier=self.name)
+            else:
+                digest = checksum(files.read_small(MANIFEST_FILE, tier=self.name, step=choice.step))
+            if not any(c is not None and c.digest is not None for r in manifest.records for c in r.chunks):
+                return None  # written before delta was set: no digests to refer to, nothing to write against
+            source = open_source(self.name, files, manifest, direct=self.direct)
+            return DeltaBase(choice.step, choice.chain, digest, source, DeltaCodec(level, delta.min_ratio))
+
+        try:
+            if files is None:
+                raise CorruptCheckpointError(f"{self._at(choice.step)} is gone", tier=self.name, step=choice.step)
+            return await asyncio.to_thread(opened)
+        except (CorruptCheckpointError, LayoutError) as exc:
+            log.warning("tier %r: writing this version whole: its base, step %d, cannot be read (%s)", self.name, choice.step, exc)
+            return None
+
+    def _staged(
+        self, source: VersionSource, location: Any, manifest: Manifest, encoded: bytes, manifest_name: str, choice: BaseChoice | None = None
+    ) -> Staged:
         """What :meth:`write` returns: where the version is staged, and, of several ranks, this rank's
-        :class:`Part` (its manifest's name and checksum) for the leader's commit marker."""
+        :class:`Part` (its manifest's name and checksum) for the leader's commit marker; ``choice``:
+        the base the tier chose for it (every rank's the same, whether or not this part used it)."""
         part = Part(manifest_name, checksum(encoded), manifest.stored_bytes) if self.group is not None else None
-        return Staged(source.step, location, manifest.stored_bytes, source.created, part)
+        if choice is None or (self.group is None and manifest.base is None):
+            return Staged(source.step, location, manifest.stored_bytes, source.created, part)
+        return Staged(source.step, location, manifest.stored_bytes, source.created, part, base=choice.step, chain=choice.chain)
 
     def _marker(self, staged: Staged, parts: Sequence[Part], metadata: dict[str, Any]) -> CommitMarker:
         """The leader's commit marker of a staged version: every rank's part, in rank order."""
-        return CommitMarker(step=staged.step, created=staged.created, world_size=len(parts), ranks=tuple(parts), metadata=metadata)
+        return CommitMarker(
+            step=staged.step, created=staged.created, world_size=len(parts), ranks=tuple(parts), metadata=metadata,
+            base=staged.base, chain=staged.chain,
+        )
 
     # -- reading ------------------------------------------------------------------------------------------
 

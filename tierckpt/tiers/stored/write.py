@@ -15,6 +15,11 @@ match), and hands them to the writer. An I/O error (a full disk, a quota, EIO) i
 data file, and what it was doing: the first one stops the chunks not yet started; the caller removes
 the file.
 
+On a tier with ``delta`` every chunk goes through its logical bytes: a whole version records each
+chunk's digest; a differential one (``encoding.delta``, its base open) stores a chunk whose digest is
+its base chunk's as a reference (nothing written), a changed floating-point chunk as its XOR frame
+when that pays, and any other chunk as the tier's codec stores it (:mod:`tierckpt.tiers.stored.delta`).
+
 Of a record shared by several ranks (``save(replicated=...)``), a rank writes only the chunks it owns
 (:meth:`TensorRecord.owner`); its record holds None for the others, which their owners write.
 """
@@ -24,17 +29,21 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
-from tierckpt.codecs import decoder
-from tierckpt.format import Chunk, TensorRecord, checksum
+from tierckpt.format import DELTA_CODECS, BaseChunk, Chunk, TensorRecord, checksum
 from tierckpt.storage.local import LocalDataWriter
 from tierckpt.storage.plan import WriteItem, WritePlan, plan_write
 from tierckpt.storage.store import DataStore, DataWriter
 from tierckpt.tiers.base import VersionSource
 from tierckpt.tiers.stored.encoding import VersionEncoding, element
 from tierckpt.storage.scratch import ChunkJobs, scratch, scratch2, scratch_bytes
+from tierckpt.xordelta import digest as logical_digest
+
+_EMPTY = memoryview(b"")
 
 
 def write_data_file(
@@ -95,11 +104,22 @@ def narrow(record: TensorRecord, ranks: Sequence[int]) -> TensorRecord:
     return dataclasses.replace(record, shared=kept if len(kept) > 1 else None, saved_shared=record.shared)
 
 
-def _chunk(placed: tuple[int, tuple[int, int, str]] | None, codec: str) -> Chunk | None:
+class Written(NamedTuple):
+    """What one item became: its stored bytes, their checksum and codec; against what base chunk
+    (codec ``ref`` or ``delta``); its logical digest (a whole version of a tier with ``delta``)."""
+
+    stored: int
+    checksum: int
+    codec: str
+    base: BaseChunk | None = None
+    digest: bytes | None = None
+
+
+def _chunk(placed: tuple[int, Written] | None, codec: str) -> Chunk | None:
     if placed is None:
         return None  # another rank's chunk of a shared record
-    offset, (stored, digest, stored_codec) = placed
-    return Chunk(offset, stored, digest, stored_codec if stored_codec != codec else None)
+    offset, w = placed
+    return Chunk(offset, w.stored, w.checksum, w.codec if w.codec != codec else None, base=w.base, digest=w.digest)
 
 
 def execute_plan(
@@ -109,32 +129,61 @@ def execute_plan(
     encoding: VersionEncoding,
     executor: concurrent.futures.Executor,
     threads: int,
-) -> list[tuple[int, int, str]]:
-    """Read, encode, hash and write every item of ``plan``; returns (stored bytes, checksum, codec) per item."""
-    itemsizes = [element(r)[0] for r in source.records]
+) -> list[Written]:
+    """Read, encode, hash and write every item of ``plan``; returns what each item became."""
+    elements = [element(r) for r in source.records]
+    delta = encoding.delta
 
-    def job(item: WriteItem) -> tuple[int, int, str]:
+    def job(item: WriteItem) -> Written:
         record, codec = source.records[item.record], item.codec
         c = item.chunk
         _, length = record.chunk_span(c)
-        stored = source.read_stored(record, c, scratch(scratch_bytes(record.chunk_bytes)))
         stored_codec = record.chunk_codec(c)
-        if record.codec == codec:
+        if record.codec == codec and not encoding.digests and stored_codec not in DELTA_CODECS:
             # Same codec on both tiers: the chunk moves as stored, raw fallbacks included.
-            data, digest = stored, source.checksum_of(record, c)
+            data = source.read_stored(record, c, scratch(scratch_bytes(record.chunk_bytes)))
+            digest = source.checksum_of(record, c)
             encoding.account(length, data.nbytes, compressed=stored_codec != "none")
+            return _write(item, data, stored_codec, digest)
+        if stored_codec == "none":
+            logical = source.read_stored(record, c, scratch(scratch_bytes(record.chunk_bytes)))  # no copy
         else:
-            if stored_codec == "none":
-                logical = stored  # already the logical bytes: no copy before encoding
-            else:
-                logical = scratch2(scratch_bytes(record.chunk_bytes))[:length]
-                decoder(stored_codec).decode_into(stored, logical)
-            stored_codec, data = encoding.encode(codec, logical, itemsizes[item.record])
-            digest = None
+            logical = scratch2(scratch_bytes(record.chunk_bytes))[:length]
+            source.read_logical(record, c, logical, scratch(scratch_bytes(record.chunk_bytes)))
+        itemsize, floating = elements[item.record]
+        if not encoding.digests:
+            stored_codec, data = encoding.encode(codec, logical, itemsize)
+            return _write(item, data, stored_codec)
+        mine = logical_digest(logical)
+        against = delta.chunk(record, c) if delta is not None else None
+        if against is None:
+            stored_codec, data = encoding.encode(codec, logical, itemsize)
+            return _write(item, data, stored_codec, kept=None if delta is not None else mine)
+        assert delta is not None
+        b, bc = against
+        base = BaseChunk(b.chunk_file(c), bc.offset, bc.stored, bc.checksum, b.chunk_codec(c))
+        if bc.digest == mine:
+            encoding.account_reference(length)
+            return Written(0, checksum(_EMPTY), "ref", base)  # nothing written: the base's bytes are these
+        if floating and itemsize >= 2 and encoding.xor:
+            against_bytes = delta.read(b, c, length)
+            started = time.perf_counter()
+            # Against what the chunk would take whole: its base chunk's stored size, on this tier.
+            frame = delta.codec.encode(logical, against_bytes, itemsize, ceiling=bc.stored)
+            encoding.account_encoding(length, time.perf_counter() - started)
+            if frame is not None:
+                encoding.account_delta(length, frame.nbytes)
+                written = _write(item, frame, "delta")
+                return written._replace(base=base)
+        stored_codec, data = encoding.encode(codec, logical, itemsize)
+        return _write(item, data, stored_codec)
+
+    def _write(item: WriteItem, data: memoryview, codec: str, digest: int | None = None, *, kept: bytes | None = None) -> Written:
+        """``kept``: the logical digest a whole version keeps."""
         if digest is None:
             digest = checksum(data)
         writer.write(item, data)
-        return data.nbytes, digest, stored_codec
+        return Written(data.nbytes, digest, codec, digest=kept)
 
     # Writes only while this thread waits: once join() returns (or raises), no job runs, and the
     # writer may be closed.

@@ -1,0 +1,401 @@
+"""Differential versions (``delta: {full_every: N}``): round trips, references, retention of bases,
+damage, promotion, and the frame codec."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tierckpt.config import CompressionConfig
+from tierckpt.errors import CorruptCheckpointError
+from tierckpt.format import MANIFEST_FILE, Manifest, version_dirname
+from tierckpt.format.manifest import decode_document
+from tierckpt.testing.faults import flip_bits
+from tierckpt.tiers.stored import write as fswrite
+from tierckpt.tiers.stored.encoding import TierEncoding
+from tierckpt.tiers.stored.read import open_source, read_manifest, version_files
+from tierckpt.xordelta import DeltaCodec, digest
+
+from helpers import SHUFFLED_ZSTD, Opened, assert_bitwise, held, logged_warnings, ram_fs, tierckpt_cli
+
+MiB = 1 << 20
+
+
+class Training:
+    """A state that moves as training moves it: a frozen tensor (4 MiB, never changes), a trained one
+    (4 MiB, a small step each save), a bf16 copy of it, an integer counter and a plain value."""
+
+    def __init__(self, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.g = g
+        self.frozen = torch.randn(MiB, generator=g)
+        self.weight = torch.randn(MiB, generator=g)
+        self.counts = torch.zeros(1000, dtype=torch.int64)
+
+    def step(self, step: int) -> dict[str, Any]:
+        self.weight.add_(torch.randn(MiB, generator=self.g), alpha=1e-3)
+        self.counts += step
+        state = {
+            "frozen": self.frozen,
+            "weight": self.weight,
+            "half": self.weight.to(torch.bfloat16),
+            "counts": self.counts,
+            "step": step,
+        }
+        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def _config(root: Path, *, every: int = 3, compression: dict[str, Any] | None = None, **tier: Any) -> dict[str, Any]:
+    settings: dict[str, Any] = {"delta": {"full_every": every}, **tier}
+    if compression is not None:
+        settings["compression"] = compression
+    return ram_fs(root, capacity="48MiB", **settings)
+
+
+def _manifest(root: Path, step: int) -> Manifest:
+    return Manifest.decode((root / version_dirname(step) / MANIFEST_FILE).read_bytes())
+
+
+def _codecs(manifest: Manifest, key: str) -> list[str]:
+    record = next(r for r in manifest.records if r.key == key)
+    return [record.chunk_codec(i) for i in range(len(record.chunks))]
+
+
+def _save_all(opened: Opened, config: dict[str, Any], steps: range, training: Training) -> dict[int, dict[str, Any]]:
+    ckpt = opened(config)
+    states = {}
+    for step in steps:
+        states[step] = training.step(step)
+        assert ckpt.save_sync(step, states[step]).committed_sync("nvme", timeout=60)
+    ckpt.close_sync()
+    return states
+
+
+@pytest.mark.parametrize("compression", [None, SHUFFLED_ZSTD], ids=["raw", "zstd+shuffle"])
+def test_every_version_restores_bitwise_and_says_what_it_depends_on(opened: Opened, tmp_path: Path, compression: Any) -> None:
+    root = tmp_path / "nvme"
+    config = _config(root, every=3, compression=compression)
+    states = _save_all(opened, config, range(1, 8), Training())
+
+    ckpt = opened(config)
+    infos = {v.step: v for v in ckpt.versions() if v.tier == "nvme"}
+    assert {s: (v.base, v.chain) for s, v in infos.items()} == {
+        1: (None, 0), 2: (1, 1), 3: (1, 2), 4: (None, 0), 5: (4, 1), 6: (4, 2), 7: (None, 0)
+    }
+    assert (infos[1].needed_by, infos[4].needed_by, infos[7].needed_by) == ((2, 3), (5, 6), ())
+    for step, state in states.items():
+        restored = ckpt.restore_sync(step)
+        assert restored.tier == "nvme"
+        assert_bitwise(restored.state, state)
+
+    whole, delta = _manifest(root, 4), _manifest(root, 5)
+    assert whole.base is None and all(c.digest is not None for r in whole.records for c in r.chunks)
+    assert delta.base is not None and delta.base[0] == 4 and delta.chain == 1
+    assert _codecs(delta, "['frozen']") == ["ref"]  # unchanged: nothing stored
+    assert _codecs(delta, "['weight']") == ["delta"]  # trained: its XOR against step 4's
+    assert _codecs(delta, "['counts']") != ["delta"]  # integers are stored as they are
+    frozen = next(r for r in delta.records if r.key == "['frozen']")
+    assert frozen.stored == 0
+    assert delta.stored_bytes < whole.stored_bytes * 0.75
+
+
+def test_a_version_that_changed_wholesale_is_stored_as_the_tier_stores_it(opened: Opened, tmp_path: Path) -> None:
+    root = tmp_path / "nvme"
+    config = _config(root, every=4)
+    ckpt = opened(config)
+    g = torch.Generator().manual_seed(1)
+    # Random bits as floats: no byte of one save tells anything of the next.
+    states = {step: {"w": torch.randint(-(2**31), 2**31 - 1, (MiB,), generator=g, dtype=torch.int32).view(torch.float32)} for step in (1, 2)}
+    for step, state in states.items():
+        assert ckpt.save_sync(step, state).committed_sync("nvme", timeout=60)
+    second = _manifest(root, 2)
+    assert second.base is not None  # a differential version ...
+    assert _codecs(second, "['w']") == ["none"]  # ... whose noise gained nothing from its base
+    assert second.stored_bytes == MiB * 4
+    assert_bitwise(ckpt.restore_sync(2).state, states[2])
+
+
+def test_retention_keeps_the_base_of_every_kept_version_and_frees_it_after(opened: Opened, tmp_path: Path) -> None:
+    root = tmp_path / "nvme"
+    config = _config(root, every=4, keep={"last": 2})
+    training = Training()
+    ckpt = opened(config)
+    states = {}
+    on_disk = {}
+    for step in range(1, 10):
+        states[step] = training.step(step)
+        ckpt.save_sync(step, states[step])
+        ckpt.wait_sync()  # flushed and pruned
+        on_disk[step] = held(ckpt, "nvme")
+    # 1 whole, 2-4 against 1, 5 whole, 6-8 against 5, 9 whole: the last two, and their base.
+    assert on_disk[3] == [1, 2, 3]
+    assert on_disk[4] == [1, 3, 4]
+    assert on_disk[5] == [1, 4, 5]  # 4 still needs 1
+    assert on_disk[6] == [5, 6]  # 1 is free once 4 went
+    assert on_disk[8] == [5, 7, 8]
+    assert on_disk[9] == [5, 8, 9]
+    assert sorted(int(p.name[5:]) for p in root.glob("step-*")) == [5, 8, 9]
+    ckpt.close_sync()
+    fresh = opened(config)
+    assert [(v.step, v.base, v.needed_by) for v in fresh.versions() if v.tier == "nvme"] == [(5, None, (8,)), (8, 5, ()), (9, None, ())]
+    assert_bitwise(fresh.restore_sync(8).state, states[8])
+
+
+def _flip_chunk(root: Path, step: int, key: str) -> None:
+    version = root / version_dirname(step)
+    record = next(r for r in _manifest(root, step).records if r.key == key)
+    chunk = record.chunks[0]
+    flip_bits(version / record.file, chunk.offset + chunk.stored // 2, 0x10)
+
+
+def test_a_damaged_base_fails_its_dependents_and_restore_falls_back(opened: Opened, tmp_path: Path) -> None:
+    nvme, pfs = tmp_path / "nvme", tmp_path / "pfs"
+    config = _config(nvme, every=4)
+    config["tiers"].append({"name": "pfs", "type": "filesystem", "path": str(pfs)})
+    training = Training()
+    ckpt = opened(config)
+    states = {}
+    for step in (1, 2, 3):
+        states[step] = training.step(step)
+        assert ckpt.save_sync(step, states[step]).committed_sync("pfs", timeout=60)
+    ckpt.close_sync()
+    _flip_chunk(nvme, 1, "['frozen']")  # step 3 refers to it
+
+    fresh = opened(config)
+    with pytest.raises(CorruptCheckpointError, match=r"step 3: no copy verifies \(tier 'nvme': its base, step 1: data-r00000.bin: \['frozen'\] chunk 0: checksum mismatch") as info:
+        fresh.restore_sync(3, tier="nvme")
+    assert info.value.step == 3
+    with logged_warnings(r"its base, step 1") as warned:
+        restored = fresh.restore_latest_sync()
+    assert (restored.step, restored.tier) == (3, "pfs")  # never wrong data: the next copy
+    assert warned
+    assert_bitwise(restored.state, states[3])
+
+
+def test_a_missing_base_is_named(opened: Opened, tmp_path: Path) -> None:
+    root = tmp_path / "nvme"
+    config = _config(root, every=4)
+    _save_all(opened, config, range(1, 3), Training())
+    shutil.rmtree(root / version_dirname(1))
+    with pytest.raises(CorruptCheckpointError, match=r"tier 'nvme': its base, step 1: the version directory step-000000000001 is missing"):
+        opened(config).restore_sync(2)
+
+
+def test_a_base_saved_again_is_not_taken_for_the_one_a_delta_was_written_against(opened: Opened, tmp_path: Path) -> None:
+    root = tmp_path / "nvme"
+    config = _config(root, every=4)
+    _save_all(opened, config, range(1, 3), Training())
+    kept = tmp_path / "kept"
+    shutil.copytree(root / version_dirname(2), kept)
+    _save_all(opened, config, range(1, 2), Training(seed=5))  # step 1 saved again: step 2 goes with the old one
+    assert not (root / version_dirname(2)).exists()
+    shutil.copytree(kept, root / version_dirname(2))  # and comes back from a copy
+    with pytest.raises(CorruptCheckpointError, match=r"its base, step 1, is not the version it was written against"):
+        opened(config).restore_sync(2)
+
+
+def test_a_tier_below_reading_a_differential_version_gets_the_logical_state(opened: Opened, tmp_path: Path) -> None:
+    root = tmp_path / "nvme"
+    states = _save_all(opened, _config(root, every=4, compression=SHUFFLED_ZSTD), range(1, 4), Training())
+    version = root / version_dirname(3)
+    manifest = read_manifest(version, tier="nvme", step=3)
+    assert manifest.base is not None
+    source = open_source("nvme", version, manifest)
+    out = tmp_path / "below" / version_dirname(3)
+    out.mkdir(parents=True)
+    raw = TierEncoding(CompressionConfig(), "below").begin()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as executor:
+            records = fswrite.write_data_file(source, out / "data-r00000.bin", raw, executor)
+    finally:
+        source.close()
+    copy = Manifest(3, manifest.created, manifest.skeleton, records, manifest.metadata)
+    assert copy.base is None and all(c.base is None for r in copy.records for c in r.chunks)
+    (out / MANIFEST_FILE).write_bytes(copy.encode())
+    restored = opened(ram_fs(tmp_path / "below", name="below")).restore_sync(3)
+    assert_bitwise(restored.state, states[3])
+
+
+def test_a_whole_version_of_an_older_tier_is_no_base(opened: Opened, tmp_path: Path) -> None:
+    # Versions written before delta was set keep no digests: the first one after is whole.
+    root = tmp_path / "nvme"
+    training = Training()
+    states = _save_all(opened, ram_fs(root, capacity="48MiB"), range(1, 3), training)
+    states.update(_save_all(opened, _config(root, every=4), range(3, 5), training))
+    ckpt = opened(_config(root, every=4))
+    # 3 is written whole (step 2 has no digests to refer to), and keeps digests: 4 refers to it.
+    assert [(v.step, v.base) for v in ckpt.versions() if v.tier == "nvme"] == [(1, None), (2, None), (3, None), (4, 3)]
+    assert all(c.digest is not None for r in _manifest(root, 3).records for c in r.chunks)
+    for step in (3, 4):
+        assert_bitwise(ckpt.restore_sync(step).state, states[step])
+
+
+# -- the frame codec ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_a_frame_applied_to_its_base_gives_the_chunk(dtype: Any) -> None:
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal(100_003).astype(dtype)  # an odd length: planes and a tail
+    moved = (base + (rng.standard_normal(base.size) * 1e-3).astype(dtype)).astype(dtype)
+    codec = DeltaCodec(level=1, min_ratio=1.05)
+    frame = codec.encode(memoryview(moved).cast("B"), memoryview(base).cast("B"), base.itemsize)
+    assert frame is not None and frame.nbytes < moved.nbytes * 0.9
+    out = base.copy()
+    codec.apply(memoryview(bytes(frame)), memoryview(out).cast("B"))
+    assert out.tobytes() == moved.tobytes()
+
+
+def test_noise_against_noise_is_no_frame() -> None:
+    rng = np.random.default_rng(1)
+    a, b = (rng.integers(0, 2**32, 50_000, dtype=np.uint32).view(np.float32) for _ in range(2))
+    assert DeltaCodec().encode(memoryview(a).cast("B"), memoryview(b).cast("B"), 4) is None
+
+
+def test_a_damaged_frame_is_corrupt_not_wrong() -> None:
+    rng = np.random.default_rng(2)
+    base = rng.standard_normal(50_000).astype(np.float32)
+    moved = base + np.float32(1e-4)
+    frame = bytearray(DeltaCodec().encode(memoryview(moved).cast("B"), memoryview(base).cast("B"), 4) or b"")
+    frame[10] ^= 0xFF  # the plane table
+    with pytest.raises(CorruptCheckpointError):
+        DeltaCodec().apply(memoryview(bytes(frame)), memoryview(base.copy()).cast("B"))
+
+
+def test_digests_tell_equal_chunks() -> None:
+    a = np.arange(1000, dtype=np.float32)
+    b = a.copy()
+    assert digest(memoryview(a).cast("B")) == digest(memoryview(b).cast("B"))
+    b[500] = np.nextafter(b[500], np.float32(np.inf))
+    assert digest(memoryview(a).cast("B")) != digest(memoryview(b).cast("B"))
+
+
+def test_the_command_line_says_what_depends_on_what(opened: Opened, tmp_path: Path) -> None:
+    root = tmp_path / "nvme"
+    _save_all(opened, _config(root, every=3), range(1, 5), Training())
+    listed = tierckpt_cli("ls", str(root))
+    assert listed.returncode == 0, listed.stderr
+    lines = {line.split()[1]: line for line in listed.stdout.splitlines()[1:]}
+    assert lines["1"].endswith("yes, base of 2, 3")
+    assert lines["2"].endswith("yes, delta of step 1") and lines["3"].endswith("yes, delta of step 1")
+    assert lines["4"].endswith("yes")
+    status = tierckpt_cli("status", str(root))
+    assert status.returncode == 0, status.stderr
+    assert "4 (2 deltas)" in status.stdout
+
+    _flip_chunk(root, 1, "['frozen']")
+    verified = tierckpt_cli("verify", str(root))
+    assert verified.returncode == 1
+    damaged = [line.split()[0] for line in verified.stdout.splitlines() if "DAMAGED" in line]
+    assert damaged == [version_dirname(s) for s in (1, 2, 3)]
+    assert "its base, step 1: data-r00000.bin: ['frozen'] chunk 0: checksum mismatch" in verified.stdout
+
+
+# -- several ranks ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_ranks_write_their_parts_against_their_parts_of_the_base_and_restore_in_any_layout(tmp_path: Path) -> None:
+    from test_distributed import run_ranks
+
+    env = {"DELTA": "3", "REPLICATED": "1"}
+    saved = run_ranks(2, "save", tmp_path, env | {"STEPS": "1,2,3,4,5"})
+    assert [r["committed"] for r in saved] == [[True] * 5] * 2
+    disk = tmp_path / "disk"
+    # keep: {last: 3} keeps 3, 4, 5, and 1, the base of 3.
+    assert sorted(int(p.name[5:]) for p in disk.glob("step-*")) == [1, 3, 4, 5]
+    marker = decode_document((disk / version_dirname(5) / MANIFEST_FILE).read_bytes())
+    assert (marker.base, marker.chain) == (4, 1)
+    for rank in (0, 1):
+        part = decode_document((disk / version_dirname(5) / f"manifest-r{rank:05d}.msgpack").read_bytes())
+        assert part.base is not None and part.base[0] == 4
+        own = [r.chunk_codec(i) for r in part.records for i, c in enumerate(r.chunks) if c is not None]
+        assert "ref" in own and "delta" in own  # the frozen part referenced, the weights' XOR: each rank its own turn
+    for step in ("3", "5"):
+        restored = run_ranks(2, "restore", tmp_path, env | {"RESTORE_STEP": step})
+        assert [(r["step"], r["bitwise"]) for r in restored] == [(int(step), True)] * 2, restored
+    # Another layout: one rank reads both parts, each against its own part of the base.
+    restored = run_ranks(1, "restore", tmp_path, env | {"RESTORE_STEP": "5"})
+    assert [(r["step"], r["bitwise"]) for r in restored] == [(5, True)], restored
+
+
+# -- an object tier ---------------------------------------------------------------------------------------
+
+
+def test_an_object_tier_stores_deltas_keeps_their_bases_and_restores_bitwise(s3: Any) -> None:
+    import obstore
+    from obstore.store import S3Store
+
+    from tierckpt import Checkpointer
+    from tierckpt.testing.s3server import ACCESS_KEY, SECRET_KEY
+
+    section = s3.tier("s3", prefix=s3.prefix, delta={"full_every": 3}, keep={"last": 1}, compression=SHUFFLED_ZSTD)
+    config = {"host": {"capacity": "48MiB", "snapshots": 2}, "tiers": [{"name": "ram", "type": "memory"}, section]}
+    training = Training()
+    states = {}
+    with Checkpointer(config) as ckpt:
+        for step in (1, 2, 3):
+            states[step] = training.step(step)
+            ckpt.save_sync(step, states[step])
+            ckpt.wait_sync()
+        assert [(v.step, v.base, v.needed_by) for v in ckpt.versions() if v.tier == "s3"] == [(1, None, (3,)), (3, 1, ())]
+        stats = ckpt.counters.compression["s3"]
+        assert (stats.versions_delta, stats.chunks_referenced) == (2, 2)
+    store = S3Store(s3.bucket, endpoint=s3.endpoint, access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY, region="us-east-1",
+                    client_options={"allow_http": True})
+    names = {m["path"].split("/")[1] for batch in obstore.list(store, s3.prefix + "/") for m in batch}
+    assert names == {version_dirname(1), version_dirname(3)}  # 2 went; 1 stays for 3
+    with Checkpointer(config) as ckpt:
+        restored = ckpt.restore_latest_sync()
+        assert (restored.step, restored.tier) == (3, "s3")
+        assert_bitwise(restored.state, states[3])
+
+
+def test_saving_a_base_again_ends_the_versions_written_against_it(opened: Opened, tmp_path: Path) -> None:
+    root = tmp_path / "nvme"
+    config = _config(root, every=4)
+    _save_all(opened, config, range(1, 4), Training())  # 1 whole, 2 and 3 against it
+    # The job goes back to step 1 (another run: another state) and saves it again.
+    again = Training(seed=9).step(1)
+    ckpt = opened(config)
+    ckpt.save_sync(1, again)
+    ckpt.wait_sync()
+    assert [(v.step, v.base) for v in ckpt.versions() if v.tier == "nvme"] == [(1, None)]
+    assert sorted(p.name for p in root.glob("step-*")) == [version_dirname(1)]
+    assert_bitwise(ckpt.restore_latest_sync().state, again)
+
+
+def test_a_base_found_damaged_while_writing_against_it_makes_that_version_whole(opened: Opened, tmp_path: Path) -> None:
+    root = tmp_path / "nvme"
+    config = _config(root, every=4)
+    training = Training()
+    _save_all(opened, config, range(1, 2), training)
+    _flip_chunk(root, 1, "['weight']")  # read to encode step 2's weights against it
+    ckpt = opened(config)
+    states = {}
+    with logged_warnings(r"writing step 2 again, whole: its base is damaged .*checksum mismatch") :
+        for step in (2, 3):
+            states[step] = training.step(step)
+            assert ckpt.save_sync(step, states[step]).committed_sync("nvme", timeout=60)
+    infos = {v.step: v for v in ckpt.versions() if v.tier == "nvme"}
+    assert (infos[1].valid, infos[2].base, infos[3].base) == (False, None, 2)  # no more versions against step 1
+    assert _manifest(root, 2).base is None
+    for step in (2, 3):
+        assert_bitwise(ckpt.restore_sync(step).state, states[step])
+
+
+def test_under_when_faster_a_version_written_raw_still_refers_but_does_not_xor() -> None:
+    tier = TierEncoding(CompressionConfig(codec="zstd", shuffle=True, when="faster"), "pfs")
+    base: Any = object()  # what the writer would read the base through; begin() only keeps it
+    first = tier.begin(delta=base)  # no measurement yet: written raw
+    assert (first.compress, first.digests, first.xor, first.raw_layout) == (False, True, False, False)
+    always = TierEncoding(CompressionConfig(codec="zstd"), "pfs").begin(delta=base)
+    assert (always.compress, always.xor) == (True, True)
+    plain = TierEncoding(CompressionConfig(), "nvme")
+    assert (plain.begin(delta=base).xor, plain.begin(digests=True).raw_layout) == (True, True)
