@@ -789,6 +789,7 @@ def main() -> None:
     json_path = args.json or (base / "delta.json" if args.quick else HERE / "results" / f"delta-{time.strftime('%Y%m%d-%H%M%S')}.json")
     fp32_k1 = runs["fp32 k=1"]
     lines = [
+        "",
         f"### Differential versions (delta: full_every {FULL_EVERY}) on a trained GPT's state saved every k steps ({stamp})",
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, Linux {m['kernel']}; disk: {m['disk']}, O_DIRECT: {m['o_direct']}; "
@@ -813,10 +814,10 @@ def main() -> None:
         "",
         *stored_table(runs),
         "The same saves encoded in memory with the tier's codecs and chunk rules (a chunk equal to its base's is a 0-byte reference; "
-        "a changed float chunk its XOR frame where that is 1.05× smaller than the chunk; else zstd+shuffle). Stored bytes over the "
+        "a changed float chunk its XOR frame where that is 1.05× smaller than its base chunk stored whole; else zstd+shuffle). Stored bytes over the "
         "run / the run stored whole with zstd+shuffle; 'in memory = tier?': the first column and the whole run equal, byte for byte, "
         "what the two tiers stored. Delta frames larger than the chunk whole: frames the tier keeps although zstd+shuffle of the "
-        "chunk alone would be smaller (it compares a frame with the chunk's logical size):",
+        "chunk alone would be smaller (the tier compares a frame with its base chunk's stored size, which stands for the chunk's own):",
         "",
         *memory_table(runs),
         "Choosing N: a delta against a whole version d saves back, over that version stored whole (k = 1 runs, in memory), and the "
