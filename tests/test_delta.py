@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from tierckpt import Checkpointer
 from tierckpt.config import CompressionConfig
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import MANIFEST_FILE, Manifest, version_dirname
@@ -193,9 +194,11 @@ def test_a_base_saved_again_is_not_taken_for_the_one_a_delta_was_written_against
     _save_all(opened, config, range(1, 3), Training())
     kept = tmp_path / "kept"
     shutil.copytree(root / version_dirname(2), kept)
-    _save_all(opened, config, range(1, 2), Training(seed=5))  # step 1 saved again: step 2 goes with the old one
-    assert not (root / version_dirname(2)).exists()
-    shutil.copytree(kept, root / version_dirname(2))  # and comes back from a copy
+    _save_all(opened, config, range(1, 2), Training(seed=5))  # step 1 saved again, its earlier version kept aside for 2
+    for aside in root.glob(".replaced-*"):
+        shutil.rmtree(aside)  # as a hand that cleans up would
+    shutil.rmtree(root / version_dirname(2))
+    shutil.copytree(kept, root / version_dirname(2))
     with pytest.raises(CorruptCheckpointError, match=r"its base, step 1, is not the version it was written against"):
         opened(config).restore_sync(2)
 
@@ -234,6 +237,29 @@ def test_a_whole_version_of_an_older_tier_is_no_base(opened: Opened, tmp_path: P
     assert all(c.digest is not None for r in _manifest(root, 3).records for c in r.chunks)
     for step in (3, 4):
         assert_bitwise(ckpt.restore_sync(step).state, states[step])
+
+
+def test_a_manifest_with_a_delta_frame_of_no_bytes_is_corrupt(tmp_path: Path) -> None:
+    import msgpack
+
+    from tierckpt.format import decode_document
+    from tierckpt.format.checksum import checksum
+
+    root = tmp_path / "nvme"
+    with Checkpointer(_config(root, every=4)) as ckpt:
+        training = Training()
+        for step in (1, 2):
+            assert ckpt.save_sync(step, training.step(step)).committed_sync("nvme", timeout=60)
+    path = root / version_dirname(2) / MANIFEST_FILE
+    outer = msgpack.unpackb(path.read_bytes())
+    body = msgpack.unpackb(outer["body"], strict_map_key=False)
+    record = next(r for r in body["records"] if r["key"] == "['weight']")
+    assert record["chunks"][0][3] == "delta"
+    record["chunks"][0][1] = 0  # a frame of no bytes: would read nothing and decode nothing
+    outer["body"] = msgpack.packb(body, use_bin_type=True)
+    outer["xxh3_64"] = checksum(outer["body"])
+    with pytest.raises(CorruptCheckpointError, match="a delta frame of 0 bytes"):
+        decode_document(msgpack.packb(outer, use_bin_type=True))
 
 
 # -- the frame codec ------------------------------------------------------------------------------------
@@ -332,7 +358,6 @@ def test_an_object_tier_stores_deltas_keeps_their_bases_and_restores_bitwise(s3:
     import obstore
     from obstore.store import S3Store
 
-    from tierckpt import Checkpointer
     from tierckpt.testing.s3server import ACCESS_KEY, SECRET_KEY
 
     section = s3.tier("s3", prefix=s3.prefix, delta={"full_every": 3}, keep={"last": 1}, compression=SHUFFLED_ZSTD)
@@ -357,18 +382,36 @@ def test_an_object_tier_stores_deltas_keeps_their_bases_and_restores_bitwise(s3:
         assert_bitwise(restored.state, states[3])
 
 
-def test_saving_a_base_again_ends_the_versions_written_against_it(opened: Opened, tmp_path: Path) -> None:
+def test_saving_a_base_again_keeps_its_earlier_version_aside_for_the_versions_written_against_it(opened: Opened, tmp_path: Path) -> None:
     root = tmp_path / "nvme"
-    config = _config(root, every=4)
-    _save_all(opened, config, range(1, 4), Training())  # 1 whole, 2 and 3 against it
+    config = _config(root, every=4, keep={"last": 3})
+    training = Training()
+    states = _save_all(opened, config, range(1, 4), training)  # 1 whole, 2 and 3 against it
     # The job goes back to step 1 (another run: another state) and saves it again.
     again = Training(seed=9).step(1)
     ckpt = opened(config)
     ckpt.save_sync(1, again)
     ckpt.wait_sync()
-    assert [(v.step, v.base) for v in ckpt.versions() if v.tier == "nvme"] == [(1, None)]
-    assert sorted(p.name for p in root.glob("step-*")) == [version_dirname(1)]
-    assert_bitwise(ckpt.restore_latest_sync().state, again)
+    assert [(v.step, v.base) for v in ckpt.versions() if v.tier == "nvme"] == [(1, None), (2, 1), (3, 1)]
+    aside = [p.name for p in root.glob(f".replaced-{version_dirname(1)}-*")]
+    assert len(aside) == 1  # the earlier step 1, which 2 and 3 were written against
+    assert_bitwise(ckpt.restore_sync(1).state, again)
+    for step in (2, 3):  # still whole: nothing committed was lost
+        assert_bitwise(ckpt.restore_sync(step).state, states[step])
+    ckpt.close_sync()
+    plain = opened(ram_fs(root, capacity="48MiB"))  # delta no longer set: the copy aside stays all the same
+    assert [p.name for p in root.glob(f".replaced-{version_dirname(1)}-*")] == aside
+    assert_bitwise(plain.restore_sync(3).state, states[3])
+    plain.close_sync()
+    again_open = opened(config)  # the copy aside survives an open while 2 and 3 need it
+    assert [p.name for p in root.glob(f".replaced-{version_dirname(1)}-*")] == aside
+    assert_bitwise(again_open.restore_sync(3).state, states[3])
+    # Once 2 and 3 are pruned, the copy aside goes too (keep last 3: 4, 5, 6, and their base, the new 1).
+    for step in (4, 5, 6):
+        again_open.save_sync(step, Training(seed=9).step(step))
+        again_open.wait_sync()
+    assert [(v.step, v.base, v.chain) for v in again_open.versions() if v.tier == "nvme"] == [(1, None, 0), (4, 1, 1), (5, 1, 2), (6, 1, 3)]
+    assert list(root.glob(".replaced-*")) == []
 
 
 def test_a_base_found_damaged_while_writing_against_it_makes_that_version_whole(opened: Opened, tmp_path: Path) -> None:

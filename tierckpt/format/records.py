@@ -192,6 +192,8 @@ def _decode_chunk(value: Any) -> Chunk:
         raise ValueError(f"a chunk stored {codec or 'as its record'} {'has' if base else 'without'} a base chunk")
     if codec == "ref" and stored:
         raise ValueError(f"a reference to its base chunk stores {stored} bytes, not 0")
+    if codec == "delta" and not stored:
+        raise ValueError("a delta frame of 0 bytes")
     return Chunk(offset, stored, digest, codec, base=base, digest=logical)
 
 

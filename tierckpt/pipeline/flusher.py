@@ -288,13 +288,14 @@ class Flusher:
         push it out), and versions whose manifest did not verify are neither counted nor deleted.
         Retention runs only after a commit: a failed flush never deletes anything, so the last good
         version stays. What it spares for a tier below is owed: tried again when a flush ends. The
-        base of a differential version it keeps or spares is kept with it; the differential versions
-        of a step saved again go with the version they were written against.
+        base of a differential version it keeps or spares is kept with it; where a tier does not keep
+        the earlier version of a step saved again aside, the versions written against it go with it.
         """
         infos = [i for i in self.tier.versions() if i.valid]
         # Versions that depend on ``committed`` were written against the version of that step this
-        # commit replaced (none can depend on a version just committed): they can never be read again.
-        broken = {i.step for i in infos if i.base == committed}
+        # commit replaced (none can depend on a version just committed): on a tier that does not keep
+        # that earlier version aside for them, they can never be read again.
+        broken = set() if self.tier.keeps_replaced_bases else {i.step for i in infos if i.base == committed}
         keep = (retain(infos, self.tier.config.keep, now=self._wall_clock()) | {committed}) - broken
         dropped = [info.step for info in infos if info.step not in keep]
         spared = {s for s in dropped if self.tier.leased(s) or self.upstream.spared(self.tier.name, s)}

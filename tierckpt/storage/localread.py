@@ -82,6 +82,12 @@ class LocalFiles(ReadableStore):
     def __init__(self, root: Path) -> None:
         self.root = root
 
+    def containers_named(self, prefix: str) -> list[str]:
+        try:
+            return sorted(e.name for e in os.scandir(self.root) if e.name.startswith(prefix) and e.is_dir(follow_symlinks=False))
+        except OSError:
+            return []
+
     def _open(self, key: str) -> tuple[int, int, int]:
         """(the container's descriptor, the object's, its size), both to be closed by the caller."""
         container, _, name = key.rpartition("/")

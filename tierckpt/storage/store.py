@@ -149,6 +149,11 @@ class ReadableStore(abc.ABC):
         """Where ``key`` is, for messages that the tier's name and step do not place (an object's URL)."""
         return None
 
+    def containers_named(self, prefix: str) -> list[str]:
+        """The containers whose names start with ``prefix``, sorted (blocking); a store that cannot
+        list them from a reading thread has none to offer (the default)."""
+        return []
+
     @abc.abstractmethod
     def read_small(self, key: str, limit: int) -> bytes:
         """Object ``key`` whole: refused (:class:`TooLarge`) before it is read when it has more than

@@ -97,6 +97,9 @@ class Tier(abc.ABC):
     """
 
     executor: concurrent.futures.Executor
+    # Whether the earlier version of a step saved again stays readable (kept aside) for the differential
+    # versions written against it; else the prune after that commit ends them (they cannot be read).
+    keeps_replaced_bases: bool = False
 
     def __init__(self, config: TierConfig) -> None:
         self.config = config

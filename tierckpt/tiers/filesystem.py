@@ -75,6 +75,8 @@ if TYPE_CHECKING:
 class FilesystemTier(StoredTier):
     """Versions as directories under ``config.path`` (relative paths resolve against the working directory)."""
 
+    keeps_replaced_bases = True
+
     def __init__(self, config: TierConfig, group: RankGroup | None = None) -> None:
         super().__init__(config, group)
         assert config.path is not None  # guaranteed by TierConfig validation
@@ -84,6 +86,7 @@ class FilesystemTier(StoredTier):
         )
         self.store = LocalStore(self.root, self.executor, tier=config.name)
         self._leftovers: set[str] = set()  # containers a failed removal left: retried before each write
+        self._bases_aside: dict[int, set[str]] = {}  # of a step saved again: its earlier versions kept aside
         # Of a value stored once between ranks: the ranks sharing its chunks here (None: as saved).
         self.sharing: tuple[int, ...] | None = None
 
@@ -129,6 +132,8 @@ class FilesystemTier(StoredTier):
         if not self.direct:
             log.info("tier %r: %s refuses O_DIRECT; writing through the page cache", self.name, self.root)
         self._index.update(await sweep(self.store, self.name, leader=leader, describe=self._describe, keep_aside=self._keep_aside))
+        if self._bases_aside:
+            await self._drop_bases_aside()
 
     async def _describe(self, step: int, name: str) -> VersionInfo:
         path = self.root / name
@@ -141,7 +146,11 @@ class FilesystemTier(StoredTier):
             stat = await _lstat(path)  # it may be a symlink, refused: not followed here either
             return VersionInfo(self.name, step, 0, stat.st_mtime, str(path), valid=False)
 
-    _keep_aside: KeepAside | None = None  # see stored.sweep.sweep; a node-local tier keeps such copies
+    @property
+    def _keep_aside(self) -> KeepAside | None:
+        """See stored.sweep.sweep: an earlier base is kept aside while versions depend on it, whether or
+        not ``delta`` is still set (a node-local tier keeps such copies for its own reason)."""
+        return self._keep_base_aside
 
     def _seen(self, step: int, head: Manifest | CommitMarker) -> None:
         """A committed version found at open, its head verified (a hook for subclasses)."""
@@ -203,10 +212,41 @@ class FilesystemTier(StoredTier):
                 log.warning("tier %r: could not remove %s (%s); the directory's keeper sweeps it", self.name, self.root / key, exc)
 
     async def commit(self, staged: Staged) -> VersionInfo:
+        needed = self._written_against(staged.step)
         old = await self._place(staged)
         if old is not None:
-            await self._discard(old)
+            if needed:  # versions written against the version of this step just replaced: it stays aside for them
+                self._bases_aside.setdefault(staged.step, set()).add(old)
+            else:
+                await self._discard(old)
         return self._indexed(staged)
+
+    # -- the earlier version of a step saved again, kept aside for the versions written against it ---------
+    #
+    # A differential version names its base by step and by the checksum of the base's manifest. When the
+    # base's step is saved again, the version moved aside under .replaced-step-… (stored.commit.place) is
+    # kept while any version of this tier depends on that step (stored.read.find_base looks there), and
+    # removed after the prune that ends the last of them, or at an open that finds none.
+
+    def _written_against(self, step: int) -> bool:
+        return any(v.base == step for v in self._index.values())
+
+    def _written_against_earlier(self, step: int) -> bool:
+        """Whether a version depends on an earlier version of ``step`` than the one in place: one saved
+        before it (a version is written against a base only once that base is committed)."""
+        now = self._index.get(step)
+        return any(v.base == step and (now is None or v.created < now.created) for v in self._index.values())
+
+    async def _keep_base_aside(self, step: int, name: str) -> bool:
+        """At open, from the sweep: ``name`` (``step`` moved aside by a replacement) is kept for now; once
+        the tier is indexed, :meth:`_drop_bases_aside` removes it unless a version depends on ``step``."""
+        self._bases_aside.setdefault(step, set()).add(name)
+        return True
+
+    async def _drop_bases_aside(self) -> None:
+        for step in [s for s in self._bases_aside if not self._written_against_earlier(s)]:
+            for name in sorted(self._bases_aside.pop(step)):
+                await self._discard(name)
 
     def _indexed(self, staged: Staged) -> VersionInfo:
         info = self._info(staged.step, staged.nbytes, staged.created, str(self.root / version_dirname(staged.step)), head=staged)
@@ -231,7 +271,9 @@ class FilesystemTier(StoredTier):
     def _after_take_back(self, staged: Staged, left: Left) -> None:
         if left.new_in_place:
             self._index[staged.step] = self._info(staged.step, staged.nbytes, staged.created, str(self.root / version_dirname(staged.step)), head=staged)
-            if left.old_aside is not None:
+            if left.old_aside is not None and self._written_against(staged.step):
+                self._bases_aside.setdefault(staged.step, set()).add(left.old_aside)  # versions depend on the old copy
+            elif left.old_aside is not None:
                 self._leftovers.add(left.old_aside)  # the step is in place: the old copy goes once the directory syncs
         elif left.old_aside is not None:
             self._index.pop(staged.step, None)  # put back when the tier next opens
@@ -304,6 +346,7 @@ class FilesystemTier(StoredTier):
             self._leftovers.add(trash)  # removed once the rename is durable, or at the next open
             raise
         error = await self._discard(trash)
+        await self._drop_bases_aside()
         if error is not None:
             raise error
 

@@ -70,7 +70,7 @@ def check_records(records: tuple[TensorRecord, ...], sizes: dict[str, int], *, t
             if c is None:  # stored by another rank: checked when resolved, by that rank's files
                 continue
             _, length = r.chunk_span(i)
-            if c.base is not None and not c.stored:  # a reference: only its base chunk holds bytes
+            if c.base is not None and r.chunk_codec(i) == "ref":  # only its base chunk holds bytes
                 _check_stored(bad, i, c.base.codec, c.base.stored, length, r.chunk_bytes, what="its base chunk")
                 continue
             file = r.chunk_file(i)

@@ -52,15 +52,19 @@ class BaseChoice:
 def choose_base(versions: Sequence[VersionInfo], step: int, full_every: int) -> BaseChoice | None:
     """The base of the version of ``step`` about to be written, or None: it is written whole.
 
-    The base is the newest valid whole version of an older step; the new version is the next after
-    those of older steps that depend on it, counted by their ``chain`` (versions retention deleted
-    still count: one whole version every ``full_every``, whatever the tier keeps).
+    The base is the newest whole version of an older step, unless it did not verify (then this one
+    is whole); the new version is the next after those of older steps that depend on it, counted by
+    their ``chain``: the newest of them says how many came before it, whether or not retention kept
+    them (one whole version every ``full_every``, whatever the tier keeps).
     """
-    wholes = [v for v in versions if v.valid and v.base is None and v.step < step]
+    wholes = [v for v in versions if v.base is None and v.step < step]
     if not wholes:
         return None
     base = max(wholes, key=lambda v: v.step)
-    chain = 1 + max((v.chain for v in versions if v.base == base.step and v.step < step), default=0)
+    if not base.valid:
+        return None  # the newest whole version is damaged: this one is written whole, the next base
+    # Versions saved before the base was (against an earlier version of its step, saved again since) are not its.
+    chain = 1 + max((v.chain for v in versions if v.base == base.step and v.step < step and v.created >= base.created), default=0)
     return BaseChoice(base.step, chain) if chain < full_every else None
 
 

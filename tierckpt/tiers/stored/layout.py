@@ -12,7 +12,7 @@ from typing import Sequence
 from tierckpt.format import Manifest, TensorRecord
 from tierckpt.format.saved_layout import SavedLayout, home_rank
 from tierckpt.format.source import VersionSource
-from tierckpt.tiers.stored.read import read_head, read_rank_manifest, resolve_shared, version_files
+from tierckpt.tiers.stored.read import find_base, read_head, read_rank_manifest, resolve_shared, version_files
 from tierckpt.tiers.stored.source import StoreVersion
 
 __all__ = ["filesystem_layout"]
@@ -33,12 +33,15 @@ def filesystem_layout(tier: str, path: Path | StoreVersion, rank: int, *, direct
     home = home_rank(rank, len(parts))
     # A differential version's parts name one base (the tier chose it for every rank); a part written
     # whole names none. Its chunks say where in the base they lie, whichever rank's they are.
-    base = next((m.base for m in parts.values() if m.base is not None), None)
+    # Where it is (in place, or kept aside since its step was saved again) is checked on one part's manifest.
+    named = next((m for m in parts.values() if m.base is not None), None)
+    base = named.base if named is not None else None
+    base_files = find_base(version_files(path), named, tier=tier) if named is not None else None
 
     def open_pieces(records: Sequence[TensorRecord], shared: bool) -> VersionSource:
         manifest = Manifest(step, head.created, parts[home].skeleton, tuple(records), head.metadata, base=base)
         # Shared pieces overlap the destination only in part: some of their chunks are not read.
-        return version_files(path).open_source(tier, manifest, direct=direct and not shared, every_chunk=not shared)
+        return version_files(path).open_source(tier, manifest, direct=direct and not shared, every_chunk=not shared, base=base_files)
 
     return SavedLayout(
         tier=tier,

@@ -39,8 +39,9 @@ from tierckpt.format.layout import after_where, where
 from tierckpt.state import skeleton_leaf_count
 from tierckpt.storage.localread import LocalFiles
 from tierckpt.tiers.stored.source import StoredSource, StoreVersion
+from tierckpt.tiers.stored.sweep import REPLACED
 
-__all__ = ["check_base", "open_source", "read_head", "read_manifest", "read_rank_manifest", "resolve_shared", "version_files"]
+__all__ = ["find_base", "open_source", "read_head", "read_manifest", "read_rank_manifest", "resolve_shared", "version_files"]
 
 
 def version_files(where: Path | StoreVersion) -> StoreVersion:
@@ -172,34 +173,54 @@ def open_source(tier: str | None, path: Path | StoreVersion, manifest: Manifest,
             step=manifest.step,
         )
     files = version_files(path)
-    if manifest.base is not None:
-        check_base(files, manifest, tier=tier)
-    return files.open_source(tier, manifest, direct=direct)
+    base = find_base(files, manifest, tier=tier) if manifest.base is not None else None
+    return files.open_source(tier, manifest, direct=direct, base=base)
 
 
-def check_base(files: StoreVersion, manifest: Manifest, *, tier: str | None) -> None:
-    """That the base of the differential version ``manifest`` is there and is the version it was
-    written against: its manifest of the same rank has the checksum ``manifest`` records.
+def find_base(files: StoreVersion, manifest: Manifest, *, tier: str | None) -> StoreVersion:
+    """The base of the differential version ``manifest``: the version it was written against, whose
+    manifest of the same rank has the checksum ``manifest`` records. That is the base's step in
+    place, or, once that step was saved again, its earlier version kept aside under
+    ``.replaced-step-…`` for as long as versions written against it are kept (a filesystem tier).
 
-    Raises CorruptCheckpointError naming the base (missing, damaged, or saved again since).
+    Raises CorruptCheckpointError naming the base (missing, damaged, or saved again and not kept).
     """
     assert manifest.base is not None
-    step, (base_step, expected) = manifest.step, manifest.base
+    step, (base_step, _) = manifest.step, manifest.base
+    in_place = files.base_of(manifest)
     try:
-        data = files.base_of(manifest).read_small(MANIFEST_FILE, tier=tier, step=base_step)
-        head = decode_document(data, tier=tier, step=base_step)
+        if _is_base(in_place, manifest, tier=tier):
+            return in_place
     except CorruptCheckpointError as exc:
-        raise CorruptCheckpointError(
-            f"{where(tier, step)}: its base, step {base_step}: {after_where(exc, tier, base_step)}", tier=tier, step=step
-        ) from exc
-    if isinstance(head, Manifest):
-        found: int | None = checksum(data)
+        problem: CorruptCheckpointError | None = exc
     else:
-        found = head.ranks[manifest.rank][1] if manifest.rank < head.world_size else None
-    if found != expected:
+        problem = None
+    for name in files.store.containers_named(f"{REPLACED}{in_place.container}-"):
+        aside = StoreVersion(files.store, name)
+        try:
+            if _is_base(aside, manifest, tier=tier):
+                return aside
+        except CorruptCheckpointError:
+            continue
+    if problem is not None:
         raise CorruptCheckpointError(
-            f"{where(tier, step)}: its base, step {base_step}, is not the version it was written against "
-            "(saved again since, or its manifest was replaced)",
-            tier=tier,
-            step=step,
-        )
+            f"{where(tier, step)}: its base, step {base_step}: {after_where(problem, tier, base_step)}", tier=tier, step=step
+        ) from problem
+    raise CorruptCheckpointError(
+        f"{where(tier, step)}: its base, step {base_step}, is not the version it was written against "
+        "(saved again since, or its manifest was replaced)",
+        tier=tier,
+        step=step,
+    )
+
+
+def _is_base(candidate: StoreVersion, manifest: Manifest, *, tier: str | None) -> bool:
+    """Whether ``candidate`` holds the version ``manifest`` was written against (CorruptCheckpointError
+    when its manifest cannot be read)."""
+    assert manifest.base is not None
+    base_step, expected = manifest.base
+    data = candidate.read_small(MANIFEST_FILE, tier=tier, step=base_step)
+    head = decode_document(data, tier=tier, step=base_step)
+    if isinstance(head, Manifest):
+        return checksum(data) == expected
+    return manifest.rank < head.world_size and head.ranks[manifest.rank][1] == expected

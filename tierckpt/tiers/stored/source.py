@@ -79,12 +79,15 @@ class StoreVersion:
         except OSError as exc:
             raise self._damaged(exc, name, name, tier=tier, step=step) from exc
 
-    def open_source(self, tier: str | None, manifest: Manifest, *, direct: bool, every_chunk: bool = True) -> StoredSource:
+    def open_source(
+        self, tier: str | None, manifest: Manifest, *, direct: bool, every_chunk: bool = True, base: StoreVersion | None = None
+    ) -> StoredSource:
         """The data objects ``manifest`` names, opened and checked against its records (blocking).
 
         ``direct``: bypass the page cache where the store can. ``every_chunk``: every chunk of the
         records will be read (a restore reads only the chunks it needs otherwise): an object store
-        then reads each object in a few large windows.
+        then reads each object in a few large windows. ``base``: where a differential version's
+        base is (found by :func:`~tierckpt.tiers.stored.read.find_base`); None: its step beside this one.
         """
         step = manifest.step
         spans: dict[str, list[tuple[int, int]]] = {}
@@ -105,7 +108,7 @@ class StoreVersion:
             if base_spans:
                 if manifest.base is None:
                     raise CorruptCheckpointError(f"{where(tier, step)}: chunks stored against a base, in a version that names none", tier=tier, step=step)
-                base = self.base_of(manifest)
+                base = base or self.base_of(manifest)
                 source.base_step = manifest.base[0]
                 for name in sorted(base_spans):
                     try:

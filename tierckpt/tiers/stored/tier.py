@@ -140,6 +140,7 @@ class StoredTier(GroupTier):
         and the base the version depends on (a tier with ``delta``; None: a whole version)."""
         choice = choose_base(self.versions(), source.step, self.config.delta.full_every) if self.config.delta else None
         lease = self.lease(choice.step) if choice is not None else None  # the base stays while it is read
+        named: tuple[int, int, int] | None = None  # the base a part written whole still names
         try:
             base = await self._open_base(choice) if choice is not None else None
             while True:
@@ -153,8 +154,12 @@ class StoredTier(GroupTier):
                 except BaseUnreadable as exc:
                     assert base is not None and choice is not None
                     log.warning("tier %r: writing step %d again, whole: its base is damaged (%s)", self.name, source.step, exc)
-                    if choice.step in self._index:  # no later version is written against it
+                    if self.group is None and choice.step in self._index:  # no later version is written against it
                         self._index[choice.step] = dataclasses.replace(self._index[choice.step], valid=False)
+                    # Of several ranks, this part still names the base (its manifest verified): the other
+                    # ranks' chunks this part's readers resolve are stored against it. Every rank's index
+                    # stays the same, so that every rank picks the same base next time.
+                    named = (base.step, base.checksum, base.chain) if self.group is not None else None
                     base.close()
                     base = None
                 finally:
@@ -165,9 +170,11 @@ class StoredTier(GroupTier):
                 lease.release()
         self.encoding.finish(encoding, time.perf_counter() - started)
         world = self.group.world if self.group else 1
+        if base is not None:
+            named = (base.step, base.checksum, base.chain)
         manifest = Manifest(
             source.step, source.created, source.skeleton, records, source.metadata, world_size=world, rank=self.rank,
-            base=(base.step, base.checksum) if base is not None else None, chain=base.chain if base is not None else 0,
+            base=named[:2] if named is not None else None, chain=named[2] if named is not None else 0,
         )
         return manifest, manifest.encode(), choice
 
@@ -175,29 +182,27 @@ class StoredTier(GroupTier):
         """This rank's part of base ``choice.step``, open for the writer; None when it cannot be read
         (the part is then written whole, and a warning says why)."""
         assert self.config.delta is not None
-        files = await self._files(choice.step) if choice.step in self._index else None
         world = self.group.world if self.group else 1
         delta = self.config.delta
         level = self.config.compression.level
 
-        def opened() -> DeltaBase | None:
-            assert files is not None
+        def opened(files: StoreVersion) -> DeltaBase | None:
             head = read_head(files, tier=self.name, step=choice.step)
             manifest = read_manifest(files, tier=self.name, step=choice.step, rank=self.rank, world=world)
             if isinstance(head, CommitMarker):
-                digest = head.ranks[self.rank][1]
+                identity = head.ranks[self.rank][1]
                 manifest = resolve_shared(files, head, manifest, tier=self.name)
             else:
-                digest = checksum(files.read_small(MANIFEST_FILE, tier=self.name, step=choice.step))
+                identity = checksum(files.read_small(MANIFEST_FILE, tier=self.name, step=choice.step))
             if not any(c is not None and c.digest is not None for r in manifest.records for c in r.chunks):
                 return None  # written before delta was set: no digests to refer to, nothing to write against
             source = open_source(self.name, files, manifest, direct=self.direct)
-            return DeltaBase(choice.step, choice.chain, digest, source, DeltaCodec(level, delta.min_ratio))
+            return DeltaBase(choice.step, choice.chain, identity, source, DeltaCodec(level, delta.min_ratio))
 
         try:
-            if files is None:
+            if choice.step not in self._index:
                 raise CorruptCheckpointError(f"{self._at(choice.step)} is gone", tier=self.name, step=choice.step)
-            return await asyncio.to_thread(opened)
+            return await asyncio.to_thread(opened, await self._files(choice.step))
         except (CorruptCheckpointError, LayoutError) as exc:
             log.warning("tier %r: writing this version whole: its base, step %d, cannot be read (%s)", self.name, choice.step, exc)
             return None

@@ -142,9 +142,9 @@ def execute_plan(
         if record.codec == codec and not encoding.digests and stored_codec not in DELTA_CODECS:
             # Same codec on both tiers: the chunk moves as stored, raw fallbacks included.
             data = source.read_stored(record, c, scratch(scratch_bytes(record.chunk_bytes)))
-            digest = source.checksum_of(record, c)
+            known = source.checksum_of(record, c)
             encoding.account(length, data.nbytes, compressed=stored_codec != "none")
-            return _write(item, data, stored_codec, digest)
+            return _write(item, data, stored_codec, known)
         if stored_codec == "none":
             logical = source.read_stored(record, c, scratch(scratch_bytes(record.chunk_bytes)))  # no copy
         else:
@@ -178,10 +178,9 @@ def execute_plan(
         stored_codec, data = encoding.encode(codec, logical, itemsize)
         return _write(item, data, stored_codec)
 
-    def _write(item: WriteItem, data: memoryview, codec: str, digest: int | None = None, *, kept: bytes | None = None) -> Written:
-        """``kept``: the logical digest a whole version keeps."""
-        if digest is None:
-            digest = checksum(data)
+    def _write(item: WriteItem, data: memoryview, codec: str, known: int | None = None, *, kept: bytes | None = None) -> Written:
+        """``known``: the stored bytes' checksum, when the source has it; ``kept``: the logical digest a whole version keeps."""
+        digest = checksum(data) if known is None else known  # hashed while the bytes are hot in cache
         writer.write(item, data)
         return Written(data.nbytes, digest, codec, digest=kept)
 
