@@ -17,13 +17,13 @@ Which base a version gets is decided from the tier's index alone (:func:`choose_
 every rank of a job: their parts name the same base, and the leader's commit marker names it for
 retention. A rank that cannot read its part of the base (damaged, missing) writes its part whole;
 the version still counts as depending on the base, which only keeps the base longer. A base chunk
-found damaged while a version is written against it makes the tier write that version again, whole,
-and take the base for damaged (``valid=False``): no later version is written against it.
+found damaged while a version is written against it makes the tier write that version again, whole;
+one process also takes the base for damaged (``valid=False``), so that no later version is written
+against it (of several ranks, every rank's index stays as the others' are).
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,8 +35,6 @@ from tierckpt.storage.scratch import scratch_bytes
 from tierckpt.tiers.base import VersionInfo
 from tierckpt.tiers.stored.source import StoredSource
 from tierckpt.xordelta import DeltaCodec
-
-log = logging.getLogger("tierckpt")
 
 __all__ = ["BaseChoice", "BaseUnreadable", "DeltaBase", "choose_base", "needed_by"]
 
