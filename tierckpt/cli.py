@@ -70,7 +70,7 @@ from tierckpt import export as exporting
 from tierckpt._version import __version__
 from tierckpt.clistatus import status as tier_status
 from tierckpt.cliversions import (
-    DAMAGED, NO_TIER_HINT, OK, USAGE, ListedVersion, OpenedVersion, UsageError, base_of, bucket_versions,
+    DAMAGED, NO_TIER_HINT, OK, USAGE, ListedVersion, OpenedVersion, UsageError, bucket_versions,
     damage_message, dir_versions, format_size, held_bytes, open_parts, verify_bytes, verify_version,
 )
 from tierckpt.errors import ConfigError, CorruptCheckpointError, UnsupportedStateError
@@ -203,7 +203,7 @@ def _part(head: Manifest | CommitMarker) -> str | None:
 
 def _dependency(head: Manifest | CommitMarker, needed_by: list[int]) -> str | None:
     """How a version of a tier with ``delta`` depends on others (``delta of step 4``, ``base of 5, 6``)."""
-    base = base_of(head)
+    base = head.base_step
     if base is not None:
         return f"delta of step {base}"
     if needed_by:
@@ -225,7 +225,7 @@ def _ls(versions: list[ListedVersion]) -> int:
     # Of each base, the differential versions listed here that depend on it.
     needed: dict[int, list[int]] = {}
     for _, got in listed:
-        if not isinstance(got, CorruptCheckpointError) and (base := base_of(got.head)) is not None:
+        if not isinstance(got, CorruptCheckpointError) and (base := got.head.base_step) is not None:
             needed.setdefault(base, []).append(got.head.step)
     for version, got in listed:
         if isinstance(got, CorruptCheckpointError):

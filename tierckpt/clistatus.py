@@ -50,7 +50,7 @@ from typing import Any
 import yaml
 
 from tierckpt.cliversions import (
-    DAMAGED, NO_TIER_HINT, OK, ListedVersion, UsageError, base_of, bucket_versions, damage_message, dir_versions,
+    DAMAGED, NO_TIER_HINT, OK, ListedVersion, UsageError, bucket_versions, damage_message, dir_versions,
     format_size, held_bytes, open_parts, verify_version,
 )
 from tierckpt.config import Config, TierConfig
@@ -248,7 +248,7 @@ def _tally(row: _Row, verify: bool, executor: concurrent.futures.Executor) -> No
             row.newest = step if row.newest is None else max(row.newest, step)
         if opened is not None:
             row.stored += held_bytes(opened.head)
-            row.deltas += base_of(opened.head) is not None
+            row.deltas += opened.head.base_step is not None
         if damage is not None:
             row.damage.append((version.name, damage))
 

@@ -142,13 +142,6 @@ def open_parts(version: ListedVersion) -> OpenedVersion:
     return opened
 
 
-def base_of(head: Manifest | CommitMarker) -> int | None:
-    """The step a differential version depends on (its base); None for a whole version."""
-    if isinstance(head, Manifest):
-        return head.base[0] if head.base is not None else None
-    return head.base
-
-
 def held_bytes(head: Manifest | CommitMarker) -> int:
     """The bytes a version's directory or container stores (of a node's part: that part's)."""
     return head.held_bytes if isinstance(head, CommitMarker) else head.stored_bytes

@@ -89,6 +89,11 @@ class Manifest:
         return sum(r.stored for r in self.records)
 
     @property
+    def base_step(self) -> int | None:
+        """The step of the version this one is written against; None for a whole version."""
+        return self.base[0] if self.base is not None else None
+
+    @property
     def format_version(self) -> int:
         if self.base is not None or any(differential(c) for r in self.records for c in r.chunks):
             return DELTA_VERSION
@@ -166,6 +171,11 @@ class CommitMarker:
     node: str | None = None
     base: int | None = None  # a differential version's base step
     chain: int = 0  # which version after its base this one is
+
+    @property
+    def base_step(self) -> int | None:
+        """As :attr:`Manifest.base_step`."""
+        return self.base
 
     @property
     def held_bytes(self) -> int:

@@ -70,18 +70,17 @@ def check_records(records: tuple[TensorRecord, ...], sizes: dict[str, int], *, t
             if c is None:  # stored by another rank: checked when resolved, by that rank's files
                 continue
             _, length = r.chunk_span(i)
-            if c.base is not None and r.chunk_codec(i) == "ref":  # only its base chunk holds bytes
-                _check_stored(bad, i, c.base.codec, c.base.stored, length, r.chunk_bytes, what="its base chunk")
-                continue
-            file = r.chunk_file(i)
-            size = sizes[file]
             codec = r.chunk_codec(i)
             if c.base is not None:  # stored against a base chunk, which must hold the chunk's bytes
                 _check_stored(bad, i, c.base.codec, c.base.stored, length, r.chunk_bytes, what="its base chunk")
-                if codec == "delta" and not 0 < c.stored <= scratch_bytes(r.chunk_bytes):
+                if codec == "ref":
+                    continue  # nothing of it is in this version's files
+                if not 0 < c.stored <= scratch_bytes(r.chunk_bytes):
                     raise bad(f"chunk {i} is a delta frame of {c.stored} bytes")
             else:
                 _check_stored(bad, i, codec, c.stored, length, r.chunk_bytes)
+            file = r.chunk_file(i)
+            size = sizes[file]
             if c.offset + c.stored > size:
                 raise CorruptCheckpointError(
                     f"{where(tier, step)}: {file}: {r.key} chunk {i} (bytes {c.offset}..{c.offset + c.stored}) lies past "

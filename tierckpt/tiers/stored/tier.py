@@ -88,10 +88,7 @@ class StoredTier(GroupTier):
 
     def _info(self, step: int, nbytes: int, created: float, at: str | None, *, head: Manifest | CommitMarker | Staged) -> VersionInfo:
         """A committed version's index entry, with the base it depends on as ``head`` names it."""
-        if isinstance(head, Manifest):
-            base = head.base[0] if head.base is not None else None
-        else:
-            base = head.base
+        base = head.base if isinstance(head, Staged) else head.base_step
         return VersionInfo(self.name, step, nbytes, created, at, base=base, chain=head.chain if base is not None else 0)
 
     # -- opening: the keeper first ------------------------------------------------------------------------
@@ -187,9 +184,10 @@ class StoredTier(GroupTier):
         level = self.config.compression.level
 
         def opened(files: StoreVersion) -> DeltaBase | None:
-            head = read_head(files, tier=self.name, step=choice.step)
             manifest = read_manifest(files, tier=self.name, step=choice.step, rank=self.rank, world=world)
-            if isinstance(head, CommitMarker):
+            if world > 1:  # its marker records this rank's manifest's checksum, and resolves the shared chunks
+                head = read_head(files, tier=self.name, step=choice.step)
+                assert isinstance(head, CommitMarker)  # read_manifest checked the world
                 identity = head.ranks[self.rank][1]
                 manifest = resolve_shared(files, head, manifest, tier=self.name)
             else:
