@@ -89,7 +89,7 @@ def install_pause(point: str, step: int) -> None:
     from tierckpt.format import version_dirname
     from tierckpt.storage import local
     from tierckpt.tiers import filesystem
-    from tierckpt.tiers.stored import tier as stored
+    from tierckpt.tiers.stored import part as stored
 
     if point == "data":
         armed = threading.Event()

@@ -177,7 +177,7 @@ def test_every_kind_of_import_is_an_edge(tmp_path: Path) -> None:
 def test_the_graph_is_read_from_every_module() -> None:
     edges = graph()
     assert "tierckpt.checkpointer" in edges
-    assert {"tierckpt.tiers.base", "tierckpt.format"} <= edges["tierckpt.tiers.filesystem"]
+    assert {"tierckpt.tiers.base", "tierckpt.format"} <= edges["tierckpt.tiers.stored.tier"]
 
 
 def test_no_import_cycle() -> None:

@@ -234,9 +234,9 @@ def test_only_rank_0_draws_a_restore_bar(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setenv(ENV, "1")
     capsys.readouterr()
     with Checkpointer({"tiers": [fs_tier("nvme", tmp_path / "nvme")]}) as ckpt:
-        tiers, memory = tiers_of(ckpt), pipeline_of(ckpt).memory
+        tiers, memory, events = tiers_of(ckpt), pipeline_of(ckpt).memory, pipeline_of(ckpt).events
         for rank in (1, 0):
-            work = prepare_restore(Rank(rank), tiers, memory, None, strict=True, cast=False, verify_first=False)
+            work = prepare_restore(Rank(rank), tiers, memory, events, None, strict=True, cast=False, verify_first=False)
             assert run_on_engine(ckpt, work).step == STEP
             drawn = capsys.readouterr().err
             assert (drawn == "") == (rank == 1), (rank, drawn)

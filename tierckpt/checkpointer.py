@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from typing import Any, Callable, Coroutine, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from tierckpt.capture.barrier import LazyBarrier
 from tierckpt.config import Config
 from tierckpt.errors import ClosedError
 from tierckpt.handle import SaveHandle
-from tierckpt.observe.events import Events
 from tierckpt.pipeline import Counters, Engine
 from tierckpt.pipeline.engine import sync_twin
 from tierckpt.pipeline.request import save_request
@@ -19,7 +19,7 @@ from tierckpt.restore import Restored
 from tierckpt.restore.dispatch import prepare_restore
 from tierckpt.runtime import TierFactory, construct
 from tierckpt.snapshot import LayoutCache
-from tierckpt.tiers.base import Tier, VersionInfo
+from tierckpt.tiers.base import VersionInfo
 
 __all__ = ["Checkpointer", "SaveHandle", "TierFactory"]
 
@@ -102,9 +102,7 @@ class Checkpointer(LazyBarrier):
         return self._pipeline.counters.with_compression(self._pipeline.tiers)
 
     # Not a sync_twin: the caller's thread starts the copies, once it has its handle (pipeline.saves.Handoff says why).
-    async def save(
-        self, step: int, state: Any, *, metadata: Mapping[str, Any] | None = None, replicated: Sequence[Any] = ()
-    ) -> SaveHandle:
+    async def save(self, step: int, state: Any, *, metadata: Mapping[str, Any] | None = None, replicated: Sequence[Any] = ()) -> SaveHandle:
         """Snapshot ``state`` as version ``step``; returns once the host copy is under way.
 
         Of several ranks, every rank saves the same steps (its own part of the state), and ``replicated`` names the values
@@ -122,36 +120,27 @@ class Checkpointer(LazyBarrier):
             ValueError: ``step`` is outside 0 to 10**12 - 1, or an entry of ``replicated`` names no value of ``state``.
             UnsupportedStateError: a value in ``state`` cannot be stored (names its key path).
             CapacityError: the state is larger than one host slot.
-            FlushError: an earlier capture failed (a torn snapshot: state changed during its copy; reported once). This
-                save did not happen.
+            FlushError: an earlier capture failed (torn: state changed during its copy; reported once); this save did not happen.
         """
-        began = time.monotonic()
-        engine = self._open_engine()
+        with self._saving(step, state, metadata, replicated) as (engine, request):
+            return SaveHandle(await engine.run(self._pipeline.save(request)))
+
+    def save_sync(self, step: int, state: Any, *, metadata: Mapping[str, Any] | None = None, replicated: Sequence[Any] = ()) -> SaveHandle:
+        """Synchronous twin of :meth:`save`."""
+        with self._saving(step, state, metadata, replicated) as (engine, request):
+            return SaveHandle(engine.run_sync(self._pipeline.save(request)))
+
+    @contextlib.contextmanager
+    def _saving(self, step: int, state: Any, metadata: Mapping[str, Any] | None, replicated: Sequence[Any]) -> Iterator[tuple[Engine, SaveRequest]]:
+        """The engine and the request of a save call, around the call's handing it to the pipeline."""
+        began, engine = time.monotonic(), self._open_engine()
         request = save_request(step, state, metadata, replicated, self._layouts, began=began)
         try:
-            tracker = await engine.run(self._pipeline.save(request))
-            self._saved(request)
+            yield engine, request
+            # Before the copies start (Handoff), so the `captured` event always comes after its `save`.
+            self._pipeline.events.emit("save", step=request.step, bytes=request.nbytes, seconds=time.monotonic() - request.began)
         finally:
             request.handoff.caller_done()  # starts the copies, off the engine (Handoff says why)
-        return SaveHandle(tracker)
-
-    def save_sync(
-        self, step: int, state: Any, *, metadata: Mapping[str, Any] | None = None, replicated: Sequence[Any] = ()
-    ) -> SaveHandle:
-        """Synchronous twin of :meth:`save`."""
-        began = time.monotonic()
-        engine = self._open_engine()
-        request = save_request(step, state, metadata, replicated, self._layouts, began=began)
-        try:
-            tracker = engine.run_sync(self._pipeline.save(request))
-            self._saved(request)
-        finally:
-            request.handoff.caller_done()
-        return SaveHandle(tracker)
-
-    def _saved(self, request: SaveRequest) -> None:
-        # Before the copies start (Handoff), so the `captured` event always comes after its `save`.
-        self._pipeline.events.emit("save", step=request.step, bytes=request.nbytes, seconds=time.monotonic() - request.began)
 
     def _open_engine(self) -> Engine:
         """The engine, for a call that needs this Checkpointer open (every call but ``close``)."""
@@ -170,23 +159,19 @@ class Checkpointer(LazyBarrier):
 
     wait_sync = sync_twin(wait, _open_engine)
 
-    async def restore_latest(
-        self, template: Any = None, *, strict: bool = True, cast: bool = False, verify_first: bool = False
-    ) -> Restored | None:
+    async def restore_latest(self, template: Any = None, *, strict: bool = True, cast: bool = False, verify_first: bool = False) -> Restored | None:
         """Load the newest committed version that verifies, from whichever tier holds it; None when no tier holds one.
 
         With ``template`` (a state of the same structure), tensors are copied into its tensors in place, keeping their
-        device; without, new CPU tensors are returned. Each chunk lands in the template as soon as it verified (read into
-        the tier threads' reused buffers, checked, copied), so a version that fails half-way has written part of it: the
-        next candidate overwrites that, and if none verifies this raises instead of returning None. ``verify_first=True``
-        keeps the template as it was until the whole version verified, staging every byte once more (docs/performance.md,
-        "Restoring and resuming").
+        device; without, new CPU tensors are returned. Each chunk lands in the template as soon as it verified (no staging
+        copy), so a version that fails half-way has written part of it: the next candidate overwrites that, and if none
+        verifies this raises instead of returning None. ``verify_first=True`` keeps the template as it was until the whole
+        version verified, staging every byte once more (docs/performance.md, "Restoring and resuming").
 
-        The version may have been saved with another parallel layout: a DTensor of the template gets its own piece,
-        whatever mesh and placements saved it and whatever mesh it has now, read from just the stored pieces that overlap
-        it; a plain tensor of the template, or any tensor without a template, gets the whole global tensor. Values that are
-        not DTensors come from the same rank of the saved job (rank 0's where it had fewer ranks). Under torch.distributed
-        this is collective: every rank calls it.
+        The version may have been saved with another parallel layout: a template DTensor gets its own piece, whatever mesh
+        and placements saved it and whatever mesh it has now, read from just the stored pieces that overlap it; a plain
+        template tensor, or any tensor without a template, gets the whole global tensor. Values that are not DTensors come
+        from the same rank of the saved job (rank 0's where it had fewer ranks). Collective under torch.distributed.
 
         ``strict``: a template tensor the version lacks is an error (else it is left as it is: :attr:`Restored.missing_keys`);
         tensors the version has and the template lacks come back as new ones (:attr:`Restored.unexpected_keys`). ``cast``:
@@ -195,8 +180,7 @@ class Checkpointer(LazyBarrier):
         Raises:
             RestoreError: the template's tensors do not match the stored ones (global shape, dtype, kind), or ``strict``
                 and template keys are missing; or a version verified that lacks template tensors a failed candidate wrote.
-            CorruptCheckpointError: no version verifies, and a failed one had written into the template (never with
-                ``verify_first``).
+            CorruptCheckpointError: no version verifies and a failed one wrote into the template (never with ``verify_first``).
         """
         return await self._restore(template, strict, cast, verify_first)
 
@@ -225,10 +209,9 @@ class Checkpointer(LazyBarrier):
     restore_sync = sync_twin(restore, _open_engine)
 
     async def _restore(self, template: Any, strict: bool, cast: bool, verify_first: bool, step: int | None = None, tier: str | None = None) -> Any:
-        engine, tiers, memory, events = self._open_engine(), self._pipeline.tiers, self._pipeline.memory, self._pipeline.events
-        began = time.monotonic()
-        work = prepare_restore(self._group, tiers, memory, template, strict=strict, cast=cast, verify_first=verify_first, step=step, tier=tier)
-        return await engine.run(_reported(work, tiers, events, step, began))
+        engine, p = self._open_engine(), self._pipeline
+        work = prepare_restore(self._group, p.tiers, p.memory, p.events, template, strict=strict, cast=cast, verify_first=verify_first, step=step, tier=tier)
+        return await engine.run(work)
 
     def versions(self) -> list[VersionInfo]:
         """What each tier holds now: one :class:`VersionInfo` per committed version, per tier."""
@@ -265,16 +248,3 @@ class Checkpointer(LazyBarrier):
     def __exit__(self, *exc: object) -> None:
         self.close_sync()
 
-
-async def _reported(work: Coroutine[Any, Any, Restored | None], tiers: Sequence[Tier], events: Events, step: int | None, began: float) -> Restored | None:
-    """``work``, a restore, reported as a ``restored`` or ``restore_failed`` event (on the engine's
-    thread, which owns what the tiers hold)."""
-    try:
-        restored = await work
-    except Exception as exc:
-        events.emit("restore_failed", step=step, error=exc)
-        raise
-    if restored is not None:
-        held = next((v.nbytes for t in tiers if t.name == restored.tier for v in t.versions() if v.step == restored.step), None)
-        events.emit("restored", step=restored.step, tier=restored.tier, bytes=held, seconds=time.monotonic() - began)
-    return restored

@@ -30,14 +30,15 @@ from typing import Callable, Sequence
 
 from tierckpt.capture import Copier
 from tierckpt.config import Config
-from tierckpt.errors import CorruptCheckpointError, FlushError, flush_failure
+from tierckpt.errors import FlushError, flush_failure
 from tierckpt.observe.events import Events
 from tierckpt.pipeline.flusher import Flusher
+from tierckpt.pipeline.ramfs import RamFiles
 from tierckpt.pipeline.saves import Counters, SaveRequest, SaveTracker, capture_failure
 from tierckpt.pipeline.sources import Sources
 from tierckpt.policy import Candidate
 from tierckpt.snapshot import Snapshot, SnapshotState
-from tierckpt.tiers.base import Lease, Tier, VersionInfo
+from tierckpt.tiers.base import Tier, VersionInfo
 from tierckpt.tiers.memory.tier import MemoryHooks, MemoryTier, Want
 
 log = logging.getLogger("tierckpt")
@@ -77,11 +78,11 @@ class Pipeline:
         self._wall: Callable[[], float] = lambda: clock() + epoch
         self._seq = 0
         self._trackers: dict[int, SaveTracker] = {}
-        self._tasks: set[asyncio.Task[None]] = set()  # snapshots being written to (or adopted from) a RAM file system
         self._single = not several_ranks
         self._capture_errors: list[FlushError] = []  # raised once by the next save, wait or close
         self._unresolved: dict[str, FlushError] = {}  # per tier, its newest failed flush with no commit since
         self._failing: dict[str, int] = {}  # per tier, failed flushes since its last commit (for the log)
+        self.ram = RamFiles(self.memory, self.counters, self.events)
         self.sources = Sources(self.memory, self.tiers, lambda: self.flushers)
         # A flush waits for running host copies unless its tier is overdue, whichever tier it reads:
         # on a host with few cores any flush slows the copy that training waits for.
@@ -114,38 +115,8 @@ class Pipeline:
             await tier.open()
         for flusher in self.flushers:
             flusher.start()
-        if self._single and self.memory.adopted():
-            self._tasks.add(task := asyncio.get_running_loop().create_task(self._flush_adopted()))
-            task.add_done_callback(self._tasks.discard)
-
-    async def _flush_adopted(self) -> None:
-        """Snapshots a killed process left in RAM go on down, as they would have gone: each to the tiers
-        that hold nothing as new, after it verified (a damaged one stays out).
-
-        Not for several ranks yet: there, every rank would have to have kept the same steps.
-        """
-        checked: list[tuple[Snapshot, list[Flusher], Lease]] = []
-        try:
-            for snapshot in self.memory.adopted():
-                flushers = [f for f in self.flushers if snapshot.step > max((v.step for v in f.tier.versions()), default=-1)]
-                if not flushers:
-                    continue
-                lease = self.memory.hold(snapshot)  # retention must not drop it before the flushers want it
-                try:
-                    await self.memory.verify(snapshot)
-                except CorruptCheckpointError as exc:
-                    lease.release()
-                    log.warning("%s; it is not flushed to %s", exc, ", ".join(repr(f.tier.name) for f in flushers))
-                    continue
-                checked.append((snapshot, flushers, lease))
-            # All at once, oldest first, as their saves came: a newest_only tier then takes the newest.
-            for snapshot, flushers, _ in checked:
-                for flusher in flushers:
-                    # Arrival 0: every `every` counts it (the count starts again with this process).
-                    flusher.offer(snapshot.step, snapshot.seq, arrival=0)
-        finally:
-            for _, _, lease in checked:
-                lease.release()
+        if self._single:  # not for several ranks yet: every rank would have to have kept the same steps
+            self.ram.flush_adopted(self.flushers)
 
     # -- errors ----------------------------------------------------------------------------------
 
@@ -253,7 +224,7 @@ class Pipeline:
                 if not self.memory.persistent:
                     tracker.resolve(self.memory.name, True)
             if self.memory.persistent:
-                self._persist(snapshot, tracker)
+                self.ram.persist(snapshot, lambda result: self._resolve(tracker, self.memory.name, result))
             for flusher in self.flushers:
                 flusher.offer(snapshot.step, snapshot.seq, arrival=snapshot.seq)
             if not self.flushers and tracker is not None:
@@ -262,32 +233,6 @@ class Pipeline:
         for flusher in self.flushers:
             flusher.wake()  # a copy ended: a flush held back by it may start
         self.memory.notify()
-
-    def _persist(self, snapshot: Snapshot, tracker: SaveTracker | None) -> None:
-        """Write a captured snapshot into the memory tier's directory; committed there once written."""
-        lease = self.memory.hold(snapshot)
-
-        async def persist() -> None:
-            began = time.monotonic()
-            try:
-                await self.memory.persist(snapshot)
-            except Exception as exc:
-                failure = flush_failure(self.memory.name, snapshot.step, f"writing step {snapshot.step} to its RAM file system", exc)
-                self.counters.record(self.memory.name, failure)
-                self.events.emit("flush_failed", step=snapshot.step, tier=self.memory.name, error=failure)
-                log.error("%s; the snapshot stays in this process's memory only", failure)
-                result: bool | BaseException = failure
-            else:
-                result = True
-                self.events.emit("flushed", step=snapshot.step, tier=self.memory.name, bytes=snapshot.nbytes, seconds=time.monotonic() - began)
-            finally:
-                lease.release()
-            if tracker is not None:
-                tracker.resolve(self.memory.name, result)
-                self._forget(tracker)
-
-        self._tasks.add(task := asyncio.get_running_loop().create_task(persist()))
-        task.add_done_callback(self._tasks.discard)
 
     def evicted(self, snapshot: Snapshot) -> None:
         """A save took the slot of a snapshot a tier below could get from nowhere else (on_full: evict)."""
@@ -328,10 +273,7 @@ class Pipeline:
         if failures:
             log.warning("tier %r: step %d committed; the tier works again after %d failed flush(es)", tier, candidate.step, failures)
         self.sources.committed(tier, candidate)  # the tiers below may read it from here now
-        tracker = self._trackers.get(candidate.token)
-        if tracker is not None:
-            tracker.resolve(tier, True)
-            self._forget(tracker)
+        self._resolve(self._trackers.get(candidate.token), tier, True)
         self._flush_ended()
 
     def _wake_flushers(self) -> None:
@@ -352,11 +294,8 @@ class Pipeline:
         self._unresolved[tier] = failure
         self._failing[tier] = self._failing.get(tier, 0) + 1
         log.error("%s; tier %r holds steps %s; its next flush tries again", failure, tier, self._held(tier))
-        if candidate is not None:
-            tracker = self._trackers.get(candidate.token)
-            if tracker is not None:
-                tracker.resolve(tier, failure)  # the other tiers go on: this one failure is theirs to ignore
-                self._forget(tracker)
+        if candidate is not None:  # the other tiers go on: this one failure is theirs to ignore
+            self._resolve(self._trackers.get(candidate.token), tier, failure)
         self._flush_ended()
 
     def delete_failed(self, tier: str, step: int, error: BaseException) -> None:
@@ -375,6 +314,11 @@ class Pipeline:
     def _held(self, tier: str) -> list[int]:
         return [info.step for info in self.tiers[self._index(tier)].versions()]
 
+    def _resolve(self, tracker: SaveTracker | None, tier: str, result: bool | BaseException) -> None:
+        if tracker is not None:
+            tracker.resolve(tier, result)
+            self._forget(tracker)
+
     def _forget(self, tracker: SaveTracker) -> None:
         if tracker.done():
             self._trackers.pop(tracker.token, None)
@@ -387,7 +331,7 @@ class Pipeline:
         await asyncio.gather(*capturing, return_exceptions=True)
         # Let the capture callbacks (scheduled with call_soon_threadsafe) run before draining.
         await asyncio.sleep(0)
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.ram.wait()
         # Twice: a flush that ended lets a tier above delete what its retention spared, and that
         # tier's drain may have come first (it is not idle until it looked again).
         for flusher in (*self.flushers, *self.flushers):
@@ -409,7 +353,7 @@ class Pipeline:
             await flusher.stop()
         for flusher in self.flushers:
             flusher.give_up()  # what still waits (a fallback) will not go down: its handles resolve False
-        await asyncio.gather(*self._tasks, return_exceptions=True)  # the memory tier's executor is next to go
+        await self.ram.wait()  # the memory tier's executor is next to go
         for tier in self.tiers:
             try:
                 await tier.close()

@@ -3,7 +3,8 @@
 The modules, in the order a restore runs them:
 
 - ``dispatch``: which of the restores below a Checkpointer's call runs, its step and tier checked
-  first (:func:`~tierckpt.restore.dispatch.prepare_restore`);
+  first, how it ended reported as a ``restored`` or ``restore_failed`` event
+  (:func:`~tierckpt.restore.dispatch.prepare_restore`);
 - ``fallback``: the steps every rank can get, newest first, each rank's copies of a step fastest
   tier first, and the fallback to the next one; the ranks agree on one step and all load it or none
   does, one process being a group of one (:func:`restore_versions`); ``verdicts``: what it says of

@@ -2,16 +2,18 @@
 
 One restore serves one process and several ranks alike (:func:`~tierckpt.restore.fallback.restore_versions`);
 this module checks the step and the tier name when the restore is asked for, before any of it runs,
-so that a bad one raises as it is and leaves no coroutine unawaited, and keeps the host pool's
-background preparation paused while it runs.
+so that a bad one raises as it is and leaves no coroutine unawaited, keeps the host pool's
+background preparation paused while it runs, and reports how it ended as an event.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, Coroutine, Sequence
 
 from tierckpt.errors import ConfigError
 from tierckpt.format.layout import checked_step
+from tierckpt.observe.events import Events
 from tierckpt.ranks.group import RankGroup
 from tierckpt.restore.fallback import restore_versions
 from tierckpt.restore.result import Restored
@@ -23,6 +25,7 @@ def prepare_restore(
     group: RankGroup | None,
     tiers: Sequence[Tier],
     memory: MemoryTier,
+    events: Events,
     template: Any,
     *,
     strict: bool,
@@ -35,16 +38,18 @@ def prepare_restore(
     ``tier`` only (else from any of ``tiers``, fastest first), collectively when ``group`` is given.
     Rank 0 (or the one process) shows a progress bar per copy it reads, when stderr is a terminal
     (:mod:`tierckpt.observe.progress`). Its result is a :class:`Restored`, or None when no step was
-    asked for and no tier holds a version.
+    asked for and no tier holds a version. How it ends is reported on ``events``: ``restored`` (step,
+    tier, bytes, seconds since this call) or ``restore_failed`` (step, error).
 
     Raises:
         TypeError, ValueError: ``step`` cannot name a version (:func:`~tierckpt.format.layout.checked_step`).
         ConfigError: there is no tier named ``tier``.
     """
+    began = time.monotonic()
     if step is not None:
         checked_step(step)
     only = None if tier is None else _named(tiers, tier)
-    return _restore(group, tiers, memory, template, strict, cast, verify_first, step, only)
+    return _reported(_restore(group, tiers, memory, template, strict, cast, verify_first, step, only), tiers, events, step, began)
 
 
 def _named(tiers: Sequence[Tier], name: str) -> list[Tier]:
@@ -75,3 +80,17 @@ async def _restore(
     # rank of the job waits for: it waits until the restore is over.
     with memory.pool.paused():
         return await work
+
+
+async def _reported(work: Coroutine[Any, Any, Restored | None], tiers: Sequence[Tier], events: Events, step: int | None, began: float) -> Restored | None:
+    """``work``, a restore, reported as a ``restored`` or ``restore_failed`` event (on the engine's
+    thread, which owns what the tiers hold)."""
+    try:
+        restored = await work
+    except Exception as exc:
+        events.emit("restore_failed", step=step, error=exc)
+        raise
+    if restored is not None:
+        held = next((v.nbytes for t in tiers if t.name == restored.tier for v in t.versions() if v.step == restored.step), None)
+        events.emit("restored", step=restored.step, tier=restored.tier, bytes=held, seconds=time.monotonic() - began)
+    return restored

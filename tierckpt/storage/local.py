@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import os
 import threading
 from pathlib import Path
@@ -39,9 +40,12 @@ from tierckpt.storage.store import ByteStore, DataWriter, RootEntry
 
 __all__ = ["LocalDataWriter", "LocalStore"]
 
+log = logging.getLogger("tierckpt")
+
 _fsync_dir = aiofiles.os.wrap(fsync_dir)
 _remove_tree = aiofiles.os.wrap(remove_tree)
 _write_file = aiofiles.os.wrap(write_file)
+_lstat = aiofiles.os.wrap(os.lstat)
 
 
 class LocalDataWriter(DataWriter):
@@ -107,6 +111,7 @@ class LocalStore(ByteStore, LocalFiles):
         super().__init__(root)
         self.executor = executor
         self.direct = False
+        self.tier = tier
         self._lock = DirectoryLock(root, tier)
 
     def path(self, key: str) -> Path:
@@ -122,6 +127,8 @@ class LocalStore(ByteStore, LocalFiles):
         if exclusive:
             await self._run(self._lock.acquire)
         self.direct = bool(await self._run(probe_direct_io, self.root))
+        if not self.direct:
+            log.info("tier %r: %s refuses O_DIRECT; writing through the page cache", self.tier, self.root)
 
     async def list(self) -> list[RootEntry]:
         return [RootEntry(e.name, e.is_dir()) for e in await aiofiles.os.scandir(self.root)]
@@ -146,6 +153,12 @@ class LocalStore(ByteStore, LocalFiles):
 
     async def publish(self, staging: str, final: str) -> None:
         await aiofiles.os.rename(self.path(staging), self.path(final))
+
+    def where(self, name: str) -> str:
+        return str(self.path(name))
+
+    async def mtime(self, name: str) -> float:
+        return (await _lstat(self.path(name))).st_mtime  # a symlink is refused, not followed, here too
 
     async def withdraw(self, final: str, aside: str) -> None:
         await aiofiles.os.rename(self.path(final), self.path(aside))

@@ -5,9 +5,9 @@ object is one multipart upload whose parts go up ``concurrency`` at a time while
 encode the next chunks, and a restore's 16 MiB window (:mod:`tierckpt.storage.coalesce`) is one ranged
 GET (``get_range``) that releases the GIL while it waits. Measured against the local SeaweedFS server in ``benchmarks/object_store.py``.
 
-:class:`Bucket` is the prefix ``s3://bucket/prefix`` of a tier: every key here is relative to it.
-What the tier stores there and in which order it becomes visible is :mod:`tierckpt.tiers.object.tier`'s;
-this module moves bytes and turns the client's errors into ``OSError`` s naming the object's URL and
+:class:`Bucket` is the prefix ``s3://bucket/prefix`` of a tier: every key here is relative to it. It
+is the read half of a byte store (what the CLI and export read through);
+:class:`~tierckpt.storage.s3store.BucketStore` the whole store a tier writes through. This module moves bytes and turns the client's errors into ``OSError`` s naming the object's URL and
 the HTTP status (:class:`ObjectStoreError`; a missing object is ``FileNotFoundError``), which the
 flusher turns into a :class:`~tierckpt.errors.FlushError` naming tier and step.
 
@@ -146,7 +146,7 @@ class Bucket(ReadableStore):
     def url_of(self, key: str) -> str:
         return f"{self.url}/{key}" if key else self.url
 
-    async def list(self, under: str = "") -> dict[str, int]:
+    async def listing(self, under: str = "") -> dict[str, int]:
         """Every object under ``under`` (a key prefix ending in ``/``, or the whole prefix): key -> size."""
         found: dict[str, int] = {}
         try:

@@ -23,12 +23,19 @@ A version's lifecycle, and the contract of each operation (in call order):
 5. :meth:`ByteStore.sync` a container: names created, renamed or removed in it are durable (an fsync
    of the directory; nothing to do where each write is durable on its own).
 6. :meth:`ByteStore.publish` the staged container under its final name, atomically: a reader sees the
-   whole version or none (a rename on a file system; on an object store, the manifest object written
-   last, under the final key). :meth:`ByteStore.withdraw` is the reverse: the version stops being
-   visible atomically (a rename aside; the manifest object deleted first).
+   whole version or none. This is the store's one commit primitive: a rename on a file system; on an
+   object store, which has no rename, the container's commit object (its ``manifest.msgpack``, held
+   back by :meth:`~ByteStore.write_small`) put last under the final name, over an older version's
+   (:attr:`ByteStore.replaces_in_place`). :meth:`ByteStore.withdraw` is the reverse: the version stops
+   being visible atomically (a rename aside; the commit object deleted first).
 7. :meth:`ByteStore.remove` a container and all of it (after a withdraw, or a staged one never
    published), going on past failures; :meth:`ByteStore.list` names what is there, committed
    versions and leftovers alike, for the tier's sweep.
+
+Object names: the tier names a data object or a rank's manifest through :meth:`ByteStore.named`, the
+name it keeps once published, which manifests record. On a file system that is the name itself; an
+object store, where the objects of two writes of one step lie side by side under the final name,
+adds the write's id (``data-r00000.<write>.bin``).
 
 Reading a committed version is the read half every store has (:class:`ReadableStore`, also for a
 store only read, such as a version directory the CLI is handed): :meth:`ReadableStore.read_small` an
@@ -47,11 +54,10 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from tierckpt.storage.plan import WriteItem, WritePlan
 
-__all__ = ["ByteStore", "DataStore", "DataWriter", "RangeReader", "ReadableStore", "RootEntry", "TooLarge", "Unreadable"]
+__all__ = ["ByteStore", "DataWriter", "RangeReader", "ReadableStore", "RootEntry", "TooLarge", "Unreadable"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,8 @@ class RootEntry:
 
     name: str
     container: bool
+    # Of a container: whether it holds its commit object, where the listing tells (None: ask the store).
+    committed: bool | None = None
 
 
 class DataWriter(abc.ABC):
@@ -172,18 +180,32 @@ class ReadableStore(abc.ABC):
         """
 
 
-class DataStore(Protocol):
-    """What writing a data object needs of a store: :meth:`ByteStore.open_data` (an object store's
-    :class:`~tierckpt.storage.s3.Bucket` has it without the rest of a ByteStore's renames)."""
-
-    def open_data(self, key: str, plan: WritePlan) -> DataWriter: ...
-
-
 class ByteStore(ReadableStore):
     """Where a tier's objects live; see the module docstring for the operations' order and contract."""
 
     #: Whether data objects are written and read bypassing a cache (known after :meth:`open`).
     direct: bool = False
+    #: Whether :meth:`publish` puts a version over the one of the same name at once (an object store's
+    #: commit object); otherwise the older one must be withdrawn first, and ``final`` must not exist.
+    replaces_in_place: bool = False
+
+    def named(self, staging: str, name: str) -> str:
+        """The name object ``name``, written into staging container ``staging``, keeps once published
+        (see the module docstring): ``name`` itself unless the store tells writes apart by name."""
+        return name
+
+    def where(self, name: str) -> str:
+        """Container ``name`` for messages and listings: a path, a URL."""
+        return name
+
+    async def contents(self, name: str) -> dict[str, int] | None:
+        """Committed container ``name``'s objects and their sizes, where a listing saves a request per
+        object read (an object store); None: readers ask the store for each."""
+        return None
+
+    async def mtime(self, name: str) -> float:
+        """When container ``name`` was last changed (0.0: the store does not say)."""
+        return 0.0
 
     @abc.abstractmethod
     async def open(self, *, exclusive: bool = False) -> None:
@@ -206,7 +228,9 @@ class ByteStore(ReadableStore):
     async def stage(self, name: str, *, shared: bool = False) -> None:
         """Create the staging container ``name``; ``shared``: other ranks may have created it already.
 
-        Raises FileExistsError when it exists and is not ``shared``.
+        Raises FileExistsError when it exists and is not ``shared``. Its name is the tier's
+        (``.tmp-<final>-<write id>``): an object store, with no containers to make, takes the write id
+        from it.
         """
 
     @abc.abstractmethod
@@ -215,17 +239,24 @@ class ByteStore(ReadableStore):
 
     @abc.abstractmethod
     async def write_small(self, key: str, data: bytes) -> None:
-        """Create object ``key`` (it must not exist) holding ``data``; durable when this returns."""
+        """Create object ``key`` (it must not exist) holding ``data``; durable when this returns.
+
+        A staged container's commit object (``<staging>/manifest.msgpack``) on a store that
+        :attr:`replaces_in_place` is held back instead, and put by :meth:`publish`."""
 
     @abc.abstractmethod
     async def sync(self, name: str = "") -> None:
         """Make the names in container ``name`` (the root: ``""``) durable."""
 
     @abc.abstractmethod
-    async def publish(self, staging: str, final: str) -> None:
-        """Make the staged container visible as ``final`` at once (``final`` must not exist).
+    async def publish(self, staging: str, final: str) -> str | None:
+        """Make the staged container visible as ``final`` at once (``final`` must not exist, unless the
+        store :attr:`replaces_in_place`).
 
-        Durable after :meth:`sync` of the root. Nothing moved if it raises.
+        Durable after :meth:`sync` of the root. Returns the container under which the objects of the
+        version it replaced wait for :meth:`remove` (None: it replaced none). Nothing moved if it
+        raises, unless the store could not tell (an object store's request without an answer): the
+        staged container is then kept through :meth:`remove`, for the next open to judge.
         """
 
     @abc.abstractmethod

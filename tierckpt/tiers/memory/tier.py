@@ -35,13 +35,13 @@ from typing import Iterator, Sequence
 
 from tierckpt.capture.pool import HostPool
 from tierckpt.config import TierConfig
-from tierckpt._buffers import align_up
 from tierckpt.errors import CorruptCheckpointError
-from tierckpt.format import DATA_FILE, Manifest, version_dirname
+from tierckpt.format import DATA_FILE, Manifest
 from tierckpt.policy import SlotChoice, SlotOccupant, choose_slot, retain
 from tierckpt.snapshot import Entry, Slot, Snapshot, SnapshotState
 from tierckpt.tiers.base import Lease, Tier, VersionInfo, VersionSource
 from tierckpt.tiers.memory.hooks import Alone, MemoryHooks, Want
+from tierckpt.tiers.memory.adopt import leftover_snapshots
 from tierckpt.tiers.memory.source import MemorySource
 from tierckpt.tiers.memory.shm import ShmStore, chunk_checksums, first_mismatch, slot_manifest
 
@@ -72,32 +72,9 @@ class MemoryTier(Tier):
 
     def _adopt(self, found: list[tuple[Manifest, int | None]]) -> None:
         """Snapshots a previous process left in the pool: held again, older than any new save."""
-        found = sorted(found, key=lambda f: f[0].step)
-        by_index = {slot.index: slot for slot in self._free}
-        placed = [(m, by_index.pop(i)) for m, i in found if i is not None]
-        placed += [(m, by_index.pop(min(by_index))) for m, i in found if i is None and by_index]
-        for seq, (manifest, slot) in enumerate(sorted(placed, key=lambda p: p[0].step), start=1 - len(placed)):
-            self._free.remove(slot)
-            entries = tuple(
-                Entry(**r.identity(), offset=r.chunk(0).offset - slot.offset if r.chunks else 0)
-                for r in manifest.records
-            )
-            snapshot = Snapshot(
-                seq=seq,
-                step=manifest.step,
-                entries=entries,
-                nbytes=max((align_up(e.offset + e.nbytes) for e in entries), default=0),
-                skeleton=manifest.skeleton,
-                metadata=manifest.metadata,
-                created=manifest.created,
-                slot=slot,
-                state=SnapshotState.CAPTURED,
-                checksums=tuple(tuple(c.checksum for c in r.all_chunks()) for r in manifest.records),
-                persisted=self.store.root / version_dirname(manifest.step) if self.store else None,
-                restored=True,
-            )
-            snapshot.capture.set_result(None)
-            self._snapshots[seq] = snapshot
+        for snapshot in leftover_snapshots(found, self._free, self.store.root if self.store else None):
+            self._free.remove(snapshot.slot)
+            self._snapshots[snapshot.seq] = snapshot
 
     @property
     def persistent(self) -> bool:

@@ -169,10 +169,10 @@ class NodeLocalTier(FilesystemTier):
             await self.store.withdraw(final, trash)
             await self.store.publish(aside.aside, final)
             await self.store.sync()
-            await self._discard(trash)
+            await self.leftovers.discard(trash)
             self._held[step] = dataclasses.replace(aside, aside=None)
         else:
-            await self._discard(aside.aside)
+            await self.leftovers.discard(aside.aside)
 
     def has_part(self, step: int) -> bool:
         held = self._held.get(step)
@@ -279,7 +279,7 @@ class NodeLocalTier(FilesystemTier):
         self._doomed.discard(staged.step)  # a lease on the earlier save of this step no longer dooms it
         old = self._placed.pop(staged.location, None)
         if old is not None:
-            await self._discard(old)
+            await self.leftovers.discard(old)
         info = self._indexed(staged)
         self._where[staged.step] = self._as_saved()
         self._local[staged.step] = info
@@ -293,7 +293,7 @@ class NodeLocalTier(FilesystemTier):
         for step in sorted(s for s in self._aside if s < staged.step):  # a copy aside no node needed
             name = self._aside.pop(step).aside
             if name is not None:
-                await self._discard(name)
+                await self.leftovers.discard(name)
         return info
 
     async def abort(self, staged: Staged) -> None:

@@ -29,7 +29,7 @@ def list_versions(bucket: Bucket) -> list[tuple[int, StoreVersion]]:
     step; or, when the prefix is itself a version's container, that one (blocking)."""
     import asyncio
 
-    listing = asyncio.run(bucket.list())
+    listing = asyncio.run(bucket.listing())
     own = parse_version_dirname(bucket.prefix.rpartition("/")[2])
     if own is not None and MANIFEST_FILE in listing:
         parent = open_bucket(bucket.url.rpartition("/")[0], bucket.endpoint)

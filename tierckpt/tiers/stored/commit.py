@@ -1,9 +1,10 @@
-"""Renaming a staged version into place on a byte store, and taking it back: a filesystem tier's commit.
+"""Publishing a staged version on a byte store, and taking it back: a stored tier's commit.
 
-Replacing a committed version of the same step takes two renames (a non-empty directory cannot be
-renamed over): the old one goes to ``.replaced-step-...`` first. :func:`place` returns that name for
-the caller to remove once the new version is final (at once on a shared tier; on a node-local tier,
-once every node committed). :func:`take_back` undoes a placement as far as the disk allows, and says
+Replacing a committed version of the same step on a file system takes two renames (a non-empty
+directory cannot be renamed over): the old one goes to ``.replaced-step-...`` first. An object store
+publishes over the older version in one request, and names where the older write's objects wait.
+:func:`place` returns that name for the caller to remove once the new version is final and no longer
+read (on a node-local tier, once every node committed). :func:`take_back` undoes a placement as far as the disk allows, and says
 what it left (:class:`Left`): never is a committed version removed by it.
 """
 
@@ -36,19 +37,19 @@ class PlaceFailed(Exception):
 
 
 async def place(store: ByteStore, staging: str, final: str, *, tier: str) -> str | None:
-    """Rename ``staging`` to ``final`` and sync; returns where an older ``final`` was moved aside.
+    """Publish ``staging`` as ``final`` and sync; returns where an older ``final`` was moved aside.
 
     Raises:
         OSError: from the first rename (nothing moved then).
         PlaceFailed: a later step failed, and :func:`take_back` ran (``__cause__``: the failure).
     """
     old = None
-    if await store.exists(final):
+    if not store.replaces_in_place and await store.exists(final):
         old = f"{REPLACED}{final}-{uuid.uuid4().hex[:12]}"
         await store.withdraw(final, old)  # if this fails, nothing moved
     moved = False
     try:
-        await store.publish(staging, final)
+        old = await store.publish(staging, final) or old  # an object store's older write waits under its own name
         moved = True
         await store.sync()
     except BaseException as exc:

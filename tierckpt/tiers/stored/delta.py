@@ -30,13 +30,14 @@ from dataclasses import dataclass
 
 from tierckpt._buffers import aligned_buffer
 from tierckpt.errors import CorruptCheckpointError
-from tierckpt.format import Chunk, TensorRecord
+from tierckpt.format import MANIFEST_FILE, Chunk, CommitMarker, TensorRecord, checksum
 from tierckpt.storage.scratch import scratch_bytes
 from tierckpt.tiers.base import VersionInfo
-from tierckpt.tiers.stored.source import StoredSource
+from tierckpt.tiers.stored.read import open_source, read_head, read_manifest, resolve_shared
+from tierckpt.tiers.stored.source import StoredSource, StoreVersion
 from tierckpt.xordelta import DeltaCodec
 
-__all__ = ["BaseChoice", "BaseUnreadable", "DeltaBase", "choose_base", "needed_by"]
+__all__ = ["BaseChoice", "BaseUnreadable", "DeltaBase", "choose_base", "needed_by", "open_base"]
 
 
 @dataclass(frozen=True)
@@ -124,3 +125,22 @@ class DeltaBase:
 
     def close(self) -> None:
         self.source.close()
+
+
+def open_base(files: StoreVersion, choice: BaseChoice, codec: DeltaCodec, *, tier: str, rank: int, world: int, direct: bool) -> DeltaBase | None:
+    """This rank's part of base ``choice.step``, in ``files``, open for the writer (blocking); None when
+    it was written before ``delta`` was set (no digests to refer to, nothing to write against).
+
+    Raises CorruptCheckpointError or LayoutError when it cannot be read.
+    """
+    manifest = read_manifest(files, tier=tier, step=choice.step, rank=rank, world=world)
+    if world > 1:  # its marker records this rank's manifest's checksum, and resolves the shared chunks
+        head = read_head(files, tier=tier, step=choice.step)
+        assert isinstance(head, CommitMarker)  # read_manifest checked the world
+        identity = head.ranks[rank][1]
+        manifest = resolve_shared(files, head, manifest, tier=tier)
+    else:
+        identity = checksum(files.read_small(MANIFEST_FILE, tier=tier, step=choice.step))
+    if not any(c is not None and c.digest is not None for r in manifest.records for c in r.chunks):
+        return None
+    return DeltaBase(choice.step, choice.chain, identity, open_source(tier, files, manifest, direct=direct), codec)

@@ -37,7 +37,7 @@ from typing import NamedTuple
 from tierckpt.format import DELTA_CODECS, BaseChunk, Chunk, TensorRecord, checksum
 from tierckpt.storage.local import LocalDataWriter
 from tierckpt.storage.plan import WriteItem, WritePlan, plan_write
-from tierckpt.storage.store import DataStore, DataWriter
+from tierckpt.storage.store import ByteStore, DataWriter
 from tierckpt.tiers.base import VersionSource
 from tierckpt.tiers.stored.encoding import VersionEncoding, element
 from tierckpt.storage.scratch import ChunkJobs, scratch, scratch2, scratch_bytes
@@ -55,7 +55,7 @@ def write_data_file(
     direct: bool = False,
     threads: int = 2,
     rank: int = 0,
-    store: DataStore | None = None,
+    store: ByteStore | None = None,
     shared_by: Sequence[int] | None = None,
 ) -> tuple[TensorRecord, ...]:
     """Write every record of ``source`` into data object ``path`` and make it durable; returns the

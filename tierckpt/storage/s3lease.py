@@ -1,4 +1,5 @@
-"""One Checkpointer per object-tier prefix: a lease object taken with a conditional PUT, and renewed.
+"""One Checkpointer per object-tier prefix: a lease object taken with a conditional PUT, and renewed
+(the bucket store's ``open(exclusive=True)``, as a directory's ``flock`` is a local store's).
 
 A bucket has no ``flock``. The writer creates ``<prefix>/.writer-lease`` only if it does not exist
 (``If-None-Match: *``), and rewrites it every :data:`RENEW_S` only over its own version (``If-Match``

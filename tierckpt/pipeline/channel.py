@@ -1,0 +1,82 @@
+"""What the ranks of one tier say to each other through the group's store, and the error when some
+of them did not store their part (:mod:`tierckpt.pipeline.ranked` says who says what, and when).
+
+Under ``tier/<name>/``: ``decision/<n>`` (the leader's: step and save number), ``report/<n>/<rank>``
+(a follower's part, or its error), ``outcome/<n>`` (committed, with what retention deletes, or
+abandoned), ``horizon`` (the newest save the leader has dealt with) and ``bell/<rank>`` (a follower's
+wake-up). Decision ``n`` stages its version as ``.tmp-<version>-<run>-<n>``, named for this run and
+that decision.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tierckpt.errors import RankFailureError
+from tierckpt.format import version_dirname
+from tierckpt.ranks.group import RankGroup
+from tierckpt.tiers.base import Part
+
+
+class TierChannel:
+    """The store keys of one tier's decisions, reports and outcomes."""
+
+    def __init__(self, group: RankGroup, tier: str) -> None:
+        self.group = group
+        self.tier = tier
+        self._bells: list[str] | None = None
+
+    def key(self, *parts: Any) -> str:
+        return "/".join(("tier", self.tier, *map(str, parts)))
+
+    def bell(self, rank: int) -> str:
+        """Rank ``rank``'s bell: set when a decision is published, so that a follower blocked in the
+        store's wait for it wakes at once; the follower removes it, and rings it itself to stop."""
+        return self.key("bell", rank)
+
+    def bells(self) -> list[str]:
+        """Every follower's bell, made once: the leader rings them all after each decision."""
+        if self._bells is None:
+            self._bells = [self.bell(r) for r in range(1, self.group.world)]
+        return self._bells
+
+    def staging(self, step: int, n: int) -> str:
+        return f".tmp-{version_dirname(step)}-{self.group.run}-{n}"
+
+    async def collect(self, n: int) -> tuple[dict[int, Part], dict[int, str]]:
+        """Every follower's report of decision ``n``, waited for up to the timeout: (parts, failures)."""
+        group = self.group
+        keys = {r: self.key("report", n, r) for r in range(1, group.world)}
+        reports: dict[int, Any] = {}
+        if await group.wait_for(list(keys.values()), group.timeout_s):
+            # Every rank reported: all reports in one request (per rank, the leader's requests would
+            # grow with the job: two round trips a rank, 20,000 a save at 10,000 ranks).
+            reports = dict(zip(keys, await group.get_many(list(keys.values()))))
+        else:
+            for r, key in keys.items():  # someone is missing: find out who, one by one
+                if await group.has([key]):
+                    reports[r] = await group.get(key)
+        parts: dict[int, Part] = {}
+        failures: dict[int, str] = {}
+        for r in keys:
+            report = reports.get(r)
+            if report is None:
+                failures[r] = f"did not report within {group.timeout_s:g} s (dead, hung, or slower than the timeout)"
+                continue
+            if report.get("part") is not None:
+                parts[r] = Part(*report["part"])
+            else:
+                failures[r] = str(report.get("error"))
+        return parts, failures
+
+
+def rank_failure(tier: str, step: int, failures: dict[int, str]) -> RankFailureError:
+    """Step ``step`` of ``tier`` abandoned because the ranks in ``failures`` (with why) stored no part."""
+    ranks = tuple(sorted(failures))
+    said = "; ".join(f"rank {r}: {why}" for r, why in sorted(failures.items()))
+    return RankFailureError(
+        f"tier {tier!r}: step {step} was abandoned: rank(s) {', '.join(map(str, ranks))} did not store their part ({said})",
+        tier=tier,
+        step=step,
+        ranks=ranks,
+    )
