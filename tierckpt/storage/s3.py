@@ -7,9 +7,10 @@ GET (``get_range``) that releases the GIL while it waits. Measured against the l
 
 :class:`Bucket` is the prefix ``s3://bucket/prefix`` of a tier: every key here is relative to it. It
 is the read half of a byte store (what the CLI and export read through);
-:class:`~tierckpt.storage.s3store.BucketStore` the whole store a tier writes through. This module moves bytes and turns the client's errors into ``OSError`` s naming the object's URL and
-the HTTP status (:class:`ObjectStoreError`; a missing object is ``FileNotFoundError``), which the
-flusher turns into a :class:`~tierckpt.errors.FlushError` naming tier and step.
+:class:`~tierckpt.storage.s3store.BucketStore` is the whole store a tier writes through. This module
+moves bytes and turns the client's errors into ``OSError`` s naming the object's URL and the HTTP
+status (:class:`ObjectStoreError`; a missing object is ``FileNotFoundError``), which the flusher turns
+into a :class:`~tierckpt.errors.FlushError` naming tier and step.
 
 Credentials (never from the YAML): ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``
 (``AWS_SESSION_TOKEN``), else the profile ``AWS_PROFILE`` (or ``default``) of the AWS credentials and

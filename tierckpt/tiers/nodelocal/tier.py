@@ -53,7 +53,7 @@ from tierckpt.errors import CorruptCheckpointError, RankFailureError
 from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, version_dirname
 from tierckpt.format.saved_layout import SavedLayout
 from tierckpt.ranks.group import CoordinationLost, RankGroup
-from tierckpt.tiers.base import Part, Staged, Tier, VersionInfo, VersionSource
+from tierckpt.tiers.base import Part, Staged, Tier, VersionInfo
 from tierckpt.tiers.filesystem import FilesystemTier
 from tierckpt.tiers.stored.commit import Left
 from tierckpt.tiers.stored.read import read_head
@@ -208,14 +208,9 @@ class NodeLocalTier(FilesystemTier):
 
     # -- committing across the nodes -------------------------------------------------------------------
 
-    def _marker(self, staged: Staged, parts: Sequence[Part], metadata: dict[str, Any]) -> CommitMarker:
-        return CommitMarker(
-            step=staged.step, created=staged.created, world_size=len(parts), ranks=tuple(parts), metadata=metadata, holds=self.node, node=self.node_name
-        )
-
     async def seal(self, staged: Staged, parts: list[Part], metadata: dict[str, Any]) -> None:
         """Rank 0: its node's marker, then the seal order for every other node's keeper."""
-        await super().seal(staged, parts, metadata)  # its node's marker (this class's _marker)
+        await super().seal(staged, parts, metadata)  # its node's marker (naming the ranks it holds)
         await self.group.put(self._key(staged, "seal"), {"parts": [list(p) for p in parts], "metadata": metadata})
 
     async def commit(self, staged: Staged) -> VersionInfo:
@@ -367,12 +362,6 @@ class NodeLocalTier(FilesystemTier):
             log.warning("tier %r: could not delete step %d: %s", self.name, step, exc)
 
     # -- reading -----------------------------------------------------------------------------------------
-
-    async def read(self, step: int) -> VersionSource:
-        """This rank's part for a flush further down: every chunk it saved (those of a replicated value
-        that its node's other ranks stored here included), each value shared as it was saved, so that
-        the tier below shares it among every rank, as it does a version read from host memory."""
-        return await self.read_whole(step, as_saved=True)
 
     async def read_layout(self, step: int, rank: int) -> SavedLayout:
         # This rank's part alone: another layout is read from a shared tier.

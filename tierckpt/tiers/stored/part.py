@@ -44,6 +44,8 @@ class PartWriting:
         group: RankGroup | None
         rank: int
         store: ByteStore
+        sharing: tuple[int, ...] | None
+        node_name: str | None
         encoding: TierEncoding
         executor: concurrent.futures.Executor
         _index: dict[int, VersionInfo]
@@ -136,9 +138,10 @@ class PartWriting:
         return Staged(source.step, location, manifest.stored_bytes, source.created, part, base=choice.step, chain=choice.chain)
 
     def _marker(self, staged: Staged, parts: Sequence[Part], metadata: dict[str, Any]) -> CommitMarker:
-        """The leader's commit marker of a staged version: every rank's part, in rank order."""
+        """The leader's commit marker of a staged version: every rank's part, in rank order (a
+        node-local tier's also names the ranks whose parts its directory holds, and its node)."""
         return CommitMarker(
             step=staged.step, created=staged.created, world_size=len(parts), ranks=tuple(parts), metadata=metadata,
-            base=staged.base, chain=staged.chain,
+            base=staged.base, chain=staged.chain, holds=self.sharing, node=self.node_name if self.sharing is not None else None,
         )
 

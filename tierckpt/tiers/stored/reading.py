@@ -35,6 +35,7 @@ class StoredReading:
         group: RankGroup | None
         rank: int
         store: ByteStore
+        sharing: tuple[int, ...] | None
 
         @property
         def direct(self) -> bool: ...
@@ -52,6 +53,11 @@ class StoredReading:
             raise CorruptCheckpointError(f"step {step} on tier {self.name!r}: cannot be listed ({exc})", tier=self.name, step=step) from exc
 
     async def read(self, step: int) -> VersionSource:
+        if self.sharing is not None:
+            # A tier sharing values among some ranks only (a node-local tier: a node's) gives a flush
+            # further down every chunk this rank saved, each value shared as it was saved, so that the
+            # tier below shares it among every rank, as it does a version read from host memory.
+            return await self.read_whole(step, as_saved=True)
         files = await self._files(step)
         world = self.group.world if self.group else 1
 

@@ -36,7 +36,6 @@ import abc
 import asyncio
 import dataclasses
 import logging
-import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -81,8 +80,10 @@ class StoredTier(StoredReading, PartWriting, GroupTier):
         self.leftovers = Leftovers(store, config.name)
         self._index: dict[int, VersionInfo] = {}
         self.keeper = 0  # the rank (group position) opening, sweeping, committing, deleting here
-        # Of a value stored once between ranks: the ranks sharing its chunks here (None: as saved).
+        # Of a value stored once between ranks: the ranks sharing its chunks here (None: as saved), and
+        # the node whose ranks they are (a node-local tier's).
         self.sharing: tuple[int, ...] | None = None
+        self.node_name: str | None = None
 
     @property
     def keeps(self) -> bool:
