@@ -1,11 +1,11 @@
 """The byte store under a tier: where a version's objects live and how their bytes move.
 
-A tier decides *what* it stores (the format, the write plan, codecs, checksums, the commit protocol,
-retention and the sweep: :mod:`tierckpt.tiers.filesystem`, :mod:`~tierckpt.tiers.stored.write`,
-:mod:`~tierckpt.tiers.stored.read`); a :class:`ByteStore` does *how* bytes get there. The local file
-system (:class:`tierckpt.storage.local.LocalStore`: O_DIRECT, ``pwritev``, ``fsync``, renames) is the
-first implementation; an object store (multipart uploads, ranged GETs) or a node-local directory can
-take its place under the same tier code.
+The stored tier decides *what* it stores (the format, the write plan, codecs, checksums, the commit
+protocol, retention and the sweep: :mod:`tierckpt.tiers.stored.tier`, :mod:`~tierckpt.tiers.stored.write`,
+:mod:`~tierckpt.tiers.stored.read`); a :class:`ByteStore` does *how* bytes get there. Two stores run
+under that same tier code: the local file system (:class:`tierckpt.storage.local.LocalStore`:
+O_DIRECT, ``pwritev``, ``fsync``, renames; a node-local tier's directory too) and an S3 bucket
+(:class:`tierckpt.storage.s3store.BucketStore`: multipart uploads, ranged GETs, the commit object).
 
 Names are ``/``-separated keys relative to the store's root: a *container* per version (``step-…``,
 or a staging name such as ``.tmp-step-…``) holding *objects* (``step-…/manifest.msgpack``, data files).
