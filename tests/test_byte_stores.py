@@ -12,14 +12,12 @@ from typing import Any, Iterator
 import obstore
 import pytest
 import torch
-from obstore.store import S3Store
 
 from tierckpt import Checkpointer
 from tierckpt.config import TierConfig
 from tierckpt.storage.local import LocalStore
 from tierckpt.storage.store import ByteStore
 from tierckpt.testing.inspect import call_on_engine, tier_of
-from tierckpt.testing.s3server import ACCESS_KEY, SECRET_KEY
 from tierckpt.tiers.stored.commit import place
 
 from helpers import ram_fs, tier_config
@@ -116,9 +114,7 @@ def _earlier_copies(kind: str, root: Path, s3: Any) -> int:
     """How many earlier writes of step 5 the tier's store still holds."""
     if kind == "filesystem":
         return len([n for n in (p.name for p in root.iterdir()) if n.startswith(".replaced-step-000000000005-")])
-    client = S3Store(s3.bucket, endpoint=s3.endpoint, access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY, region="us-east-1",
-                     client_options={"allow_http": True})
-    keys = [m["path"] for batch in obstore.list(client, f"{s3.prefix}/step-000000000005/") for m in batch]
+    keys = [m["path"] for batch in obstore.list(s3.client(), f"{s3.prefix}/step-000000000005/") for m in batch]
     return len([k for k in keys if k.rpartition("/")[2].startswith("data-")]) - 1
 
 

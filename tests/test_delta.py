@@ -356,9 +356,6 @@ def test_ranks_write_their_parts_against_their_parts_of_the_base_and_restore_in_
 
 def test_an_object_tier_stores_deltas_keeps_their_bases_and_restores_bitwise(s3: Any) -> None:
     import obstore
-    from obstore.store import S3Store
-
-    from tierckpt.testing.s3server import ACCESS_KEY, SECRET_KEY
 
     section = s3.tier("s3", prefix=s3.prefix, delta={"full_every": 3}, keep={"last": 1}, compression=SHUFFLED_ZSTD)
     config = {"host": {"capacity": "48MiB", "snapshots": 2}, "tiers": [{"name": "ram", "type": "memory"}, section]}
@@ -372,8 +369,7 @@ def test_an_object_tier_stores_deltas_keeps_their_bases_and_restores_bitwise(s3:
         assert [(v.step, v.base, v.needed_by) for v in ckpt.versions() if v.tier == "s3"] == [(1, None, (3,)), (3, 1, ())]
         stats = ckpt.counters.compression["s3"]
         assert (stats.versions_delta, stats.chunks_referenced) == (2, 2)
-    store = S3Store(s3.bucket, endpoint=s3.endpoint, access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY, region="us-east-1",
-                    client_options={"allow_http": True})
+    store = s3.client()
     names = {m["path"].split("/")[1] for batch in obstore.list(store, s3.prefix + "/") for m in batch}
     assert names == {version_dirname(1), version_dirname(3)}  # 2 went; 1 stays for 3
     with Checkpointer(config) as ckpt:

@@ -42,8 +42,7 @@ def config(s3: Any, *, endpoint: str | None = None, prefix: str | None = None, *
 
 
 def client(s3: Any) -> S3Store:
-    return S3Store(s3.bucket, endpoint=s3.endpoint, access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY, region="us-east-1",
-                   client_options={"allow_http": True})
+    return s3.client()
 
 
 def listing(s3: Any, prefix: str) -> dict[str, int]:

@@ -92,9 +92,10 @@ class BucketStore(ByteStore, Bucket):
 
     def named(self, staging: str, name: str) -> str:
         match, named = _VIRTUAL.match(staging), _NAMED.match(name)
-        if match is None or named is None or not _WRITE.match(f"{named.group(1)}.{match.group(3)}.{named.group(2)}"):
+        stored = f"{named.group(1)}.{match.group(3)}.{named.group(2)}" if match and named else ""
+        if not _WRITE.match(stored):
             raise ValueError(f"{staging}/{name}: not a staged data object or rank manifest")
-        return f"{named.group(1)}.{match.group(3)}.{named.group(2)}"
+        return stored
 
     def where(self, name: str) -> str:
         return self.url_of(self._key(name))

@@ -95,6 +95,13 @@ class S3Server:
             "AWS_ENDPOINT_URL": self.endpoint,
         }
 
+    def client(self) -> Any:
+        """An obstore ``S3Store`` of this server's bucket, for a test to look at what a tier stored."""
+        from obstore.store import S3Store
+
+        return S3Store(self.bucket, endpoint=self.endpoint, access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY,
+                       region="us-east-1", client_options={"allow_http": True})
+
     def tier(self, name: str = "s3", *, prefix: str = "ckpt", **options: Any) -> dict[str, Any]:
         """A tier section of type object on this server's bucket."""
         return {"name": name, "type": "object", "url": f"s3://{self.bucket}/{prefix}", "endpoint": self.endpoint, **options}
