@@ -17,7 +17,9 @@ requests a save costs, all ranks together.
 a tier that stores no bytes), per save: the store requests of all ranks and of the leader, the bytes
 through the store, the largest message, the commit marker's size, the leader's CPU time alone (its
 reports already in), and a fitted linear model of each. ``--ranks`` and ``--simulate`` may be given
-together; tests/test_scale_simulation.py holds the simulation's counts against a real job's.
+together; tests/test_scale_simulation.py holds the simulation's counts against a real job's. With
+``--simulate``, also the restore's agreement for those sizes (:mod:`tierckpt.testing.simrestore`: the
+exchanges, what a rank sends and receives, its CPU to agree).
 
     flock /tmp/tierckpt-bench.lock .venv/bin/python benchmarks/scale.py --ranks 1 2 8 16
     .venv/bin/python benchmarks/scale.py --ranks --simulate 1000 4000 10000
@@ -147,6 +149,26 @@ def simulate(worlds: list[int], saves: int) -> list[dict[str, Any]]:
     return rows
 
 
+def simulate_restores(worlds: list[int]) -> list[dict[str, Any]]:
+    """The restore's agreement of each world size in this process (tierckpt.testing.simrestore)."""
+    from tierckpt.testing.simrestore import simulate_restore
+
+    return [vars(simulate_restore(world)) for world in worlds]
+
+
+def restore_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| ranks | exchanges (all_gather) | a rank sends | a rank receives | agreeing, a rank's CPU | replicated bytes read from storage |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['world']:,} | {r['exchanges']} | {r['sent']} B | {r['received'] / 2**10:,.0f} KiB | {1e3 * r['agree_s']:.1f} ms | "
+            f"{'once' if r['read_once'] else 'once a rank'} |"
+        )
+    return lines
+
+
 def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least squares ``y = a + b x``: (a, b)."""
     n, mx, my = len(xs), statistics.fmean(xs), statistics.fmean(ys)
@@ -207,8 +229,9 @@ def main() -> None:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     simulated = simulate(args.simulate, args.sim_saves)
+    restores = simulate_restores(args.simulate)
     report = {"kib": args.kib, "saves": args.saves, "cpus": os.cpu_count(), "python": sys.version.split()[0], "rows": rows,
-              "simulated": simulated}
+              "simulated": simulated, "simulated_restores": restores}
     results = args.out / "scale.json"
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps(report, indent=1))
@@ -216,7 +239,9 @@ def main() -> None:
     if rows:
         lines += [f"## Scale: commit against the floor ({args.kib} KiB a rank, {args.saves} saves, {os.cpu_count()} cores)", "", *table(rows), ""]
     if simulated:
-        lines += [f"## Scale, simulated: what one save asks of the store ({args.sim_saves} saves each)", "", *simulated_table(simulated)]
+        lines += [f"## Scale, simulated: what one save asks of the store ({args.sim_saves} saves each)", "", *simulated_table(simulated), ""]
+        lines += ["## Scale, simulated: what a restore's agreement asks of each rank (8 versions held, the newest verifies)", "",
+                  *restore_table(restores)]
     common.show_report(lines, Path("/tmp/scale_results.md"), results, time.perf_counter() - started)
 
 

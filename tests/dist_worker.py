@@ -34,9 +34,10 @@ def config(root: Path, timeout: float) -> dict[str, Any]:
         disk = json.loads(os.environ["S3_TIER"]) | {"name": "disk", "keep": {"last": 3}}
     if "DELTA" in os.environ:  # differential versions (tests/test_delta.py)
         disk["delta"] = {"full_every": int(os.environ["DELTA"])}
+    below = [{"name": "pfs", "type": "filesystem", "path": str(root / "pfs")}] if "PFS" in os.environ else []  # a third tier
     return {
         "host": {"capacity": "64MiB", "snapshots": 2},
-        "tiers": [{"name": "ram", "type": "memory"}, disk],
+        "tiers": [{"name": "ram", "type": "memory"}, disk, *below],
         "distributed": {"timeout": f"{timeout}s"},
         "events": str(root / "events-{rank}.jsonl"),  # each rank its own file
     }
@@ -301,6 +302,10 @@ def main() -> None:
             restored = ckpt.restore_sync(2, template(rank)).state
             out["bitwise"] = bitwise_equal(restored, again)
     elif scenario == "restore":
+        if os.environ.get("ROUND_BYTES"):  # replicated chunks sent in several rounds, through buffers
+            import tierckpt.restore.replicas
+
+            tierckpt.restore.replicas.ROUND_BYTES = int(os.environ["ROUND_BYTES"])
         with logged_warnings() as logged:
             with Checkpointer(config(root, timeout)) as ckpt:
                 into = template(rank)
@@ -320,6 +325,7 @@ def main() -> None:
         else:
             out["step"] = restored.step
             out["tier"] = restored.tier
+            out["read_bytes"] = restored.read_bytes
             out["bitwise"] = bitwise_equal(restored.state, state(restored.step, rank))
             out["template_filled"] = restored.state["mine"] is into["mine"] and bitwise_equal(into["model"], model(restored.step))
     elif scenario == "dtensor":

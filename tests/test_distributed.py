@@ -55,10 +55,15 @@ def test_ranks_save_and_restore_bitwise_with_replicated_bytes_stored_once(tmp_pa
     assert sum(marker.ranks[r][2] for r in range(world)) < MODEL_BYTES + own + world * 3 * 4096
     shares = [marker.ranks[r][2] for r in range(world)]
     assert max(shares) - min(shares) < MODEL_BYTES / world  # about 1/world of the model each
-    restored = run_ranks(world, "restore", tmp_path)
+    # A rank receives at most 512 KiB a round: at world 4, the 1.2 MB model goes in several rounds.
+    restored = run_ranks(world, "restore", tmp_path, {"ROUND_BYTES": str(512 << 10)} if world == 4 else {})
     assert [r["step"] for r in restored] == [3] * world
     assert all(r["bitwise"] and r["template_filled"] for r in restored), restored
     assert all(r["warnings"] == [] for r in restored)
+    # Each rank read only what it stored (its share of the model, its own tensors) and got the rest of
+    # the model from the others: the model was read from disk once, not once per rank.
+    assert all(r["read_bytes"] <= marker.ranks[r["rank"]][2] for r in restored), [(r["read_bytes"], marker.ranks) for r in restored]
+    assert MODEL_BYTES + own <= sum(r["read_bytes"] for r in restored) < 2 * MODEL_BYTES
     # Each rank wrote its own events file (config events: .../events-{rank}.jsonl), in both jobs.
     for rank in range(world):
         events = [json.loads(line) for line in (tmp_path / f"events-{rank}.jsonl").read_text().splitlines()]
@@ -107,6 +112,25 @@ def test_a_corrupted_file_of_one_rank_makes_every_rank_fall_back_together(tmp_pa
         assert len(r["warnings"]) == 1, r["warnings"]
         assert "step 3" in r["warnings"][0] and "data-r00001.bin" in r["warnings"][0]
         assert r["warnings"][0].endswith("; every rank falls back to step 2"), r["warnings"]  # the step it names is next
+
+
+@pytest.mark.slow
+def test_a_rank_whose_own_chunk_is_damaged_reads_a_lower_tier_and_the_others_read_its_share_themselves(tmp_path: Path) -> None:
+    """The replicated model is read once between the ranks only if every rank reads its own share:
+    rank 1's own tensor damaged on "disk", rank 1 takes step 3 from "pfs", and rank 0 reads rank 1's
+    share of the model from "disk" itself (it verifies there)."""
+    run_ranks(2, "save", tmp_path, {"STEPS": "1,2,3", "REPLICATED": "1", "PFS": "1"})
+    version = _version(tmp_path, 3)
+    part = decode_document((version / "manifest-r00001.msgpack").read_bytes())
+    mine = next(r for r in part.records if r.key == "['mine']")
+    data = version / "data-r00001.bin"
+    raw = bytearray(data.read_bytes())
+    raw[mine.chunk(0).offset + 8] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    restored = run_ranks(2, "restore", tmp_path, {"PFS": "1"})
+    assert [(r["step"], r["tier"], r["bitwise"]) for r in restored] == [(3, "disk", True), (3, "pfs", True)], restored
+    assert all(r["read_bytes"] >= MODEL_BYTES for r in restored)  # each read the whole model itself
+    assert all(r["warnings"] == [] for r in restored)  # no step fell back
 
 
 @pytest.mark.slow

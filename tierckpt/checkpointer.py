@@ -210,7 +210,10 @@ class Checkpointer(LazyBarrier):
 
     async def _restore(self, template: Any, strict: bool, cast: bool, verify_first: bool, step: int | None = None, tier: str | None = None) -> Any:
         engine, p = self._open_engine(), self._pipeline
-        work = prepare_restore(self._group, p.tiers, p.memory, p.events, template, strict=strict, cast=cast, verify_first=verify_first, step=step, tier=tier)
+        work = prepare_restore(
+            self._group, p.tiers, p.memory, p.events, template, strict=strict, cast=cast, verify_first=verify_first, step=step, tier=tier,
+            replicas_once=self.config.distributed.read_replicated == "once",
+        )
         return await engine.run(work)
 
     def versions(self) -> list[VersionInfo]:

@@ -104,9 +104,16 @@ class DistributedConfig:
             The world size must be divisible by it; that is checked when the ranks start, not here.
             ``None`` (the default): ranks on the same node are those with the same ``GROUP_RANK``
             (set by torchrun), or else the same host name.
+        read_replicated: how a restore reads a value stored once between ranks (``replicated=``)
+            from a shared filesystem or object tier: ``once`` (the default), each rank reads the
+            chunks it stored and sends them to the other ranks of the value over the group's gloo
+            group, so shared storage serves each byte once (:mod:`tierckpt.restore.replicas`);
+            ``every_rank``, each rank reads the whole value from storage (where storage is faster
+            than the network between ranks, or ranks share one page cache).
 
     Raises:
-        ConfigError: the timeout is not a positive duration, or ``nodes`` is not an integer >= 1.
+        ConfigError: the timeout is not a positive duration, ``nodes`` is not an integer >= 1, or
+            ``read_replicated`` is neither ``once`` nor ``every_rank``.
 
     Example:
         >>> DistributedConfig(nodes=2).nodes
@@ -115,11 +122,13 @@ class DistributedConfig:
 
     timeout_s: float = 60.0
     nodes: int | None = None
+    read_replicated: str = "once"
 
     def __post_init__(self) -> None:
         at = site("distributed")
         object.__setattr__(self, "timeout_s", check_seconds(at, "timeout", self.timeout_s, positive=True))
         check_int(at, "nodes", self.nodes, low=1, optional=True)
+        check_choice(at, "read_replicated", self.read_replicated, ("once", "every_rank"))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -311,7 +320,7 @@ _HOST_KEYS = (
     Key("copy_threads", "copy_threads"),
     Key("pinned", "pinned"),
 )
-_DISTRIBUTED_KEYS = (Key("timeout", "timeout_s", read_duration), Key("nodes", "nodes"))
+_DISTRIBUTED_KEYS = (Key("timeout", "timeout_s", read_duration), Key("nodes", "nodes"), Key("read_replicated", "read_replicated"))
 _FLUSH_KEYS = (
     Key("every", "every"),
     Key("every_steps", "every_steps"),

@@ -139,6 +139,7 @@ class RankGroup:
         self._waiters_lock = threading.Lock()
         self._watches: set[concurrent.futures.Future[bool]] = set()  # not ended yet: close() waits for them
         self.tally = StoreTally()
+        self.exchanges = StoreTally()  # this rank's collectives on the group's gloo group (all_gather, swap)
 
     @property
     def leader(self) -> bool:
@@ -325,8 +326,19 @@ class RankGroup:
     def all_gather(self, value: Any) -> list[Any]:
         """Every rank's ``value``, in rank order (blocking; msgpack types only)."""
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, msgpack.packb(value, use_bin_type=True), group=self._pg)
+        packed = msgpack.packb(value, use_bin_type=True)
+        dist.all_gather_object(out, packed, group=self._pg)
+        self.exchanges.record("all_gather", [packed], out)
         return [msgpack.unpackb(v, raw=False) for v in out]
+
+    def swap(self, sends: Sequence[tuple[int, Any]], receives: Sequence[tuple[int, Any]]) -> None:
+        """Send each CPU tensor of ``sends`` to its rank and fill each of ``receives`` from its rank, all
+        at once (blocking, on the group's own gloo group: each rank named calls this with the other halves)."""
+        works = [dist.isend(t, self.ranks[r], group=self._pg) for r, t in sends]
+        works += [dist.irecv(t, self.ranks[r], group=self._pg) for r, t in receives]
+        for work in works:
+            if work is not None:  # None only for a rank outside the group, which no caller names
+                work.wait()
 
     async def leave(self) -> None:
         """Closing: the leader serves the store until every rank left (or the timeout passed); the

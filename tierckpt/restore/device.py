@@ -120,6 +120,7 @@ class DeviceRing:
     def close(self) -> None:
         """Wait for every copy, then unpin and free the buffers (freed even when a wait failed)."""
         made, self._made = self._made, []
+        self._free = queue.Queue()  # a start() after this makes buffers anew (Plan.run_deferred)
         try:
             for stream in self._streams.values():
                 stream.synchronize()

@@ -33,13 +33,15 @@ def prepare_restore(
     verify_first: bool,
     step: int | None = None,
     tier: str | None = None,
+    replicas_once: bool = True,
 ) -> Coroutine[Any, Any, Any]:
     """The restore to run on the engine: of step ``step`` (else the newest that verifies), from tier
     ``tier`` only (else from any of ``tiers``, fastest first), collectively when ``group`` is given.
     Rank 0 (or the one process) shows a progress bar per copy it reads, when stderr is a terminal
     (:mod:`tierckpt.observe.progress`). Its result is a :class:`Restored`, or None when no step was
     asked for and no tier holds a version. How it ends is reported on ``events``: ``restored`` (step,
-    tier, bytes, seconds since this call) or ``restore_failed`` (step, error).
+    tier, bytes, seconds since this call) or ``restore_failed`` (step, error). ``replicas_once``: a
+    value stored once between ranks is read once between them (``distributed.read_replicated``).
 
     Raises:
         TypeError, ValueError: ``step`` cannot name a version (:func:`~tierckpt.format.layout.checked_step`).
@@ -49,7 +51,8 @@ def prepare_restore(
     if step is not None:
         checked_step(step)
     only = None if tier is None else _named(tiers, tier)
-    return _reported(_restore(group, tiers, memory, template, strict, cast, verify_first, step, only), tiers, events, step, began)
+    work = _restore(group, tiers, memory, template, strict, cast, verify_first, step, only, replicas_once)
+    return _reported(work, tiers, events, step, began)
 
 
 def _named(tiers: Sequence[Tier], name: str) -> list[Tier]:
@@ -69,12 +72,14 @@ async def _restore(
     verify_first: bool,
     step: int | None,
     only: list[Tier] | None,
+    replicas_once: bool,
 ) -> Restored | None:
     tiers = listed if only is None else only
     # One bar per copy tried, on rank 0 only: every rank drawing its own would garble the terminal.
     show = group is None or group.rank == 0
     work = restore_versions(
-        group, tiers, template, memory, strict=strict, cast=cast, verify_first=verify_first, only=step, listed=listed, show_progress=show
+        group, tiers, template, memory, strict=strict, cast=cast, verify_first=verify_first, only=step, listed=listed, show_progress=show,
+        replicas_once=replicas_once,
     )
     # Faulting the host pool in the background would take cores from the restore, which every
     # rank of the job waits for: it waits until the restore is over.

@@ -141,17 +141,20 @@ def _targets(
 
 
 def land(
-    source: VersionSource, templates: dict[str, Leaf], lent: memoryview | None = None, *, verify_first: bool = True, stage_all: bool = False
-) -> tuple[list[Target], list[Work], list[tuple[int, memoryview]], DeviceRing | None]:
+    source: VersionSource, templates: dict[str, Leaf], lent: memoryview | None = None, *, verify_first: bool = True, stage_all: bool = False,
+    owner: int | None = None,
+) -> tuple[list[Target], list[Work], list[tuple[int, memoryview]], DeviceRing | None, list[Work]]:
     """Every record of ``source`` into its destination: the targets, one chunk job per stored chunk
     (each reads, verifies and decodes the chunk into its destination), the fresh destinations to
-    fault in ahead of the jobs (job index, bytes), and the ring of pinned buffers that the chunks for
-    CUDA templates go through (None without any). Nothing is read yet.
+    fault in ahead of the jobs (job index, bytes), the ring of pinned buffers that the chunks for
+    CUDA templates go through (None without any), and the jobs deferred. Nothing is read yet.
 
     ``lent``: page-aligned memory, already faulted in, to stage in when large enough (see
     :func:`_targets`); nothing uses it once :func:`~tierckpt.restore.landing.finish` returns.
     ``stage_all``: stage even what could be copied straight into the template (a template is then
-    written only by :func:`~tierckpt.restore.landing.finish`).
+    written only by :func:`~tierckpt.restore.landing.finish`). ``owner``: this rank, when the chunks of
+    replicated values that other ranks store come from those ranks (:mod:`tierckpt.restore.replicas`):
+    their jobs are deferred, run only if those ranks cannot send them.
 
     Raises:
         CorruptCheckpointError: the skeleton does not match the records, or a record's length its shape.
@@ -164,6 +167,7 @@ def land(
         )
     targets = _targets(source, templates, lent, verify_first, stage_all)
     work: list[Work] = []
+    deferred: list[Work] = []
     ahead: list[tuple[int, memoryview]] = []
     to_devices = [t for t in targets if t.cuda_bytes is not None]
     ring = None
@@ -173,15 +177,17 @@ def land(
     for t in targets:
         for c in range(len(t.record.chunks)):
             start, length = t.record.chunk_span(c)
+            shared = t.record.shared
+            jobs = deferred if owner is not None and shared is not None and owner in shared and t.record.owner(c) != owner else work
             if t.cuda_bytes is not None:
                 assert ring is not None  # made above for every target with CUDA bytes
-                work.append((ring.land, (t.record, c, t.cuda_bytes[start : start + length])))
+                jobs.append((ring.land, (t.record, c, t.cuda_bytes[start : start + length])))
                 continue
             out = t.out[start : start + length]
-            work.append((_read_chunk, (t.record, c, out, not (t.template and t.staged is None))))
-            if t.fresh:
+            jobs.append((_read_chunk, (t.record, c, out, not (t.template and t.staged is None))))
+            if t.fresh and jobs is work:
                 ahead.append((len(work) - 1, out))
-    return targets, work, ahead, ring
+    return targets, work, ahead, ring, deferred
 
 
 def _read_chunk(source: VersionSource, record: TensorRecord, chunk: int, out: memoryview, private: bool) -> None:

@@ -31,19 +31,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import typing
 from typing import Any, Protocol, Sequence
 
 from tierckpt.errors import CorruptCheckpointError, RestoreError
 from tierckpt.format.layout import after_where, where
 from tierckpt.format.saved_layout import NotHere
 from tierckpt.restore.landing import finish
+from tierckpt.restore.plan import Plan
 from tierckpt.restore.read import in_thread, read_version
+from tierckpt.restore.replicas import LeftToOwners, Swapping, first_tiers, read_once, spread
 from tierckpt.restore.result import Restored, template_leaves, uncovered
 from tierckpt.restore.verdicts import AloneVoice, RanksVoice
-from tierckpt.tiers.base import Tier
+from tierckpt.tiers.base import Recovery, Tier
 from tierckpt.tiers.memory.tier import MemoryTier
 
-__all__ = ["Alone", "Exchange", "restore_versions"]
+__all__ = ["Alone", "Exchange", "agree", "restore_versions", "what_held"]
 
 
 class Exchange(Protocol):
@@ -81,6 +84,7 @@ async def restore_versions(
     listed: Sequence[Tier] | None = None,
     verify_first: bool = False,
     show_progress: bool = False,
+    replicas_once: bool = True,
 ) -> Restored | None:
     """The newest step every rank can load and verify, loaded on every rank; None on every rank if
     none. ``group``: the ranks (None: this process alone).
@@ -92,6 +96,8 @@ async def restore_versions(
     and the ranks fall back together all the same. ``strict`` and ``cast``: see
     :func:`~tierckpt.restore.read.check_keys` and :func:`tierckpt.restore.plan.plan`.
     ``show_progress``: a progress bar per copy tried, when stderr is a terminal (one rank asks for it).
+    ``replicas_once``: a value stored once between ranks is read from storage once between them
+    where every rank agrees to (:mod:`tierckpt.restore.replicas`).
 
     Raises:
         NoCheckpointError: some rank can get step ``only`` from none of ``tiers``; names those ranks
@@ -107,12 +113,7 @@ async def restore_versions(
     voice = AloneVoice(only, listed) if ranks.world == 1 else RanksVoice(only, listed, ranks.rank)
     recoveries = [t.recovery() for t in tiers]  # how each tier gets this rank's part from other ranks, if it can
     helped = [r for r in recoveries if r is not None]
-    mine = sorted({info.step for tier in tiers for info in tier.versions() if tier.has_part(info.step)}, reverse=True)
-    held = await _exchange(ranks, [mine, [r.report() for r in helped]])
-    can = [set(h[0]) for h in held]
-    for k, helper in enumerate(helped):
-        for r, steps in enumerate(helper.reachable([h[1][k] for h in held])):
-            can[r] |= steps
+    can, once = agree(tiers, helped, await _exchange(ranks, what_held(tiers, helped, replicas_once)))
     common = sorted(set.intersection(*can), reverse=True)
     if only is not None:
         if only not in common:
@@ -133,12 +134,16 @@ async def restore_versions(
             # fetch, wanting or not, so that every rank serves what the others fetch from it.
             holding = [t for t in tiers if t.has_part(step) and any(info.step == step for info in t.versions())]
             for i, (tier, recovery) in enumerate(zip(tiers, recoveries)):
+                after = functools.partial(_after, holding[holding.index(tier) + 1 :] if tier in holding else [], step, tiers, common[n + 1 :], only)
                 if attempt.wants and any(t is tier for t in holding):
-                    after = functools.partial(_after, holding[holding.index(tier) + 1 :], step, tiers, common[n + 1 :], only)
-                    missed = await attempt_on(held_open, tier, step, attempt)
+                    missed = await attempt_on(held_open, tier, step, attempt, owner=ranks.rank if once.get(step) == i else None)
                     if isinstance(missed, NotHere):
                         voice.not_here(missed, after)
                     elif missed is not None:
+                        voice.passed_over(tier, step, missed, after)
+                if once.get(step) == i:  # every rank is here, whatever it read
+                    missed = await _share_replicas(ranks, attempt, tier, step)
+                    if missed is not None:
                         voice.passed_over(tier, step, missed, after)
                 if recovery is None:
                     continue
@@ -154,7 +159,7 @@ async def restore_versions(
             # every rank leaves behind leaves what verified here written, too).
             touched |= attempt.written
             if attempt.loaded is not None and attempt.error is None:
-                attempt.error = uncovered(touched, attempt.loaded[2], step)
+                attempt.error = uncovered(touched, attempt.loaded[1].targets, step)
             loaded, verdict, error = attempt.loaded, attempt.verdict, attempt.error
             # One exchange per step, whatever happened here: every rank leaves the step together.
             said = None if error is None else f"{type(error).__name__}: {error}"
@@ -167,13 +172,53 @@ async def restore_versions(
                 raise RestoreError(f"restoring step {step} failed on rank {errors[0][0]}: {errors[0][1]}", step=step)
             if all(v[:2] == [None, None] for v in verdicts):
                 assert loaded is not None
-                tier, read, targets, keys = loaded
-                state = await in_thread(finish, read, targets)
-                return Restored(step, state, tier.name, dict(read.metadata), *keys)
+                tier, planned, (missing, unexpected) = loaded
+                state = await in_thread(finish, planned.saved, planned.targets)
+                return Restored(step, state, tier.name, dict(planned.saved.metadata), missing, unexpected, read_bytes=planned.bytes_read)
         voice.step_failed(step, {r: v[0] for r, v in enumerate(verdicts) if v[0]}, common[n + 1 :], touched, touched_ranks)
     failed = voice.none_verified(touched, touched_ranks)
     if failed is not None:
         raise failed
+    return None
+
+
+def what_held(tiers: Sequence[Tier], helped: Sequence[Recovery], replicas_once: bool) -> list[Any]:
+    """What this rank tells the others first: the steps it holds a part of (newest first), what each
+    tier that fetches from other ranks reports, and the first tier holding each step (None: it reads
+    every replicated value whole)."""
+    mine = sorted({info.step for tier in tiers for info in tier.versions() if tier.has_part(info.step)}, reverse=True)
+    return [mine, [r.report() for r in helped], first_tiers(tiers, mine) if replicas_once else None]
+
+
+def agree(tiers: Sequence[Tier], helped: Sequence[Recovery], held: Sequence[Any]) -> tuple[list[set[int]], dict[int, int]]:
+    """From every rank's :func:`what_held`, in rank order (the same on every rank): the steps each rank
+    can get, by itself or with the others' help, and the steps whose replicated values are read once
+    (step -> tier index: :func:`~tierckpt.restore.replicas.read_once`)."""
+    can = [set(h[0]) for h in held]
+    for k, helper in enumerate(helped):
+        for r, steps in enumerate(helper.reachable([h[1][k] for h in held])):
+            can[r] |= steps
+    return can, read_once(tiers, [(h[0], h[2]) for h in held])
+
+
+async def _share_replicas(ranks: Exchange, attempt: Attempt, tier: Tier, step: int) -> CorruptCheckpointError | None:
+    """After every rank tried ``tier`` for ``step`` reading only the replicated chunks it stored: if
+    every rank read its own, each sends them to the others sharing their values; else each reads the
+    chunks it left to the others itself. Returns this rank's copy that then did not verify."""
+    left, attempt.left = attempt.left, None
+    said = await _exchange(ranks, left is not None)
+    if left is None:
+        return None
+    assert attempt.loaded is not None  # only a read that went through leaves chunks to others
+    try:
+        if all(said):  # a group of ranks (one process never defers): a RankGroup
+            await in_thread(spread, typing.cast(Swapping, ranks), attempt.loaded[1].targets)
+        else:
+            await in_thread(left.read_here)
+    except CorruptCheckpointError as exc:
+        attempt.loaded = None
+        attempt.failed(tier, step, exc)
+        return exc
     return None
 
 
@@ -202,9 +247,10 @@ class Attempt:
 
     def __init__(self, verdict: str) -> None:
         self.verdict = verdict
-        self.loaded: tuple[Tier, Any, list[Any], Any] | None = None
+        self.loaded: tuple[Tier, Plan, Any] | None = None  # the tier, the plan run, the keys check_keys found
         self.error: BaseException | None = None
         self.written: set[str] = set()  # template keys its tries wrote into, whether they verified or not
+        self.left: LeftToOwners | None = None  # what the read of ``loaded`` left to the ranks storing it
 
     @property
     def wants(self) -> bool:
@@ -230,6 +276,7 @@ async def _try(
     verify_first: bool,
     stage_all: bool,
     show_progress: bool,
+    owner: int | None = None,
 ) -> NotHere | CorruptCheckpointError | None:
     """Read and verify this rank's part of ``step`` from ``tier`` into ``attempt``: with
     ``verify_first`` into staging memory (with ``stage_all``, a snapshot in host memory too: nothing
@@ -237,18 +284,20 @@ async def _try(
     (lease, files, staging slots) stays held by ``held_open``. Why it failed goes to ``attempt``:
     ``verdict`` (the part does not verify), ``error`` (it cannot load: every rank raises it), or
     nothing (this tier holds another rank's part only: a slower tier may do). Returns what is said
-    of it: the copy that did not verify, or that this tier holds only part of what is needed."""
+    of it: the copy that did not verify, or that this tier holds only part of what is needed.
+    ``owner``: this rank, reading only the chunks of replicated values it stored
+    (:mod:`tierckpt.restore.replicas`; what it left to others goes to ``attempt.left``)."""
     try:
         held_open.enter_context(tier.lease(step))
     except KeyError:  # evicted from host memory since the steps were listed: nothing to warn about
         attempt.failed(tier, step, CorruptCheckpointError(f"step {step} left tier {tier.name!r} meanwhile", tier=tier.name, step=step))
         return None
     try:
-        read, targets, keys = await read_version(
+        planned, keys, attempt.left = await read_version(
             held_open, tier, step, by_path, staging, strict=strict, cast=cast, rank=rank,
-            verify_first=verify_first, stage_all=stage_all, touched=attempt.written, show_progress=show_progress,
+            verify_first=verify_first, stage_all=stage_all, touched=attempt.written, show_progress=show_progress, owner=owner,
         )
-        attempt.loaded = (tier, read, targets, keys)
+        attempt.loaded = (tier, planned, keys)
     except NotHere as exc:  # this rank's host memory holds only its own part: a slower tier may do
         return exc
     except CorruptCheckpointError as exc:

@@ -42,6 +42,8 @@ __all__ = ["Plan", "Saved", "fits", "load", "plan", "staging_bytes"]
 
 # What a plan reads from: a saved layout, or the source of a version this rank reads whole.
 Saved = Union[VersionSource, SavedLayout]
+Progress = Callable[[int], None]  # called with each chunk's stored bytes once it landed
+Ahead = Sequence[tuple[int, memoryview]]  # (job index, fresh destination bytes): faulted in ahead of the readers
 
 
 def fits(records: tuple[TensorRecord, ...], templates: dict[str, Leaf]) -> bool:
@@ -106,6 +108,7 @@ class Plan:
         records: Sequence[TensorRecord] | None = None,
         partial: bool = False,
         ring: DeviceRing | None = None,
+        deferred: Sequence[Work] = (),
     ) -> None:
         self.saved = saved  # what finish() rebuilds the state from (its skeleton), and its metadata
         self.targets = targets  # one per planned record, for tierckpt.restore.landing.finish
@@ -118,6 +121,10 @@ class Plan:
         self._work = work
         self._ahead = ahead  # (job index, fresh destination bytes): faulted in ahead of the readers
         self._ring = ring  # pinned buffers the chunks bound for CUDA templates go through
+        # Chunks of replicated values that the ranks storing them send (tierckpt.restore.replicas);
+        # read here only when they cannot (run_deferred).
+        self.deferred = list(deferred)
+        self.bytes_read = 0  # the stored bytes of the chunks read and landed so far
 
     @property
     def touched(self) -> list[str]:
@@ -153,37 +160,52 @@ class Plan:
         with each chunk's stored bytes once it landed, from the thread that read it (several at once);
         :attr:`read_bytes` in all.
         """
+        return self._run(source, executor, threads, progress, self._work, self._ahead)
+
+    def run_deferred(self, source: VersionSource, executor: concurrent.futures.Executor, threads: int = 2) -> list[Target]:
+        """Read the :attr:`deferred` chunks here after all, as :meth:`run` reads the others (blocking)."""
+        deferred, self.deferred = self.deferred, []
+        return self._run(source, executor, threads, None, deferred, ())
+
+    def _run(
+        self,
+        source: VersionSource,
+        executor: concurrent.futures.Executor,
+        threads: int,
+        progress: Progress | None,
+        work: Sequence[Work],
+        ahead: Ahead,
+    ) -> list[Target]:
         if self._ring is not None:
             self._ring.start(threads + 1)  # the tier's threads and this one
         try:
-            return self._run(source, executor, threads, progress)
+            self._jobs(source, executor, threads, progress, work, ahead)
         finally:
             if self._ring is not None:
                 self._ring.close()  # every copy to a device is done before the targets are handed on
+        return self.targets
 
-    def _run(
-        self, source: VersionSource, executor: concurrent.futures.Executor, threads: int, progress: Callable[[int], None] | None
-    ) -> list[Target]:
-        calls: list[Callable[[], None]] = [functools.partial(fn, source, *args) for fn, args in self._work]
+    def _jobs(self, source: VersionSource, executor: concurrent.futures.Executor, threads: int, progress: Progress | None, work: Sequence[Work], ahead: Ahead) -> None:
+        calls: list[Callable[[], None]] = [functools.partial(fn, source, *args) for fn, args in work]
         if progress is not None:
             # Wrapped only when someone counts: without a bar the chunk jobs are exactly as before.
-            calls = [functools.partial(_counted, call, _stored(args), progress) for call, (_, args) in zip(calls, self._work)]
+            calls = [functools.partial(_counted, call, _stored(args), progress) for call, (_, args) in zip(calls, work)]
         jobs = ChunkJobs(calls, executor, threads)
         try:
             # Skip what the readers have reached already: where faults are slower than the disk, each
             # side then faults pages of its own instead of both waiting on the same ones.
-            for index, out in self._ahead:
+            for index, out in ahead:
                 if jobs.error is not None:
                     break
                 if index > jobs.started:
                     prefault(out)
             jobs.join()
+            self.bytes_read += sum(_stored(args) for _, args in work)
         except BaseException as exc:
             jobs.stop()
             if isinstance(exc, CorruptCheckpointError) and exc.key is None:
                 raise CorruptCheckpointError(str(exc), tier=self.saved.tier, step=self.saved.step) from exc
             raise
-        return self.targets
 
 
 def _stored(args: tuple[Any, ...]) -> int:
@@ -207,6 +229,7 @@ def plan(
     verify_first: bool = True,
     stage_all: bool = False,
     records: Sequence[TensorRecord] | None = None,
+    owner: int | None = None,
 ) -> Plan:
     """Check every template against ``saved`` and lay out every destination; nothing is read yet.
 
@@ -221,7 +244,8 @@ def plan(
     stages). ``stage_all``: stage even what could be copied straight into the template (a template
     is then written only by :func:`~tierckpt.restore.landing.finish`). ``records``: plan
     only these of a layout's records (one at a time, say, to bound memory); the plan's targets are
-    then theirs, not a whole state's.
+    then theirs, not a whole state's. ``owner``: this rank, when the chunks of replicated values
+    that other ranks store are to come from them (fast path only: :attr:`Plan.deferred`).
 
     Raises:
         RestoreError: a template does not match its key (kind, global shape, dtype without ``cast``).
@@ -231,8 +255,8 @@ def plan(
     """
     source = _exact(saved, templates, records)
     if source is not None:  # the fast path
-        targets, work, ahead, ring = exact.land(source, templates, lent, verify_first=verify_first, stage_all=stage_all)
-        return Plan(source, targets, work, ahead=ahead, ring=ring)
+        targets, work, ahead, ring, deferred = exact.land(source, templates, lent, verify_first=verify_first, stage_all=stage_all, owner=owner)
+        return Plan(source, targets, work, ahead=ahead, ring=ring, deferred=deferred)
     layout = _layout(saved)
     targets, work, needed, partial = reshard.land(layout, templates, lent, cast=cast, records=records)
     return Plan(layout, targets, work, records=needed, partial=partial)

@@ -27,8 +27,8 @@ from tierckpt.errors import LayoutError, RestoreError
 from tierckpt.format import TensorRecord
 from tierckpt.format.source import VersionSource
 from tierckpt.observe.progress import progress_bar, progress_wanted
-from tierckpt.restore.landing import Target
-from tierckpt.restore.plan import Saved, fits, plan, staging_bytes
+from tierckpt.restore.plan import Plan, Saved, fits, plan, staging_bytes
+from tierckpt.restore.replicas import LeftToOwners
 from tierckpt.state import Leaf
 from tierckpt.tiers.base import Tier
 from tierckpt.tiers.memory.tier import MemoryTier
@@ -52,14 +52,19 @@ async def read_version(
     stage_all: bool = False,
     touched: set[str] | None = None,
     show_progress: bool = False,
-) -> tuple[Saved, list[Target], tuple[tuple[str, ...], tuple[str, ...]]]:
-    """Read and verify what this rank restores of ``step`` from ``tier``; returns what
-    :func:`~tierckpt.restore.landing.finish` takes, and the keys :func:`check_keys` found. With
+    owner: int | None = None,
+) -> tuple[Plan, tuple[tuple[str, ...], tuple[str, ...]], LeftToOwners | None]:
+    """Read and verify what this rank restores of ``step`` from ``tier``; returns the plan run (what
+    :func:`~tierckpt.restore.landing.finish` takes is its ``saved`` and ``targets``), and the keys
+    :func:`check_keys` found. With
     ``verify_first``, only a snapshot in host memory may have written into the template yet (none
     with ``stage_all``); without, the template keys the read lands in directly are added to
     ``touched`` before a byte is read (:attr:`Plan.touched <tierckpt.restore.plan.Plan.touched>`).
     What it holds (files, staging) is released by ``held_open``. ``show_progress``: a bar over the
     bytes it reads, when stderr is a terminal (:func:`~tierckpt.observe.progress.progress_bar`).
+    ``owner``: this rank, when the chunks of replicated values that other ranks stored are to come
+    from them (:mod:`tierckpt.restore.replicas`): what is left to them is returned, else None (also
+    when the version is not read as it was saved: then this rank read everything).
 
     A version whose records are exactly this rank's template is read as it is; any other (saved with
     another parallel layout, or needing consolidation or a dtype conversion) is read from its saved
@@ -87,7 +92,7 @@ async def read_version(
         missing, unexpected = check_keys(saved.records, templates, strict=strict, tier=tier.name, step=step)
     arena = held_open.enter_context(_borrow(staging, staging_bytes(saved, templates, verify_first=verify_first, stage_all=stage_all)))
     # Planning allocates the destinations (fresh mappings, new tensors): in a thread, off the loop.
-    planned = await in_thread(plan, saved, templates, arena, cast=cast, verify_first=verify_first, stage_all=stage_all)
+    planned = await in_thread(plan, saved, templates, arena, cast=cast, verify_first=verify_first, stage_all=stage_all, owner=owner)
     if touched is not None:
         touched.update(planned.touched)
     if planned.exact:
@@ -100,8 +105,9 @@ async def read_version(
     with progress_bar(total, f"restore step {step} from {tier.name}") as bar:
         # No bar: no callback at all, so the chunk jobs run as they would without this.
         counted = bar.update if bar.enabled else None
-        targets = await in_thread(planned.run, opened, executor, threads, counted)
-    return planned.saved, targets, (tuple(missing), tuple(unexpected))
+        await in_thread(planned.run, opened, executor, threads, counted)
+    left = LeftToOwners(planned, opened, executor, threads) if owner is not None and planned.exact else None
+    return planned, (tuple(missing), tuple(unexpected)), left
 
 
 def check_keys(records: Sequence[TensorRecord], templates: dict[str, Leaf], *, strict: bool, tier: str, step: int) -> tuple[list[str], list[str]]:

@@ -25,6 +25,10 @@ class Restored:
     # and the version's keys the template lacks (new arrays in ``state``).
     missing_keys: tuple[str, ...] = ()
     unexpected_keys: tuple[str, ...] = ()
+    # The stored bytes this rank read (from the tier's files or objects, or host memory): of a value
+    # replicated across ranks, only the chunks it stored, when the others sent theirs
+    # (tierckpt.restore.replicas).
+    read_bytes: int = 0
 
 
 def template_leaves(template: Any) -> dict[str, Leaf]:

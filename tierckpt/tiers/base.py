@@ -100,6 +100,10 @@ class Tier(abc.ABC):
     # Whether the earlier version of a step saved again stays readable (kept aside) for the differential
     # versions written against it; else the prune after that commit ends them (they cannot be read).
     keeps_replaced_bases: bool = False
+    # Whether a value stored once between ranks is stored once for all of them here (a shared file
+    # system, a bucket; not a node's disk): a restore then reads each chunk on the rank that stored it
+    # and sends it to the others (tierckpt.restore.replicas).
+    reads_replicas_once: bool = False
 
     def __init__(self, config: TierConfig) -> None:
         self.config = config

@@ -53,6 +53,7 @@ class FilesystemTier(StoredTier):
     """Versions as directories under ``config.path`` (relative paths resolve against the working directory)."""
 
     shared_as = "the same directory (a shared file system, or one node's disk for all its ranks)"
+    reads_replicas_once = True
 
     def __init__(self, config: TierConfig, group: RankGroup | None = None) -> None:
         assert config.path is not None  # guaranteed by TierConfig validation

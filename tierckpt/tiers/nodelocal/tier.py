@@ -72,6 +72,8 @@ class NodeLocalTier(FilesystemTier):
     ``node_name``: what names this rank's node in messages (default: its index in ``nodes``).
     """
 
+    reads_replicas_once = False  # a value is stored once per node here: each node holds its own copy
+
     def __init__(self, config: TierConfig, group: RankGroup, nodes: Sequence[Sequence[int]], node_name: str | None = None) -> None:
         super().__init__(config, group)
         self.nodes = tuple(tuple(n) for n in nodes)

@@ -56,6 +56,7 @@ class ObjectTier(StoredTier):
 
     shared_as = "the same bucket prefix (the same url and endpoint)"
     located_by = "url"
+    reads_replicas_once = True
 
     def __init__(self, config: TierConfig, group: RankGroup | None = None) -> None:
         self.executor = concurrent.futures.ThreadPoolExecutor(config.concurrency, thread_name_prefix=f"tierckpt-s3-{config.name}")
