@@ -48,10 +48,11 @@ class TierChannel:
         group = self.group
         keys = {r: self.key("report", n, r) for r in range(1, group.world)}
         reports: dict[int, Any] = {}
-        if await group.wait_for(list(keys.values()), group.timeout_s):
-            # Every rank reported: all reports in one request (per rank, the leader's requests would
-            # grow with the job: two round trips a rank, 20,000 a save at 10,000 ranks).
-            reports = dict(zip(keys, await group.get_many(list(keys.values()))))
+        # All reports in one request, which the store answers once the last is set (per rank, the
+        # leader's requests would grow with the job: two round trips a rank, 20,000 a save at 10,000 ranks).
+        got = await group.get_when_set(list(keys.values()), group.timeout_s)
+        if got is not None:
+            reports = dict(zip(keys, got))
         else:
             for r, key in keys.items():  # someone is missing: find out who, one by one
                 if await group.has([key]):

@@ -167,6 +167,7 @@ class FollowerFlusher(_GroupFlusher):
         self._passed: tuple[int, int] = (-1, 0)  # (step, save number), compared in that order
         self._lost: CoordinationLost | None = None
         self._watching: tuple[concurrent.futures.Future[bool], float] | None = None  # the bell's watch, since when
+        self._seen: set[str] = set()  # keys looked at since the bell's watch was armed (_published)
 
     async def _step(self) -> None:
         """Follow the leader's next decision; once its store is gone, fail what waits and what comes."""
@@ -216,6 +217,7 @@ class FollowerFlusher(_GroupFlusher):
         watch = group.watch([bell], _BELL_WATCH_S)
         watch.add_done_callback(wake)
         self._watching = (watch, time.monotonic())
+        self._seen = set()  # a new watch: what the leader published before it must be looked at again
         return watch
 
     def _fail_waiting(self) -> None:
@@ -229,12 +231,14 @@ class FollowerFlusher(_GroupFlusher):
         channel = self.channel
         key = channel.key("decision", self._next)
         watch = await self._listen()  # before the look: a decision published after it rings the bell
-        if not await channel.group.has([key]):
+        if not await self._published(key, watch):
             # The horizon passes over saves waiting here; with none waiting, looking costs two requests
             # for nothing (a save that comes later wakes this rank, which looks then).
-            if self.state.waiting() and await channel.group.has([channel.key("horizon")]):
-                step, arrival = await channel.group.get(channel.key("horizon"))
+            horizon = channel.key("horizon")
+            if self.state.waiting() and await self._published(horizon, watch):
+                step, arrival = await channel.group.get(horizon)
                 self._pass_over((step, arrival), inclusive=True)
+                self._seen.add(horizon)  # read: until the bell rings again, it says nothing new
             if not self.state.waiting():
                 self._idle.set()
             if not (watch.done() and watch.result()):  # the bell may have rung during the looks above
@@ -260,6 +264,18 @@ class FollowerFlusher(_GroupFlusher):
             await self._write_part(n, candidate, located, started)
         finally:
             self.in_flight = None
+
+    async def _published(self, key: str, watch: concurrent.futures.Future[bool]) -> bool:
+        """Whether the leader published ``key`` (a decision, the horizon). A look that found nothing,
+        or a horizon read, holds while the bell's watch armed before it has not rung (the leader rings
+        after every publication): looking again then costs a request and cannot find anything new.
+        (A decision found is looked past at once, so its key is never taken as seen.)"""
+        if key in self._seen and not watch.done():
+            return False
+        found = await self.channel.group.has([key])
+        if not found:
+            self._seen.add(key)
+        return found
 
     async def _write_part(self, n: int, candidate: Candidate, located: Located | None, started: float) -> None:
         channel = self.channel
@@ -310,11 +326,8 @@ class FollowerFlusher(_GroupFlusher):
     async def _outcome(self, n: int) -> dict[str, Any] | None:
         """The leader's outcome of decision ``n``; None if none came in twice the timeout (the leader's
         wait for the reports, and its own write)."""
-        channel = self.channel
-        key = channel.key("outcome", n)
-        if not await channel.group.wait_for([key], 2 * channel.group.timeout_s):
-            return None
-        return await channel.group.get(key)
+        got = await self.channel.group.get_when_set([self.channel.key("outcome", n)], 2 * self.channel.group.timeout_s)
+        return None if got is None else got[0]
 
     async def _await_snapshot(self, step: int, arrival: int) -> Candidate | None:
         """This rank's save of ``step`` offered here, its save number ``arrival`` where it has it (else

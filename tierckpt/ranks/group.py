@@ -16,33 +16,32 @@ is named in the error the others raise after ``distributed.timeout``):
 Every store call runs on one thread of its own (a TCPStore client is one socket). A wait for keys
 (:meth:`RankGroup.watch`, :meth:`RankGroup.wait_for`) blocks in the store's own ``wait`` on a client of
 its own, in a daemon thread, so it ends the moment the last key is set: no polling delay on the
-commit's path. A wait with no end in sight (``timeout_s=None``) polls ``check`` instead, backing off
+commit's path. A wait for values (:meth:`RankGroup.get_when_set`) is one ``multi_get`` the store
+answers once every key is set: the wait and the read in one request. A wait with no end in sight (``timeout_s=None``) polls ``check`` instead, backing off
 to ``poll_max_s``, so that no thread stays blocked on a key that may never come.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import datetime
 import itertools
 import logging
 import os
-import re
 import socket
 import threading
 import time
 import uuid
 import zlib
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import msgpack
 import torch.distributed as dist
 
 from tierckpt.ranks.nodes import group_nodes, node_identity, split_nodes
 from tierckpt.errors import ConfigError, RankFailureError
+from tierckpt.ranks.tally import StoreTally
 
 log = logging.getLogger("tierckpt")
 
@@ -53,51 +52,8 @@ _CONSTRUCTIONS: dict[tuple[int, ...], itertools.count[int]] = {}
 
 _POLL_MIN_S = 0.001
 _POLL_MAX_S = 0.02
+T = TypeVar("T")
 _CLOSE_WAIT_S = 10.0  # the longest close() waits for waits on the store to end (see RankGroup.close)
-
-
-@dataclass
-class StoreTally:
-    """What one rank asked of the store so far: requests by kind (the store's method names, ``wait``
-    for a blocking wait), and by kind and key family (``set tier/#/report/#/#``: the key of the
-    request, or its first, with numbers as ``#``), the bytes sent and received (keys and values), the
-    largest single message. ``benchmarks/scale.py`` reads it to count what a save costs the coordinator."""
-
-    requests: collections.Counter[str] = field(default_factory=collections.Counter)
-    by_key: collections.Counter[str] = field(default_factory=collections.Counter)
-    sent: int = 0
-    received: int = 0
-    largest: int = 0
-
-    def record(self, method: str, args: Sequence[Any], result: Any = None) -> None:
-        sent, received = _size(args), _size(result)
-        self.requests[method] += 1
-        first = args[0] if args else ""
-        first = first[0] if isinstance(first, list) and first else first
-        self.by_key[f"{method} {_DIGITS.sub('#', first) if isinstance(first, str) else ''}"] += 1
-        self.sent += sent
-        self.received += received
-        self.largest = max(self.largest, sent, received)
-
-    def copy(self) -> StoreTally:
-        return StoreTally(collections.Counter(self.requests), collections.Counter(self.by_key), self.sent, self.received, self.largest)
-
-
-_DIGITS = re.compile(r"\d+")
-
-
-def _size(value: Any) -> int:
-    """The bytes of a store call's arguments or result: keys, values, and lists of them."""
-    if isinstance(value, (bytes, bytearray, str)):
-        return len(value)
-    if isinstance(value, (list, tuple)):
-        if value and all(isinstance(v, (bytes, str)) for v in (value[0], value[-1])):
-            try:
-                return sum(map(len, value))  # keys or values: the common case, and 10,000 long at scale
-            except TypeError:
-                pass
-        return sum(_size(v) for v in value)
-    return 8 if isinstance(value, int) else 0
 
 
 class CoordinationLost(RuntimeError):
@@ -137,7 +93,7 @@ class RankGroup:
         self._address = address
         self._waiters: list[Any] = []
         self._waiters_lock = threading.Lock()
-        self._watches: set[concurrent.futures.Future[bool]] = set()  # not ended yet: close() waits for them
+        self._watches: set[concurrent.futures.Future[Any]] = set()  # not ended yet: close() waits for them
         self.tally = StoreTally()
         self.exchanges = StoreTally()  # this rank's collectives on the group's gloo group (all_gather, swap)
 
@@ -251,32 +207,73 @@ class RankGroup:
         it; a wait that started runs to its keys or its timeout. A process that exits while such a
         thread is still blocked may abort, so every wait is ended first: :meth:`close` waits for
         them, and a wait on a key that may never come is ended by its owner setting the key."""
-        future: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        wait = datetime.timedelta(seconds=timeout_s)
+
+        def call(client: Any) -> bool:
+            client.wait(list(keys), wait)
+            return True
+
+        return self._blocking(call, "wait", list(keys), False)
+
+    def fetch(self, keys: Sequence[str], timeout_s: float) -> concurrent.futures.Future[list[bytes] | None]:
+        """A future of the (encoded) values of ``keys`` once every one is set, or None after
+        ``timeout_s`` or when the store cannot be reached: one ``multi_get``, which the store answers
+        only once every key is set, blocking a client of its own in a daemon thread as :meth:`watch`
+        does. A wait and a read in one request."""
+        wait = datetime.timedelta(seconds=timeout_s)
+
+        def call(client: Any) -> list[bytes]:
+            client.set_timeout(wait)
+            return list(client.multi_get(list(keys)))
+
+        return self._blocking(call, "multi_get" if len(keys) > 1 else "get", [list(keys)] if len(keys) > 1 else list(keys), None)
+
+    def _blocking(self, call: Callable[[Any], T], method: str, args: list[Any], missed: T) -> concurrent.futures.Future[T]:
+        """``call`` on an idle client of the store (see :meth:`watch`), in a daemon thread: a future of
+        its result, or ``missed`` when it timed out or the store is gone. Tallied as ``method``."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
 
         def run() -> None:
             if not future.set_running_or_notify_cancel():
                 return
             try:
                 client = self._waiter()
-                client.wait(list(keys), datetime.timedelta(seconds=timeout_s))
+                result = call(client)
             except (RuntimeError, OSError):  # timed out (the client is then out of step), or the store is gone
-                future.set_result(False)
+                future.set_result(missed)
                 return
             except BaseException as exc:  # a bug: raised where the future is awaited, never a wait that never ends
                 future.set_exception(exc)
                 return
             with self._waiters_lock:
                 self._waiters.append(client)
-            future.set_result(True)
+                self.tally.answer(result)
+            future.set_result(result)
 
         with self._waiters_lock:
             self._watches.add(future)
-            self.tally.record("wait", list(keys))
+            self.tally.record(method, args)
         future.add_done_callback(self._ended)
         threading.Thread(target=run, name="tierckpt-store-wait", daemon=True).start()
         return future
 
-    def _ended(self, watch: concurrent.futures.Future[bool]) -> None:
+    async def get_when_set(self, keys: Sequence[str], timeout_s: float) -> list[Any] | None:
+        """The values of ``keys`` once every one is set, in one request that the store answers then
+        (:meth:`fetch`); None if they were not all set within ``timeout_s``.
+
+        Raises CoordinationLost when the store cannot be reached."""
+        if self._lost is not None:
+            raise CoordinationLost(self._lost)
+        if self._address is not None:
+            got = await asyncio.wrap_future(self.fetch(keys, timeout_s))
+            if got is not None:
+                return [msgpack.unpackb(v, raw=False) for v in got]
+        elif await self.wait_for(keys, timeout_s):
+            return await self.get_many(keys)
+        # Timed out, or the client lost the store: this look tells which (and takes keys set just after).
+        return await self.get_many(keys) if await self.has(keys) else None
+
+    def _ended(self, watch: concurrent.futures.Future[Any]) -> None:
         with self._waiters_lock:
             self._watches.discard(watch)
 

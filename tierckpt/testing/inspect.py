@@ -41,7 +41,7 @@ from tierckpt.handle import SaveHandle
 from tierckpt.integrations.saves import DurableSaves
 from tierckpt.pipeline import Pipeline
 from tierckpt.pipeline.flusher import Flusher
-from tierckpt.ranks.group import StoreTally
+from tierckpt.ranks.tally import StoreTally
 from tierckpt.snapshot import Slot, Snapshot
 from tierckpt.storage.coalesce import CoalescingReader
 from tierckpt.tiers.base import Tier

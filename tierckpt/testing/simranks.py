@@ -36,7 +36,8 @@ from tierckpt.format import CommitMarker
 from tierckpt.pipeline.flusher import Located
 from tierckpt.pipeline.ranked import FollowerFlusher, LeaderFlusher
 from tierckpt.policy import Candidate
-from tierckpt.ranks.group import RankGroup, StoreTally
+from tierckpt.ranks.group import RankGroup
+from tierckpt.ranks.tally import StoreTally
 from tierckpt.tiers.base import GroupTier, Lease, Part, Staged, VersionInfo
 
 __all__ = ["NullTier", "SaveCost", "SimGroup", "SimStore", "leader_seconds", "simulate_saves"]
@@ -105,6 +106,19 @@ class SimGroup(RankGroup):
     def watch(self, keys: Sequence[str], timeout_s: float) -> concurrent.futures.Future[bool]:
         self.tally.record("wait", list(keys))
         return self._sim.wait(keys)
+
+    def fetch(self, keys: Sequence[str], timeout_s: float) -> concurrent.futures.Future[list[bytes] | None]:
+        self.tally.record("multi_get" if len(keys) > 1 else "get", [list(keys)] if len(keys) > 1 else list(keys))
+        values: concurrent.futures.Future[list[bytes] | None] = concurrent.futures.Future()
+        values.set_running_or_notify_cancel()
+
+        def answer(_: object) -> None:
+            got = self._sim.multi_get(list(keys))
+            self.tally.answer(got)
+            values.set_result(got)
+
+        self._sim.wait(keys).add_done_callback(answer)
+        return values
 
     def close(self) -> None:
         self._executor.shutdown(wait=False)
