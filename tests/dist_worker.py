@@ -280,7 +280,7 @@ def main() -> None:
         try:
             out["first"] = ckpt.save_sync(1, state(1, rank)).committed_sync("disk", timeout=120)
             if rank == 1:
-                decided = asyncio.run(groups[-1].wait_for(["tier/disk/decision/2"], 120))
+                decided = asyncio.run(groups[-1].wait_for(["tier/disk/round/2"], 120))
                 out["decision_seen"] = decided
             handles = [ckpt.save_sync(step, state(step, rank)) for step in range(2, 6)]
             if rank == 0:

@@ -79,19 +79,39 @@ def test_a_wait_on_a_store_that_is_gone_raises_coordination_lost(ranks: tuple[Ra
         asyncio.run(follower.wait_for(["outcome/1"], TIMEOUT_S))
 
 
-def test_put_many_sets_every_key_in_one_request_and_wakes_a_wait_on_them(ranks: tuple[RankGroup, RankGroup, list[Any]]) -> None:
-    leader, follower, _ = ranks
-    watch = follower.watch(["bell/1", "bell/2"], TIMEOUT_S)
-    asyncio.run(leader.put_many(["bell/1", "bell/2"], True))
-    assert watch.result(TIMEOUT_S) is True
-    assert asyncio.run(follower.get("bell/2")) is True
-
-
 def test_close_waits_for_a_wait_the_rank_itself_ends(ranks: tuple[RankGroup, RankGroup, list[Any]]) -> None:
-    """A follower ends its own wait (it rings its bell) before it lets go of the store: close() then
-    finds no wait still blocked in the store, which could abort the process at its exit."""
+    """A follower ends its own wait (it voids the round it waits for) before it lets go of the store:
+    close() then finds no wait still blocked in the store, which could abort the process at its exit."""
     leader, follower, _ = ranks
     watch = follower.watch(["bell/1"], TIMEOUT_S)
     asyncio.run(follower.put("bell/1", True))
     follower.close()
     assert watch.done() and watch.result() is True
+
+
+def test_a_read_of_values_is_answered_when_the_last_key_is_set_and_none_after_its_timeout(ranks: tuple[RankGroup, RankGroup, list[Any]]) -> None:
+    """get_when_set: one request, which the store answers once every key is set (the leader's read of
+    every report, a follower's of the outcome), not at the next look."""
+    leader, follower, _ = ranks
+    before = _waiting_threads()
+    result: list[Any] = []
+    reading = threading.Thread(target=lambda: result.append(asyncio.run(leader.get_when_set(["report/1/1", "report/1/2"], TIMEOUT_S))))
+    reading.start()
+    assert until(lambda: _waiting_threads() > before)  # blocked in the store: the keys are not there yet
+    asyncio.run(follower.put("report/1/1", {"part": 1}))
+    asyncio.run(follower.put("report/1/2", {"part": 2}))
+    reading.join(TIMEOUT_S)
+    assert result == [[{"part": 1}, {"part": 2}]]
+    assert leader.tally.by_key["multi_get report/#/#"] == 1 and leader.tally.by_key["check report/#/#"] == 0
+    assert asyncio.run(follower.get_when_set(["outcome/7"], 0.2)) is None  # never set: None after its timeout
+    asyncio.run(leader.put("outcome/8", {"nbytes": 1}))
+    assert asyncio.run(follower.get_when_set(["outcome/8"], TIMEOUT_S)) == [{"nbytes": 1}]  # a client out of step is not reused
+
+
+def test_put_if_absent_lets_the_first_writer_win(ranks: tuple[RankGroup, RankGroup, list[Any]]) -> None:
+    """A round is the leader's or, when a stopping follower voided it first, void: never both."""
+    leader, follower, _ = ranks
+    assert asyncio.run(follower.put_if_absent("round/3", {"void": 1})) == {"void": 1}
+    assert asyncio.run(leader.put_if_absent("round/3", {"flush": [5, 1]})) == {"void": 1}
+    assert asyncio.run(leader.put_if_absent("round/4", {"flush": [5, 1]})) == {"flush": [5, 1]}
+    assert asyncio.run(follower.get("round/4")) == {"flush": [5, 1]}

@@ -1,11 +1,11 @@
 """What the ranks of one tier say to each other through the group's store, and the error when some
 of them did not store their part (:mod:`tierckpt.pipeline.ranked` says who says what, and when).
 
-Under ``tier/<name>/``: ``decision/<n>`` (the leader's: step and save number), ``report/<n>/<rank>``
-(a follower's part, or its error), ``outcome/<n>`` (committed, with what retention deletes, or
-abandoned), ``horizon`` (the newest save the leader has dealt with) and ``bell/<rank>`` (a follower's
-wake-up). Decision ``n`` stages its version as ``.tmp-<version>-<run>-<n>``, named for this run and
-that decision.
+Under ``tier/<name>/``: ``round/<n>`` (the leader's rounds, in order: flush step S of save number A,
+a *horizon*, the newest save it has dealt with, or void: a stopping follower's, which the leader
+passes), ``report/<n>/<rank>`` (a follower's part of round ``n``'s version, or its error) and
+``outcome/<n>`` (committed, with what retention deletes, or abandoned). Round ``n`` stages its version
+as ``.tmp-<version>-<run>-<n>``, named for this run and that round.
 """
 
 from __future__ import annotations
@@ -24,21 +24,9 @@ class TierChannel:
     def __init__(self, group: RankGroup, tier: str) -> None:
         self.group = group
         self.tier = tier
-        self._bells: list[str] | None = None
 
     def key(self, *parts: Any) -> str:
         return "/".join(("tier", self.tier, *map(str, parts)))
-
-    def bell(self, rank: int) -> str:
-        """Rank ``rank``'s bell: set when a decision is published, so that a follower blocked in the
-        store's wait for it wakes at once; the follower removes it, and rings it itself to stop."""
-        return self.key("bell", rank)
-
-    def bells(self) -> list[str]:
-        """Every follower's bell, made once: the leader rings them all after each decision."""
-        if self._bells is None:
-            self._bells = [self.bell(r) for r in range(1, self.group.world)]
-        return self._bells
 
     def staging(self, step: int, n: int) -> str:
         return f".tmp-{version_dirname(step)}-{self.group.run}-{n}"

@@ -2,10 +2,12 @@
 leader commits once all parts are durable.
 
 Per tier below host memory, the leader's flusher runs the tier's flush policy as a single process
-would, and publishes each decision (decision ``n``: flush step S, the leader's save number A) in the
-group's store, then rings every follower's bell (one request) so that a follower blocked in the
-store's wait for its bell takes the decision at once. Each follower's flusher takes decisions only
-from there, in order: it waits for its
+would, and publishes each decision in the group's store as the next *round* (round ``n``: flush step
+S, the leader's save number A; one request). Each follower reads the rounds in order, each with one
+read that the store answers the moment the leader publishes it (a follower between rounds sends
+nothing). A follower that stops voids the round it waits for, unless the leader published it first
+(the first writer wins; the leader then publishes in the next round). For a decision, a follower
+waits for its
 own snapshot of S (its training may be a little behind), its save number A where it has it (the
 ranks number their saves alike: a step saved twice, and flushed twice by the leader, is written
 twice here too, each time from the save the leader took), writes its part into the staging
@@ -16,8 +18,8 @@ staging directory and publishes the abandonment, naming each missing or failed r
 handle resolves from that outcome, so all of them say the same thing.
 
 So flush and retention decisions are made once, by the leader, and no rank can take another: a
-follower keeps each eligible snapshot until a decision takes it or a newer one (or the leader's
-published *horizon*, the newest save it has dealt with: step and save number) passes it over. As on one process, every
+follower keeps each eligible snapshot until a decision takes it or a newer one (or a horizon round:
+the newest save the leader has dealt with, step and save number) passes it over. As on one process, every
 tier selects on the stream of saves, and each rank reads its part of a decided version from its own
 host memory, or else from a filesystem tier above that holds it (the leader's retention spares what
 a tier below waits for, on every rank). A follower whose leader is
@@ -33,6 +35,8 @@ import time
 from dataclasses import replace
 from typing import Any
 
+import msgpack
+
 from tierckpt.ranks.group import CoordinationLost, RankGroup
 from tierckpt.config import FlushPolicy
 from tierckpt.pipeline.channel import TierChannel, rank_failure
@@ -43,10 +47,10 @@ from tierckpt.tiers.base import GroupTier, Staged, Tier, VersionInfo
 log = logging.getLogger("tierckpt")
 
 _FOLLOW_POLL_S = 0.02
-# A follower's wait for its bell may last as long as the tier selects nothing; it ends at a decision,
-# or when the follower stops and rings its own bell. A wait that times out prints the store client's
-# warning, so this one is long (the store's clients take at most ~24 days).
-_BELL_WATCH_S = 7 * 24 * 3600.0
+# A follower's read of the next round may wait as long as the tier selects nothing; it ends when the
+# leader publishes the round, or the follower stops and voids it. A read that times out prints the
+# store client's warning, so this one is long (the store's clients take at most ~24 days).
+_ROUND_WAIT_S = 7 * 24 * 3600.0
 _EVERY_SAVE = 2**62  # a save number above any: (step, _EVERY_SAVE) covers every save of that step
 
 
@@ -79,7 +83,7 @@ class LeaderFlusher(_GroupFlusher):
 
     def __init__(self, tier: Tier, policy: FlushPolicy, events: FlushEvents, *, group: RankGroup, **kwargs: Any) -> None:
         super().__init__(tier, policy, events, group=group, **kwargs)
-        self._decisions = 0
+        self._rounds = 0  # the rounds published so far (decisions, horizons, and rounds a stopping rank voided)
         self._doomed: list[int] = []
         self._published: tuple[int, int] = (-1, 0)
         self._decided: tuple[int, int] = (-1, 0)  # the step and save number of the newest decision
@@ -88,30 +92,32 @@ class LeaderFlusher(_GroupFlusher):
         horizon = (self._newest_offered, self._newest_arrival)
         if not self.state.waiting() and self.in_flight is None and horizon > self._published:
             # Nothing waits: every step offered so far was taken or passed over. Followers pass over
-            # what they still hold up to here (a step this rank never saved, for one).
+            # what they still hold up to here (a step this rank never saved, for one). A horizon at the
+            # save just decided tells them nothing that decision did not (they passed over every older
+            # save as they followed it): not published, it costs no follower a request.
             try:
-                # With its save number: a step saved again after this horizon is not passed over.
-                group = self.channel.group
-                await group.put(self.channel.key("horizon"), list(horizon))
-                # The followers block on their bells and look at the horizon only when one rings: an
-                # idle follower sends nothing (polling, 10,000 ranks would send 1.5 million requests a
-                # second to the one store). A horizon at the save just decided tells them nothing that
-                # decision did not (they passed over every older save as they followed it): no ring.
                 if horizon != self._decided:
-                    await group.put_many(self.channel.bells(), True)
+                    # With its save number: a step saved again after this horizon is not passed over.
+                    await self._publish_round({"horizon": list(horizon)})
                 self._published = horizon
             except CoordinationLost as exc:
                 log.error("tier %r: %s", self.tier.name, exc)
         # Woken while publishing (a capture ended, a version arrived): this returns at once (Flusher._sleep).
         await super()._sleep(timeout)
 
+    async def _publish_round(self, value: dict[str, Any]) -> int:
+        """Publish ``value`` as the next round, one request (each follower's read of it answers then);
+        returns its number. A round that a stopping rank voided first is passed (the next one, then)."""
+        group = self.channel.group
+        while True:
+            self._rounds += 1
+            if await group.put_if_absent(self.channel.key("round", self._rounds), value) == value:
+                return self._rounds
+
     async def _store(self, candidate: Candidate, located: Located) -> VersionInfo:
         channel = self.channel
-        self._decisions += 1
-        n = self._decisions
-        await channel.group.put(channel.key("decision", n), [candidate.step, candidate.arrival])
+        n = await self._publish_round({"flush": [candidate.step, candidate.arrival]})
         self._decided = (candidate.step, candidate.arrival)
-        await channel.group.put_many(channel.bells(), True)  # one request
         staged: Staged | None = None
         try:
             source = await located.open()
@@ -166,8 +172,8 @@ class FollowerFlusher(_GroupFlusher):
         # decided step needs, and both would wait out the timeout.
         self._passed: tuple[int, int] = (-1, 0)  # (step, save number), compared in that order
         self._lost: CoordinationLost | None = None
-        self._watching: tuple[concurrent.futures.Future[bool], float] | None = None  # the bell's watch, since when
-        self._seen: set[str] = set()  # keys looked at since the bell's watch was armed (_published)
+        # The read of round ``_next``, which the store answers once the leader publishes it, and since when.
+        self._reading: tuple[concurrent.futures.Future[list[bytes] | None], float] | None = None
 
     async def _step(self) -> None:
         """Follow the leader's next decision; once its store is gone, fail what waits and what comes."""
@@ -181,44 +187,52 @@ class FollowerFlusher(_GroupFlusher):
         await self._sleep(None)
 
     async def stop(self) -> None:
-        """Stop following, and end this rank's wait for its bell before the store can go: a process
-        that ends with a thread blocked in the store's wait may abort, and a wait the store's closing
-        cuts short prints the client's error."""
+        """Stop following, and end this rank's read of the next round before the store can go: a
+        process that ends with a thread blocked in the store may abort, and a read the store's closing
+        cuts short prints the client's error. The round is voided, unless the leader published it
+        first: the leader then publishes its next round after it, and every follower passes it."""
         await super().stop()
-        if self._watching is None or self._watching[0].done():
+        if self._reading is None or self._reading[0].done():
             return
+        group = self.channel.group
         try:
-            await self.channel.group.put(self.channel.bell(self.channel.group.rank), True)
-            await asyncio.wait_for(asyncio.wrap_future(self._watching[0]), self.channel.group.timeout_s)
+            await group.put_if_absent(self.channel.key("round", self._next), {"void": group.rank})
+            await asyncio.wait_for(asyncio.wrap_future(self._reading[0]), group.timeout_s)
         except (CoordinationLost, asyncio.TimeoutError) as exc:
             log.warning("tier %r: this rank's wait for the leader's decisions did not end (%s)", self.tier.name, exc)
 
-    async def _listen(self) -> concurrent.futures.Future[bool]:
-        """The watch of this rank's bell, which wakes this flusher the moment the leader publishes a
-        decision or a new horizon; between them it sends nothing. A bell that rang is taken down
-        first, and the decision looked for after."""
-        group, bell = self.channel.group, self.channel.bell(self.channel.group.rank)
-        if self._watching is not None:
-            watch, since = self._watching
-            if not watch.done():
-                return watch
-            if not watch.result() and time.monotonic() - since < _BELL_WATCH_S:
-                return watch  # it failed early (no client to be had): the looks go on meanwhile
-            if watch.result():
-                await group.delete(bell)
-        loop = asyncio.get_running_loop()
+    async def _round(self) -> dict[str, Any] | None:
+        """Round ``_next`` as the leader published it (a decision, a horizon, or void), or None while it
+        has not: one read per round, which the store answers when it is published (and which wakes
+        this flusher then); between rounds this rank sends nothing.
 
-        def wake(_: object) -> None:
-            try:
-                loop.call_soon_threadsafe(self._wake.set)
-            except RuntimeError:
-                pass  # the engine's loop is closed: nobody is left to wake
+        Raises CoordinationLost when the store cannot be reached."""
+        group, key = self.channel.group, self.channel.key("round", self._next)
+        if self._reading is None:
+            loop = asyncio.get_running_loop()
 
-        watch = group.watch([bell], _BELL_WATCH_S)
-        watch.add_done_callback(wake)
-        self._watching = (watch, time.monotonic())
-        self._seen = set()  # a new watch: what the leader published before it must be looked at again
-        return watch
+            def wake(_: object) -> None:
+                try:
+                    loop.call_soon_threadsafe(self._wake.set)
+                except RuntimeError:
+                    pass  # the engine's loop is closed: nobody is left to wake
+
+            reading = group.fetch([key], _ROUND_WAIT_S)
+            reading.add_done_callback(wake)
+            self._reading = (reading, time.monotonic())
+        reading, since = self._reading
+        if not reading.done():
+            return None
+        got = reading.result()
+        if got is None:  # no client to be had, or the store is gone (this look raises then): look instead
+            if not await group.has([key]):
+                if time.monotonic() - since >= _FOLLOW_POLL_S:
+                    self._reading = None  # read again
+                return None
+            got = [await group.get_raw(key)]
+        self._reading = None
+        self._next += 1
+        return dict(msgpack.unpackb(got[0], raw=False))
 
     def _fail_waiting(self) -> None:
         assert self._lost is not None
@@ -229,25 +243,21 @@ class FollowerFlusher(_GroupFlusher):
 
     async def _follow(self) -> None:
         channel = self.channel
-        key = channel.key("decision", self._next)
-        watch = await self._listen()  # before the look: a decision published after it rings the bell
-        if not await self._published(key, watch):
-            # The horizon passes over saves waiting here; with none waiting, looking costs two requests
-            # for nothing (a save that comes later wakes this rank, which looks then).
-            horizon = channel.key("horizon")
-            if self.state.waiting() and await self._published(horizon, watch):
-                step, arrival = await channel.group.get(horizon)
+        n = self._next
+        published = await self._round()
+        if published is None or "flush" not in published:
+            if published is not None and "horizon" in published:
+                step, arrival = published["horizon"]
                 self._pass_over((step, arrival), inclusive=True)
-                self._seen.add(horizon)  # read: until the bell rings again, it says nothing new
             if not self.state.waiting():
                 self._idle.set()
-            if not (watch.done() and watch.result()):  # the bell may have rung during the looks above
-                # Until the bell rings (a decision, a new horizon) or a snapshot of its own arrives; a
-                # watch that failed (no client to be had) leaves the looks to go on, every 20 ms.
-                await self._sleep(None if not watch.done() else _FOLLOW_POLL_S)
+            if published is None:
+                # Until the round is published or a snapshot of its own arrives; a read that failed
+                # (no client to be had) leaves the looks to go on, every 20 ms.
+                assert self._reading is not None or self._lost is not None
+                await self._sleep(None if self._reading is not None and not self._reading[0].done() else _FOLLOW_POLL_S)
             return
-        n, (step, arrival) = self._next, await channel.group.get(key)
-        self._next += 1
+        step, arrival = published["flush"]
         self._pass_over((step - 1, _EVERY_SAVE), inclusive=False)
         candidate = await self._await_snapshot(step, arrival)
         if candidate is None:
@@ -264,18 +274,6 @@ class FollowerFlusher(_GroupFlusher):
             await self._write_part(n, candidate, located, started)
         finally:
             self.in_flight = None
-
-    async def _published(self, key: str, watch: concurrent.futures.Future[bool]) -> bool:
-        """Whether the leader published ``key`` (a decision, the horizon). A look that found nothing,
-        or a horizon read, holds while the bell's watch armed before it has not rung (the leader rings
-        after every publication): looking again then costs a request and cannot find anything new.
-        (A decision found is looked past at once, so its key is never taken as seen.)"""
-        if key in self._seen and not watch.done():
-            return False
-        found = await self.channel.group.has([key])
-        if not found:
-            self._seen.add(key)
-        return found
 
     async def _write_part(self, n: int, candidate: Candidate, located: Located | None, started: float) -> None:
         channel = self.channel

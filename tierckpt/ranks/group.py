@@ -164,17 +164,20 @@ class RankGroup:
     async def get(self, key: str) -> Any:
         return msgpack.unpackb(await self._call("get", key), raw=False)
 
+    async def get_raw(self, key: str) -> bytes:
+        """The encoded value of ``key``, set (as :meth:`fetch` answers it)."""
+        return bytes(await self._call("get", key))
+
+    async def put_if_absent(self, key: str, value: Any) -> Any:
+        """Set ``key`` to ``value`` unless it is set; returns its value now (``value`` if this call set
+        it), in one request."""
+        return msgpack.unpackb(await self._call("compare_set", key, "", msgpack.packb(value, use_bin_type=True)), raw=False)
+
     async def get_many(self, keys: Sequence[str]) -> list[Any]:
         """The values of ``keys``, every one of them set, in one request."""
         if not keys:
             return []
         return [msgpack.unpackb(v, raw=False) for v in await self._call("multi_get", list(keys))]
-
-    async def put_many(self, keys: Sequence[str], value: Any) -> None:
-        """Set every one of ``keys`` to ``value``, in one request."""
-        if keys:
-            data = msgpack.packb(value, use_bin_type=True)
-            await self._call("multi_set", list(keys), [data] * len(keys))
 
     async def add(self, key: str, amount: int) -> int:
         return int(await self._call("add", key, amount))

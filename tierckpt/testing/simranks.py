@@ -4,12 +4,13 @@ A job of 10,000 ranks cannot run here, but its coordination can: :func:`simulate
 real :class:`~tierckpt.pipeline.ranked.LeaderFlusher` and a real
 :class:`~tierckpt.pipeline.ranked.FollowerFlusher` per other rank, each with a real
 :class:`~tierckpt.ranks.group.RankGroup` (its keys, its waits, its tally of requests), through every
-save's decision, bells, reports, commit and outcome. Only what no real part can produce at that scale
+save's round, reports, commit and outcome. Only what no real part can produce at that scale
 is replaced, and nothing else:
 
 - the store: :class:`SimStore`, a dict with the TCPStore's methods (``set``, ``get``, ``multi_set``,
-  ``multi_get``, ``check``, ``add``, ``delete_key``) and its blocking ``wait`` as futures resolved when
-  the keys are set (a real TCPStore would need a socket and a thread per waiting rank);
+  ``multi_get``, ``check``, ``add``, ``compare_set``, ``delete_key``), its blocking ``wait`` and the
+  reads it answers once their keys are set as futures resolved then (a real TCPStore would need a
+  socket and a thread per waiting rank);
 - the tier: :class:`NullTier`, a :class:`~tierckpt.tiers.base.GroupTier` that stores no bytes but
   seals a real :class:`~tierckpt.format.CommitMarker` of every rank's part, so the global record's
   size is the real one;
@@ -75,6 +76,13 @@ class SimStore:
         value = int(self.data.get(key, b"0")) + amount
         self.data[key] = str(value).encode()
         return value
+
+    def compare_set(self, key: str, expected: str | bytes, desired: bytes) -> bytes:
+        if key not in self.data and not expected:
+            self.set(key, desired)
+        elif key in self.data and self.data[key] == (expected.encode() if isinstance(expected, str) else expected):
+            self.set(key, desired)
+        return self.data.get(key, desired if not expected else b"")
 
     def delete_key(self, key: str) -> bool:
         return self.data.pop(key, None) is not None
@@ -265,7 +273,7 @@ async def _simulate(world: int, saves: int, keep_last: int | None) -> list[SaveC
         flusher.start()
     costs: list[SaveCost] = []
     try:
-        await asyncio.sleep(0)  # every follower is listening for its bell
+        await asyncio.sleep(0)  # every follower is reading the first round
         for step in range(1, saves + 1):
             before, leader_before = _tally(groups), groups[0].tally.copy()
             began = time.perf_counter()
@@ -274,7 +282,7 @@ async def _simulate(world: int, saves: int, keep_last: int | None) -> list[SaveC
             while done[step] < world:
                 changed.clear()
                 await changed.wait()
-            await asyncio.sleep(0)  # the followers' last requests of this save (the bell's removal)
+            await asyncio.sleep(0)  # the followers' last requests of this save (the next round's read)
             seconds = time.perf_counter() - began
             after, leader = _tally(groups), groups[0].tally
             costs.append(SaveCost(
@@ -321,7 +329,7 @@ async def _leader_alone(world: int, saves: int) -> list[float]:
 
 
 def leader_seconds(world: int, saves: int = 5) -> list[float]:
-    """The CPU seconds of each save on the leader alone (its decision, bells, the reports of ``world``
+    """The CPU seconds of each save on the leader alone (its round, the reports of ``world``
     ranks read and sealed into the commit marker, the outcome), the store's side included: a TCPStore
     is served by a thread of the leader's own process."""
     return asyncio.run(_leader_alone(world, saves))
