@@ -11,6 +11,7 @@ import asyncio
 import datetime
 import gc
 import threading
+import time
 from typing import Any, Iterator
 
 import pytest
@@ -115,3 +116,40 @@ def test_put_if_absent_lets_the_first_writer_win(ranks: tuple[RankGroup, RankGro
     assert asyncio.run(leader.put_if_absent("round/3", {"flush": [5, 1]})) == {"void": 1}
     assert asyncio.run(leader.put_if_absent("round/4", {"flush": [5, 1]})) == {"flush": [5, 1]}
     assert asyncio.run(follower.get("round/4")) == {"flush": [5, 1]}
+
+
+def test_a_follower_whose_read_gets_no_client_looks_for_the_round_on_its_own(ranks: tuple[RankGroup, RankGroup, list[Any]]) -> None:
+    """A follower's pending read of the next round needs a connection of its own; where none can be
+    had (here: nothing listens where its reads connect), it looks for the round through its own
+    client instead, and takes it all the same."""
+    import collections
+    import socket
+
+    from tierckpt.config import FlushPolicy
+    from tierckpt.pipeline.ranked import FollowerFlusher
+    from tierckpt.testing.simranks import NullTier, _Everything
+
+    leader, follower, _ = ranks
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        nowhere = closed.getsockname()[1]
+    cut_off = RankGroup(1, 2, [0, 1], "run", 1.0, follower._store, None, address=("127.0.0.1", nowhere))
+
+    async def follow() -> tuple[Any, Any, int]:
+        events = _Everything(collections.Counter(), asyncio.Event())
+        flusher = FollowerFlusher(NullTier(), FlushPolicy(), events, upstream=events, clock=time.monotonic, group=cut_off)
+        assert await flusher._round() is None  # its read is made, and cannot connect
+        assert until(lambda: flusher._reading is not None and flusher._reading[0].done())
+        await flusher._follow()  # failed: a look finds nothing published yet, and it waits a look's time
+        nothing_yet = flusher._next
+        await leader.put_if_absent("tier/shared/round/1", {"flush": [5, 1]})
+        found = None
+        for _ in range(200):
+            found = await flusher._round()  # looks again (a new read after 20 ms fails again)
+            if found is not None:
+                break
+            await asyncio.sleep(0.02)
+        return nothing_yet, found, flusher._next
+
+    assert asyncio.run(follow()) == (1, {"flush": [5, 1]}, 2)
+    cut_off.close()

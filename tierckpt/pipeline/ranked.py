@@ -254,8 +254,8 @@ class FollowerFlusher(_GroupFlusher):
             if published is None:
                 # Until the round is published or a snapshot of its own arrives; a read that failed
                 # (no client to be had) leaves the looks to go on, every 20 ms.
-                assert self._reading is not None or self._lost is not None
-                await self._sleep(None if self._reading is not None and not self._reading[0].done() else _FOLLOW_POLL_S)
+                pending = self._reading is not None and not self._reading[0].done()
+                await self._sleep(None if pending else _FOLLOW_POLL_S)
             return
         step, arrival = published["flush"]
         self._pass_over((step - 1, _EVERY_SAVE), inclusive=False)
