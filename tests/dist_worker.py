@@ -302,10 +302,10 @@ def main() -> None:
             restored = ckpt.restore_sync(2, template(rank)).state
             out["bitwise"] = bitwise_equal(restored, again)
     elif scenario == "restore":
-        if os.environ.get("ROUND_BYTES"):  # replicated chunks sent in several rounds, through buffers
+        if os.environ.get("RECEIVE_BYTES"):  # replicated chunks sent in several batches, through buffers
             import tierckpt.restore.replicas
 
-            tierckpt.restore.replicas.ROUND_BYTES = int(os.environ["ROUND_BYTES"])
+            tierckpt.restore.replicas.RECEIVE_BYTES = int(os.environ["RECEIVE_BYTES"])
         with logged_warnings() as logged:
             with Checkpointer(config(root, timeout)) as ckpt:
                 into = template(rank)

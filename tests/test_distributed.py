@@ -55,8 +55,8 @@ def test_ranks_save_and_restore_bitwise_with_replicated_bytes_stored_once(tmp_pa
     assert sum(marker.ranks[r][2] for r in range(world)) < MODEL_BYTES + own + world * 3 * 4096
     shares = [marker.ranks[r][2] for r in range(world)]
     assert max(shares) - min(shares) < MODEL_BYTES / world  # about 1/world of the model each
-    # A rank receives at most 512 KiB a round: at world 4, the 1.2 MB model goes in several rounds.
-    restored = run_ranks(world, "restore", tmp_path, {"ROUND_BYTES": str(512 << 10)} if world == 4 else {})
+    # A rank receives at most 512 KiB a batch: at world 4, the 1.2 MB model goes in several batches.
+    restored = run_ranks(world, "restore", tmp_path, {"RECEIVE_BYTES": str(512 << 10)} if world == 4 else {})
     assert [r["step"] for r in restored] == [3] * world
     assert all(r["bitwise"] and r["template_filled"] for r in restored), restored
     assert all(r["warnings"] == [] for r in restored)

@@ -17,8 +17,9 @@ Every store call runs on one thread of its own (a TCPStore client is one socket)
 (:meth:`RankGroup.watch`, :meth:`RankGroup.wait_for`) blocks in the store's own ``wait`` on a client of
 its own, in a daemon thread, so it ends the moment the last key is set: no polling delay on the
 commit's path. A wait for values (:meth:`RankGroup.get_when_set`) is one ``multi_get`` the store
-answers once every key is set: the wait and the read in one request. A wait with no end in sight (``timeout_s=None``) polls ``check`` instead, backing off
-to ``poll_max_s``, so that no thread stays blocked on a key that may never come.
+answers once every key is set: the wait and the read in one request. A wait with no end in sight
+(``timeout_s=None``) polls ``check`` instead, backing off to ``poll_max_s``, so that no thread stays
+blocked on a key that may never come.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from tierckpt.errors import ConfigError, RankFailureError
 from tierckpt.ranks.tally import StoreTally
 
 log = logging.getLogger("tierckpt")
+T = TypeVar("T")  # what a blocking store call returns (RankGroup._blocking)
 
 # How many Checkpointers this process has constructed over each group of ranks: the same on every rank
 # of the group (construction is collective over it); it names each construction's arrival keys in the
@@ -52,7 +54,6 @@ _CONSTRUCTIONS: dict[tuple[int, ...], itertools.count[int]] = {}
 
 _POLL_MIN_S = 0.001
 _POLL_MAX_S = 0.02
-T = TypeVar("T")
 _CLOSE_WAIT_S = 10.0  # the longest close() waits for waits on the store to end (see RankGroup.close)
 
 

@@ -21,7 +21,7 @@ The ranks agree on it twice, each time in an exchange the restore makes anyway o
   damaged copy is passed over.
 
 Chunks are sent as decoded bytes, verified by the rank that read them; a rank receives at most
-:data:`ROUND_BYTES` at a time.
+:data:`RECEIVE_BYTES` at a time.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from tierckpt.restore.landing import Target
 from tierckpt.restore.plan import Plan
 from tierckpt.tiers.base import Tier
 
-__all__ = ["LeftToOwners", "ROUND_BYTES", "first_tiers", "read_once", "spread"]
+__all__ = ["LeftToOwners", "RECEIVE_BYTES", "first_tiers", "read_once", "spread"]
 
-ROUND_BYTES = 256 << 20  # what one rank receives at most in one round of sends (its buffers' size)
+RECEIVE_BYTES = 256 << 20  # what one rank receives at most in one batch of sends (its buffers' size)
 
 
 class Swapping(Protocol):
@@ -93,14 +93,14 @@ class LeftToOwners:
         self.plan.run_deferred(self.source, self.executor, self.threads)
 
 
-def spread(ranks: Swapping, targets: Sequence[Target], round_bytes: int | None = None) -> None:
+def spread(ranks: Swapping, targets: Sequence[Target], receive_bytes: int | None = None) -> None:
     """Send the chunks of replicated values this rank read to the other ranks sharing each value, and
     land theirs (blocking; every rank of each value calls it, after reading its own chunks of it).
 
     The values of each group of ranks go in turn (groups ordered alike on every rank, so that ranks
     in several groups never wait on each other in a circle), their chunks ordered by key, then by
-    index; a rank sends what it stored in batches of at most ``round_bytes`` (default
-    :data:`ROUND_BYTES`) shared among the others.
+    index; a rank sends what it stored in batches of at most ``receive_bytes`` (default
+    :data:`RECEIVE_BYTES`) shared among the others.
     A batch of one chunk of host memory is sent from, and received into, its place; others go through
     a buffer.
     """
@@ -112,7 +112,7 @@ def spread(ranks: Swapping, targets: Sequence[Target], round_bytes: int | None =
             groups.setdefault(tuple(shared), []).append(t)
     for members in sorted(groups):
         held = sorted(groups[members], key=lambda t: t.record.key)
-        limit = max(1, (round_bytes or ROUND_BYTES) // (len(members) - 1))
+        limit = max(1, (receive_bytes or RECEIVE_BYTES) // (len(members) - 1))
         batches = {o: _batches([(t, c) for t in held for c in range(len(t.record.chunks)) if t.record.owner(c) == o], limit) for o in members}
         for j in range(max(len(b) for b in batches.values())):
             sends: list[tuple[int, Any]] = []
