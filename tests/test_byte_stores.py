@@ -135,3 +135,26 @@ def test_the_earlier_version_of_a_step_saved_again_stays_while_it_is_read_and_go
         assert _earlier_copies(kind, tmp_path / "disk", s3) == 0
         restored = ckpt.restore_sync(5, tier="low")
         assert torch.equal(restored.state["w"], _state(50)["w"])
+
+
+def test_a_data_object_holds_the_bytes_given_even_when_their_buffer_is_reused_right_after(tmp_path: Path, s3: Any) -> None:
+    """The S3 client keeps a reference to a buffer it is given and uploads it later; a writer hands
+    it its chunk from a reused scratch buffer (a compressed chunk), which the next chunk overwrites.
+    The object must hold the bytes as they were when given (before, the next chunk's were uploaded:
+    a committed version that failed its checksums on restore)."""
+    from tierckpt.storage.plan import WriteItem, WritePlan
+    from tierckpt.storage.s3store import BucketStore
+
+    config = TierConfig(**s3.tier("t", prefix=s3.prefix))
+    store = BucketStore(config, lambda head: set(), tier="t")
+    items = tuple(WriteItem(i, 0, i, "zstd", None) for i in range(2))
+    scratch = bytearray(1 << 20)
+    writer = store.open_data("data.bin", WritePlan(items, ("zstd",), False, 0))
+    for item, fill in zip(items, (b"A", b"B")):
+        scratch[:] = fill * len(scratch)  # the chunk, in the buffer every chunk of this thread goes through
+        writer.write(item, memoryview(scratch))
+    scratch[:] = b"C" * len(scratch)  # the thread's next chunk, before the upload is done
+    assert writer.finish() == (0, 1 << 20)
+    writer.close()
+    got = bytes(obstore.get(s3.client(), f"{s3.prefix}/data.bin").bytes())
+    assert got == b"A" * (1 << 20) + b"B" * (1 << 20)

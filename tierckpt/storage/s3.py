@@ -251,7 +251,8 @@ class Bucket(ReadableStore):
 class S3DataWriter(DataWriter):
     """A data object as one multipart upload: items are packed in the order they arrive (parts must go
     in order, so a fixed offset of the plan is only where the item would lie on a disk), the bytes
-    copied into the client's part buffer, which uploads ``concurrency`` parts at a time.
+    copied (the client would upload the caller's buffer later, as it is then) into the client's part
+    buffer, which uploads ``concurrency`` parts at a time.
 
     Nothing is visible before :meth:`finish` completes the upload; :meth:`close` without it aborts it.
     """
@@ -271,7 +272,9 @@ class S3DataWriter(DataWriter):
                 raise self._failed
             offset = self._end
             try:
-                self._writer.write(data)
+                # A copy: obstore keeps a reference to the buffer it is given and uploads it later, and
+                # the caller reuses its buffer (a compressed chunk's scratch) once this returns.
+                self._writer.write(bytes(data))
             except Exception as exc:
                 self._failed = store_error(exc, self.bucket.url_of(self.key), f"uploading {data.nbytes} bytes at offset {offset} of")
                 raise self._failed from exc
