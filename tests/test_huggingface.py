@@ -86,7 +86,8 @@ def test_after_a_sigkill_the_newest_durable_step_resumes_exactly(tmp_path: Path,
         durable = sorted(v.step for v in ckpt.versions() if v.tier == "nvme")
     left = sorted(os.listdir(out)) if out.exists() else []
     assert durable in ([], [4], [4, 8]), durable  # [] only on a machine slow enough that step 4 was not durable yet
-    assert set(left) <= {f"checkpoint-{s}" for s in durable}, (left, durable)  # nothing half-written, none ahead of the tiers
+    shown = [name for name in left if not name.startswith(".")]  # a directory killed mid-write stays hidden
+    assert set(shown) <= {f"checkpoint-{s}" for s in durable}, (left, durable)  # nothing half-written, none ahead of the tiers
     if not durable:
         with pytest.raises((ValueError, FileNotFoundError)):  # the Trainer finds no checkpoint-N
             run(out, config, resume=True)
@@ -94,6 +95,7 @@ def test_after_a_sigkill_the_newest_durable_step_resumes_exactly(tmp_path: Path,
     resumed = run(out, config, resume=True)
     assert resumed == {s: whole[s] for s in range(durable[-1] + 1, STEPS + 1)}
     assert f"checkpoint-{durable[-1]}" in os.listdir(out)
+    assert not [name for name in os.listdir(out) if name.startswith(".")]  # the killed job's leftovers removed
 
 
 def _ddp(out: Path, config: dict[str, Any], kill_at: int = 0, resume: bool = False) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tierckpt.errors import CorruptCheckpointError
-from tierckpt.integrations.pointer import read_pointer, write_pointer
+from tierckpt.integrations.pointer import aside_name, read_pointer, remove_leftovers, write_pointer
 
 HOST = socket.gethostname().replace("-", "_")
 
@@ -37,6 +37,22 @@ def test_a_killed_writers_temporary_file_is_removed_by_the_next_write_and_a_live
         leftover.write_bytes(b"")  # what a SIGKILL between open() and write() leaves
     write_pointer(tmp_path / "epoch=0-step=8.ckpt", 8, "nvme")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, elsewhere.name, "epoch=0-step=8.ckpt"])
+
+
+def test_a_killed_writers_directory_is_removed_and_only_its_own_prefix_is_judged(tmp_path: Path) -> None:
+    """What the Hugging Face integration leaves when killed while writing checkpoint-N aside: a whole
+    directory, removed by the next writer; a live writer's, and another prefix's, are kept."""
+    dead = tmp_path / f".tierckpt-dir-{HOST}-{_dead_pid()}-checkpoint-4"
+    (dead / "inner").mkdir(parents=True)
+    (dead / "inner" / "trainer_state.json").write_text("{")
+    old = tmp_path / f"{dead.name}.old"  # killed between its two renames
+    old.mkdir()
+    live = tmp_path / aside_name(".tierckpt-dir-", "checkpoint-8")
+    live.mkdir()
+    other = tmp_path / f".tierckpt-pointer-{HOST}-{_dead_pid()}-1.tmp"
+    other.write_bytes(b"")
+    remove_leftovers(tmp_path, ".tierckpt-dir-")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])
 
 
 def test_an_empty_file_is_not_a_pointer(tmp_path: Path) -> None:

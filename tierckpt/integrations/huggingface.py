@@ -44,7 +44,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from tierckpt.config import Config
 from tierckpt.errors import ConfigError, CorruptCheckpointError, UnsupportedStateError
-from tierckpt.integrations.pointer import read_pointer, write_pointer
+from tierckpt.integrations.pointer import aside_name, read_pointer, remove_leftovers, write_pointer
 from tierckpt.integrations.saves import DurableSaves, holding_tensors
 
 __all__ = ["POINTER_NAME", "TierckptMixin", "TierckptTrainer"]
@@ -53,6 +53,7 @@ POINTER_NAME = "tierckpt.json"
 _REPLICATED = ("model", "optimizer", "scheduler", "scaler")  # the same on every rank under DDP
 _CHECKPOINT_DIR = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 TRAINER_STATE_NAME = "trainer_state.json"
+_ASIDE_PREFIX = ".tierckpt-dir-"  # a checkpoint-N being written, before its rename
 
 
 class TierckptMixin:
@@ -203,10 +204,12 @@ class TierckptTrainer(TierckptMixin, Trainer):
 
 def _publish(output_dir: str, step: int, tier: str, trainer_state: str) -> None:
     """Make ``output_dir`` (``checkpoint-N``) appear whole: written aside, then renamed into place.
-    A directory already there (the same step saved again) is replaced."""
+    A directory already there (the same step saved again) is replaced. What a killed job left
+    aside is removed."""
     parent, name = os.path.split(output_dir)
     os.makedirs(parent, exist_ok=True)
-    aside = os.path.join(parent, f".tierckpt-{name}-{os.getpid()}")
+    remove_leftovers(parent, _ASIDE_PREFIX)
+    aside = os.path.join(parent, aside_name(_ASIDE_PREFIX, name))
     shutil.rmtree(aside, ignore_errors=True)
     os.mkdir(aside)
     with open(os.path.join(aside, TRAINER_STATE_NAME), "w", encoding="utf-8") as f:

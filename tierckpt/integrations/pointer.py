@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import threading
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 from tierckpt.errors import CorruptCheckpointError, NoCheckpointError
 from tierckpt.storage.lock import process_alive
 
-__all__ = ["FORMAT", "read_pointer", "write_pointer"]
+__all__ = ["FORMAT", "aside_name", "read_pointer", "remove_leftovers", "write_pointer"]
 
 FORMAT = "tierckpt-pointer"
 _MAX_BYTES = 64 << 10  # a pointer is a few dozen bytes; anything large is not one
@@ -35,7 +36,7 @@ def write_pointer(path: str | os.PathLike[str], step: int, tier: str) -> None:
     body = json.dumps({"format": FORMAT, "version": 1, "step": step, "tier": tier}).encode() + b"\n"
     # Not named after the pointer: a temporary file a crash left behind must not look like one
     # (Lightning finds last.ckpt by any name containing "last").
-    tmp = path.with_name(f"{_TMP_PREFIX}{_HOST}-{os.getpid()}-{threading.get_ident()}.tmp")
+    tmp = path.with_name(aside_name(_TMP_PREFIX, f"{threading.get_ident()}.tmp"))
     with open(tmp, "wb") as f:
         f.write(body)
         f.flush()
@@ -46,16 +47,27 @@ def write_pointer(path: str | os.PathLike[str], step: int, tier: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    _remove_leftovers(path.parent)
+    remove_leftovers(path.parent, _TMP_PREFIX)
 
 
-def _remove_leftovers(directory: Path) -> None:
-    """Remove the temporary files of writers on this host that died between creating one and
-    renaming it (a SIGKILLed job), so restarts do not pile them up. Another host's files are left:
-    whether their writer lives cannot be told from here."""
-    for leftover in directory.glob(f"{_TMP_PREFIX}{_HOST}-*.tmp"):
-        pid = leftover.name[len(_TMP_PREFIX) + len(_HOST) + 1 :].split("-", 1)[0]
-        if pid.isdigit() and not process_alive(int(pid)):
+def aside_name(prefix: str, tail: str) -> str:
+    """The name of something written aside before a rename: ``prefix``, this host, this process,
+    ``tail``. Hidden, and not shaped like what it becomes, so a trainer listing its directory never
+    takes a crash's leftover for a checkpoint."""
+    return f"{prefix}{_HOST}-{os.getpid()}-{tail}"
+
+
+def remove_leftovers(directory: str | os.PathLike[str], prefix: str) -> None:
+    """Remove what writers on this host named by ``aside_name(prefix, ...)`` and then died before
+    renaming it (a SIGKILLed job), files or directories, so restarts do not pile them up. Another
+    host's are left: whether their writer lives cannot be told from here."""
+    for leftover in Path(directory).glob(f"{prefix}{_HOST}-*"):
+        pid = leftover.name[len(prefix) + len(_HOST) + 1 :].split("-", 1)[0]
+        if not pid.isdigit() or process_alive(int(pid)):
+            continue
+        if leftover.is_dir() and not leftover.is_symlink():
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
             leftover.unlink(missing_ok=True)
 
 
