@@ -21,8 +21,14 @@ together; tests/test_scale_simulation.py holds the simulation's counts against a
 ``--simulate``, also the restore's agreement for those sizes (:mod:`tierckpt.testing.simrestore`: the
 exchanges, what a rank sends and receives, its CPU to agree).
 
+``--per-node K``: nodes of K ranks, each but the leader's relaying its ranks' commits through a store of
+its own (``distributed.relay: nodes``, :mod:`tierckpt.ranks.nodestore`), in the real jobs (nodes
+simulated on this host with ``distributed.nodes``) and in the simulation; the requests of the nodes'
+stores are counted apart from the leader's store's.
+
     flock /tmp/tierckpt-bench.lock .venv/bin/python benchmarks/scale.py --ranks 1 2 8 16
     .venv/bin/python benchmarks/scale.py --ranks --simulate 1000 4000 10000
+    .venv/bin/python benchmarks/scale.py --ranks 8 16 --simulate 1000 4000 10000 --per-node 8
 
 Results: JSON in benchmarks/results/scale.json and a markdown table (printed, and written to
 /tmp/scale_results.md). On 2 cores, 16 processes are themselves the floor: the table says what the
@@ -60,15 +66,18 @@ def rank_worker(job: dict[str, Any]) -> None:
 
         dist.init_process_group("gloo")
     state = common.pieces_state(job["kib"] << 10, pieces=4)
+    distributed: dict[str, Any] = {"timeout": job["timeout"]}
+    if job.get("per_node") and ranked:
+        distributed |= {"nodes": int(os.environ["WORLD_SIZE"]) // job["per_node"], "relay": "nodes"}
     config = common.tier_config(
-        common.disk_tier(job["dir"], keep={"last": 2}), capacity=4 * (job["kib"] << 10) + (4 << 20), snapshots=3,
-        distributed={"timeout": job["timeout"]},
+        common.disk_tier(job["dir"], keep={"last": 2}), capacity=4 * (job["kib"] << 10) + (4 << 20), snapshots=3, distributed=distributed,
     )
-    from tierckpt.testing.inspect import store_tally
+    from tierckpt.testing.inspect import node_store_tally, store_tally
 
     commits: list[float] = []
     floors: list[float] = []
     tallies: list[dict[str, int]] = []  # what this rank asked of the store so far, after each commit
+    node_tallies: list[dict[str, int]] = []  # and of its node's store (relays)
     with Checkpointer(config) as ckpt:
         for step in range(1, job["saves"] + 2):  # the first: a warm-up
             if ranked:
@@ -83,11 +92,14 @@ def rank_worker(job: dict[str, Any]) -> None:
             tally = store_tally(ckpt)
             if tally is not None:
                 tallies.append(dict(tally.by_key))
+            node_tally = node_store_tally(ckpt)
+            if node_tally is not None:
+                node_tallies.append(dict(node_tally.by_key))
     if ranked:
         dist.barrier()
         dist.destroy_process_group()
     Path(job["results"], f"rank-{rank}.json").write_text(
-        json.dumps({"rank": rank, "commit_s": commits[1:], "floor_s": floors[1:], "tallies": tallies})
+        json.dumps({"rank": rank, "commit_s": commits[1:], "floor_s": floors[1:], "tallies": tallies, "node_tallies": node_tallies})
     )
 
 
@@ -113,14 +125,15 @@ def one_world(ranks: int, job: dict[str, Any], base: Path) -> dict[str, Any]:
     floor = statistics.median(mine["floor_s"]) if mine["floor_s"] else None
     return {"ranks": ranks, "commit_ms": 1e3 * commit, "floor_ms": None if floor is None else 1e3 * floor,
             "commit_per_floor": None if floor is None else commit / floor, "commits_ms": [1e3 * s for s in mine["commit_s"]],
-            "requests_per_save": per_save(out)}
+            "requests_per_save": per_save(out), "node_requests_per_save": per_save(out, "node_tallies")}
 
 
-def per_save(ranks: list[dict[str, Any]]) -> dict[str, float]:
-    """Store requests a save, all ranks together, by kind and key family (after the warm-up save)."""
+def per_save(ranks: list[dict[str, Any]], which: str = "tallies") -> dict[str, float]:
+    """Store requests a save, all ranks together, by kind and key family (after the warm-up save):
+    of the leader's store, or (``node_tallies``) of the nodes' stores."""
     total: dict[str, float] = {}
     for rank in ranks:
-        tallies = rank["tallies"]
+        tallies = rank[which]
         if len(tallies) < 2:
             continue
         first, last, saves = tallies[0], tallies[-1], len(tallies) - 1
@@ -129,19 +142,20 @@ def per_save(ranks: list[dict[str, Any]]) -> dict[str, float]:
     return {k: v for k, v in sorted(total.items()) if v}
 
 
-def simulate(worlds: list[int], saves: int) -> list[dict[str, Any]]:
+def simulate(worlds: list[int], saves: int, per_node: int | None = None) -> list[dict[str, Any]]:
     """The commit protocol of each world size in this process (tierckpt.testing.simranks)."""
     from tierckpt.testing.simranks import leader_seconds, simulate_saves
 
     rows = []
     for world in worlds:
         started = time.perf_counter()
-        costs = simulate_saves(world, saves + 1)[1:]  # the first sets up every rank's waits
+        costs = simulate_saves(world, saves + 1, per_node=per_node)[1:]  # the first sets up every rank's waits
         leader = leader_seconds(world, saves + 1)[1:]
         last = costs[-1]
         rows.append({
             "ranks": world, "requests": statistics.median(c.total for c in costs), "by_kind": last.requests,
-            "by_key": last.by_key, "leader_requests": sum(last.leader_requests.values()),
+            "by_key": last.by_key, "leader_requests": sum(last.leader_requests.values()), "per_node": per_node,
+            "node_by_key": last.node_by_key, "node_requests": sum(last.node_by_key.values()),
             "bytes": statistics.median(c.bytes for c in costs), "largest": last.largest, "marker_bytes": last.marker_bytes,
             "leader_cpu_ms": 1e3 * statistics.median(leader), "leader_cpu_min_ms": 1e3 * min(leader),
             "save_s": statistics.median(c.seconds for c in costs), "wall_s": time.perf_counter() - started,
@@ -180,12 +194,15 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 def simulated_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
-        "| ranks | store requests a save | a rank | the leader's | bytes through the store | largest message | commit marker | leader CPU, median (min) | simulated save, one core |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ranks | store requests a save | a rank | a node | the leader's | node stores' requests | bytes through the store | largest message | "
+        "commit marker | leader CPU, median (min) | simulated save, one core |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
+        per_node = r.get("per_node") or 8
         lines.append(
-            f"| {r['ranks']:,} | {r['requests']:,.0f} | {r['requests'] / r['ranks']:.1f} | {r['leader_requests']} | "
+            f"| {r['ranks']:,} | {r['requests']:,.0f} | {r['requests'] / r['ranks']:.2f} | {r['requests'] * per_node / r['ranks']:.2f} | "
+            f"{r['leader_requests']} | {r.get('node_requests', 0):,} | "
             f"{r['bytes'] / 2**20:.2f} MiB | {r['largest'] / 2**10:.0f} KiB | {r['marker_bytes'] / 2**10:.0f} KiB | "
             f"{r['leader_cpu_ms']:.1f} ms ({r['leader_cpu_min_ms']:.1f}) | {r['save_s']:.2f} s |"
         )
@@ -198,12 +215,16 @@ def simulated_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
-    lines = ["| ranks | commit median ms | floor median ms | commit / floor | store requests a save |", "| ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| ranks | commit median ms | floor median ms | commit / floor | leader's store: requests a save | node stores: requests a save |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
         floor = "—" if r["floor_ms"] is None else f"{r['floor_ms']:.1f}"
         ratio = "—" if r["commit_per_floor"] is None else f"{r['commit_per_floor']:.2f}"
         requests = f"{sum(r['requests_per_save'].values()):.1f}" if r["requests_per_save"] else "—"
-        lines.append(f"| {r['ranks']} | {r['commit_ms']:.1f} | {floor} | {ratio} | {requests} |")
+        nodes = f"{sum(r['node_requests_per_save'].values()):.1f}" if r.get("node_requests_per_save") else "—"
+        lines.append(f"| {r['ranks']} | {r['commit_ms']:.1f} | {floor} | {ratio} | {requests} | {nodes} |")
     return lines
 
 
@@ -215,6 +236,7 @@ def main() -> None:
     parser.add_argument("--kib", type=int, default=256, help="KiB of state a rank")
     parser.add_argument("--saves", type=int, default=20, help="saves a job (after a warm-up)")
     parser.add_argument("--timeout", type=float, default=120.0, help="distributed.timeout, seconds")
+    parser.add_argument("--per-node", type=int, default=None, help="ranks a node, every node but the leader's relaying (distributed.relay: nodes)")
     parser.add_argument("--out", type=Path, default=HERE / "results", help="where scale.json goes")
     parser.add_argument("--rank-worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -222,24 +244,25 @@ def main() -> None:
         rank_worker(json.loads(args.rank_worker))
         return
     base = Path(tempfile.mkdtemp(prefix="tierckpt-scale-", dir="."))
-    job = {"kib": args.kib, "saves": args.saves, "timeout": args.timeout}
+    job = {"kib": args.kib, "saves": args.saves, "timeout": args.timeout, "per_node": args.per_node}
     started = time.perf_counter()
     try:
         rows = [one_world(n, job, base) for n in args.ranks]
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    simulated = simulate(args.simulate, args.sim_saves)
+    simulated = simulate(args.simulate, args.sim_saves, args.per_node)
     restores = simulate_restores(args.simulate)
-    report = {"kib": args.kib, "saves": args.saves, "cpus": os.cpu_count(), "python": sys.version.split()[0], "rows": rows,
+    report = {"kib": args.kib, "saves": args.saves, "per_node": args.per_node, "cpus": os.cpu_count(), "python": sys.version.split()[0], "rows": rows,
               "simulated": simulated, "simulated_restores": restores}
     results = args.out / "scale.json"
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps(report, indent=1))
     lines: list[str] = []
+    relays = f", nodes of {args.per_node} relaying" if args.per_node else ""
     if rows:
-        lines += [f"## Scale: commit against the floor ({args.kib} KiB a rank, {args.saves} saves, {os.cpu_count()} cores)", "", *table(rows), ""]
+        lines += [f"## Scale: commit against the floor ({args.kib} KiB a rank, {args.saves} saves, {os.cpu_count()} cores{relays})", "", *table(rows), ""]
     if simulated:
-        lines += [f"## Scale, simulated: what one save asks of the store ({args.sim_saves} saves each)", "", *simulated_table(simulated), ""]
+        lines += [f"## Scale, simulated: what one save asks of the store ({args.sim_saves} saves each{relays})", "", *simulated_table(simulated), ""]
         lines += ["## Scale, simulated: what a restore's agreement asks of each rank (8 versions held, the newest verifies)", "",
                   *restore_table(restores)]
     common.show_report(lines, Path("/tmp/scale_results.md"), results, time.perf_counter() - started)

@@ -35,10 +35,13 @@ def config(root: Path, timeout: float) -> dict[str, Any]:
     if "DELTA" in os.environ:  # differential versions (tests/test_delta.py)
         disk["delta"] = {"full_every": int(os.environ["DELTA"])}
     below = [{"name": "pfs", "type": "filesystem", "path": str(root / "pfs")}] if "PFS" in os.environ else []  # a third tier
+    distributed: dict[str, Any] = {"timeout": f"{timeout}s"}
+    if "RELAY_NODES" in os.environ:  # nodes simulated on this host, every one but the leader's relaying (tests/test_relay.py)
+        distributed |= {"nodes": int(os.environ["RELAY_NODES"]), "relay": "nodes"}
     return {
         "host": {"capacity": "64MiB", "snapshots": 2},
         "tiers": [{"name": "ram", "type": "memory"}, disk, *below],
-        "distributed": {"timeout": f"{timeout}s"},
+        "distributed": distributed,
         "events": str(root / "events-{rank}.jsonl"),  # each rank its own file
     }
 

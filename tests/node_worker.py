@@ -54,6 +54,8 @@ def config(root: Path) -> dict[str, Any]:
     distributed: dict[str, Any] = {"timeout": os.environ.get("TIMEOUT", "20s")}
     if os.environ.get("SIMULATE", "1") == "1":
         distributed["nodes"] = NODES
+    if os.environ.get("RELAY") == "1":  # node 1's ranks commit through rank 2 (tests/test_node_local.py)
+        distributed["relay"] = "nodes"
     return {"host": {"capacity": "48MiB", "snapshots": 2}, "tiers": tiers, "distributed": distributed}
 
 

@@ -141,7 +141,7 @@ def test_example_as_dict(tmp_path: Path) -> None:
                 "scope": "shared",
             },
         ],
-        "distributed": {"timeout": 60.0, "nodes": None, "read_replicated": "once"},
+        "distributed": {"timeout": 60.0, "nodes": None, "read_replicated": "once", "relay": "auto"},
     }
 
 
@@ -206,7 +206,7 @@ def test_wrong_choice_message(tmp_path: Path) -> None:
     ("text", "key", "line", "allowed"),
     [
         (small() + "logging: {level: info}\n", "logging", 9, "host, tiers, distributed, events, metrics"),
-        (small() + "distributed: {timout: 60s}\n", "distributed.timout", 9, "timeout, nodes, read_replicated"),
+        (small() + "distributed: {timout: 60s}\n", "distributed.timout", 9, "timeout, nodes, read_replicated, relay"),
         (small(host="  capacity: 1GiB\n  snapshot: 2\n"), "host.snapshot", 3, "capacity, snapshots, on_full, copy_threads, pinned"),
         (small(nvme="    replicas: 2\n"), "tiers[1].replicas", 9, "name, type, path, flush, keep, compression, delta, io_threads, scope, copies, bandwidth, url, endpoint, region, concurrency, part_size, retries, timeout"),
         (small(nvme="    flush:\n      every: 2\n      max_stale: 1m\n"), "tiers[1].flush.max_stale", 11, "every, every_steps, min_interval, max_staleness, newest_only"),
@@ -681,7 +681,7 @@ def test_peer_tier_in_code() -> None:
 def test_distributed_nodes(tmp_path: Path, nodes: int) -> None:
     config = load(tmp_path, small() + f"distributed:\n  timeout: 30s\n  nodes: {nodes}\n")
     assert config.distributed == DistributedConfig(timeout_s=30.0, nodes=nodes)
-    assert config.to_dict()["distributed"] == {"timeout": 30.0, "nodes": nodes, "read_replicated": "once"}
+    assert config.to_dict()["distributed"] == {"timeout": 30.0, "nodes": nodes, "read_replicated": "once", "relay": "auto"}
     assert Config.from_dict(config.to_dict()) == config
     assert load(tmp_path, small()).distributed.nodes is None
     assert load(tmp_path, small() + "distributed: {nodes: null}\n").distributed.nodes is None

@@ -50,8 +50,10 @@ def steps_on(root: Path, node: int) -> list[int]:
     return sorted(int(p.name.split("-")[1]) for p in (root / f"local-{node}" / "nvme").glob("step-*"))
 
 
-def test_each_node_commits_its_ranks_parts_and_retention_deletes_the_same_steps_on_both(tmp_path: Path) -> None:
-    saved = run("save", tmp_path, STEPS="1,2,3,4,5")
+@pytest.mark.parametrize("relay", ["off", "nodes"])
+def test_each_node_commits_its_ranks_parts_and_retention_deletes_the_same_steps_on_both(tmp_path: Path, relay: str) -> None:
+    """With relay: nodes, node 1's ranks commit through rank 2, which keeps node 1's copy too."""
+    saved = run("save", tmp_path, STEPS="1,2,3,4,5", RELAY="1" if relay == "nodes" else "0")
     for s in saved:
         assert all(s[str(step)] is True for step in range(1, 6)), s
         assert s["versions"]["nvme"] == [4, 5] and s["versions"]["pfs"] == [2, 4], s
@@ -61,7 +63,7 @@ def test_each_node_commits_its_ranks_parts_and_retention_deletes_the_same_steps_
         marker = decode_document((version / MANIFEST_FILE).read_bytes())
         assert isinstance(marker, CommitMarker) and marker.holds == ranks and marker.world_size == WORLD
         assert sorted(p.name for p in version.glob("data-*")) == [DATA_FILE.format(rank=r) for r in ranks]
-    restored = run("restore", tmp_path)
+    restored = run("restore", tmp_path, RELAY="1" if relay == "nodes" else "0")
     for s in restored:
         assert s["step"] == 5 and s["tier"] == "nvme" and s["bitwise"] is True, s
         assert not s["warnings"], s

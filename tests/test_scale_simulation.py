@@ -48,6 +48,29 @@ def test_a_real_job_of_4_ranks_makes_the_requests_the_simulation_counts(tmp_path
     assert "| 4 |" in done.stdout and "Fitted: requests" in done.stdout
 
 
+@pytest.mark.slow
+def test_a_real_job_of_4_ranks_on_2_relaying_nodes_makes_the_requests_the_simulation_counts(tmp_path: Path) -> None:
+    """The same with node relays (distributed.relay: nodes, 2 ranks a node): the leader's store and
+    the node's store, each request family of each. A request recorded when it is answered (a read
+    that a commit ends, the head's forwarding of an outcome) may fall on either side of a tally taken
+    at that commit: within one request of each rank over the job's saves."""
+    command = [sys.executable, str(SCRIPT), "--ranks", "4", "--saves", str(SAVES), "--kib", "16", "--timeout", "60",
+               "--simulate", "4", "--sim-saves", "3", "--per-node", "2", "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{' '.join(command)} exited {done.returncode}\n{done.stdout}\n{done.stderr}"
+    report = json.loads((tmp_path / "scale.json").read_text())
+    row, sim = report["rows"][0], report["simulated"][0]
+    for real_key, sim_key in (("requests_per_save", "by_key"), ("node_requests_per_save", "node_by_key")):
+        real = {family(k): v for k, v in row[real_key].items()}
+        simulated = {family(k): v for k, v in sim[sim_key].items()}
+        assert set(real) == set(simulated), (real_key, sorted(real), sorted(simulated))
+        assert all(abs(real[k] - simulated[k]) <= 4 / SAVES for k in real), (real_key, real, simulated)
+    leader = {family(k): v for k, v in row["requests_per_save"].items()}
+    assert leader["set tier/*/report/#/node/#"] == 1 and leader["multi_get tier/*/report/#/#"] == 1
+    assert leader["set tier/*/report/#/#"] == 1  # rank 1, on the leader's node; ranks 2 and 3 report to their node
+    assert sum(sim["by_key"].values()) == 3 + 3 + 3  # the leader's, rank 1's, node 1's head relaying
+
+
 def test_a_rank_asks_the_same_of_the_store_whatever_the_job_size_and_the_leader_too() -> None:
     small, large = simulate_saves(50, 3)[-1], simulate_saves(400, 3)[-1]
     assert small.leader_requests == large.leader_requests  # one request for all the reports, one for all the bells

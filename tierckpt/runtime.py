@@ -27,6 +27,7 @@ from tierckpt.pipeline import Engine, Pipeline
 from tierckpt.pipeline.flusher import Flusher
 from tierckpt.ranks import RankGroup
 from tierckpt.ranks.nodes import node_identity
+from tierckpt.ranks.nodestore import link_nodes
 from tierckpt.pipeline.ranked import FollowerFlusher, LeaderFlusher
 from tierckpt.tiers.base import Tier
 from tierckpt.tiers.memory.tier import MemoryHooks, MemoryTier
@@ -272,6 +273,7 @@ def construct(
     ranks = RankGroup.discover(group, config.distributed.timeout_s, bulk=peer or local, find_nodes=local, nodes=config.distributed.nodes)
     if ranks is None:
         return None, assemble(config, None, tier_factory, clock)
+    link_nodes(ranks, config.distributed.relay, config.distributed.nodes)
     runtime: Runtime | None = None
     failure: BaseException | None = None
     try:

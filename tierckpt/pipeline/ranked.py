@@ -23,7 +23,9 @@ the newest save the leader has dealt with, step and save number) passes it over.
 tier selects on the stream of saves, and each rank reads its part of a decided version from its own
 host memory, or else from a filesystem tier above that holds it (the leader's retention spares what
 a tier below waits for, on every rank). A follower whose leader is
-gone (the store cannot be reached) fails what waits and what comes, naming rank 0.
+gone (the store cannot be reached) fails what waits and what comes, naming rank 0. On a node that
+relays (``distributed.relay``), a follower does all this through its node's store, and its node's
+head forwards (:mod:`tierckpt.pipeline.relay`).
 """
 
 from __future__ import annotations
@@ -39,18 +41,15 @@ import msgpack
 
 from tierckpt.ranks.group import CoordinationLost, RankGroup
 from tierckpt.config import FlushPolicy
-from tierckpt.pipeline.channel import TierChannel, rank_failure
+from tierckpt.pipeline.channel import ROUND_WAIT_S, TierChannel, rank_failure
 from tierckpt.pipeline.flusher import FlushEvents, Flusher, Located
+from tierckpt.pipeline.relay import NodeRelay
 from tierckpt.policy import Candidate, finished, pass_over, pass_over_older_saves, take
 from tierckpt.tiers.base import GroupTier, Staged, Tier, VersionInfo
 
 log = logging.getLogger("tierckpt")
 
 _FOLLOW_POLL_S = 0.02
-# A follower's read of the next round may wait as long as the tier selects nothing; it ends when the
-# leader publishes the round, or the follower stops and voids it. A read that times out prints the
-# store client's warning, so this one is long (the store's clients take at most ~24 days).
-_ROUND_WAIT_S = 7 * 24 * 3600.0
 _EVERY_SAVE = 2**62  # a save number above any: (step, _EVERY_SAVE) covers every save of that step
 
 
@@ -174,6 +173,13 @@ class FollowerFlusher(_GroupFlusher):
         self._lost: CoordinationLost | None = None
         # The read of round ``_next``, which the store answers once the leader publishes it, and since when.
         self._reading: tuple[concurrent.futures.Future[list[bytes] | None], float] | None = None
+        link = group.link  # this rank's node relays: its store has the rounds (its head forwards them)
+        self._relay = NodeRelay(self.channel) if link is not None and link.head else None
+
+    def start(self) -> None:
+        super().start()
+        if self._relay is not None:
+            self._relay.start()
 
     async def _step(self) -> None:
         """Follow the leader's next decision; once its store is gone, fail what waits and what comes."""
@@ -192,14 +198,20 @@ class FollowerFlusher(_GroupFlusher):
         cuts short prints the client's error. The round is voided, unless the leader published it
         first: the leader then publishes its next round after it, and every follower passes it."""
         await super().stop()
-        if self._reading is None or self._reading[0].done():
-            return
-        group = self.channel.group
-        try:
-            await group.put_if_absent(self.channel.key("round", self._next), {"void": group.rank})
-            await asyncio.wait_for(asyncio.wrap_future(self._reading[0]), group.timeout_s)
-        except (CoordinationLost, asyncio.TimeoutError) as exc:
-            log.warning("tier %r: this rank's wait for the leader's decisions did not end (%s)", self.tier.name, exc)
+        group, channel = self.channel.group, self.channel
+        if self._reading is not None and not self._reading[0].done():
+            try:  # in the leader's store, through a relay too: the head forwards the round, void or not
+                await group.put_if_absent(channel.key("round", self._next), {"void": group.rank})
+                await asyncio.wait_for(asyncio.wrap_future(self._reading[0]), group.timeout_s)
+            except (CoordinationLost, asyncio.TimeoutError) as exc:
+                log.warning("tier %r: this rank's wait for the leader's decisions did not end (%s)", self.tier.name, exc)
+        if channel.store is not group:
+            try:
+                await channel.store.put(channel.key("stopped", group.rank), True)
+            except CoordinationLost:
+                pass  # the head is gone: nobody waits for this
+        if self._relay is not None:
+            await self._relay.finish()
 
     async def _round(self) -> dict[str, Any] | None:
         """Round ``_next`` as the leader published it (a decision, a horizon, or void), or None while it
@@ -207,7 +219,7 @@ class FollowerFlusher(_GroupFlusher):
         this flusher then); between rounds this rank sends nothing.
 
         Raises CoordinationLost when the store cannot be reached."""
-        group, key = self.channel.group, self.channel.key("round", self._next)
+        group, key = self.channel.store, self.channel.key("round", self._next)
         if self._reading is None:
             loop = asyncio.get_running_loop()
 
@@ -217,7 +229,7 @@ class FollowerFlusher(_GroupFlusher):
                 except RuntimeError:
                     pass  # the engine's loop is closed: nobody is left to wake
 
-            reading = group.fetch([key], _ROUND_WAIT_S)
+            reading = group.fetch([key], ROUND_WAIT_S)
             reading.add_done_callback(wake)
             self._reading = (reading, time.monotonic())
         reading, since = self._reading
@@ -232,12 +244,13 @@ class FollowerFlusher(_GroupFlusher):
             got = [await group.get_raw(key)]
         self._reading = None
         self._next += 1
-        return dict(msgpack.unpackb(got[0], raw=False))
+        return _unless_lost(dict(msgpack.unpackb(got[0], raw=False)))
 
     def _fail_waiting(self) -> None:
         assert self._lost is not None
         for candidate in self.state.waiting():
-            self._events.failed(self.tier.name, candidate, rank_failure(self.tier.name, candidate.step, {0: str(self._lost)}))
+            who = self._contact if self._lost.rank is None else self._lost.rank
+            self._events.failed(self.tier.name, candidate, rank_failure(self.tier.name, candidate.step, {who: str(self._lost)}))
         self.state = replace(self.state, queue=(), fallback=None)
         self._idle.set()
 
@@ -262,7 +275,7 @@ class FollowerFlusher(_GroupFlusher):
         candidate = await self._await_snapshot(step, arrival)
         if candidate is None:
             error = f"rank {channel.group.rank} holds no step {step} for tier {self.tier.name!r} (it skipped, evicted or never made that save)"
-            await channel.group.put(channel.key("report", n, channel.group.rank), {"error": error})
+            await channel.store.put(channel.key("report", n, channel.group.rank), {"error": error})
             await self._outcome(n)  # stay in step with the leader's decisions
             return
         self._apply(pass_over_older_saves(self.state, candidate))
@@ -292,24 +305,25 @@ class FollowerFlusher(_GroupFlusher):
         except Exception as exc:
             if located is not None:
                 located.lease.release()
-            await channel.group.put(channel.key("report", n, me), {"error": f"{type(exc).__name__}: {exc}"})
+            await channel.store.put(channel.key("report", n, me), {"error": f"{type(exc).__name__}: {exc}"})
             await self._outcome(n)  # stay in step with the leader's decisions; this rank's error is the one to raise
             self._events.failed(self.tier.name, candidate, exc)
             return
         assert located is not None
         located.lease.release()
         try:
-            await channel.group.put(channel.key("report", n, me), {"part": list(staged.part) if staged.part else None})
+            await channel.store.put(channel.key("report", n, me), {"part": list(staged.part) if staged.part else None})
             await self.tier.settle(staged, channel.key("outcome", n))
             outcome = await self._outcome(n)
-        except CoordinationLost as exc:  # rank 0 is gone: no outcome will come for this one either
+        except CoordinationLost as exc:  # rank 0 (or this node's head) is gone: no outcome will come for this one either
             await self.tier.abort(staged)
-            self._events.failed(self.tier.name, candidate, rank_failure(self.tier.name, candidate.step, {0: str(exc)}))
+            who = self._contact if exc.rank is None else exc.rank
+            self._events.failed(self.tier.name, candidate, rank_failure(self.tier.name, candidate.step, {who: str(exc)}))
             raise
         if outcome is None or "error" in outcome:
             await self.tier.abort(staged)
             if outcome is None:
-                failure = rank_failure(self.tier.name, candidate.step, {0: f"no outcome within {2 * channel.group.timeout_s:g} s"})
+                failure = rank_failure(self.tier.name, candidate.step, {self._contact: f"no outcome within {2 * channel.group.timeout_s:g} s"})
             else:
                 failure = rank_failure(self.tier.name, candidate.step, {r: "see rank 0's log" for r in outcome["ranks"]})
                 failure.args = (f"tier {self.tier.name!r}: step {candidate.step} was abandoned by rank 0: {outcome['error']}",)
@@ -324,8 +338,13 @@ class FollowerFlusher(_GroupFlusher):
     async def _outcome(self, n: int) -> dict[str, Any] | None:
         """The leader's outcome of decision ``n``; None if none came in twice the timeout (the leader's
         wait for the reports, and its own write)."""
-        got = await self.channel.group.get_when_set([self.channel.key("outcome", n)], 2 * self.channel.group.timeout_s)
-        return None if got is None else got[0]
+        got = await self.channel.store.get_when_set([self.channel.key("outcome", n)], 2 * self.channel.group.timeout_s)
+        return None if got is None else _unless_lost(got[0])
+
+    @property
+    def _contact(self) -> int:
+        """The rank whose store this rank follows: the leader, or its node's head."""
+        return self.channel.store.host_rank
 
     async def _await_snapshot(self, step: int, arrival: int) -> Candidate | None:
         """This rank's save of ``step`` offered here, its save number ``arrival`` where it has it (else
@@ -371,3 +390,10 @@ class FollowerFlusher(_GroupFlusher):
             )
             self.give_up()
             self._idle.set()
+
+
+def _unless_lost(said: dict[str, Any]) -> dict[str, Any]:
+    """A round or outcome as read, unless it is this node's head saying that the leader's store is gone."""
+    if "lost" in said:
+        raise CoordinationLost(said["lost"], rank=0)  # the failures name the leader, not the head that relayed it
+    return said

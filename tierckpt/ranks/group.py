@@ -27,30 +27,24 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import datetime
-import itertools
 import logging
 import os
 import socket
 import threading
 import time
 import uuid
-import zlib
 from typing import Any, Callable, Sequence, TypeVar
 
 import msgpack
 import torch.distributed as dist
 
+from tierckpt.ranks.arrivals import await_arrivals
 from tierckpt.ranks.nodes import group_nodes, node_identity, split_nodes
-from tierckpt.errors import ConfigError, RankFailureError
+from tierckpt.errors import ConfigError
 from tierckpt.ranks.tally import StoreTally
 
 log = logging.getLogger("tierckpt")
 T = TypeVar("T")  # what a blocking store call returns (RankGroup._blocking)
-
-# How many Checkpointers this process has constructed over each group of ranks: the same on every rank
-# of the group (construction is collective over it); it names each construction's arrival keys in the
-# job's store.
-_CONSTRUCTIONS: dict[tuple[int, ...], itertools.count[int]] = {}
 
 _POLL_MIN_S = 0.001
 _POLL_MAX_S = 0.02
@@ -58,7 +52,12 @@ _CLOSE_WAIT_S = 10.0  # the longest close() waits for waits on the store to end 
 
 
 class CoordinationLost(RuntimeError):
-    """The store cannot be reached any more: the leader's process is gone (or the network is)."""
+    """The store cannot be reached any more: the leader's process is gone (or the network is), or a
+    node's head whose store its ranks use. ``rank``: whose, where another rank relayed the news."""
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
 
 
 class RankGroup:
@@ -74,9 +73,10 @@ class RankGroup:
 
     def __init__(
         self, rank: int, world: int, ranks: Sequence[int], run: str, timeout_s: float, store: Any, pg: Any, server: Any = None,
-        address: tuple[str, int] | None = None,
+        address: tuple[str, int] | None = None, host_rank: int = 0,
     ) -> None:
         self.rank = rank
+        self.host_rank = host_rank  # whose process serves the store: the leader's, or a node's head (NodeLink)
         self.world = world
         self.ranks = tuple(ranks)
         self.run = run
@@ -97,10 +97,17 @@ class RankGroup:
         self._watches: set[concurrent.futures.Future[Any]] = set()  # not ended yet: close() waits for them
         self.tally = StoreTally()
         self.exchanges = StoreTally()  # this rank's collectives on the group's gloo group (all_gather, swap)
+        self.link: Any = None  # the NodeLink of a rank whose node relays its commits (tierckpt.ranks.nodestore)
+        self.relayed: dict[int, tuple[int, ...]] = {}  # of every such node: its index, its ranks (head first)
 
     @property
     def leader(self) -> bool:
         return self.rank == 0
+
+    @property
+    def lost(self) -> str | None:
+        """Why the store cannot be reached any more, once a request found so."""
+        return self._lost
 
     @classmethod
     def discover(cls, group: Any, timeout_s: float, *, bulk: bool = False, find_nodes: bool = False, nodes: int | None = None) -> RankGroup | None:
@@ -125,7 +132,7 @@ class RankGroup:
             raise ConfigError("Checkpointer(group=...): this process is not a member of that group")
         ranks = dist.get_process_group_ranks(group)
         timeout = datetime.timedelta(seconds=timeout_s)
-        _await_arrivals(ranks, dist.get_rank(), timeout)
+        await_arrivals(ranks, dist.get_rank(), timeout)
         pg = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True)
         server = None
         if rank == 0:
@@ -154,13 +161,17 @@ class RankGroup:
         try:
             result = await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
         except (RuntimeError, OSError) as exc:  # DistNetworkError / DistStoreError are RuntimeErrors
-            self._lost = f"lost contact with the leader (rank 0) of the checkpointing group: {exc}"
+            whose = "the leader (rank 0)" if self.host_rank == 0 else f"its node's head (rank {self.host_rank})"
+            self._lost = f"lost contact with {whose} of the checkpointing group: {exc}"
             raise CoordinationLost(self._lost) from exc
         self.tally.record(method, args, result)
         return result
 
     async def put(self, key: str, value: Any) -> None:
         await self._call("set", key, msgpack.packb(value, use_bin_type=True))
+
+    async def put_raw(self, key: str, value: bytes) -> None:
+        await self._call("set", key, value)
 
     async def get(self, key: str) -> Any:
         return msgpack.unpackb(await self._call("get", key), raw=False)
@@ -359,6 +370,8 @@ class RankGroup:
         """Let go of the store, once every wait on it ended: a process that exits while a thread is
         blocked in the store's wait may abort. Waits end at their keys or their timeout; one that
         outlasts ``_CLOSE_WAIT_S`` is logged and left."""
+        if self.link is not None:
+            self.link.store.close()  # after the flushers stopped: its head's relays waited for every rank of the node
         self._executor.shutdown(wait=True)
         with self._waiters_lock:
             pending = list(self._watches)
@@ -369,28 +382,3 @@ class RankGroup:
         with self._waiters_lock:
             self._waiters.clear()
         self._store = self._server = None
-
-
-def _await_arrivals(ranks: Sequence[int], me: int, timeout: datetime.timedelta) -> None:
-    """Wait until every rank of ``ranks`` (global ranks; this one is ``me``) has come to construct its
-    Checkpointer, through the job's own store (torch.distributed's default one).
-
-    ``new_group`` would wait as long, but then fail with a store key in its message; this names the
-    ranks that did not come (dead, hung, or not constructing at this point of their program).
-    """
-    n = next(_CONSTRUCTIONS.setdefault(tuple(ranks), itertools.count()))
-    group = f"{len(ranks)}-{zlib.crc32(','.join(map(str, ranks)).encode()):08x}"  # the same on every rank of the group
-    store = dist.PrefixStore(f"tierckpt/arrivals/{group}/{n}", dist.distributed_c10d._get_default_store())
-    store.set(str(me), "1")
-    try:
-        store.wait([str(r) for r in ranks], timeout)
-    except RuntimeError:  # DistStoreError: the timeout (or the store is gone: its host, rank 0, died)
-        try:
-            missing = [r for r in ranks if not store.check([str(r)])]
-        except RuntimeError:
-            missing = [ranks[0]]
-        raise RankFailureError(
-            f"rank(s) {', '.join(map(str, missing))} did not construct their Checkpointer within {timeout.total_seconds():g} s "
-            "(distributed.timeout): dead, hung, or not constructing it at the same point of their program as the others",
-            ranks=tuple(missing),
-        ) from None

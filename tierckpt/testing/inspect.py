@@ -50,7 +50,7 @@ from tierckpt.tiers.memory.tier import MemoryHooks, MemoryTier
 __all__ = [
     "PoolView", "PreparerView", "HostSlots",
     "host_pool", "tiers_of", "tier_of", "pipeline_of", "flushers_of", "flusher_of", "is_closed",
-    "engine_loop", "engine_thread", "run_on_engine", "call_on_engine", "store_tally", "exchange_tally",
+    "engine_loop", "engine_thread", "run_on_engine", "call_on_engine", "store_tally", "node_store_tally", "exchange_tally",
     "newest_save_number", "host_slots", "committed_saves", "noticed_copy_checks",
     "captured_done", "committed_done", "settled", "save_number",
     "device_copies_of", "wait_device_queued", "pending_device_snapshots", "copy_done_event", "device_slot_views",
@@ -195,6 +195,12 @@ def store_tally(ckpt: Checkpointer) -> StoreTally | None:
     """A copy of what this rank of ``ckpt`` asked of its group's store so far (None: one process)."""
     group = ckpt._group
     return None if group is None else call_on_engine(ckpt, group.tally.copy)
+
+
+def node_store_tally(ckpt: Checkpointer) -> StoreTally | None:
+    """A copy of what this rank asked of its node's store so far (None: its node does not relay)."""
+    group = ckpt._group
+    return None if group is None or group.link is None else call_on_engine(ckpt, group.link.store.tally.copy)
 
 
 def exchange_tally(ckpt: Checkpointer) -> StoreTally | None:

@@ -38,6 +38,8 @@ from tierckpt.pipeline.flusher import Located
 from tierckpt.pipeline.ranked import FollowerFlusher, LeaderFlusher
 from tierckpt.policy import Candidate
 from tierckpt.ranks.group import RankGroup
+from tierckpt.ranks.nodes import split_nodes
+from tierckpt.ranks.nodestore import NodeLink, relayed_nodes
 from tierckpt.ranks.tally import StoreTally
 from tierckpt.tiers.base import GroupTier, Lease, Part, Staged, VersionInfo
 
@@ -102,8 +104,8 @@ class SimGroup(RankGroup):
     """A real RankGroup whose store is a :class:`SimStore`, called in this thread (its tally counts
     every request as over a real store)."""
 
-    def __init__(self, rank: int, world: int, store: SimStore, timeout_s: float = 600.0) -> None:
-        super().__init__(rank, world, range(world), "sim", timeout_s, store, None, address=("sim", 0))
+    def __init__(self, rank: int, world: int, store: SimStore, timeout_s: float = 600.0, host_rank: int = 0) -> None:
+        super().__init__(rank, world, range(world), "sim", timeout_s, store, None, address=("sim", 0), host_rank=host_rank)
         self._sim = store
 
     async def _call(self, method: str, *args: Any) -> Any:
@@ -234,6 +236,7 @@ class SaveCost:
     largest: int
     marker_bytes: int
     seconds: float
+    node_by_key: dict[str, int]  # of the nodes' own stores, all nodes together (relays: ``per_node``)
 
     @property
     def total(self) -> int:
@@ -255,11 +258,29 @@ def _tally(groups: Sequence[RankGroup]) -> StoreTally:
     return total
 
 
-async def _simulate(world: int, saves: int, keep_last: int | None) -> list[SaveCost]:
+def _link(groups: Sequence[RankGroup], per_node: int) -> list[RankGroup]:
+    """Nodes of ``per_node`` ranks, each but the leader's relaying through a store of its own (as
+    :func:`~tierckpt.ranks.nodestore.link_nodes` sets them up); the nodes' store views."""
+    world = len(groups)
+    relayed = relayed_nodes(split_nodes(world, world // per_node))
+    views: list[RankGroup] = []
+    for group in groups:
+        group.relayed = relayed
+    for index, ranks in relayed.items():
+        store = SimStore()
+        for r in ranks:
+            view = SimGroup(r, world, store, host_rank=ranks[0])
+            groups[r].link = NodeLink(index, ranks, view)
+            views.append(view)
+    return views
+
+
+async def _simulate(world: int, saves: int, keep_last: int | None, per_node: int | None = None) -> list[SaveCost]:
     store = SimStore()
     done: collections.Counter[int] = collections.Counter()
     changed = asyncio.Event()
     groups = [SimGroup(r, world, store) for r in range(world)]
+    views = _link(groups, per_node) if per_node else []
     tiers = [NullTier() for _ in range(world)]
     policy = FlushPolicy()
     flushers = []
@@ -275,7 +296,7 @@ async def _simulate(world: int, saves: int, keep_last: int | None) -> list[SaveC
     try:
         await asyncio.sleep(0)  # every follower is reading the first round
         for step in range(1, saves + 1):
-            before, leader_before = _tally(groups), groups[0].tally.copy()
+            before, leader_before, nodes_before = _tally(groups), groups[0].tally.copy(), _tally(views)
             began = time.perf_counter()
             for flusher in flushers:
                 flusher.offer(step, step, step)
@@ -288,6 +309,7 @@ async def _simulate(world: int, saves: int, keep_last: int | None) -> list[SaveC
             costs.append(SaveCost(
                 world, dict(after.requests - before.requests), dict(after.by_key - before.by_key), dict(leader.requests - leader_before.requests),
                 (after.sent + after.received) - (before.sent + before.received), after.largest, tiers[0].marker_bytes, seconds,
+                dict(_tally(views).by_key - nodes_before.by_key),
             ))
     finally:
         await asyncio.gather(*(flusher.stop() for flusher in flushers))
@@ -296,10 +318,11 @@ async def _simulate(world: int, saves: int, keep_last: int | None) -> list[SaveC
     return costs
 
 
-def simulate_saves(world: int, saves: int = 5, *, keep_last: int | None = None) -> list[SaveCost]:
+def simulate_saves(world: int, saves: int = 5, *, keep_last: int | None = None, per_node: int | None = None) -> list[SaveCost]:
     """``saves`` saves of a job of ``world`` ranks through the real commit protocol; one
-    :class:`SaveCost` per save (the first pays for setting up the waits)."""
-    return asyncio.run(_simulate(world, saves, keep_last))
+    :class:`SaveCost` per save (the first pays for setting up the waits). ``per_node``: nodes of that
+    many ranks, relaying (``distributed.relay: nodes``); else every rank talks to the leader's store."""
+    return asyncio.run(_simulate(world, saves, keep_last, per_node))
 
 
 async def _leader_alone(world: int, saves: int) -> list[float]:
