@@ -21,6 +21,11 @@ together; tests/test_scale_simulation.py holds the simulation's counts against a
 ``--simulate``, also the restore's agreement for those sizes (:mod:`tierckpt.testing.simrestore`: the
 exchanges, what a rank sends and receives, its CPU to agree).
 
+``--phases``: each save's phases on every rank, stamped on the real code's seams (the leader's round
+published, each rank's write of its part, its report, the reports in, the commit marker sealed, the
+version committed, the outcome, the handle resolved), as milliseconds after rank 0's ``save()`` (one
+host, one clock): where a commit of N ranks spends its time beside one process's.
+
 ``--per-node K``: nodes of K ranks, each but the leader's relaying its ranks' commits through a store of
 its own (``distributed.relay: nodes``, :mod:`tierckpt.ranks.nodestore`), in the real jobs (nodes
 simulated on this host with ``distributed.nodes``) and in the simulation; the requests of the nodes'
@@ -29,6 +34,7 @@ stores are counted apart from the leader's store's.
     flock /tmp/tierckpt-bench.lock .venv/bin/python benchmarks/scale.py --ranks 1 2 8 16
     .venv/bin/python benchmarks/scale.py --ranks --simulate 1000 4000 10000
     .venv/bin/python benchmarks/scale.py --ranks 8 16 --simulate 1000 4000 10000 --per-node 8
+    flock /tmp/tierckpt-bench.lock .venv/bin/python benchmarks/scale.py --ranks 1 2 --saves 30 --phases
 
 Results: JSON in benchmarks/results/scale.json and a markdown table (printed, and written to
 /tmp/scale_results.md). On 2 cores, 16 processes are themselves the floor: the table says what the
@@ -74,6 +80,9 @@ def rank_worker(job: dict[str, Any]) -> None:
     )
     from tierckpt.testing.inspect import node_store_tally, store_tally
 
+    stamps = _stamp_phases() if job.get("phases") else None
+    phases: list[list[tuple[str, float]]] = []
+
     commits: list[float] = []
     floors: list[float] = []
     tallies: list[dict[str, int]] = []  # what this rank asked of the store so far, after each commit
@@ -85,10 +94,15 @@ def rank_worker(job: dict[str, Any]) -> None:
                 dist.barrier()
             for t in state["model"].values():
                 t.add_(1.0)
+            if stamps is not None:  # a follower may read this save's round before its own save() starts
+                stamps.append(("save", time.time()))
             started = time.perf_counter()
             handle = ckpt.save_sync(step, state)
             assert handle.committed_sync("disk", job["timeout"]), f"step {step} not committed"
             commits.append(time.perf_counter() - started)
+            if stamps is not None:
+                phases.append([*stamps, ("handle resolved", time.time())])
+                stamps.clear()
             tally = store_tally(ckpt)
             if tally is not None:
                 tallies.append(dict(tally.by_key))
@@ -99,8 +113,65 @@ def rank_worker(job: dict[str, Any]) -> None:
         dist.barrier()
         dist.destroy_process_group()
     Path(job["results"], f"rank-{rank}.json").write_text(
-        json.dumps({"rank": rank, "commit_s": commits[1:], "floor_s": floors[1:], "tallies": tallies, "node_tallies": node_tallies})
+        json.dumps({"rank": rank, "commit_s": commits[1:], "floor_s": floors[1:], "tallies": tallies, "node_tallies": node_tallies,
+                    "phases": phases[1:]})
     )
+
+
+def _stamp_phases() -> list[tuple[str, float]]:
+    """Stamp (``time.time``) the end of each phase of a save on this rank, on the real code's seams;
+    the list they go into (the caller empties it at each save)."""
+    import functools
+
+    from tierckpt.pipeline import ranked
+    from tierckpt.pipeline.channel import TierChannel
+    from tierckpt.ranks.group import RankGroup
+    from tierckpt.tiers.stored.tier import StoredTier
+
+    stamps: list[tuple[str, float]] = []
+
+    def stamp(cls: Any, name: str, label: str, start: str | None = None, when: Any = None) -> None:
+        original = getattr(cls, name)
+
+        @functools.wraps(original)
+        async def stamped(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if start is not None:
+                stamps.append((start, time.time()))
+            result = await original(self, *args, **kwargs)
+            if when is None or when(args, result):
+                stamps.append((label, time.time()))
+            return result
+
+        setattr(cls, name, stamped)
+
+    stamp(ranked.LeaderFlusher, "_publish_round", "round published")
+    stamp(ranked.FollowerFlusher, "_round", "round read", when=lambda args, got: got is not None and "flush" in got)
+    stamp(StoredTier, "write", "part written", start="part write starts")
+    stamp(RankGroup, "put", "report set", when=lambda args, got: "/report/" in args[0])
+    stamp(TierChannel, "collect", "reports in")
+    stamp(StoredTier, "seal", "marker sealed")
+    stamp(StoredTier, "commit", "committed (renamed)")
+    stamp(RankGroup, "put", "outcome set", when=lambda args, got: "/outcome/" in args[0])
+    stamp(StoredTier, "adopt", "adopted")
+    return stamps
+
+
+def phase_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Median ms after rank 0's save() of each phase, by job size and rank (rank 0, and rank 1 for all followers)."""
+    lines = ["| ranks | rank | phase | ms after rank 0's save() (median) |", "| ---: | ---: | --- | ---: |"]
+    for row in rows:
+        leader = row.get("phases_by_rank", {}).get("0") or []
+        for rank, saves in sorted(row.get("phases_by_rank", {}).items()):
+            if rank not in ("0", "1"):
+                continue
+            at: dict[str, list[float]] = {}
+            for own, lead in zip(saves, leader):
+                t0 = dict(lead)["save"]
+                for what, t in own:
+                    at.setdefault(what, []).append(1e3 * (t - t0))
+            order = sorted(at, key=lambda k: statistics.median(at[k]))
+            lines += [f"| {row['ranks']} | {rank} | {what} | {statistics.median(at[what]):.2f} |" for what in order]
+    return lines
 
 
 def _floor() -> float:
@@ -125,7 +196,8 @@ def one_world(ranks: int, job: dict[str, Any], base: Path) -> dict[str, Any]:
     floor = statistics.median(mine["floor_s"]) if mine["floor_s"] else None
     return {"ranks": ranks, "commit_ms": 1e3 * commit, "floor_ms": None if floor is None else 1e3 * floor,
             "commit_per_floor": None if floor is None else commit / floor, "commits_ms": [1e3 * s for s in mine["commit_s"]],
-            "requests_per_save": per_save(out), "node_requests_per_save": per_save(out, "node_tallies")}
+            "requests_per_save": per_save(out), "node_requests_per_save": per_save(out, "node_tallies"),
+            "phases_by_rank": {str(r["rank"]): r["phases"] for r in out if r["phases"]}}
 
 
 def per_save(ranks: list[dict[str, Any]], which: str = "tallies") -> dict[str, float]:
@@ -236,6 +308,7 @@ def main() -> None:
     parser.add_argument("--kib", type=int, default=256, help="KiB of state a rank")
     parser.add_argument("--saves", type=int, default=20, help="saves a job (after a warm-up)")
     parser.add_argument("--timeout", type=float, default=120.0, help="distributed.timeout, seconds")
+    parser.add_argument("--phases", action="store_true", help="stamp each save's phases on every rank (ms after rank 0's save)")
     parser.add_argument("--per-node", type=int, default=None, help="ranks a node, every node but the leader's relaying (distributed.relay: nodes)")
     parser.add_argument("--out", type=Path, default=HERE / "results", help="where scale.json goes")
     parser.add_argument("--rank-worker", default=None, help=argparse.SUPPRESS)
@@ -244,7 +317,7 @@ def main() -> None:
         rank_worker(json.loads(args.rank_worker))
         return
     base = Path(tempfile.mkdtemp(prefix="tierckpt-scale-", dir="."))
-    job = {"kib": args.kib, "saves": args.saves, "timeout": args.timeout, "per_node": args.per_node}
+    job = {"kib": args.kib, "saves": args.saves, "timeout": args.timeout, "per_node": args.per_node, "phases": args.phases}
     started = time.perf_counter()
     try:
         rows = [one_world(n, job, base) for n in args.ranks]
@@ -261,6 +334,8 @@ def main() -> None:
     relays = f", nodes of {args.per_node} relaying" if args.per_node else ""
     if rows:
         lines += [f"## Scale: commit against the floor ({args.kib} KiB a rank, {args.saves} saves, {os.cpu_count()} cores{relays})", "", *table(rows), ""]
+    if args.phases and rows:
+        lines += ["## Scale: where a commit's time goes (each phase's end, medians)", "", *phase_table(rows), ""]
     if simulated:
         lines += [f"## Scale, simulated: what one save asks of the store ({args.sim_saves} saves each{relays})", "", *simulated_table(simulated), ""]
         lines += ["## Scale, simulated: what a restore's agreement asks of each rank (8 versions held, the newest verifies)", "",

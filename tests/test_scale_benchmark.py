@@ -29,3 +29,27 @@ def test_a_short_run_reports_the_commit_against_the_floor(tmp_path: Path) -> Non
         assert row["commit_ms"] == pytest.approx(statistics.median(row["commits_ms"]))
     assert two["floor_ms"] > 0 and two["commit_per_floor"] == pytest.approx(two["commit_ms"] / two["floor_ms"])
     assert "| 2 |" in done.stdout
+
+
+def test_the_phases_of_a_commit_come_in_the_protocols_order_on_every_save(tmp_path: Path) -> None:
+    """--phases: each save's stamps on both ranks, in the order the protocol makes them happen (a rank's
+    report is set before the leader has every report in, the version is committed before rank 1 adopts it)."""
+    out = tmp_path / "results"
+    command = [sys.executable, str(SCRIPT), "--ranks", "1", "2", "--saves", "3", "--kib", "16", "--timeout", "60", "--phases", "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{' '.join(command)} exited {done.returncode}\n{done.stdout}\n{done.stderr}"
+    alone, two = json.loads((out / "scale.json").read_text())["rows"]
+    assert [what for what, _ in alone["phases_by_rank"]["0"][0]] == ["save", "part write starts", "part written", "committed (renamed)", "handle resolved"]
+    leader_order = ["save", "round published", "part write starts", "part written", "reports in", "marker sealed", "committed (renamed)",
+                    "outcome set", "handle resolved"]
+    # Rank 1 may read a round before its own save() begins (its training a little behind): "save" floats.
+    follower_order = ["round read", "part write starts", "part written", "report set", "adopted", "handle resolved"]
+    assert len(two["phases_by_rank"]["0"]) == len(two["phases_by_rank"]["1"]) == 3
+    for leader, follower in zip(two["phases_by_rank"]["0"], two["phases_by_rank"]["1"]):
+        at, fat = dict(leader), dict(follower)
+        assert [what for what, _ in leader] == leader_order and [what for what, _ in follower if what != "save"] == follower_order
+        assert [at[w] for w in leader_order] == sorted(at[w] for w in leader_order)
+        assert [fat[w] for w in follower_order] == sorted(fat[w] for w in follower_order) and fat["save"] < fat["part write starts"]
+        assert at["round published"] <= fat["round read"] and fat["report set"] <= at["reports in"]
+        assert at["committed (renamed)"] <= fat["adopted"]
+    assert "where a commit's time goes" in done.stdout
