@@ -263,6 +263,20 @@ def main() -> None:
         except ConfigError as exc:
             out["config_error"] = str(exc)
             out["key"] = exc.key
+    elif scenario == "relay_unreachable":
+        # Rank 3 cannot reach its node's store (as a rank on another host than its node's head would
+        # not, with distributed.nodes not matching the hosts): an address nothing answers on, for it alone.
+        import datetime
+
+        import tierckpt.ranks.nodestore as nodestore
+
+        if rank == 3:
+            nodestore.LOOPBACK, nodestore._CONNECT = "192.0.2.1", datetime.timedelta(seconds=1)  # TEST-NET-1: unroutable
+        try:
+            Checkpointer(config(root, timeout)).close_sync()
+            out["error"] = None
+        except ConfigError as exc:
+            out["error"] = str(exc)
     elif scenario == "late_follower":
         # The leader decides a step that rank 1 has not saved yet, and rank 1 then captures older,
         # eligible saves first, with two host slots. Those can never be taken (the leader went past

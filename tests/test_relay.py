@@ -5,6 +5,8 @@ is named in the error every rank raises, and nothing half-written is committed."
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,9 +15,10 @@ from tierckpt.config import Config
 from tierckpt.errors import ConfigError
 from tierckpt.format import MANIFEST_FILE, version_dirname
 from tierckpt.ranks.nodestore import relayed_nodes
+from tierckpt.testing import failures, launch_ranks
 from tierckpt.testing.simranks import simulate_saves
 
-from test_distributed import run_ranks
+from test_distributed import WORKER, run_ranks
 
 RELAY = {"RELAY_NODES": "2"}
 
@@ -44,6 +47,15 @@ def test_a_relayed_save_asks_the_leaders_store_3_requests_a_node_and_the_node_st
     assert relayed.by_key["set tier/shared/report/#/node/#"] == 7
     assert sum(relayed.node_by_key.values()) == 7 * (3 * 8 + 3)  # each rank's 3, and its head's relay forwarding 3
     assert relayed.marker_bytes == plain.marker_bytes  # the same commit: every rank's part
+
+
+def test_a_rank_that_cannot_reach_its_nodes_store_fails_every_ranks_construction_naming_it(tmp_path: Path) -> None:
+    """As a rank on another host than its node's head (distributed.nodes not matching the hosts): every
+    rank's constructor raises the same ConfigError naming it, and no rank starts relaying."""
+    exits = launch_ranks([sys.executable, str(WORKER), "relay_unreachable", str(tmp_path)], 4, env={"TEST_TIMEOUT": "30"} | RELAY)
+    assert not failures(exits), failures(exits)  # rank 3's own client prints its failed connect: not checked for noise
+    for r in (json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in range(4)):
+        assert r["error"] is not None and "distributed.relay: rank 3 cannot reach its node's store (rank 2" in r["error"], r
 
 
 @pytest.mark.slow

@@ -273,10 +273,11 @@ def construct(
     ranks = RankGroup.discover(group, config.distributed.timeout_s, bulk=peer or local, find_nodes=local, nodes=config.distributed.nodes)
     if ranks is None:
         return None, assemble(config, None, tier_factory, clock)
-    link_nodes(ranks, config.distributed.relay, config.distributed.nodes)
     runtime: Runtime | None = None
     failure: BaseException | None = None
     try:
+        # Collective: a rank that cannot reach its node's store fails it on every rank alike.
+        link_nodes(ranks, config.distributed.relay, config.distributed.nodes)
         runtime = assemble(config, ranks, tier_factory, clock)
     except BaseException as exc:
         failure = exc

@@ -29,6 +29,7 @@ __all__ = ["RELAY_MIN_WORLD", "NodeLink", "link_nodes", "relayed_nodes"]
 
 RELAY_MIN_WORLD = 64
 LOOPBACK = "127.0.0.1"  # a node's store is reached only by the ranks on that node
+_CONNECT = datetime.timedelta(seconds=10)
 
 
 @dataclass
@@ -82,11 +83,31 @@ def link_nodes(group: RankGroup, mode: str, nodes: int | None = None) -> None:
         raise ConfigError(f"distributed.relay: rank {failed[0]} could not serve its node's store ({failed[1]}); set distributed.relay: off", key="distributed.relay")
     group.relayed = relayed
     if mine is None:
+        _agree(group, None)
         return
     index, ranks = mine
     port = int(ports[ranks[0]])
-    store = server if server is not None else dist.TCPStore(LOOPBACK, port, None, False, timeout)
+    store, why = server, None
+    if store is None:
+        try:
+            # A store on this host answers at once or never: a short connect.
+            store = dist.TCPStore(LOOPBACK, port, None, False, min(timeout, _CONNECT))
+        except (RuntimeError, OSError) as exc:  # not on its head's host: distributed.nodes does not match the hosts
+            why = f"rank {group.rank} cannot reach its node's store (rank {ranks[0]}, {LOOPBACK}:{port}: {exc})"
     view = RankGroup(
         group.rank, group.world, group.ranks, group.run, group.timeout_s, store, None, server, address=(LOOPBACK, port), host_rank=ranks[0]
     )
+    _agree(group, why)
     group.link = NodeLink(index, ranks, view)
+
+
+def _agree(group: RankGroup, why: str | None) -> None:
+    """Every rank says whether it reached its node's store; one that did not fails every rank's
+    construction the same way, before any rank starts relaying (one exchange)."""
+    said = group.all_gather(why)
+    failed = next((w for w in said if w), None)
+    if failed is not None:
+        raise ConfigError(
+            f"distributed.relay: {failed}; the ranks of a node must share a host (distributed.nodes splits them in consecutive blocks)",
+            key="distributed.relay",
+        )
