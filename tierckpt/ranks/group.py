@@ -11,7 +11,8 @@ is named in the error the others raise after ``distributed.timeout``):
 - a **key-value store** (a ``TCPStore`` served by the leader, the group's first rank) for everything
   the engine thread coordinates while training runs: the leader's flush decisions, each rank's report
   of its part, the outcome of each version. A store needs no matching calls on every rank, and every
-  wait on it has a timeout, so a dead or stuck rank costs a timeout, never a hang.
+  wait on it has a timeout, so a dead or stuck rank costs a timeout, never a hang. With node relays
+  (:mod:`tierckpt.ranks.nodestore`), a node's ranks also hold a RankGroup over their node's store.
 
 Every store call runs on one thread of its own (a TCPStore client is one socket). A wait for keys
 (:meth:`RankGroup.watch`, :meth:`RankGroup.wait_for`) blocks in the store's own ``wait`` on a client of
@@ -97,7 +98,7 @@ class RankGroup:
         self._watches: set[concurrent.futures.Future[Any]] = set()  # not ended yet: close() waits for them
         self.tally = StoreTally()
         self.exchanges = StoreTally()  # this rank's collectives on the group's gloo group (all_gather, swap)
-        self.link: Any = None  # the NodeLink of a rank whose node relays its commits (tierckpt.ranks.nodestore)
+        self.link: Any = None  # the NodeLink of a rank whose node relays its commits (typed in tierckpt.ranks.nodestore, which imports this)
         self.relayed: dict[int, tuple[int, ...]] = {}  # of every such node: its index, its ranks (head first)
 
     @property
