@@ -66,12 +66,9 @@ class TierChannel:
         failures: dict[int, str] = {}
         for r in range(1, group.world):
             report = reports.get(r)
-            if report is None and r in through:
-                head = group.relayed[through[r]][0]
-                failures[r] = f"its node's head (rank {head}) did not report for it within {group.timeout_s:g} s (dead, hung, or slower than the timeout)"
-                continue
             if report is None:
-                failures[r] = f"did not report within {group.timeout_s:g} s (dead, hung, or slower than the timeout)"
+                who = f"its node's head (rank {group.relayed[through[r]][0]}) did not report for it" if r in through else "did not report"
+                failures[r] = f"{who} within {group.timeout_s:g} s (dead, hung, or slower than the timeout)"
                 continue
             if report.get("part") is not None:
                 parts[r] = Part(*report["part"])

@@ -22,10 +22,9 @@ follower keeps each eligible snapshot until a decision takes it or a newer one (
 the newest save the leader has dealt with, step and save number) passes it over. As on one process, every
 tier selects on the stream of saves, and each rank reads its part of a decided version from its own
 host memory, or else from a filesystem tier above that holds it (the leader's retention spares what
-a tier below waits for, on every rank). A follower whose leader is
-gone (the store cannot be reached) fails what waits and what comes, naming rank 0. On a node that
-relays (``distributed.relay``), a follower does all this through its node's store, and its node's
-head forwards (:mod:`tierckpt.pipeline.relay`).
+a tier below waits for, on every rank). A follower whose leader is gone (the store cannot be
+reached) fails what waits and what comes, naming rank 0. On a node that relays (``distributed.relay``),
+a follower does all this through its node's store, and its node's head forwards (:mod:`tierckpt.pipeline.relay`).
 """
 
 from __future__ import annotations
@@ -237,11 +236,12 @@ class FollowerFlusher(_GroupFlusher):
             return None
         got = reading.result()
         if got is None:  # no client to be had, or the store is gone (this look raises then): look instead
-            if not await group.has([key]):
+            looked = await group.get_if_set(key)
+            if looked is None:
                 if time.monotonic() - since >= _FOLLOW_POLL_S:
                     self._reading = None  # read again
                 return None
-            got = [await group.get_raw(key)]
+            got = [looked]
         self._reading = None
         self._next += 1
         return _unless_lost(dict(msgpack.unpackb(got[0], raw=False)))
@@ -249,8 +249,7 @@ class FollowerFlusher(_GroupFlusher):
     def _fail_waiting(self) -> None:
         assert self._lost is not None
         for candidate in self.state.waiting():
-            who = self._contact if self._lost.rank is None else self._lost.rank
-            self._events.failed(self.tier.name, candidate, rank_failure(self.tier.name, candidate.step, {who: str(self._lost)}))
+            self._events.failed(self.tier.name, candidate, self._lost_failure(candidate.step, self._lost))
         self.state = replace(self.state, queue=(), fallback=None)
         self._idle.set()
 
@@ -264,9 +263,8 @@ class FollowerFlusher(_GroupFlusher):
                 self._pass_over((step, arrival), inclusive=True)
             if not self.state.waiting():
                 self._idle.set()
-            if published is None:
-                # Until the round is published or a snapshot of its own arrives; a read that failed
-                # (no client to be had) leaves the looks to go on, every 20 ms.
+            if published is None:  # until the round is published or a snapshot of its own arrives
+                # (a read that failed, no client to be had, leaves the looks to go on, every 20 ms)
                 pending = self._reading is not None and not self._reading[0].done()
                 await self._sleep(None if pending else _FOLLOW_POLL_S)
             return
@@ -317,8 +315,7 @@ class FollowerFlusher(_GroupFlusher):
             outcome = await self._outcome(n)
         except CoordinationLost as exc:  # rank 0 (or this node's head) is gone: no outcome will come for this one either
             await self.tier.abort(staged)
-            who = self._contact if exc.rank is None else exc.rank
-            self._events.failed(self.tier.name, candidate, rank_failure(self.tier.name, candidate.step, {who: str(exc)}))
+            self._events.failed(self.tier.name, candidate, self._lost_failure(candidate.step, exc))
             raise
         if outcome is None or "error" in outcome:
             await self.tier.abort(staged)
@@ -345,6 +342,10 @@ class FollowerFlusher(_GroupFlusher):
     def _contact(self) -> int:
         """The rank whose store this rank follows: the leader, or its node's head."""
         return self.channel.store.host_rank
+
+    def _lost_failure(self, step: int, lost: CoordinationLost) -> Exception:
+        """``step`` failed because a store is gone: named after the rank the news names, else this rank's contact."""
+        return rank_failure(self.tier.name, step, {self._contact if lost.rank is None else lost.rank: str(lost)})
 
     async def _await_snapshot(self, step: int, arrival: int) -> Candidate | None:
         """This rank's save of ``step`` offered here, its save number ``arrival`` where it has it (else

@@ -86,8 +86,9 @@ class NodeRelay:
             got = await asyncio.wrap_future(group.fetch([key], ROUND_WAIT_S))
             if got is not None:
                 return got[0]
-            if await group.has([key]):  # no client to be had: look (raises CoordinationLost when the store is gone)
-                return await group.get_raw(key)
+            looked = await group.get_if_set(key)  # no client to be had (raises CoordinationLost when the store is gone)
+            if looked is not None:
+                return looked
             await asyncio.sleep(_LOOK_S)
 
     async def _relay_flush(self, n: int) -> None:

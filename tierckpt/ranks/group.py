@@ -34,7 +34,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 import msgpack
 import torch.distributed as dist
@@ -43,6 +43,9 @@ from tierckpt.ranks.arrivals import await_arrivals
 from tierckpt.ranks.nodes import group_nodes, node_identity, split_nodes
 from tierckpt.errors import ConfigError
 from tierckpt.ranks.tally import StoreTally
+
+if TYPE_CHECKING:
+    from tierckpt.ranks.nodestore import NodeLink
 
 log = logging.getLogger("tierckpt")
 T = TypeVar("T")  # what a blocking store call returns (RankGroup._blocking)
@@ -98,7 +101,7 @@ class RankGroup:
         self._watches: set[concurrent.futures.Future[Any]] = set()  # not ended yet: close() waits for them
         self.tally = StoreTally()
         self.exchanges = StoreTally()  # this rank's collectives on the group's gloo group (all_gather, swap)
-        self.link: Any = None  # the NodeLink of a rank whose node relays its commits (typed in tierckpt.ranks.nodestore, which imports this)
+        self.link: NodeLink | None = None  # of a rank whose node relays its commits (tierckpt.ranks.nodestore)
         self.relayed: dict[int, tuple[int, ...]] = {}  # of every such node: its index, its ranks (head first)
 
     @property
@@ -180,6 +183,11 @@ class RankGroup:
     async def get_raw(self, key: str) -> bytes:
         """The encoded value of ``key``, set (as :meth:`fetch` answers it)."""
         return bytes(await self._call("get", key))
+
+    async def get_if_set(self, key: str) -> bytes | None:
+        """The encoded value of ``key``, or None while it is not set: a look (two requests), for when
+        a read that blocks could not be had."""
+        return await self.get_raw(key) if await self.has([key]) else None
 
     async def put_if_absent(self, key: str, value: Any) -> Any:
         """Set ``key`` to ``value`` unless it is set; returns its value now (``value`` if this call set
