@@ -34,7 +34,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import msgpack
 import torch.distributed as dist
@@ -43,9 +43,6 @@ from tierckpt.ranks.arrivals import await_arrivals
 from tierckpt.ranks.nodes import group_nodes, node_identity, split_nodes
 from tierckpt.errors import ConfigError
 from tierckpt.ranks.tally import StoreTally
-
-if TYPE_CHECKING:
-    from tierckpt.ranks.nodestore import NodeLink
 
 log = logging.getLogger("tierckpt")
 T = TypeVar("T")  # what a blocking store call returns (RankGroup._blocking)
@@ -101,7 +98,7 @@ class RankGroup:
         self._watches: set[concurrent.futures.Future[Any]] = set()  # not ended yet: close() waits for them
         self.tally = StoreTally()
         self.exchanges = StoreTally()  # this rank's collectives on the group's gloo group (all_gather, swap)
-        self.link: NodeLink | None = None  # of a rank whose node relays its commits (tierckpt.ranks.nodestore)
+        self.link: Any = None  # the NodeLink of a rank whose node relays (tierckpt.ranks.nodestore; not imported: it imports this)
         self.relayed: dict[int, tuple[int, ...]] = {}  # of every such node: its index, its ranks (head first)
 
     @property
