@@ -183,6 +183,18 @@ def test_shuffle_compresses_only_the_planes_that_pay() -> None:
     assert len(stored) < plain  # and it beats zstd on the interleaved bytes
 
 
+def test_level_1_planes_are_smaller_than_zstd_level_1_makes_them_and_old_frames_still_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = _raw(_weights(1 << 20, torch.float32))
+    tuned = bytes(ShuffleCodec(1).encode(data, 4))
+    # Frames as tierckpt wrote them before the plane parameters: zstd's own level 1.
+    monkeypatch.setattr("tierckpt.codecs._plane_parameters", lambda level: None)
+    old = bytes(ShuffleCodec(1).encode(data, 4))
+    monkeypatch.undo()
+    assert old != tuned and len(tuned) < len(old)  # the exponent plane packs smaller, not only faster
+    for frame in (old, tuned):
+        assert _decode(decoder("zstd+shuffle"), frame, data.nbytes) == bytes(data)
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     data=st.binary(max_size=3000),

@@ -20,8 +20,8 @@ from tierckpt.format.manifest import decode_document
 from tierckpt.testing.faults import flip_bits
 from tierckpt.tiers.stored import write as fswrite
 from tierckpt.tiers.stored.encoding import TierEncoding
-from tierckpt.tiers.stored.read import open_source, read_manifest, version_files
-from tierckpt.xordelta import DeltaCodec, digest
+from tierckpt.tiers.stored.read import open_source, read_manifest
+from tierckpt.xordelta import SKIP_AFTER_MISS, DeltaCodec, XorHistory, digest
 
 from helpers import SHUFFLED_ZSTD, Opened, assert_bitwise, held, logged_warnings, ram_fs, tierckpt_cli
 
@@ -438,3 +438,47 @@ def test_under_when_faster_a_version_written_raw_still_refers_but_does_not_xor()
     assert (always.compress, always.xor) == (True, True)
     plain = TierEncoding(CompressionConfig(), "nvme")
     assert (plain.begin(delta=base).xor, plain.begin(digests=True).raw_layout) == (True, True)
+
+
+def test_a_value_whose_frames_did_not_pay_is_skipped_for_a_while_then_tried_again() -> None:
+    history = XorHistory(skip=2)
+    assert history.worth_trying("m") and history.worth_trying("v")
+    history.finish({"m": False, "v": True})  # version 1: m's frames did not pay
+    tries = []
+    for _ in range(5):  # versions 2..6
+        tries.append(history.worth_trying("m"))
+        assert history.worth_trying("v")
+        history.finish({"m": False} if tries[-1] else {})
+    assert tries == [False, False, True, False, False]  # two versions skipped, a try, two skipped
+    history.finish({"m": True})  # a version that tried m (a test's liberty) and kept a frame of it
+    assert history.worth_trying("m")
+
+
+def test_a_tier_stops_trying_frames_of_a_value_that_changes_wholesale(opened: Opened, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tried: list[tuple[int, int]] = []  # (save, bytes) of each frame tried
+    real = DeltaCodec.encode
+    saving = [0]
+
+    def spy(self: DeltaCodec, data: memoryview, base: memoryview, itemsize: int, **kw: Any) -> Any:
+        tried.append((saving[0], data.nbytes))
+        return real(self, data, base, itemsize, **kw)
+
+    monkeypatch.setattr(DeltaCodec, "encode", spy)
+    root = tmp_path / "nvme"
+    ckpt = opened(_config(root, every=8, compression=SHUFFLED_ZSTD))
+    training, g = Training(), torch.Generator().manual_seed(2)
+    states = {}
+    for step in range(1, 9):  # one whole version, then 7 against it
+        saving[0] = step
+        # "noise": a float tensor whose every bit changes from save to save; "weight" moves a little.
+        noise = torch.randint(-(2**31), 2**31 - 1, (MiB // 4,), generator=g, dtype=torch.int32).view(torch.float32)
+        states[step] = {"weight": training.step(step)["weight"], "noise": noise}
+        assert ckpt.save_sync(step, states[step]).committed_sync("nvme", timeout=60)
+    weight, noise = MiB * 4, MiB
+    by_save = {s: sorted(n for t, n in tried if t == s) for s in range(2, 9)}
+    skip = SKIP_AFTER_MISS
+    expected = {s: sorted([weight] + ([noise] if (s - 2) % (skip + 1) == 0 else [])) for s in range(2, 9)}
+    assert by_save == expected  # noise: tried at save 2, skipped 3 versions, tried again at 6
+    assert _codecs(_manifest(root, 7), "['weight']") == ["delta"]
+    for step, state in states.items():
+        assert_bitwise(ckpt.restore_sync(step).state, state)

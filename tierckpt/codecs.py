@@ -63,17 +63,39 @@ class NoneCodec:
         out[:] = data
 
 
-class _Zstd:
-    """Per-thread zstd contexts at one level."""
+def _plane_parameters(level: int) -> zstandard.ZstdCompressionParameters | None:
+    """zstd's parameters for byte planes at ``level``, or None: the level's own.
 
-    def __init__(self, level: int) -> None:
+    A float plane that compresses (the sign/exponent plane; XOR planes of a delta) is a stream of few
+    distinct byte values with almost no repeats worth a match: its bytes go to the entropy coder.
+    Level 1's match finder spends most of the time on it looking for matches in a 16 K-entry table.
+    At level 1, the table is cut to 512 entries (``hash_log`` 9), and matches shorter than 7 bytes
+    are no longer looked for. Measured on a trained GPT's weights and AdamW moments: whole chunks
+    encoded 1.36x faster, their XOR frames 1.15x faster, 0.5% smaller both, and decoded ~10% faster
+    (fewer, longer sequences). Decoding does not depend on these parameters. Other levels keep their
+    own: a user who asked for more compression gets it.
+    """
+    if level != 1:
+        return None
+    return zstandard.ZstdCompressionParameters.from_level(1, min_match=7, hash_log=9, search_log=1, target_length=0)
+
+
+class _Zstd:
+    """Per-thread zstd contexts at one level (``planes``: tuned for byte planes, see :func:`_plane_parameters`)."""
+
+    def __init__(self, level: int, *, planes: bool = False) -> None:
         self.level = level
+        self._parameters = _plane_parameters(level) if planes else None
         self._local = threading.local()
 
     def compressor(self) -> zstandard.ZstdCompressor:
         c = getattr(self._local, "c", None)
         if c is None:
-            c = self._local.c = zstandard.ZstdCompressor(level=self.level)
+            if self._parameters is not None:
+                c = zstandard.ZstdCompressor(compression_params=self._parameters)
+            else:
+                c = zstandard.ZstdCompressor(level=self.level)
+            self._local.c = c
         return c
 
     def decompress_into(self, data: memoryview, out: memoryview) -> None:
@@ -122,7 +144,7 @@ class ShuffleCodec:
     def __init__(self, level: int = 3, min_ratio: float = 1.05) -> None:
         self.level = level
         self.min_ratio = min_ratio
-        self._zstd = _Zstd(level)
+        self._zstd = _Zstd(level, planes=True)
         self._local = threading.local()
 
     def _buffer(self, nbytes: int) -> np.ndarray:

@@ -27,6 +27,7 @@ from tierckpt.codecs import Codec, get_codec
 from tierckpt.config import CompressionConfig
 from tierckpt.format import TensorRecord
 from tierckpt.state import numpy_dtype, torch_dtype
+from tierckpt.xordelta import XorHistory
 
 if TYPE_CHECKING:
     from tierckpt.tiers.stored.delta import DeltaBase
@@ -83,6 +84,7 @@ class VersionEncoding:
         self.digests = digests or delta is not None
         self.delta = delta
         self.xor = delta is not None and (compress or tier.config.codec == "none")
+        self.xor_paid: dict[str, bool] = {}  # of each value whose frames were tried: whether one was kept
         self._lock = threading.Lock()
         self.logical = 0
         self.stored = 0
@@ -126,6 +128,15 @@ class VersionEncoding:
         self.account(data.nbytes, out.nbytes, compressed=True)
         return codec, out
 
+    def try_xor(self, key: str) -> bool:
+        """Whether to try XOR frames for value ``key``'s changed chunks (:class:`~tierckpt.xordelta.XorHistory`)."""
+        return self.xor and self._tier.xor_history.worth_trying(key)
+
+    def xor_tried(self, key: str, paid: bool) -> None:
+        """A chunk of value ``key`` was tried as a frame; ``paid``: the frame was kept."""
+        with self._lock:
+            self.xor_paid[key] = self.xor_paid.get(key, False) or paid
+
     def account_encoding(self, logical: int, seconds: float) -> None:
         """``logical`` bytes went through an encoder (a codec, or a delta frame) in ``seconds`` of this thread."""
         with self._lock:
@@ -167,6 +178,7 @@ class TierEncoding:
         self._versions = 0
         self._compress_bps: float | None = None
         self._write_bps: float | None = None
+        self.xor_history = XorHistory()
 
     def codec(self, name: str) -> Codec:
         codec = self._codecs.get(name)
@@ -207,6 +219,8 @@ class TierEncoding:
         if not version.compress and version.delta is None and version.logical and seconds > 0:  # references write nothing
             write_bps = version.logical / seconds
         with self._lock:
+            if version.delta is not None:
+                self.xor_history.finish(version.xor_paid)
             self._compress_bps = compress_bps or self._compress_bps
             self._write_bps = write_bps or self._write_bps
             s = self._stats

@@ -18,7 +18,9 @@ the file.
 On a tier with ``delta`` every chunk goes through its logical bytes: a whole version records each
 chunk's digest; a differential one (``encoding.delta``, its base open) stores a chunk whose digest is
 its base chunk's as a reference (nothing written), a changed floating-point chunk as its XOR frame
-when that pays, and any other chunk as the tier's codec stores it (:mod:`tierckpt.tiers.stored.delta`).
+when that pays (not tried for a value whose frames did not pay lately:
+:class:`~tierckpt.xordelta.XorHistory`), and any other chunk as the tier's codec stores it
+(:mod:`tierckpt.tiers.stored.delta`).
 
 Of a record shared by several ranks (``save(replicated=...)``), a rank writes only the chunks it owns
 (:meth:`TensorRecord.owner`); its record holds None for the others, which their owners write.
@@ -165,12 +167,13 @@ def execute_plan(
         if bc.digest == mine:
             encoding.account_reference(length)
             return Written(0, checksum(_EMPTY), "ref", base)  # nothing written: the base's bytes are these
-        if floating and itemsize >= 2 and encoding.xor:
+        if floating and itemsize >= 2 and encoding.try_xor(record.key):
             against_bytes = delta.read(b, c, length)
             started = time.perf_counter()
             # Against what the chunk would take whole: its base chunk's stored size, on this tier.
             frame = delta.codec.encode(logical, against_bytes, itemsize, ceiling=bc.stored)
             encoding.account_encoding(length, time.perf_counter() - started)
+            encoding.xor_tried(record.key, frame is not None)
             if frame is not None:
                 encoding.account_delta(length, frame.nbytes)
                 written = _write(item, frame, "delta")
