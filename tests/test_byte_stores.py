@@ -84,8 +84,14 @@ def test_a_version_is_invisible_until_published_replaced_at_once_and_withdrawn_b
     assert store.read_small(f"{FINAL}/manifest.msgpack", 1 << 20) == b"commit:second2"
     assert store.read_small(f"{FINAL}/{second}", 1 << 20) == b"data of " + SECOND.encode()
     assert store.read_small(f"{old}/{first}", 1 << 20) == b"data of " + FIRST.encode()  # the older write waits
+    # ... a version still, readable whole under its own name: its commit object too, which a bucket
+    # copied aside before the newer one went over it; listed as such, and found by its step.
+    assert store.read_small(f"{old}/manifest.msgpack", 1 << 20) == b"commit:first01"
+    assert old in {e.name for e in asyncio.run(store.list())}
+    assert store.containers_named(f".replaced-{FINAL}-") == [old]
     assert asyncio.run(store.remove(old)) is None
-    assert _missing(store, f"{old}/{first}")
+    assert _missing(store, f"{old}/{first}") and _missing(store, f"{old}/manifest.msgpack")
+    assert store.containers_named(f".replaced-{FINAL}-") == []
     assert store.read_small(f"{FINAL}/{second}", 1 << 20) == b"data of " + SECOND.encode()  # the version in place stays
 
     trash = f".trash-{FINAL}-x"

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import obstore
 import pytest
 import torch
 
@@ -355,8 +356,6 @@ def test_ranks_write_their_parts_against_their_parts_of_the_base_and_restore_in_
 
 
 def test_an_object_tier_stores_deltas_keeps_their_bases_and_restores_bitwise(s3: Any) -> None:
-    import obstore
-
     section = s3.tier("s3", prefix=s3.prefix, delta={"full_every": 3}, keep={"last": 1}, compression=SHUFFLED_ZSTD)
     config = {"host": {"capacity": "48MiB", "snapshots": 2}, "tiers": [{"name": "ram", "type": "memory"}, section]}
     training = Training()
@@ -388,7 +387,10 @@ def test_saving_a_base_again_keeps_its_earlier_version_aside_for_the_versions_wr
     ckpt = opened(config)
     ckpt.save_sync(1, again)
     ckpt.wait_sync()
-    assert [(v.step, v.base) for v in ckpt.versions() if v.tier == "nvme"] == [(1, None), (2, 1), (3, 1)]
+    # 2 and 3 depend on the earlier step 1, not on this one: no version depends on the step 1 in place.
+    assert [(v.step, v.base, v.needed_by) for v in ckpt.versions() if v.tier == "nvme"] == [(1, None, ()), (2, 1, ()), (3, 1, ())]
+    listed = tierckpt_cli("ls", str(root))
+    assert [line.split(maxsplit=1)[0] for line in listed.stdout.splitlines() if line.endswith(" yes")] == [version_dirname(1)]
     aside = [p.name for p in root.glob(f".replaced-{version_dirname(1)}-*")]
     assert len(aside) == 1  # the earlier step 1, which 2 and 3 were written against
     assert_bitwise(ckpt.restore_sync(1).state, again)
@@ -408,6 +410,40 @@ def test_saving_a_base_again_keeps_its_earlier_version_aside_for_the_versions_wr
         again_open.wait_sync()
     assert [(v.step, v.base, v.chain) for v in again_open.versions() if v.tier == "nvme"] == [(1, None, 0), (4, 1, 1), (5, 1, 2), (6, 1, 3)]
     assert list(root.glob(".replaced-*")) == []
+
+
+def test_an_object_tier_keeps_the_earlier_version_of_a_base_saved_again_for_the_versions_written_against_it(s3: Any) -> None:
+    section = s3.tier("s3", prefix=s3.prefix, delta={"full_every": 4}, keep={"last": 3}, compression=SHUFFLED_ZSTD)
+    saving = {"host": {"capacity": "48MiB", "snapshots": 2}, "tiers": [{"name": "ram", "type": "memory"}, section]}
+    reading = {"host": {"capacity": "48MiB", "snapshots": 1}, "tiers": [section]}  # the bucket alone
+    training, states = Training(), {}
+    with Checkpointer(saving) as ckpt:
+        for step in (1, 2, 3):  # 1 whole, 2 and 3 against it
+            states[step] = training.step(step)
+            ckpt.save_sync(step, states[step])
+            ckpt.wait_sync()
+    again = Training(seed=9).step(1)  # the job went back to step 1 (another run: another state)
+    with Checkpointer(saving) as ckpt:
+        ckpt.save_sync(1, again)
+        ckpt.wait_sync()
+        assert [(v.step, v.base, v.needed_by) for v in ckpt.versions() if v.tier == "s3"] == [(1, None, ()), (2, 1, ()), (3, 1, ())]
+    store = s3.client()
+
+    def objects(step: int) -> list[str]:
+        return sorted(m["path"].rpartition("/")[2] for batch in obstore.list(store, f"{s3.prefix}/{version_dirname(step)}/") for m in batch)
+
+    assert len([n for n in objects(1) if n.startswith("head.")]) == 1  # the earlier commit object, copied aside
+    with Checkpointer(reading) as ckpt:  # a new process: the earlier step 1 is found and read
+        assert_bitwise(ckpt.restore_sync(1).state, again)
+        for step in (2, 3):  # nothing committed was lost
+            assert_bitwise(ckpt.restore_sync(step).state, states[step])
+    with Checkpointer(saving) as ckpt:  # once 2 and 3 are pruned, the earlier step 1 goes too
+        for step in (4, 5, 6):
+            ckpt.save_sync(step, Training(seed=9).step(step))
+            ckpt.wait_sync()
+        assert [(v.step, v.base, v.chain) for v in ckpt.versions() if v.tier == "s3"] == [(1, None, 0), (4, 1, 1), (5, 1, 2), (6, 1, 3)]
+    assert [n for n in objects(1) if not n.startswith("data-")] == ["manifest.msgpack"]
+    assert len([n for n in objects(1) if n.startswith("data-")]) == 1
 
 
 def test_a_base_found_damaged_while_writing_against_it_makes_that_version_whole(opened: Opened, tmp_path: Path) -> None:

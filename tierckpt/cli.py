@@ -222,11 +222,14 @@ def _ls(versions: list[ListedVersion]) -> int:
             listed.append((version, opened))
         except CorruptCheckpointError as exc:
             listed.append((version, exc))
-    # Of each base, the differential versions listed here that depend on it.
+    # Of each base, the differential versions listed here written against it (not those saved before
+    # it: written against an earlier version of its step, kept aside).
+    heads = [got.head for _, got in listed if not isinstance(got, CorruptCheckpointError)]
+    saved_at = {h.step: h.created for h in heads}
     needed: dict[int, list[int]] = {}
-    for _, got in listed:
-        if not isinstance(got, CorruptCheckpointError) and (base := got.head.base_step) is not None:
-            needed.setdefault(base, []).append(got.head.step)
+    for h in heads:
+        if (base := h.base_step) is not None and h.created >= saved_at.get(base, h.created):
+            needed.setdefault(base, []).append(h.step)
     for version, got in listed:
         if isinstance(got, CorruptCheckpointError):
             status = DAMAGED

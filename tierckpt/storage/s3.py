@@ -158,6 +158,13 @@ class Bucket(ReadableStore):
             raise store_error(exc, self.url_of(under), "listing") from exc
         return found
 
+    def keys_under(self, under: str) -> list[str]:
+        """:meth:`listing`'s keys, blocking (from a worker thread)."""
+        try:
+            return [meta["path"] for batch in obstore.list(self.store, under or None, chunk_size=1000) for meta in batch]
+        except Exception as exc:
+            raise store_error(exc, self.url_of(under), "listing") from exc
+
     def _whole(self, key: str, size: int, limit: int) -> None:
         if size > limit:
             raise TooLarge(size, limit)

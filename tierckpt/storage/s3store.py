@@ -9,12 +9,16 @@ Nothing of a write is visible until its commit object is: ``write_small`` of
 ``<staging>/manifest.msgpack`` is held back, and :meth:`BucketStore.publish` puts it under
 ``step-…/manifest.msgpack`` in one request, atomic, over the older write's (a reader finds the old
 version or the new one, never half of one). The older write's objects then wait under a name of
-their own, ``.replaced-step-…-<write>``, for :meth:`BucketStore.remove`.
+their own, ``.replaced-step-…-<write>``, for :meth:`BucketStore.remove`; its commit object, copied
+to ``head.<write>.msgpack`` just before the new one is put, is that name's ``manifest.msgpack``. The
+older write stays a readable version there, as a file system's copy moved aside does, for as long as
+the tier keeps it (versions written against it: :mod:`tierckpt.tiers.stored.delta`).
 
 :meth:`BucketStore.list` shows the tier's sweep (:mod:`tierckpt.tiers.stored.sweep`) what a file
 system would: a container holding a commit object as ``step-…``; each write its commit object does
-not name (a crash before or after its commit, an older write not yet removed) as a leftover
-``.tmp-step-…-<write>``; a container with no commit object as ``step-…`` without one (swept whole).
+not name as ``.replaced-step-…-<write>`` when its commit object was copied aside (an older write not
+yet removed), else as a leftover ``.tmp-step-…-<write>`` (a crash before its commit); a container with
+no commit object as ``step-…`` without one (swept whole).
 Which writes a commit object names is the format's to say: the ``writes_of`` function the store is
 given reads them (an unreadable commit object keeps every write: never delete what may be someone's
 only copy).
@@ -52,7 +56,9 @@ __all__ = ["BucketStore", "write_of"]
 
 # A container name of the tier's other than a version's: what it is, the version's container, the write.
 _VIRTUAL = re.compile(r"^\.(tmp|replaced|trash)-(step-\d{12})-(.*)$")
-_WRITE = re.compile(r"^(?:data|manifest)-r\d{5}\.([A-Za-z0-9_-]+)\.(?:bin|msgpack)$")
+_WRITE = re.compile(r"^(?:(?:data|manifest)-r\d{5}|head)\.([A-Za-z0-9_-]+)\.(?:bin|msgpack)$")
+_ASIDE = "head.{write}.msgpack"  # a replaced write's commit object, copied aside
+_REPLACED_OF = re.compile(r"^\.replaced-(step-\d{12})-$")
 _NAMED = re.compile(r"^((?:data|manifest)-r\d{5})\.(bin|msgpack)$")
 
 
@@ -85,10 +91,15 @@ class BucketStore(ByteStore, Bucket):
     # -- names ------------------------------------------------------------------------------------------
 
     def _key(self, key: str) -> str:
-        """The bucket key (under the prefix) of ``key``, whose container may be a staging name."""
+        """The bucket key (under the prefix) of ``key``, whose container may be a staging name (a
+        replaced write's ``manifest.msgpack``: its commit object copied aside)."""
         container, sep, name = key.partition("/")
         match = _VIRTUAL.match(container)
-        return f"{match.group(2)}{sep}{name}" if match else key
+        if match is None:
+            return key
+        if match.group(1) == "replaced" and name == MANIFEST_FILE:
+            name = _ASIDE.format(write=match.group(3))
+        return f"{match.group(2)}{sep}{name}"
 
     def named(self, staging: str, name: str) -> str:
         match, named = _VIRTUAL.match(staging), _NAMED.match(name)
@@ -115,6 +126,20 @@ class BucketStore(ByteStore, Bucket):
         if aborted:
             log.info("tier %r: aborted %d incomplete upload(s) under %s left by a killed writer", self.tier, aborted, self.url)
 
+    def containers_named(self, prefix: str) -> list[str]:
+        """Of ``.replaced-step-…-``: the earlier writes of that step whose commit object waits aside."""
+        match = _REPLACED_OF.match(prefix)
+        if match is None:
+            return []
+        container = match.group(1)
+        try:
+            keys = self.keys_under(f"{container}/")
+        except OSError as exc:  # a reader then finds no earlier copy, and says the base is gone
+            log.warning("tier %r: could not list %s (%s)", self.tier, self.url_of(f"{container}/"), exc)
+            return []
+        asides = {write_of(k.rpartition("/")[2]) for k in keys if k.rpartition("/")[2].startswith("head.")}
+        return sorted(f"{prefix}{w}" for w in asides if w)
+
     async def list(self) -> list[RootEntry]:
         entries = []
         containers: dict[str, dict[str, int]] = {}
@@ -134,7 +159,9 @@ class BucketStore(ByteStore, Bucket):
                 continue  # an unreadable commit object: every write is kept with it
             self._committed[container] = writes
             stray = {write_of(n) or "" for n in names if n != MANIFEST_FILE} - writes
-            entries.extend(RootEntry(f".tmp-{container}-{w}", True) for w in sorted(stray))
+            for w in sorted(stray):
+                kind = "replaced" if _ASIDE.format(write=w) in names else "tmp"
+                entries.append(RootEntry(f".{kind}-{container}-{w}", True))
         return entries
 
     async def _read_writes(self, container: str) -> set[str] | None:
@@ -188,9 +215,15 @@ class BucketStore(ByteStore, Bucket):
         assert match is not None and match.group(2) == final, f"{staging} is not a staging container of {final}"
         write = match.group(3)
         key = f"{final}/{MANIFEST_FILE}"
-        head = self._held_back.pop(staging, None)
+        if match.group(1) == "replaced":  # an earlier write put back (the sweep): its commit object, kept aside
+            head: bytes | None = await self.get(self._key(f"{staging}/{MANIFEST_FILE}"), MAX_MANIFEST_BYTES)
+        else:
+            head = self._held_back.pop(staging, None)
         if head is None:
             raise FileNotFoundError(errno.ENOENT, "no commit object was written into it", self.url_of(key))
+        older = self._committed.get(final, set()) - {write}
+        if len(older) == 1:  # the version in place stays readable under its own name (see the module docstring)
+            await self._copy_aside(key, next(iter(older)))
         self._heads.pop(key, None)
         try:
             await self.put(key, head)  # the commit: one atomic PUT
@@ -204,9 +237,18 @@ class BucketStore(ByteStore, Bucket):
             if stored != head:
                 raise
             log.info("tier %r: the commit object %s was stored though its request failed (%s)", self.tier, self.url_of(key), exc)
-        older = self._committed.get(final, set()) - {write}
         self._committed[final] = {write}
         return f".replaced-{final}-{older.pop()}" if len(older) == 1 else None
+
+    async def _copy_aside(self, key: str, write: str) -> None:
+        """Copy commit object ``key`` (of ``write``) aside, before a newer write's is put over it."""
+        head = self._heads.get(key)
+        if head is None:
+            try:
+                head = await self.get(key, MAX_MANIFEST_BYTES)
+            except FileNotFoundError:
+                return  # withdrawn meanwhile: nothing to keep
+        await self.put(f"{key.partition('/')[0]}/{_ASIDE.format(write=write)}", head)
 
     async def withdraw(self, final: str, aside: str) -> None:
         key = f"{final}/{MANIFEST_FILE}"

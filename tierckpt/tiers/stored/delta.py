@@ -68,10 +68,12 @@ def choose_base(versions: Sequence[VersionInfo], step: int, full_every: int) -> 
 
 
 def needed_by(versions: Sequence[VersionInfo]) -> dict[int, tuple[int, ...]]:
-    """Of each base among ``versions``: the steps of the versions that depend on it."""
+    """Of each base among ``versions``: the steps of the versions written against it. A version saved
+    before the base was is not its: it was written against an earlier version of that step, kept aside."""
+    created = {v.step: v.created for v in versions}
     out: dict[int, list[int]] = {}
     for v in versions:
-        if v.base is not None:
+        if v.base is not None and v.created >= created.get(v.base, v.created):
             out.setdefault(v.base, []).append(v.step)
     return {b: tuple(sorted(steps)) for b, steps in out.items()}
 

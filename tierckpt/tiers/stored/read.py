@@ -181,7 +181,8 @@ def find_base(files: StoreVersion, manifest: Manifest, *, tier: str | None) -> S
     """The base of the differential version ``manifest``: the version it was written against, whose
     manifest of the same rank has the checksum ``manifest`` records. That is the base's step in
     place, or, once that step was saved again, its earlier version kept aside under
-    ``.replaced-step-…`` for as long as versions written against it are kept (a filesystem tier).
+    ``.replaced-step-…`` for as long as versions written against it are kept (a file system's
+    directory moved aside; a bucket's older write, its commit object copied aside).
 
     Raises CorruptCheckpointError naming the base (missing, damaged, or saved again and not kept).
     """

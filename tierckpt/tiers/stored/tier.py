@@ -76,7 +76,7 @@ class StoredTier(StoredReading, PartWriting, GroupTier):
         self.rank = group.rank if group else 0
         self.store = store
         self.encoding = TierEncoding(config.compression, config.name)
-        self.keeps_replaced_bases = not store.replaces_in_place  # see Tier; else the prune ends its dependents
+        self.keeps_replaced_bases = True  # see Tier: both stores keep an earlier write readable aside
         self.leftovers = Leftovers(store, config.name)
         self._index: dict[int, VersionInfo] = {}
         self.keeper = 0  # the rank (group position) opening, sweeping, committing, deleting here
@@ -313,7 +313,8 @@ class StoredTier(StoredReading, PartWriting, GroupTier):
     # -- the earlier version of a step saved again ----------------------------------------------------------
     #
     # It stays while a restore or a flush reads the step, and, on a store that can keep it readable
-    # (keeps_replaced_bases: a file system's .replaced-step-…, found by stored.read.find_base), while
+    # (keeps_replaced_bases: a file system's .replaced-step-…, a bucket's older write with its commit
+    # object copied aside; found by stored.read.find_base), while
     # differential versions written against it are kept; removed by the first write, delete, open or
     # close after that.
 
