@@ -4,6 +4,7 @@ damage, promotion, and the frame codec."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -444,6 +445,38 @@ def test_an_object_tier_keeps_the_earlier_version_of_a_base_saved_again_for_the_
         assert [(v.step, v.base, v.chain) for v in ckpt.versions() if v.tier == "s3"] == [(1, None, 0), (4, 1, 1), (5, 1, 2), (6, 1, 3)]
     assert [n for n in objects(1) if not n.startswith("data-")] == ["manifest.msgpack"]
     assert len([n for n in objects(1) if n.startswith("data-")]) == 1
+
+
+@pytest.mark.parametrize("point", ["aside", "put"])
+def test_a_sigkill_while_an_object_tier_saves_a_base_again_loses_no_version(s3: Any, point: str) -> None:
+    import subprocess
+    import sys
+
+    from s3_resave_child import again
+
+    section = s3.tier("s3", prefix=s3.prefix, delta={"full_every": 4}, keep={"last": 3})
+    config = {"host": {"capacity": "48MiB", "snapshots": 1}, "tiers": [section]}
+    training, states = Training(), {}
+    with Checkpointer(config) as ckpt:
+        for step in (1, 2, 3):  # 1 whole, 2 and 3 against it
+            states[step] = {"weight": training.step(step)["weight"]}
+            assert ckpt.save_sync(step, states[step]).committed_sync("s3", timeout=60)
+    child = Path(__file__).with_name("s3_resave_child.py")
+    done = subprocess.run([sys.executable, str(child), json.dumps(config), point], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -9, f"not killed at {point}: {done.returncode}\n{done.stdout}\n{done.stderr}"
+    with Checkpointer(config) as ckpt:  # opens, sweeps what the kill left, and finds every version
+        assert [(v.step, v.base) for v in ckpt.versions() if v.tier == "s3"] == [(1, None), (2, 1), (3, 1)]
+        # Killed before its commit object was put, the second save of step 1 never happened; after, it did.
+        assert_bitwise(ckpt.restore_sync(1).state, states[1] if point == "aside" else again())
+        for step in (2, 3):
+            assert_bitwise(ckpt.restore_sync(step).state, states[step])
+        for step in (4, 5, 6):  # 2 and 3 pruned: whatever step 1 kept aside goes with them
+            assert ckpt.save_sync(step, {"weight": training.step(step)["weight"]}).committed_sync("s3", timeout=60)
+    names = sorted(m["path"].rpartition("/")[2] for batch in obstore.list(s3.client(), f"{s3.prefix}/{version_dirname(1)}/") for m in batch)
+    # One write's objects only: the earlier one went. (Killed at "aside", that write's own commit
+    # object copied aside stays with it: one small object, which goes with that write.)
+    assert "manifest.msgpack" in names and len({n.split(".")[1] for n in names if n != "manifest.msgpack"}) == 1, names
+    assert len([n for n in names if n.startswith("data-")]) == 1, names
 
 
 def test_a_base_found_damaged_while_writing_against_it_makes_that_version_whole(opened: Opened, tmp_path: Path) -> None:

@@ -12,7 +12,9 @@ version or the new one, never half of one). The older write's objects then wait 
 their own, ``.replaced-step-…-<write>``, for :meth:`BucketStore.remove`; its commit object, copied
 to ``head.<write>.msgpack`` just before the new one is put, is that name's ``manifest.msgpack``. The
 older write stays a readable version there, as a file system's copy moved aside does, for as long as
-the tier keeps it (versions written against it: :mod:`tierckpt.tiers.stored.delta`).
+the tier keeps it (versions written against it: :mod:`tierckpt.tiers.stored.delta`). A replacement
+killed between the copy and the put leaves a copy of the commit object still in place: one small
+object of that write, removed with it.
 
 :meth:`BucketStore.list` shows the tier's sweep (:mod:`tierckpt.tiers.stored.sweep`) what a file
 system would: a container holding a commit object as ``step-…``; each write its commit object does
