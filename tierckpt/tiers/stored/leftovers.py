@@ -4,9 +4,9 @@ earlier copies of steps saved again, kept while they are still read.
 A removal can fail (a full disk, EIO, an object store that does not answer): the container is retried
 before the tier's next write (a full disk is often freed between two writes) and swept at its next
 open. An earlier copy of a step saved again (on a file system ``.replaced-step-…``, on an object store
-the older write's objects and its commit object copied aside) stays while a restore or a flush still reads the step, or while
-differential versions written against it depend on it; :meth:`Leftovers.drop` removes those no longer
-needed.
+the older write's objects and its commit object copied aside) stays while a restore or a flush still
+reads the step, or while differential versions written against it depend on it; :meth:`Leftovers.drop`
+removes those no longer needed.
 """
 
 from __future__ import annotations
