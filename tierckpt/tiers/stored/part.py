@@ -121,7 +121,11 @@ class PartWriting:
             if choice.step not in self._index:
                 raise CorruptCheckpointError(f"{self._at(choice.step)} is gone", tier=self.name, step=choice.step)
             files = await self._files(choice.step)
-            return await asyncio.to_thread(open_base, files, choice, codec, tier=self.name, rank=self.rank, world=world, direct=self.direct)
+            # Read through the page cache, not O_DIRECT: every version of a cycle reads the same base
+            # chunks, and from the second on they come from memory (measured, full_every 10: a delta
+            # version of a 95 MB state durable in 0.20-0.21 s instead of 0.25-0.27 s). The kernel takes
+            # the memory back under pressure.
+            return await asyncio.to_thread(open_base, files, choice, codec, tier=self.name, rank=self.rank, world=world, direct=False)
         except (CorruptCheckpointError, LayoutError) as exc:
             log.warning("tier %r: writing this version whole: its base, step %d, cannot be read (%s)", self.name, choice.step, exc)
             return None
