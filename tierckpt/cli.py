@@ -77,6 +77,7 @@ from tierckpt.errors import ConfigError, CorruptCheckpointError, UnsupportedStat
 from tierckpt.format import CommitMarker, Manifest
 from tierckpt.observe.progress import Progress, progress_bar
 from tierckpt.observe.timeline import draw_timeline, read_events
+from tierckpt.tiers.stored.delta import dependents
 from tierckpt.tiers.stored.find import holds_a_tier, tier_dirs
 
 __all__ = ["main"]
@@ -201,7 +202,7 @@ def _part(head: Manifest | CommitMarker) -> str | None:
     return f"node {head.node}'s part: ranks {', '.join(map(str, head.holds))} of {head.world_size}"
 
 
-def _dependency(head: Manifest | CommitMarker, needed_by: list[int]) -> str | None:
+def _dependency(head: Manifest | CommitMarker, needed_by: Sequence[int]) -> str | None:
     """How a version of a tier with ``delta`` depends on others (``delta of step 4``, ``base of 5, 6``)."""
     base = head.base_step
     if base is not None:
@@ -222,14 +223,8 @@ def _ls(versions: list[ListedVersion]) -> int:
             listed.append((version, opened))
         except CorruptCheckpointError as exc:
             listed.append((version, exc))
-    # Of each base, the differential versions listed here written against it (not those saved before
-    # it: written against an earlier version of its step, kept aside).
-    heads = [got.head for _, got in listed if not isinstance(got, CorruptCheckpointError)]
-    saved_at = {h.step: h.created for h in heads}
-    needed: dict[int, list[int]] = {}
-    for h in heads:
-        if (base := h.base_step) is not None and h.created >= saved_at.get(base, h.created):
-            needed.setdefault(base, []).append(h.step)
+    # Of each base, the differential versions listed here written against it.
+    needed = dependents([(got.head.step, got.head.base_step, got.head.created) for _, got in listed if not isinstance(got, CorruptCheckpointError)])
     for version, got in listed:
         if isinstance(got, CorruptCheckpointError):
             status = DAMAGED
@@ -244,7 +239,7 @@ def _ls(versions: list[ListedVersion]) -> int:
         head = got.head
         logical = sum(r.nbytes for r in got.logical_records())
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(head.created))
-        notes = [n for n in (_part(head), _dependency(head, needed.get(head.step, []))) if n]
+        notes = [n for n in (_part(head), _dependency(head, needed.get(head.step, ()))) if n]
         valid = ", ".join(["yes", *notes])
         rows.append((version.name, str(head.step), format_size(held_bytes(head)), format_size(logical), created, valid))
     widths = [max(len(row[i]) for row in rows) for i in range(5)]

@@ -37,7 +37,7 @@ from tierckpt.tiers.stored.read import open_source, read_head, read_manifest, re
 from tierckpt.tiers.stored.source import StoredSource, StoreVersion
 from tierckpt.xordelta import DeltaCodec
 
-__all__ = ["BaseChoice", "BaseUnreadable", "DeltaBase", "choose_base", "needed_by", "open_base"]
+__all__ = ["BaseChoice", "BaseUnreadable", "DeltaBase", "choose_base", "dependents", "needed_by", "open_base"]
 
 
 @dataclass(frozen=True)
@@ -68,13 +68,19 @@ def choose_base(versions: Sequence[VersionInfo], step: int, full_every: int) -> 
 
 
 def needed_by(versions: Sequence[VersionInfo]) -> dict[int, tuple[int, ...]]:
-    """Of each base among ``versions``: the steps of the versions written against it. A version saved
-    before the base was is not its: it was written against an earlier version of that step, kept aside."""
-    created = {v.step: v.created for v in versions}
+    """Of each base among ``versions``: the steps of the versions written against it."""
+    return dependents([(v.step, v.base, v.created) for v in versions])
+
+
+def dependents(versions: Sequence[tuple[int, int | None, float]]) -> dict[int, tuple[int, ...]]:
+    """Of each base among ``versions`` (step, base step or None, created): the steps written against
+    it. A version saved before its base was is not the base's: it was written against an earlier
+    version of that step, kept aside."""
+    created = {step: when for step, _, when in versions}
     out: dict[int, list[int]] = {}
-    for v in versions:
-        if v.base is not None and v.created >= created.get(v.base, v.created):
-            out.setdefault(v.base, []).append(v.step)
+    for step, base, when in versions:
+        if base is not None and when >= created.get(base, when):
+            out.setdefault(base, []).append(step)
     return {b: tuple(sorted(steps)) for b, steps in out.items()}
 
 
