@@ -7,6 +7,8 @@ Started once per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and:
     DIE_COMMITTED   save: rank 0 dies by SIGKILL once every node committed this step, before it says so
     RESUME          restore: then save this step, and report whether it committed on nvme
     COMPRESS=1      nvme and pfs compress alike (zstd), so pfs takes each version from nvme, not RAM
+    DELTA           nvme stores differential versions (``delta: {full_every: DELTA}``, zstd+shuffle),
+                    and the state gains a frozen value (replicated) and a trained one (each rank's)
     PEER=1          add a peer tier (one copy on the other node), RAM tiers on <dir>/ram-<node>
     TIMEOUT         distributed.timeout (default 20s)
     SIMULATE=0      nodes by torchrun's GROUP_RANK (set here: ranks 0, 1 on node 0, ranks 2, 3 on node
@@ -47,6 +49,9 @@ def config(root: Path) -> dict[str, Any]:
     if os.environ.get("COMPRESS") == "1":  # pfs then copies nvme's stored chunks: it reads the node-local tier
         for tier in tiers[1:]:
             tier["compression"] = {"codec": "zstd", "level": 1}
+    if os.environ.get("DELTA"):
+        tiers[1]["delta"] = {"full_every": int(os.environ["DELTA"])}
+        tiers[1]["compression"] = {"codec": "zstd", "level": 1, "shuffle": True}
     if os.environ.get("PEER") == "1":
         node = os.environ.get("GROUP_RANK") or str(int(os.environ["RANK"]) // 2)
         ram["path"] = str(root / f"ram-{node}")
@@ -62,12 +67,16 @@ def config(root: Path) -> dict[str, Any]:
 def state(rank: int, step: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(1000 * rank + step)
     shared = torch.Generator().manual_seed(step)  # the same on every rank: replicated
-    return {
+    out: dict[str, Any] = {
         "model": {"w": torch.randn(1 << 20, generator=shared), "b": torch.arange(4096, dtype=torch.float32) + step},
         "optim": {"m": torch.randn(300_000, generator=g), "v": torch.randn(64, 64, generator=g).to(torch.bfloat16)},
         "rank": rank,
         "step": step,
     }
+    if os.environ.get("DELTA"):  # a value no step changes, and one each step moves a little
+        out["model"]["frozen"] = torch.randn(1 << 18, generator=torch.Generator().manual_seed(7))
+        out["optim"]["trained"] = torch.randn(1 << 18, generator=torch.Generator().manual_seed(rank)) * (1 + 1e-6 * step)
+    return out
 
 
 def die_at(method: str, when: str) -> None:

@@ -14,15 +14,19 @@ import obstore
 import pytest
 import torch
 
-from tierckpt import Checkpointer
-from tierckpt.config import CompressionConfig
+from tierckpt import Checkpointer, ConfigError
+from tierckpt._buffers import aligned_buffer
+from tierckpt.codecs import decoder
+from tierckpt.config import CompressionConfig, Config
 from tierckpt.errors import CorruptCheckpointError
-from tierckpt.format import MANIFEST_FILE, Manifest, version_dirname
+from tierckpt.format import MANIFEST_FILE, Manifest, checksum, version_dirname
 from tierckpt.format.manifest import decode_document
+from tierckpt.storage.scratch import scratch_bytes
 from tierckpt.testing.faults import flip_bits
 from tierckpt.tiers.stored import write as fswrite
 from tierckpt.tiers.stored.encoding import TierEncoding
 from tierckpt.tiers.stored.read import open_source, read_manifest
+from tierckpt.tiers.stored.standalone import standalone
 from tierckpt.xordelta import SKIP_AFTER_MISS, DeltaCodec, XorHistory, digest
 
 from helpers import SHUFFLED_ZSTD, Opened, assert_bitwise, held, logged_warnings, ram_fs, tierckpt_cli
@@ -551,3 +555,63 @@ def test_a_tier_stops_trying_frames_of_a_value_that_changes_wholesale(opened: Op
     assert _codecs(_manifest(root, 7), "['weight']") == ["delta"]
     for step, state in states.items():
         assert_bitwise(ckpt.restore_sync(step).state, state)
+
+
+def test_a_differential_version_stands_alone_for_a_copy_sent_where_its_base_is_not(opened: Opened, tmp_path: Path) -> None:
+    """What a node-local tier sends a rank on another node (tests/test_node_local_delta.py runs it across
+    ranks): references as the base chunk's stored bytes, frames decoded, every chunk verified."""
+    root = tmp_path / "nvme"
+    _save_all(opened, _config(root, every=3, compression=SHUFFLED_ZSTD), range(1, 3), Training())
+    source = open_source("nvme", root / version_dirname(2), _manifest(root, 2))
+    alone = standalone(source)
+    try:
+        assert not any(c.base is not None or c.codec in ("ref", "delta") for r in alone.records for c in r.all_chunks())
+        by_key = {r.key: r for r in alone.records}
+        base = {r.key: r for r in _manifest(root, 1).records}
+        # A reference goes as its base chunk is stored (compressed alike); a frame, decoded.
+        frozen, based = by_key["['frozen']"], base["['frozen']"]
+        assert (frozen.chunks[0].stored, frozen.chunks[0].checksum, frozen.chunk_codec(0)) == (based.chunks[0].stored, based.chunks[0].checksum, "zstd+shuffle")
+        assert by_key["['weight']"].chunk_codec(0) == "none" and alone.checksum_of(by_key["['weight']"], 0) is None  # hashed as sent
+        room = scratch_bytes(max(r.chunk_bytes for r in source.records))
+        scratch, out = memoryview(aligned_buffer(room)), memoryview(bytearray(room))
+        for stood, record in zip(alone.records, source.records):
+            for i in range(len(stood.chunks)):
+                sent = bytes(alone.read_stored(stood, i, scratch))
+                known = alone.checksum_of(stood, i)
+                assert known is None or checksum(sent) == known  # a checksum the copy's manifest gives matches what goes out
+                start, length = record.chunk_span(i)
+                source.read_logical(record, i, out[:length], scratch)
+                decoded = bytearray(length)
+                decoder(stood.chunk_codec(i)).decode_into(memoryview(sent), memoryview(decoded))
+                assert decoded == out[:length], (record.key, i)
+        # A damaged base chunk under a reference is not sent as if it were whole.
+        chunk = base["['frozen']"].chunks[0]
+        flip_bits(root / version_dirname(1) / base["['frozen']"].file, chunk.offset + 10, 1)
+        with pytest.raises(CorruptCheckpointError, match=r"its base, step 1: .*\['frozen'\] chunk 0: checksum mismatch"):
+            alone.read_stored(by_key["['frozen']"], 0, scratch)
+    finally:
+        alone.close()
+    whole = open_source("nvme", root / version_dirname(1), _manifest(root, 1))
+    assert standalone(whole) is whole  # a whole version is sent as it is
+    whole.close()
+
+
+@pytest.mark.parametrize(
+    ("tier", "key", "says"),
+    [
+        ({"delta": {"full_every": 1}}, "tiers[1].delta.full_every", "1 is not allowed (tier 'nvme'); use an integer >= 2"),
+        ({"delta": {"full_every": 3, "min_ratio": 0.5}}, "tiers[1].delta.min_ratio", "0.5 is not allowed (tier 'nvme')"),
+        ({"delta": {"every": 3}}, "tiers[1].delta.every", "unknown key (tier 'nvme'); allowed: full_every, min_ratio"),
+        ({"type": "peer", "path": None, "delta": {"full_every": 3}}, "tiers[1].delta", "not allowed on a peer tier (tier 'nvme'); a peer tier holds whole snapshots"),
+    ],
+)
+def test_a_bad_delta_setting_names_its_key(tier: dict[str, Any], key: str, says: str) -> None:
+    section = {k: v for k, v in ({"name": "nvme", "type": "filesystem", "path": "/tmp/nvme"} | tier).items() if v is not None}
+    with pytest.raises(ConfigError) as caught:
+        Config.from_dict({"tiers": [{"name": "ram", "type": "memory"}, section]})
+    assert caught.value.key == key and str(caught.value).startswith(f"{key}: {says}"), str(caught.value)
+
+
+def test_delta_is_allowed_on_a_node_local_tier() -> None:
+    config = Config.from_dict({"tiers": [{"name": "ram", "type": "memory"}, {"name": "nvme", "type": "filesystem", "path": "/tmp/{node}", "scope": "node", "delta": {"full_every": 3}}]})
+    assert config.tiers[1].delta is not None and config.tiers[1].delta.full_every == 3 and config.tiers[1].scope == "node"

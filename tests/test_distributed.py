@@ -130,7 +130,11 @@ def test_a_rank_whose_own_chunk_is_damaged_reads_a_lower_tier_and_the_others_rea
     restored = run_ranks(2, "restore", tmp_path, {"PFS": "1"})
     assert [(r["step"], r["tier"], r["bitwise"]) for r in restored] == [(3, "disk", True), (3, "pfs", True)], restored
     assert all(r["read_bytes"] >= MODEL_BYTES for r in restored)  # each read the whole model itself
-    assert all(r["warnings"] == [] for r in restored)  # no step fell back
+    # No step fell back; rank 1 alone names the copy it passed over, and where it read the step instead.
+    assert restored[0]["warnings"] == [], restored[0]
+    [said] = restored[1]["warnings"]
+    assert said.startswith("tierckpt: rank 1: step 3 on tier 'disk' does not verify: data-r00001.bin: checksum mismatch in ['mine']"), said
+    assert said.endswith("; trying step 3 on tier 'pfs' next"), said
 
 
 @pytest.mark.slow

@@ -191,9 +191,6 @@ class TierConfig:
             raise at.error("delta", problem=f"{self.delta!r} is not allowed", hint="use a DeltaConfig, e.g. delta: {full_every: 10}")
         check_int(at, "io_threads", self.io_threads, low=1, high=64)
         check_choice(at, "scope", self.scope, _SCOPES)
-        if self.delta is not None and self.scope == "node":
-            hint = "use delta on a shared filesystem tier or an object tier; a node-local tier stores whole versions"
-            raise at.error("delta", problem="not supported on a node-local tier (scope: node) yet", hint=hint)
         if self.path is not None:
             _check_placeholders(at, str(self.path), self.scope)
         check_int(at, "copies", self.copies, low=1, high=_MAX_COPIES)

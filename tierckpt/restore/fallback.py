@@ -134,17 +134,18 @@ async def restore_versions(
             # fetch, wanting or not, so that every rank serves what the others fetch from it.
             holding = [t for t in tiers if t.has_part(step) and any(info.step == step for info in t.versions())]
             for i, (tier, recovery) in enumerate(zip(tiers, recoveries)):
-                after = functools.partial(_after, holding[holding.index(tier) + 1 :] if tier in holding else [], step, tiers, common[n + 1 :], only)
+                rest = holding[holding.index(tier) + 1 :] if tier in holding else []
+                after = functools.partial(_after, rest, step, tiers, common[n + 1 :], only)
                 if attempt.wants and any(t is tier for t in holding):
                     missed = await attempt_on(held_open, tier, step, attempt, owner=ranks.rank if once.get(step) == i else None)
                     if isinstance(missed, NotHere):
                         voice.not_here(missed, after)
                     elif missed is not None:
-                        voice.passed_over(tier, step, missed, after)
+                        voice.passed_over(tier, step, missed, after, elsewhere=bool(rest))
                 if once.get(step) == i:  # every rank is here, whatever it read
                     missed = await _share_replicas(ranks, attempt, tier, step)
                     if missed is not None:
-                        voice.passed_over(tier, step, missed, after)
+                        voice.passed_over(tier, step, missed, after, elsewhere=bool(rest))
                 if recovery is None:
                     continue
                 try:

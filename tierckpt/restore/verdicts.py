@@ -41,8 +41,9 @@ class Voice(abc.ABC):
     def not_held(self, step: int, lacking: list[int]) -> NoCheckpointError:
         """Step ``step`` was asked for, and ranks ``lacking`` can get it from no tier."""
 
-    def passed_over(self, tier: Tier, step: int, error: CorruptCheckpointError, after: Callable[[], str]) -> None:  # noqa: B027
-        """This rank's copy of ``step`` on ``tier`` did not verify; ``after``: what is tried next."""
+    def passed_over(self, tier: Tier, step: int, error: CorruptCheckpointError, after: Callable[[], str], *, elsewhere: bool) -> None:  # noqa: B027
+        """This rank's copy of ``step`` on ``tier`` did not verify; ``after``: what is tried next;
+        ``elsewhere``: that is the same step on another tier."""
 
     def not_here(self, error: NotHere, after: Callable[[], str]) -> None:  # noqa: B027
         """A tier holds only part of what this rank needs of a version (one process's host memory)."""
@@ -70,7 +71,7 @@ class AloneVoice(Voice):
     def not_held(self, step: int, lacking: list[int]) -> NoCheckpointError:
         return NoCheckpointError(f"no tier holds step {step} ({held_steps(self.listed)})", step=step)
 
-    def passed_over(self, tier: Tier, step: int, error: CorruptCheckpointError, after: Callable[[], str]) -> None:
+    def passed_over(self, tier: Tier, step: int, error: CorruptCheckpointError, after: Callable[[], str], *, elsewhere: bool) -> None:
         why = after_where(error, tier.name, step)
         self.failures.append(f"tier {tier.name!r}: {why}" if self.only is not None else f"{where(tier.name, step)}: {why}")
         log.warning("tierckpt: %s does not verify: %s; %s", where(tier.name, step), why, after())
@@ -104,6 +105,12 @@ class RanksVoice(Voice):
             f"step {step} is not held for rank(s) {', '.join(map(str, lacking))} (on rank {self.rank}: {held_steps(self.listed)})",
             step=step,
         )
+
+    def passed_over(self, tier: Tier, step: int, error: CorruptCheckpointError, after: Callable[[], str], *, elsewhere: bool) -> None:
+        # A copy this rank passes over for the same step on another tier is named here, by this rank
+        # alone: no verdict will (the step may verify). Else the step's verdict names it, once.
+        if elsewhere:
+            log.warning("tierckpt: rank %d: %s does not verify: %s; %s", self.rank, where(tier.name, step), after_where(error, tier.name, step), after())
 
     def fetch_failed(self, error: CorruptCheckpointError, then: Sequence[Tier]) -> None:
         if then:

@@ -19,6 +19,7 @@ import time
 import warnings
 from typing import Any, Awaitable, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -205,6 +206,19 @@ def receive_copy(data: memoryview, records: Sequence[TensorRecord], src: int, gr
         for c in r.chunks:
             assert c is not None
             receive(data[c.offset : c.offset + c.stored], src, group, tag)
+
+
+def send_sums(sums: Sequence[int], dst: int, group: Any, tag: int) -> None:
+    """Send the checksums :func:`send_copy` returned, after the chunks: a chunk whose checksum its
+    sender knew only once it hashed it on the way out is verified end to end all the same."""
+    send(np.array(sums, dtype=np.uint64).data.cast("B"), dst, group, tag)
+
+
+def receive_sums(count: int, src: int, group: Any, tag: int) -> list[int]:
+    """Receive ``count`` checksums :func:`send_sums` sent."""
+    out = np.zeros(count, dtype=np.uint64)
+    receive(out.data.cast("B"), src, group, tag)
+    return [int(v) for v in out]
 
 
 def first_mismatch(data: memoryview, records: Sequence[TensorRecord]) -> str | None:

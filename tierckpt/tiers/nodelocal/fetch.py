@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import mmap
 import os
@@ -30,6 +31,7 @@ from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, version_dirname
 from tierckpt.tiers.base import Recovery, Tier, VersionInfo, VersionSource
 from tierckpt.tiers.stored.read import open_source, read_head, read_rank_manifest, resolve_shared
+from tierckpt.tiers.stored.standalone import standalone
 from tierckpt.tiers import wire
 from tierckpt.tiers import transfer
 from tierckpt.tiers.transfer import Ranked, announce, receive_announced, refuse
@@ -138,7 +140,8 @@ def _serve(tier: NodeDirectories, step: int, owner: int, dst: int) -> None:
         if not isinstance(head, CommitMarker) or head.holds is None or owner not in head.holds:
             raise CorruptCheckpointError(f"{path} holds no part of rank {owner}", tier=tier.name, step=step)
         resolved = resolve_shared(path, head, read_rank_manifest(path, head, owner, tier=tier.name), tier=tier.name)
-        source = open_source(tier.name, path, resolved, direct=tier.direct)
+        # A differential part goes out standing alone: the fetching node has no base beside it.
+        source = standalone(open_source(tier.name, path, resolved, direct=tier.direct))
     except (OSError, CorruptCheckpointError) as exc:
         refuse(dst, bulk, TAG_NODE)
         raise CorruptCheckpointError(f"tier {tier.name!r}: rank {owner}'s part of step {step} cannot be served: {exc}") from exc
@@ -149,13 +152,20 @@ def _serve(tier: NodeDirectories, step: int, owner: int, dst: int) -> None:
             step=step,
             created=resolved.created,
             skeleton=resolved.skeleton,
-            records=wire.with_checksums(records, [-1 if s is None else s for s in sums]),
+            records=wire.with_checksums(records, [0 if s is None else s for s in sums]),
             metadata=resolved.metadata,
         ).encode()
         announce(manifest, size, dst, bulk, TAG_NODE)
         # Every chunk is verified as it is read here; one that is not goes out as zeros, which the
         # fetching rank's check refuses (send_copy raises at the end, logged above).
-        wire.send_copy(source, [dst], bulk, TAG_NODE, wire.Throttle(None))
+        # Then every chunk's checksum: those the manifest left at 0 (chunks decoded here) are known only
+        # once hashed as they were sent. After a failure, zeros: the fetching rank waits for them.
+        try:
+            sent = wire.send_copy(source, [dst], bulk, TAG_NODE, wire.Throttle(None))
+        except wire.CopyFailed:
+            wire.send_sums([0] * len(sums), dst, bulk, TAG_NODE)
+            raise
+        wire.send_sums(sent, dst, bulk, TAG_NODE)
     finally:
         source.close()
 
@@ -163,6 +173,7 @@ def _serve(tier: NodeDirectories, step: int, owner: int, dst: int) -> None:
 def _fetch(tier: NodeDirectories, step: int, src: int) -> tuple[Path, Manifest, int]:
     bulk = tier.group.bulk_group()
     encoded, manifest, size = receive_announced(src, bulk, TAG_NODE, tier=tier.name, step=step, holder="node", what="part")
+    chunks = [c for r in manifest.records for c in r.all_chunks()]
     path = tier.root / f".tmp-fetch-{version_dirname(step)}-r{tier.group.rank:05d}-{uuid.uuid4().hex[:8]}"
     try:
         path.mkdir()
@@ -175,7 +186,8 @@ def _fetch(tier: NodeDirectories, step: int, src: int) -> tuple[Path, Manifest, 
             os.close(fd)
     except OSError:
         # The sender sends every chunk all the same: take them off the wire, or they would wait out the timeout.
-        wire.drain([c.stored for r in manifest.records for c in r.all_chunks()], src, bulk, TAG_NODE)
+        wire.drain([c.stored for c in chunks], src, bulk, TAG_NODE)
+        wire.receive_sums(len(chunks), src, bulk, TAG_NODE)
         shutil.rmtree(path, ignore_errors=True)
         raise
     try:
@@ -189,6 +201,12 @@ def _fetch(tier: NodeDirectories, step: int, src: int) -> tuple[Path, Manifest, 
                     data.close()
                 except BufferError:  # a failed receive's traceback still holds a view: the mapping goes with it
                     pass
+        # A checksum the manifest gave is kept: every chunk is verified against it when the part is read.
+        sent = wire.receive_sums(len(chunks), src, bulk, TAG_NODE)
+        if any(c.checksum == 0 for c in chunks):
+            sums = [late if c.checksum == 0 else c.checksum for c, late in zip(chunks, sent)]
+            manifest = dataclasses.replace(manifest, records=wire.with_checksums(manifest.records, sums))
+            encoded = manifest.encode()
         (path / MANIFEST_FILE).write_bytes(encoded)
     except BaseException:
         shutil.rmtree(path, ignore_errors=True)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from tierckpt.format import CommitMarker
+
 __all__ = ["Holding", "complete_versions"]
 
 
@@ -24,14 +26,23 @@ class Holding:
     created: float
     nbytes: int
     aside: str | None = None  # a copy moved aside by a replacement that was cut short: its name
+    base: int | None = None  # a differential version's base step, as the marker names it
+    chain: int = 0
 
     def pack(self) -> list[Any]:
-        return [self.step, self.world, list(self.parts), list(self.holds), self.created, self.nbytes, self.aside]
+        return [self.step, self.world, list(self.parts), list(self.holds), self.created, self.nbytes, self.aside, self.base, self.chain]
 
     @classmethod
     def unpack(cls, raw: Sequence[Any]) -> Holding:
-        step, world, parts, holds, created, nbytes, aside = raw
-        return cls(int(step), int(world), tuple(parts), tuple(holds), float(created), int(nbytes), aside)
+        step, world, parts, holds, created, nbytes, aside, base, chain = raw
+        return cls(int(step), int(world), tuple(parts), tuple(holds), float(created), int(nbytes), aside, None if base is None else int(base), int(chain))
+
+    @classmethod
+    def of(cls, marker: CommitMarker, aside: str | None = None) -> Holding:
+        """What a node's commit marker says (one naming the ranks its directory ``holds``)."""
+        assert marker.holds is not None
+        parts = tuple(p[1] for p in marker.ranks)
+        return cls(marker.step, marker.world_size, parts, marker.holds, marker.created, marker.stored_bytes, aside, marker.base, marker.chain)
 
 
 def complete_versions(reports: dict[int, list[Holding]], world: int) -> dict[int, tuple[dict[int, int], Holding]]:

@@ -33,6 +33,11 @@ tier removes the one aside), reports both, and puts back the one the other nodes
 A value stored once between ranks (``save(replicated=...)``) is stored once per node: its chunks are
 shared among the node's ranks only, so that a node's directory holds every byte its ranks restore.
 
+With ``delta``, each rank writes its part against its own part of the base in its node's directory
+(:mod:`tierckpt.tiers.stored.delta`; a rank whose part of the base is on another node's disk writes
+its part whole), and a base saved again stays aside on every node, at the rename and at open, while
+versions written against it are kept.
+
 A rank reads its own part from its node's directory (:meth:`NodeLocalTier.has_part`); a rank whose
 part lies on another live node's directory (the job came back with its ranks on other nodes) fetches
 it from there in a restore (:meth:`NodeLocalTier.fetch_plan`, :mod:`tierckpt.tiers.nodelocal.fetch`). A
@@ -56,6 +61,7 @@ from tierckpt.ranks.group import CoordinationLost, RankGroup
 from tierckpt.tiers.base import Part, Staged, Tier, VersionInfo
 from tierckpt.tiers.filesystem import FilesystemTier
 from tierckpt.tiers.stored.commit import Left
+from tierckpt.tiers.stored.delta import BaseChoice, DeltaBase
 from tierckpt.tiers.stored.read import read_head
 from tierckpt.tiers.nodelocal.fetch import NodeRecovery
 from tierckpt.tiers.nodelocal.plan import Holding, complete_versions
@@ -113,7 +119,7 @@ class NodeLocalTier(FilesystemTier):
 
     def _seen(self, step: int, head: Manifest | CommitMarker) -> None:
         if isinstance(head, CommitMarker) and head.holds is not None:
-            self._held[step] = Holding(step, head.world_size, tuple(p[1] for p in head.ranks), head.holds, head.created, head.stored_bytes)
+            self._held[step] = Holding.of(head)
 
     async def _keep_aside(self, step: int, name: str) -> bool:
         """At open: a copy of ``step`` moved aside by a replacement that a crash cut short is kept, for
@@ -124,7 +130,7 @@ class NodeLocalTier(FilesystemTier):
             return False
         if not isinstance(head, CommitMarker) or head.holds is None:
             return False
-        self._aside[step] = Holding(step, head.world_size, tuple(p[1] for p in head.ranks), head.holds, head.created, head.stored_bytes, name)
+        self._aside[step] = Holding.of(head, name)
         return True
 
     def holdings(self) -> list[Any]:
@@ -149,17 +155,20 @@ class NodeLocalTier(FilesystemTier):
                 self.name, self.root, foreign, world, len(self.nodes),
             )
         for step, (where, held) in complete.items():
-            await self._settle_aside(step, held)
             self._where[step] = where
             local = self._local.get(step)
-            self._index[step] = VersionInfo(self.name, step, held.nbytes, held.created, local.path if local else None)
+            base = held.base
+            self._index[step] = VersionInfo(self.name, step, held.nbytes, held.created, local.path if local else None, base=base, chain=held.chain if base is not None else 0)
+        for step, (_, held) in complete.items():  # once every version is listed: which ones a copy aside is the base of
+            await self._settle_aside(step, held)
         mine = self._held.keys() & self._local.keys()
         self._orphans = {s for s in mine if s not in complete and self._held[s].world == world}
         self._held = {s: h for s, h in self._held.items() if s in complete}
 
     async def _settle_aside(self, step: int, committed: Holding) -> None:
         """Of a step committed across the nodes, keep this node's copy of that version: the one moved
-        aside is put back in place of one the other nodes never committed, or removed if not needed."""
+        aside is put back in place of one the other nodes never committed; else it is kept while
+        differential versions written against it are (the step was saved again since), or removed."""
         aside = self._aside.get(step)
         if aside is None or aside.aside is None:
             return
@@ -173,12 +182,24 @@ class NodeLocalTier(FilesystemTier):
             await self.store.sync()
             await self.leftovers.discard(trash)
             self._held[step] = dataclasses.replace(aside, aside=None)
+        elif self._needs_earlier(step):
+            self.leftovers.keep(step, aside.aside)
         else:
             await self.leftovers.discard(aside.aside)
 
     def has_part(self, step: int) -> bool:
         held = self._held.get(step)
         return step in self._index and held is not None and self.rank in held.holds
+
+    async def _open_base(self, choice: BaseChoice) -> DeltaBase | None:
+        """This rank's part of the base, from its node's directory; None (the part is written whole)
+        when another node's directory holds it: the job came back with its ranks on other nodes."""
+        if not self.has_part(choice.step):
+            node = self._where.get(choice.step, {}).get(self.rank)
+            held = f"node {self.node_names[node]}'s directory" if node is not None else "no node's directory"
+            log.info("tier %r: rank %d writes its part of this version whole: its part of the base, step %d, is in %s", self.name, self.rank, choice.step, held)
+            return None
+        return await super()._open_base(choice)
 
     def _as_saved(self) -> dict[int, int]:
         """Where the parts of a version committed in this run are: each rank's on its own node."""
@@ -261,8 +282,8 @@ class NodeLocalTier(FilesystemTier):
 
     async def adopt(self, staged: Staged, nbytes: int) -> VersionInfo:
         if not self.keeps:
-            info = VersionInfo(self.name, staged.step, nbytes, staged.created, str(self.root / version_dirname(staged.step)))
-            self._index[staged.step] = info
+            staged.nbytes = nbytes
+            info = self._indexed(staged)
             self._where[staged.step] = self._as_saved()
             self._held[staged.step] = Holding(staged.step, self.group.world, (), self.node, staged.created, nbytes)
             return info
@@ -276,7 +297,10 @@ class NodeLocalTier(FilesystemTier):
         self._doomed.discard(staged.step)  # a lease on the earlier save of this step no longer dooms it
         old = self._placed.pop(staged.location, None)
         if old is not None:
-            await self.leftovers.discard(old)
+            if self._written_against(staged.step) or self.leased(staged.step):  # as a shared tier's commit
+                self.leftovers.keep(staged.step, old)
+            else:
+                await self.leftovers.discard(old)
         info = self._indexed(staged)
         self._where[staged.step] = self._as_saved()
         self._local[staged.step] = info

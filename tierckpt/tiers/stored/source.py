@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from tierckpt._buffers import copy_pieces
 from tierckpt.codecs import decoder
 from tierckpt.errors import CorruptCheckpointError
-from tierckpt.format import Manifest, TensorRecord, checksum, version_dirname
+from tierckpt.format import BaseChunk, Manifest, TensorRecord, checksum, version_dirname
 from tierckpt.format.checksum import checksum_pieces
 from tierckpt.format.layout import after_where, where
 from tierckpt.format.manifest import MAX_MANIFEST_BYTES
@@ -202,20 +202,34 @@ class StoredSource(VersionSource):
         self._verify(record, chunk, out)
         return out
 
-    def _read_base(self, record: TensorRecord, chunk: int, out: memoryview, scratch: memoryview) -> None:
-        """The logical bytes of the base chunk that chunk ``chunk`` is stored against, into ``out``, verified."""
+    def read_base_stored(self, record: TensorRecord, chunk: int, scratch: memoryview) -> memoryview:
+        """The base chunk that chunk ``chunk`` is stored against, as the base stores it (in its codec,
+        ``record.chunk(chunk).base.codec``), verified; a view of ``scratch``."""
+        with self._reading_base(record, chunk) as (what, b):
+            stored = self.base_readers[b.file].read_span(b.offset, b.stored, scratch, what=what)
+            if checksum(stored) != b.checksum:
+                raise CorruptCheckpointError(f"{what}: checksum mismatch at bytes {b.offset}..{b.offset + b.stored}")
+        return stored
+
+    @contextmanager
+    def _reading_base(self, record: TensorRecord, chunk: int) -> Iterator[tuple[str, BaseChunk]]:
+        """Around a read of the base chunk under chunk ``chunk`` (given what names it, and where it is):
+        its failures as a damaged chunk of this version's, naming the base."""
         b = record.chunk(chunk).base
         assert b is not None
         what = f"{where(self.tier, self.step)}: its base, step {self.base_step}: {b.file}: {record.key} chunk {chunk}"
         try:
-            stored = self.base_readers[b.file].read_span(b.offset, b.stored, scratch, what=what)
-            if checksum(stored) != b.checksum:
-                raise CorruptCheckpointError(f"{what}: checksum mismatch at bytes {b.offset}..{b.offset + b.stored}")
-            decoder(b.codec).decode_into(stored, out)
+            yield what, b
         except CorruptCheckpointError as exc:
             raise self._corrupt(record, str(exc) if str(exc).startswith(what) else f"{what}: {exc}") from None
         except OSError as exc:
             raise self._corrupt(record, f"{what}: read failed ({exc.strerror or exc})") from exc
+
+    def _read_base(self, record: TensorRecord, chunk: int, out: memoryview, scratch: memoryview) -> None:
+        """The logical bytes of the base chunk that chunk ``chunk`` is stored against, into ``out``, verified."""
+        stored = self.read_base_stored(record, chunk, scratch)
+        with self._reading_base(record, chunk) as (_, b):
+            decoder(b.codec).decode_into(stored, out)
 
     def _read_against_base(self, record: TensorRecord, chunk: int, out: memoryview, scratch: memoryview) -> None:
         """A chunk stored against its base (``ref``, ``delta``), decoded into ``out``."""
