@@ -77,7 +77,7 @@ def test_each_node_writes_its_parts_against_its_own_part_of_the_base_and_a_damag
         assert "['model']['frozen']" in said[0] and said[0].endswith("trying step 6 on tier 'pfs' next"), said
 
 
-def test_ranks_requeued_onto_each_others_nodes_fetch_differential_parts_and_write_theirs_whole(tmp_path: Path) -> None:
+def test_ranks_requeued_onto_each_others_nodes_fetch_differential_parts_and_start_a_new_base(tmp_path: Path) -> None:
     # full_every 4: 5 is whole and 6 depends on it.
     run("save", tmp_path, STEPS="1,2,3,4,5,6", SIMULATE="0", DELTA="4")
     restored = run("restore", tmp_path, SIMULATE="0", SWAP="1", RESUME="7", DELTA="4")
@@ -87,16 +87,19 @@ def test_ranks_requeued_onto_each_others_nodes_fetch_differential_parts_and_writ
         assert s["step"] == 6 and s["tier"] == "nvme" and s["bitwise"] is True and not s["warnings"], s
         assert s["resumed"] is True and s["versions"]["nvme"] == [5, 6, 7], s
     assert not list(tmp_path.glob("local-*/nvme/.tmp-*")), "the fetched copies are gone after the restore"
-    # Step 7 depends on 5 as the tier decided, but no rank has its part of 5 on its node's disk now:
-    # each wrote its part whole.
+    # Step 7 was due against 5, but no rank has its part of 5 on its node's disk now: 7 is whole, the
+    # base of the versions after it, written where the ranks run now.
     for node, ranks in ((1, (0, 1)), (0, (2, 3))):
         head = marker(tmp_path, node, 7)
-        assert (head.base, head.holds) == (5, ranks), head
-        for rank in ranks:
-            assert part(tmp_path, node, 7, rank).base is None
-    restored = run("restore", tmp_path, SIMULATE="0", SWAP="1", DELTA="4")
+        assert (head.base, head.holds) == (None, ranks), head
+    restored = run("restore", tmp_path, SIMULATE="0", SWAP="1", RESUME="8", DELTA="4")
     for s in restored:
         assert s["step"] == 7 and s["tier"] == "nvme" and s["bitwise"] is True and not s["warnings"], s
+        assert s["resumed"] is True and s["versions"]["nvme"] == [7, 8], s
+    for node, ranks in ((1, (0, 1)), (0, (2, 3))):
+        assert (marker(tmp_path, node, 8).base, marker(tmp_path, node, 8).chain) == (7, 1)
+        for rank in ranks:
+            assert codecs(part(tmp_path, node, 8, rank), FROZEN) == ["ref", "ref"], rank
 
 
 def test_a_base_saved_again_stays_aside_on_every_node_while_versions_written_against_it_are_kept(tmp_path: Path) -> None:

@@ -33,10 +33,8 @@ tier removes the one aside), reports both, and puts back the one the other nodes
 A value stored once between ranks (``save(replicated=...)``) is stored once per node: its chunks are
 shared among the node's ranks only, so that a node's directory holds every byte its ranks restore.
 
-With ``delta``, each rank writes its part against its own part of the base in its node's directory
-(:mod:`tierckpt.tiers.stored.delta`; a rank whose part of the base is on another node's disk writes
-its part whole), and a base saved again stays aside on every node, at the rename and at open, while
-versions written against it are kept.
+With ``delta``, each rank writes its part against its own part of the base in its node's directory,
+and a base saved again stays aside on every node while versions written against it are kept.
 
 A rank reads its own part from its node's directory (:meth:`NodeLocalTier.has_part`); a rank whose
 part lies on another live node's directory (the job came back with its ranks on other nodes) fetches
@@ -191,13 +189,21 @@ class NodeLocalTier(FilesystemTier):
         held = self._held.get(step)
         return step in self._index and held is not None and self.rank in held.holds
 
+    def _choose_base(self, step: int) -> BaseChoice | None:
+        # A base no rank holds its part of on its own node now (the job came back with its ranks on other
+        # nodes) would make every part whole until the next whole version: this one is whole instead.
+        choice = super()._choose_base(step)
+        if choice is None or any(self._where.get(choice.step, {}).get(r) == n for r, n in self._as_saved().items()):
+            return choice
+        if self.group.leader:
+            log.info("tier %r: step %d is written whole: no rank's part of step %d, the base it was due, is on that rank's node now", self.name, step, choice.step)
+        return None
+
     async def _open_base(self, choice: BaseChoice) -> DeltaBase | None:
-        """This rank's part of the base, from its node's directory; None (the part is written whole)
-        when another node's directory holds it: the job came back with its ranks on other nodes."""
+        """This rank's part of the base; None (its part is written whole) when another node holds it."""
         if not self.has_part(choice.step):
-            node = self._where.get(choice.step, {}).get(self.rank)
-            held = f"node {self.node_names[node]}'s directory" if node is not None else "no node's directory"
-            log.info("tier %r: rank %d writes its part of this version whole: its part of the base, step %d, is in %s", self.name, self.rank, choice.step, held)
+            node = self._where.get(choice.step, {}).get(self.rank, self.node_index)
+            log.info("tier %r: rank %d writes its part whole: its part of the base, step %d, is on node %s", self.name, self.rank, choice.step, self.node_names[node])
             return None
         return await super()._open_base(choice)
 

@@ -70,7 +70,7 @@ class PartWriting:
         """Write this rank's data object of ``source`` at key ``data`` of the store (the tier's codec,
         :attr:`write_threads` of its executor), and make its manifest; returns it and its bytes, not
         stored yet, and the base the version depends on (a tier with ``delta``; None: a whole version)."""
-        choice = choose_base(self.versions(), source.step, self.config.delta.full_every) if self.config.delta else None
+        choice = self._choose_base(source.step) if self.config.delta else None
         lease = self.lease(choice.step) if choice is not None else None  # the base stays while it is read
         named: tuple[int, int, int] | None = None  # the base a part written whole still names
         try:
@@ -110,6 +110,11 @@ class PartWriting:
             base=named[:2] if named is not None else None, chain=named[2] if named is not None else 0,
         )
         return manifest, manifest.encode(), choice
+
+    def _choose_base(self, step: int) -> BaseChoice | None:
+        """The base of the version of ``step`` about to be written (the same on every rank), or None."""
+        assert self.config.delta is not None
+        return choose_base(self.versions(), step, self.config.delta.full_every)
 
     async def _open_base(self, choice: BaseChoice) -> DeltaBase | None:
         """This rank's part of base ``choice.step``, open for the writer; None when it cannot be read
