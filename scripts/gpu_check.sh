@@ -8,7 +8,9 @@
 # budget; expected ~5.5 minutes on an H200 (16 cores, disk ~1.2 GB/s), at most ~7.8 (the timeouts, the
 # wheels and the machine's description add up to that):
 #   tests        ~45 s (timeout  80 s): pytest -m cuda on the test files with CUDA-marked tests that the GPU
-#                                       image can import (the whole folder imports torchtitan and others)
+#                                       image can import (the whole folder imports torchtitan and others);
+#                                       ~105 s (timeout 150 s) with tests/test_huggingface.py's FSDP2 test, run
+#                                       where transformers and accelerate import (docs/gpus.md: their wheels)
 #   capture      ~100 s (timeout 140 s): benchmarks/gpu_capture.py --every 1 10: 2 GiB state, batch 64,
 #                                       3 rounds (DCP: 1 round), --budget-s 115 stops starting rounds in time
 #   save_call    ~20 s (timeout  60 s): benchmarks/save_call.py --device cuda: the save() call for a model and
@@ -55,6 +57,13 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 # The files with CUDA-marked tests that import only what the GPU image has (a note in the log names any other).
 cuda_tests=(tests/test_cuda.py tests/test_checkpointer.py)
+tests_limit=80
+# The Hugging Face Trainer under FSDP2 on the GPU, where transformers and accelerate import (carried as
+# wheels: docs/gpus.md); two Trainer runs, ~60 s more.
+if python3 -c "import transformers, accelerate" > /dev/null 2>&1; then
+  cuda_tests+=(tests/test_huggingface.py)
+  tests_limit=150
+fi
 
 machine=$(
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -1
@@ -118,7 +127,7 @@ run_tests() {
   if [ "$what" = smoke ]; then
     part tests 60 python3 -m pytest -q -p no:cacheprovider -m cuda --collect-only "${cuda_tests[@]}"
   else
-    part tests 80 python3 -m pytest -q -p no:cacheprovider -rfE -m cuda "${cuda_tests[@]}"
+    part tests "$tests_limit" python3 -m pytest -q -p no:cacheprovider -rfE -m cuda "${cuda_tests[@]}"
   fi
   tests_line=$(awk '/^== tests: exit/ {print buf; exit} /^== tests: / {keep=1; next} keep && /(passed|failed|error|skipped|collected|no tests ran)/ {buf=$0}' "$log")
   tests_line="${tests_line//=/}"

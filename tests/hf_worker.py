@@ -3,7 +3,11 @@ right after a save returns: ``python hf_worker.py <output_dir> <config.json> <ki
 
 As a rank of a DDP job (``RANK`` in the environment, started by ``launch_ranks`` as torchrun starts
 ranks): ``python hf_worker.py <output_dir> <config.json> <kill at step or 0> <resume: none|true>``; each
-rank writes ``<output_dir>/result-<rank>.json`` (logged losses, final weights) unless killed."""
+rank writes ``<output_dir>/result-<rank>.json`` (logged losses, final weights) unless killed.
+
+``HF_FSDP=1``: FSDP2 instead of DDP (``fsdp=True``, ``fsdp_config={"version": 2}``). accelerate
+turns FSDP on only for GPU-type jobs; :func:`fsdp_on_cpu` lets its own FSDP2 code (``fully_shard``
+over gloo) run here, the one thing faked: tests/test_huggingface.py's CUDA test runs it unpatched."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from tierckpt.integrations.huggingface import TierckptTrainer
@@ -57,10 +62,15 @@ def run(out: Path, config: dict[str, Any] | None, *, stop_at: int | None = None,
     weights go into ``weights`` (as lists) when given."""
     set_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))  # dropout 0.1: RNG matters
+    sharding: dict[str, Any] = {}
+    if os.environ.get("HF_FSDP") == "1":  # on the GPUs where there are some (tests/test_huggingface.py's CUDA test)
+        sharding = {"fsdp": True, "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]}}
+        sharding["use_cpu"] = not torch.cuda.is_available()
     args = TrainingArguments(
         output_dir=str(out), max_steps=STEPS, save_steps=EVERY, save_strategy="steps", logging_steps=1,
         per_device_train_batch_size=4, learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=2,
-        report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0, save_total_limit=limit, disable_tqdm=True,
+        report_to=[], seed=0, dataloader_num_workers=0, save_total_limit=limit, disable_tqdm=True,
+        **({"use_cpu": True} | sharding),
     )
     losses = Losses(stop_at)
     if config is None:
@@ -69,8 +79,48 @@ def run(out: Path, config: dict[str, Any] | None, *, stop_at: int | None = None,
         trainer = TierckptTrainer(model=model, args=args, train_dataset=Tokens(), callbacks=[losses, *callbacks], tierckpt=config)
     trainer.train(resume_from_checkpoint=resume)
     if weights is not None:
-        weights.update({k: v.tolist() for k, v in model.state_dict().items()})
+        weights.update(whole_weights(model))
     return losses.losses
+
+
+def fsdp_on_cpu() -> None:
+    """Let accelerate's FSDP run in a CPU job: it enables FSDP only for GPU-type distributed jobs,
+    and its FSDP2 preparation (``fully_shard`` over the process group) runs the same on gloo."""
+    import accelerate.state
+    from accelerate.utils import DistributedType
+
+    made = accelerate.state.AcceleratorState.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        made(self, *args, **kwargs)
+        if kwargs.get("fsdp_plugin") is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type, self.fsdp_plugin = DistributedType.FSDP, kwargs["fsdp_plugin"]
+
+    accelerate.state.AcceleratorState.__init__ = init  # type: ignore[method-assign]
+
+
+def whole_weights(model: Any) -> dict[str, Any]:
+    """The model's weights as lists (under FSDP2, gathered from the shards: every rank calls it)."""
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).tolist() for k, v in model.state_dict().items()}
+
+
+class WeightsAt(TrainerCallback):
+    """Writes the whole weights to ``<out>/weights-<rank>-<when>.json``: ``saved-N`` at the save of step
+    ``step``, ``begin`` when training starts (after a resume loaded them)."""
+
+    def __init__(self, out: Path, step: int) -> None:
+        self.out, self.step = out, step
+
+    def _write(self, when: str, model: Any) -> None:
+        weights = whole_weights(model)
+        (self.out / f"weights-{os.environ.get('RANK', '0')}-{when}.json").write_text(json.dumps(weights))
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        self._write("begin", model)
+
+    def on_save(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            self._write(f"saved-{self.step}", model)
 
 
 class KillAfterSave(TrainerCallback):
@@ -91,6 +141,9 @@ if __name__ == "__main__":
         run(out, config, callbacks=(KillAfterSave(kill_at),))
     else:
         os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])  # one node, as torchrun would set it
+        if os.environ.get("HF_FSDP") == "1" and not torch.cuda.is_available():
+            fsdp_on_cpu()
         final: dict[str, Any] = {}
-        logged = run(out, config, resume=True if sys.argv[4] == "true" else None, callbacks=(KillAfterSave(kill_at),) if kill_at else (), weights=final)
+        watch = (WeightsAt(out, int(os.environ["HF_WEIGHTS_AT"])),) if os.environ.get("HF_WEIGHTS_AT") else ()
+        logged = run(out, config, resume=True if sys.argv[4] == "true" else None, callbacks=watch + ((KillAfterSave(kill_at),) if kill_at else ()), weights=final)
         (out / f"result-{os.environ['RANK']}.json").write_text(json.dumps({"losses": logged, "weights": final}))

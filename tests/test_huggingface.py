@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tierckpt import Checkpointer
+from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, Region, decode_document, version_dirname
 from tierckpt.integrations.huggingface import POINTER_NAME
 from tierckpt.testing.ranks import failures, launch_ranks
 
@@ -98,11 +101,11 @@ def test_after_a_sigkill_the_newest_durable_step_resumes_exactly(tmp_path: Path,
     assert not [name for name in os.listdir(out) if name.startswith(".")]  # the killed job's leftovers removed
 
 
-def _ddp(out: Path, config: dict[str, Any], kill_at: int = 0, resume: bool = False) -> None:
+def _ddp(out: Path, config: dict[str, Any], kill_at: int = 0, resume: bool = False, world: int = 2, **env: str) -> None:
     (out.parent / f"{out.name}.json").write_text(json.dumps(config))
     argv = [sys.executable, str(WORKER), str(out), str(out.parent / f"{out.name}.json"), str(kill_at), "true" if resume else "none"]
-    exits = launch_ranks(argv, 2, timeout_s=300)
-    failed = failures(exits, expect_dead=(0, 1) if kill_at else ())
+    exits = launch_ranks(argv, world, timeout_s=300, env=env)
+    failed = failures(exits, expect_dead=tuple(range(world)) if kill_at else ())
     assert not failed, failed
 
 
@@ -132,3 +135,61 @@ def test_ddp_killed_on_every_rank_after_a_save_resumes_every_rank_bitwise(tmp_pa
     r0, r1 = (json.loads((out / f"result-{r}.json").read_text()) for r in (0, 1))
     assert r0["losses"] == {str(s): w0["losses"][str(s)] for s in range(durable[-1] + 1, STEPS + 1)}  # bitwise
     assert r0["weights"] == r1["weights"] == w0["weights"]
+
+
+@pytest.mark.slow
+def test_fsdp2_killed_on_every_rank_after_a_save_resumes_bitwise_and_on_another_number_of_ranks(tmp_path: Path) -> None:
+    """2 ranks under FSDP2 (accelerate's own fully_shard, on gloo: hf_worker.fsdp_on_cpu lets it run on
+    CPU): every rank stores its shards of the model and of AdamW's moments, SIGKILLed on every rank
+    after the save of step 8; resumed on 2 ranks it continues bitwise, and on 3 ranks it starts from
+    the same weights, resharded."""
+    whole = tmp_path / "whole"
+    _ddp(whole, tier_config(fs_tier("nvme", tmp_path / "whole-nvme"), capacity="32MiB"), HF_FSDP="1")
+    w0 = json.loads((whole / "result-0.json").read_text())
+    assert sorted(map(int, w0["losses"])) == list(range(1, STEPS + 1))
+    marker = decode_document((tmp_path / "whole-nvme" / version_dirname(12) / MANIFEST_FILE).read_bytes())
+    assert isinstance(marker, CommitMarker)
+    part = Manifest.decode((tmp_path / "whole-nvme" / version_dirname(12) / marker.ranks[1][0]).read_bytes())
+    shards = {r.key: r.region for r in part.records}
+    # Rank 1's second half of the embedding and of its AdamW moment: shards, not copies.
+    assert shards["['model']['transformer.wte.weight']"] == Region((64, 32), (32, 0))
+    assert shards["['optimizer']['state']['transformer.wte.weight']['exp_avg']"] == Region((64, 32), (32, 0))
+
+    out, config = tmp_path / "run", tier_config(fs_tier("nvme", tmp_path / "nvme", keep={"last": 10}), capacity="32MiB")
+    _ddp(out, config, kill_at=8, HF_FSDP="1", HF_WEIGHTS_AT="8")
+    with Checkpointer(config) as ckpt:
+        durable = sorted(v.step for v in ckpt.versions() if v.tier == "nvme")
+    assert durable in ([], [4], [4, 8]), durable
+    if durable != [4, 8]:
+        pytest.skip("step 8 was not durable before the kill on this machine")
+    saved = json.loads((out / "weights-0-saved-8.json").read_text())
+    wider = tmp_path / "wider"
+    shutil.copytree(out, wider)
+    _ddp(out, config, resume=True, HF_FSDP="1", HF_WEIGHTS_AT="0")
+    r0, r1 = (json.loads((out / f"result-{r}.json").read_text()) for r in (0, 1))
+    assert json.loads((out / "weights-0-begin.json").read_text()) == saved
+    assert r0["losses"] == {str(s): w0["losses"][str(s)] for s in range(9, STEPS + 1)}  # bitwise
+    assert r0["weights"] == r1["weights"] == w0["weights"]
+
+    _ddp(wider, config, resume=True, world=3, HF_FSDP="1", HF_WEIGHTS_AT="0")
+    assert all(json.loads((wider / f"weights-{r}-begin.json").read_text()) == saved for r in range(3))
+    assert sorted(map(int, json.loads((wider / "result-0.json").read_text())["losses"])) == list(range(9, STEPS + 1))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fsdp2_on_a_gpu_resumes_from_its_shards(tmp_path: Path) -> None:
+    """accelerate's FSDP2 as it runs on a GPU (no patch: one rank per GPU, NCCL), one rank per device
+    of this machine: SIGKILLed after the save of step 8, resumed, it starts from the weights it saved,
+    and trains to the end. (A GPU run is not asserted bitwise: its kernels need not be deterministic.)"""
+    world = torch.cuda.device_count()
+    out, config = tmp_path / "run", tier_config(fs_tier("nvme", tmp_path / "nvme", keep={"last": 10}), capacity="32MiB")
+    _ddp(out, config, kill_at=8, world=world, HF_FSDP="1", HF_WEIGHTS_AT="8")
+    with Checkpointer(config) as ckpt:
+        durable = sorted(v.step for v in ckpt.versions() if v.tier == "nvme")
+    if durable != [4, 8]:
+        pytest.skip(f"step 8 was not durable before the kill on this machine ({durable})")
+    _ddp(out, config, resume=True, world=world, HF_FSDP="1", HF_WEIGHTS_AT="0")
+    saved = json.loads((out / "weights-0-saved-8.json").read_text())
+    assert json.loads((out / "weights-0-begin.json").read_text()) == saved
+    assert sorted(map(int, json.loads((out / "result-0.json").read_text())["losses"])) == list(range(9, STEPS + 1))

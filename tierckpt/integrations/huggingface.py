@@ -21,8 +21,15 @@ Under ``torchrun`` or ``accelerate launch`` (DDP), the Trainer calls these metho
 every rank saves its part: the model, optimizer, scheduler and scaler states are the same on every
 rank and stored once (``replicated=``, each rank writing its share); the RNG states are each rank's
 own. Rank 0 writes ``checkpoint-N/`` once the step is committed on every rank; every rank loads the
-step its pointer names and gets its own RNG states back. FSDP and DeepSpeed save sharded states
-through accelerate's own code, and are refused for now.
+step its pointer names and gets its own RNG states back.
+
+Under FSDP2 (``fsdp=True``, ``fsdp_config={"version": 2}``: transformers 5's default), the model's and
+the optimizer's state dicts are torch's sharded ones (``get_model_state_dict``,
+``get_optimizer_state_dict``: DTensors, the optimizer's keyed by parameter name): every rank stores
+its shards, and a resume restores into the live sharded model and optimizer, resharded when the
+saving job had another number of ranks, then sets them (``set_model_state_dict``,
+``set_optimizer_state_dict``). FSDP1 and DeepSpeed save through accelerate's own code, and are
+refused.
 """
 
 from __future__ import annotations
@@ -69,12 +76,14 @@ class TierckptMixin:
             raise ConfigError("TierckptTrainer does not support load_best_model_at_end yet: restore the step you want with Checkpointer.restore(step)")
         if args_.save_only_model:
             raise ConfigError("TierckptTrainer saves the whole training state; set save_only_model=False (or use save_model() for the weights)")
-        sharded = [name for name, on in (("FSDP", getattr(self, "is_fsdp_enabled", False)), ("DeepSpeed", getattr(self, "is_deepspeed_enabled", False))) if on]
+        # FSDP2's state dicts are DTensors, which tierckpt stores and reshards itself.
+        self._fsdp2 = bool(getattr(self, "is_fsdp_enabled", False)) and bool(getattr(getattr(self, "accelerator"), "is_fsdp2", False))
+        sharded = [name for name, on in (("FSDP1", getattr(self, "is_fsdp_enabled", False) and not self._fsdp2), ("DeepSpeed", getattr(self, "is_deepspeed_enabled", False))) if on]
         if sharded:
             raise ConfigError(
-                f"TierckptTrainer supports DDP (torchrun, accelerate launch) across processes; {sharded[0]} saves sharded states "
-                "through accelerate's own code, which tierckpt does not replace yet. Use DDP, or tierckpt's Checkpointer directly "
-                "(it stores DTensor shards and reshards on load)"
+                f"TierckptTrainer supports DDP (torchrun, accelerate launch) and FSDP2 across processes; {sharded[0]} saves sharded "
+                "states through accelerate's own code, which tierckpt does not replace. For FSDP, set fsdp_config={'version': 2}; "
+                "else use DDP, or tierckpt's Checkpointer directly (it stores DTensor shards and reshards on load)"
             )
         self.tierckpt_config = Config.coerce(tierckpt)
         self._tierckpt = DurableSaves(self.tierckpt_config, "TierckptTrainer")
@@ -101,9 +110,12 @@ class TierckptMixin:
                 trainer.state.stateful_callbacks[name] = cb.state()
         trainer_state = json.dumps(dataclasses.asdict(trainer.state), indent=2, sort_keys=True) + "\n"
         scaler = getattr(trainer.accelerator, "scaler", None)
+        model_state, optimizer_state = self._sharded_states() if self._fsdp2 else (
+            trainer.accelerator.unwrap_model(trainer.model).state_dict(), trainer.optimizer.state_dict()
+        )
         state = {
-            "model": trainer.accelerator.unwrap_model(trainer.model).state_dict(),
-            "optimizer": trainer.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optimizer_state,
             "scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else None,
             "scaler": scaler.state_dict() if scaler is not None else None,
             "rng": _rng_states(),
@@ -118,7 +130,9 @@ class TierckptMixin:
         # whose directory a crash kept from being written is published at the next resume.
         metadata = {"hf_checkpoint": output_dir, "hf_trainer_state": trainer_state}
         try:
-            self._tierckpt.save(output_dir, step, state, publish, metadata=metadata, replicated=holding_tensors(state, _REPLICATED))
+            # Under FSDP2 each rank's shards are its own: only the scheduler and the scaler are replicated.
+            replicated = holding_tensors(state, _REPLICATED[2:] if self._fsdp2 else _REPLICATED)
+            self._tierckpt.save(output_dir, step, state, publish, metadata=metadata, replicated=replicated)
         except UnsupportedStateError as exc:
             raise UnsupportedStateError(f"{exc}. tierckpt stores checkpoints without pickle: the optimizer, scheduler or scaler state must hold only numbers, strings, lists, dicts and tensors", key=exc.key) from exc
 
@@ -152,7 +166,17 @@ class TierckptMixin:
                 return  # not a checkpoint of this output directory
             if ckpt.rank == 0:  # the job's directory, written once
                 _publish(path, step, restored.tier, trainer_state)
-            self._tierckpt_loaded = (path, restored.state)
+            if not self._fsdp2:  # under FSDP2 the resume restores into the live shards, once they exist
+                self._tierckpt_loaded = (path, restored.state)
+
+    def _sharded_states(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Under FSDP2: the model's and the optimizer's state dicts as torch's distributed checkpointing
+        gives them (DTensor shards; the optimizer's keyed by parameter name). For a fresh optimizer,
+        that first gives it its states (zeros): a template to restore into."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        trainer: Any = self
+        return get_model_state_dict(trainer.model_wrapped), get_optimizer_state_dict(trainer.model_wrapped, _bare(trainer.optimizer))
 
     # -- loading -------------------------------------------------------------------------------------
 
@@ -163,7 +187,13 @@ class TierckptMixin:
             return None
         if self._tierckpt_loaded is None or self._tierckpt_loaded[0] != checkpoint:
             step = read_pointer(os.path.join(checkpoint, POINTER_NAME))
-            self._tierckpt_loaded = (checkpoint, self._tierckpt.checkpointer.restore_sync(step).state)
+            ckpt = self._tierckpt.checkpointer
+            if self._fsdp2:  # into the live shards (the model is wrapped and the optimizer made by now)
+                model_state, optimizer_state = self._sharded_states()
+                restored = ckpt.restore_sync(step, {"model": model_state, "optimizer": optimizer_state})
+            else:
+                restored = ckpt.restore_sync(step)
+            self._tierckpt_loaded = (checkpoint, restored.state)
         return self._tierckpt_loaded[1]
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
@@ -171,6 +201,11 @@ class TierckptMixin:
         if stored is None:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
         trainer: Any = self
+        if self._fsdp2:
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+            set_model_state_dict(trainer.model_wrapped, stored["model"])
+            return
         target = trainer.accelerator.unwrap_model(model if model is not None else trainer.model)
         target.load_state_dict(stored["model"])
 
@@ -179,7 +214,12 @@ class TierckptMixin:
         if stored is None:
             return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
         trainer: Any = self
-        trainer.optimizer.load_state_dict(stored["optimizer"])
+        if self._fsdp2:
+            from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+            set_optimizer_state_dict(trainer.model_wrapped, _bare(trainer.optimizer), stored["optimizer"])
+        else:
+            trainer.optimizer.load_state_dict(stored["optimizer"])
         if stored["scheduler"] is not None and trainer.lr_scheduler is not None:
             trainer.lr_scheduler.load_state_dict(stored["scheduler"])
 
@@ -229,6 +269,12 @@ def _publish(output_dir: str, step: int, tier: str, trainer_state: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _bare(optimizer: Any) -> Any:
+    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (torch's state-dict helpers
+    step a fresh one to make its states, which must not go through accelerate's wrapper)."""
+    return getattr(optimizer, "optimizer", optimizer)
 
 
 def _rng_states() -> dict[str, Any]:
