@@ -63,9 +63,9 @@ def run(out: Path, config: dict[str, Any] | None, *, stop_at: int | None = None,
     set_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))  # dropout 0.1: RNG matters
     sharding: dict[str, Any] = {}
-    if os.environ.get("HF_FSDP") == "1":  # on the GPUs where there are some (tests/test_huggingface.py's CUDA test)
+    if os.environ.get("HF_FSDP") == "1":
         sharding = {"fsdp": True, "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]}}
-        sharding["use_cpu"] = not torch.cuda.is_available()
+        sharding["use_cpu"] = not torch.cuda.is_available()  # on the GPUs where there are some: the CUDA test
     args = TrainingArguments(
         output_dir=str(out), max_steps=STEPS, save_steps=EVERY, save_strategy="steps", logging_steps=1,
         per_device_train_batch_size=4, learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=2,
