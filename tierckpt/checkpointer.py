@@ -17,6 +17,7 @@ from tierckpt.pipeline.request import save_request
 from tierckpt.pipeline.saves import SaveRequest
 from tierckpt.restore import Restored
 from tierckpt.restore.dispatch import prepare_restore
+from tierckpt.restore.metadata import read_metadata
 from tierckpt.runtime import TierFactory, construct
 from tierckpt.snapshot import LayoutCache
 from tierckpt.tiers.base import VersionInfo
@@ -215,6 +216,21 @@ class Checkpointer(LazyBarrier):
             replicas_once=self.config.distributed.read_replicated == "once",
         )
         return await engine.run(work)
+
+    async def metadata(self, step: int, *, tier: str | None = None) -> dict[str, Any]:
+        """The metadata saved with step ``step`` (``save(metadata=...)``), read from this rank's copy's manifest on the
+        fastest tier holding it (or on tier ``tier`` only), without reading a tensor. Not collective.
+
+        Raises:
+            TypeError: ``step`` is not an int.
+            ValueError: ``step`` is outside 0 to 10**12 - 1.
+            NoCheckpointError: no tier (or not tier ``tier``) holds this rank's copy of the step.
+            CorruptCheckpointError: no copy's manifest verifies; names each.
+            ConfigError: there is no tier named ``tier``.
+        """
+        return await self._open_engine().run(read_metadata(self._pipeline.tiers, step, tier, rank=self.rank))
+
+    metadata_sync = sync_twin(metadata, _open_engine)
 
     def versions(self) -> list[VersionInfo]:
         """What each tier holds now: one :class:`VersionInfo` per committed version, per tier."""

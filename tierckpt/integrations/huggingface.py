@@ -160,14 +160,15 @@ class TierckptMixin:
         durable = {t.name for t in self.tierckpt_config.tiers if t.type in ("filesystem", "object")}
         newer = sorted({v.step for v in ckpt.versions() if v.tier in durable and v.step > max(published, default=-1)}, reverse=True)
         for step in newer[:1]:  # the newest: the one the Trainer would resume from
-            restored = ckpt.restore_sync(step)
-            path, trainer_state = restored.metadata.get("hf_checkpoint"), restored.metadata.get("hf_trainer_state")
+            tier = next(v.tier for v in ckpt.versions() if v.tier in durable and v.step == step)
+            # Its metadata alone: its tensors are restored when the Trainer loads (under FSDP2, into
+            # shards that do not exist yet; a whole restore here would allocate the whole state).
+            metadata = ckpt.metadata_sync(step, tier=tier)
+            path, trainer_state = metadata.get("hf_checkpoint"), metadata.get("hf_trainer_state")
             if not isinstance(path, str) or not isinstance(trainer_state, str) or os.path.normpath(os.path.dirname(path)) != os.path.normpath(run_dir):
                 return  # not a checkpoint of this output directory
             if ckpt.rank == 0:  # the job's directory, written once
-                _publish(path, step, restored.tier, trainer_state)
-            if not self._fsdp2:  # under FSDP2 the resume restores into the live shards, once they exist
-                self._tierckpt_loaded = (path, restored.state)
+                _publish(path, step, tier, trainer_state)
 
     def _sharded_states(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """Under FSDP2: the model's and the optimizer's state dicts as torch's distributed checkpointing
