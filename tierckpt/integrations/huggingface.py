@@ -163,7 +163,7 @@ class TierckptMixin:
             tier = next(v.tier for v in ckpt.versions() if v.tier in durable and v.step == step)
             # Its metadata alone: its tensors are restored when the Trainer loads (under FSDP2, into
             # shards that do not exist yet; a whole restore here would allocate the whole state).
-            metadata = ckpt.metadata_sync(step, tier=tier)
+            metadata = ckpt.metadata_sync(step)  # from the fastest tier whose copy's manifest verifies
             path, trainer_state = metadata.get("hf_checkpoint"), metadata.get("hf_trainer_state")
             if not isinstance(path, str) or not isinstance(trainer_state, str) or os.path.normpath(os.path.dirname(path)) != os.path.normpath(run_dir):
                 return  # not a checkpoint of this output directory
