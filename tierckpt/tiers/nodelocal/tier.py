@@ -155,8 +155,7 @@ class NodeLocalTier(FilesystemTier):
         for step, (where, held) in complete.items():
             self._where[step] = where
             local = self._local.get(step)
-            base = held.base
-            self._index[step] = VersionInfo(self.name, step, held.nbytes, held.created, local.path if local else None, base=base, chain=held.chain if base is not None else 0)
+            self._index[step] = VersionInfo(self.name, step, held.nbytes, held.created, local.path if local else None, base=held.base, chain=held.chain)
         for step, (_, held) in complete.items():  # once every version is listed: which ones a copy aside is the base of
             await self._settle_aside(step, held)
         mine = self._held.keys() & self._local.keys()
@@ -303,10 +302,7 @@ class NodeLocalTier(FilesystemTier):
         self._doomed.discard(staged.step)  # a lease on the earlier save of this step no longer dooms it
         old = self._placed.pop(staged.location, None)
         if old is not None:
-            if self._written_against(staged.step) or self.leased(staged.step):  # as a shared tier's commit
-                self.leftovers.keep(staged.step, old)
-            else:
-                await self.leftovers.discard(old)
+            await self._set_aside(staged.step, old)
         info = self._indexed(staged)
         self._where[staged.step] = self._as_saved()
         self._local[staged.step] = info

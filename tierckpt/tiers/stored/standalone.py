@@ -16,12 +16,10 @@ Every byte is verified as it is read (the base's chunks and the frames alike), a
 from __future__ import annotations
 
 import dataclasses
-import threading
 
-from tierckpt._buffers import aligned_buffer
 from tierckpt.format import Chunk, TensorRecord
 from tierckpt.format.source import VersionSource
-from tierckpt.storage.scratch import scratch_bytes
+from tierckpt.storage.scratch import scratch2, scratch_bytes
 from tierckpt.tiers.stored.source import StoredSource
 
 __all__ = ["standalone"]
@@ -54,7 +52,6 @@ class _Standalone(VersionSource):
         self.skeleton, self.metadata = source.skeleton, source.metadata
         self.records = tuple(_unbased(r) for r in source.records)
         self._as_stored = {r.index: r for r in source.records}
-        self._local = threading.local()  # each reading thread's buffer for a frame
 
     def read_stored(self, record: TensorRecord, chunk: int, scratch: memoryview) -> memoryview:
         stored = self._as_stored[record.index]
@@ -64,11 +61,8 @@ class _Standalone(VersionSource):
         if stored.chunk_codec(chunk) == "ref":
             return self._source.read_base_stored(stored, chunk, scratch)
         out = scratch[: record.chunk(chunk).stored]
-        room = scratch_bytes(stored.chunk_bytes)
-        frame = getattr(self._local, "frame", None)
-        if frame is None or len(frame) < room:
-            frame = self._local.frame = aligned_buffer(room)
-        self._source.read_logical(stored, chunk, out, memoryview(frame))
+        # Decoded into the caller's scratch, the base chunk and the frame read through this thread's second one.
+        self._source.read_logical(stored, chunk, out, scratch2(scratch_bytes(stored.chunk_bytes)))
         return out
 
     def close(self) -> None:

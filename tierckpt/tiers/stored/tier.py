@@ -243,14 +243,18 @@ class StoredTier(StoredReading, PartWriting, GroupTier):
         staged.nbytes = marker.stored_bytes
 
     async def commit(self, staged: Staged) -> VersionInfo:
-        needed = self.keeps_replaced_bases and self._written_against(staged.step)
         old = await self._place(staged)
         if old is not None:
-            if needed or self.leased(staged.step):  # still read (a restore, a flush), or written against
-                self.leftovers.keep(staged.step, old)
-            else:
-                await self.leftovers.discard(old)
+            await self._set_aside(staged.step, old)
         return self._indexed(staged)
+
+    async def _set_aside(self, step: int, old: str) -> None:
+        """The earlier copy of ``step`` that committing it again moved aside (``old``): kept while it
+        is still read (a restore, a flush) or written against, else removed."""
+        if self.leased(step) or (self.keeps_replaced_bases and self._written_against(step)):
+            self.leftovers.keep(step, old)
+        else:
+            await self.leftovers.discard(old)
 
     def _indexed(self, staged: Staged) -> VersionInfo:
         info = self._info(staged.step, staged.nbytes, staged.created, head=staged)
