@@ -308,11 +308,15 @@ class Flusher:
 
     async def delete(self, steps: list[int]) -> None:
         """A failed delete leaves the version whole (tried again at the next prune) or under ``.trash-``
-        (swept by the tier)."""
+        (swept by the tier); the base of a version left whole is not deleted after it."""
+        kept: set[int] = set()
         for step in steps:
+            if step in kept:
+                continue
             try:
                 await self.tier.delete(step)
             except Exception as exc:  # logged by the pipeline; the version is whole, or under .trash-
                 self._events.delete_failed(self.tier.name, step, exc)
+                kept.update(i.base for i in self.tier.versions() if i.step == step and i.base is not None)
             else:
                 self._events.deleted(self.tier.name, step)

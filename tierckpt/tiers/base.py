@@ -118,20 +118,27 @@ class Tier(abc.ABC):
         """Committed versions, oldest step first (from an in-memory index: no I/O)."""
 
     def lease(self, step: int) -> Lease:
-        """Pin ``step`` so retention leaves it alone while it is read.
+        """Pin ``step`` so retention leaves it alone while it is read, and its base with it (a
+        differential version's).
 
         Raises KeyError when the tier does not hold ``step`` (any more): a caller holding a list of
         versions made earlier moves on instead of reading a version being deleted.
         """
-        if all(info.step != step for info in self.versions()):
+        info = next((i for i in self.versions() if i.step == step), None)
+        if info is None:
             raise KeyError(f"tier {self.name!r} holds no step {step}")
-        self._leases[step] += 1
+        # Reading a differential version reads its base: that stays too, even once the step is saved
+        # again meanwhile (the reader then reads the earlier copy, kept aside, and this is its base).
+        pinned = (step,) if info.base is None else (step, info.base)
+        for s in pinned:
+            self._leases[s] += 1
 
         def release() -> None:
-            self._leases[step] -= 1
-            if self._leases[step] <= 0:
-                del self._leases[step]
-            self.on_release(step)
+            for s in pinned:
+                self._leases[s] -= 1
+                if self._leases[s] <= 0:
+                    del self._leases[s]
+                self.on_release(s)
 
         return Lease(release)
 

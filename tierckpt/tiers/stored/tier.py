@@ -341,6 +341,10 @@ class StoredTier(StoredReading, PartWriting, GroupTier):
     async def delete(self, step: int) -> None:
         self._check_deletable(step)
         info = self._index.pop(step, None)
+        # Earlier copies of the step kept aside go first: with the step gone from its place, the next
+        # open would take such a copy for a replacement a crash interrupted, and put it back. Those of
+        # other steps (a base of this one, say) go only once it is gone.
+        await self.leftovers.drop(lambda s: s != step or self._needs_earlier(s))
         final = version_dirname(step)
         trash = f".trash-{final}-{uuid.uuid4().hex[:12]}"
         try:
