@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from tierckpt.config import CompressionConfig
@@ -131,3 +132,18 @@ def test_a_version_that_would_not_be_deleted_keeps_its_base(opened: Opened, tmp_
     assert_bitwise(ckpt.restore_sync(2).state, states[2])
     _save(ckpt, 4)  # the disk lets go again: both go at the next prune
     assert _bases(ckpt) == [(3, None), (4, 3)]
+
+
+def test_a_base_is_not_deleted_before_the_versions_written_against_it(opened: Opened, tmp_path: Path) -> None:
+    root = tmp_path / "nvme"
+    ckpt = opened(_config(root, every=4))
+    states = {step: _save(ckpt, step) for step in (1, 2, 3)}
+    tier = fs_tier_of(ckpt)
+    with pytest.raises(RuntimeError, match=r"step 1 is the base of step\(s\) \[2, 3\], which are kept"):
+        run_on_engine(ckpt, tier.delete(1))
+    assert _bases(ckpt) == [(1, None), (2, 1), (3, 1)]
+    for step in (2, 3):
+        assert_bitwise(ckpt.restore_sync(step).state, states[step])
+    for step in (3, 2, 1):  # dependents first: then the base goes too
+        run_on_engine(ckpt, tier.delete(step))
+    assert held(ckpt, "nvme") == [] and leftovers(root) == []

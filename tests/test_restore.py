@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -28,10 +29,10 @@ from tierckpt.format import CHECKSUM_ALGORITHM, MANIFEST_FILE, Manifest, checksu
 from tierckpt.tiers.base import VersionSource
 from tierckpt.tiers.filesystem import FilesystemTier
 from tierckpt.tiers.memory.tier import MemoryTier
-from tierckpt.testing import flip_bits
+from tierckpt.testing import GatedTier, flip_bits
 from tierckpt.testing.inspect import free_slots, host_slots, pipeline_of
 
-from helpers import Opened, assert_bitwise, bitwise_equal, fs_tier, logged_warnings, tier_config, until
+from helpers import SHUFFLED_ZSTD, Opened, assert_bitwise, bitwise_equal, fs_tier, logged_warnings, tier_config, until
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -902,3 +903,41 @@ def test_a_new_process_restores_the_newest_durable_version(opened: Opened, tmp_p
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "restored 2 nvme"
+
+
+def test_a_step_saved_again_comes_back_as_its_newest_save_whichever_tier_holds_it(tmp_path: Path) -> None:
+    """A job that went back saves a step again; the slower tier commits the new save first, and the
+    process dies before the faster tier replaced its copy (found by the crash campaign: kill 363 of
+    seed 21). The restart restores the new save, not the faster tier's earlier one."""
+    root = tmp_path / "run"
+    config = lambda at: tier_config(fs_tier("nvme", at / "nvme"), fs_tier("pfs", at / "pfs", compression=SHUFFLED_ZSTD))  # noqa: E731
+    gated: dict[str, GatedTier] = {}
+
+    def factory(cfg: TierConfig) -> GatedTier | None:
+        if cfg.name != "nvme":
+            return None
+        gated[cfg.name] = GatedTier(cfg)
+        return gated[cfg.name]
+
+    first, again = _state(1), _state(2)
+    with Checkpointer(config(root), tier_factory=factory) as ckpt:
+        nvme = gated["nvme"]
+        nvme.gate.set()
+        handle = ckpt.save_sync(5, first, metadata={"save": 1})
+        assert handle.committed_sync("nvme", timeout=60) and handle.committed_sync("pfs", timeout=60)
+        nvme.gate.clear()
+        handle = ckpt.save_sync(5, again, metadata={"save": 2})
+        assert handle.committed_sync("pfs", timeout=60)
+        assert nvme.parked() == 1  # its write of the new save waits at the gate
+        killed = tmp_path / "killed"
+        shutil.copytree(root, killed, copy_function=os.link)  # what a SIGKILL now would leave
+        nvme.gate.set()
+    with Checkpointer(config(killed)) as restarted:
+        assert [(v.tier, v.step) for v in restarted.versions()] == [("nvme", 5), ("pfs", 5)]
+        with logged_warnings() as warned:
+            restored = restarted.restore_latest_sync()
+        assert restored is not None and restored.tier == "pfs"
+        assert_bitwise(restored.state, again)
+        assert warned == []
+        assert_bitwise(restarted.restore_sync(5).state, again)
+        assert restarted.metadata_sync(5) == {"save": 2}

@@ -228,7 +228,7 @@ class Checkpointer(LazyBarrier):
             CorruptCheckpointError: no copy's manifest verifies; names each.
             ConfigError: there is no tier named ``tier``.
         """
-        return await self._open_engine().run(read_metadata(self._pipeline.tiers, step, tier, rank=self.rank))
+        return await self._open_engine().run(read_metadata(self._pipeline.tiers, step, tier, rank=self.rank, world=self.world_size))
 
     metadata_sync = sync_twin(metadata, _open_engine)
 

@@ -38,6 +38,7 @@ from tierckpt.errors import CorruptCheckpointError, RestoreError
 from tierckpt.format.layout import after_where, where
 from tierckpt.format.saved_layout import NotHere
 from tierckpt.restore.landing import finish
+from tierckpt.restore.order import newest_save_first
 from tierckpt.restore.plan import Plan
 from tierckpt.restore.read import in_thread, read_version
 from tierckpt.restore.replicas import LeftToOwners, Swapping, first_tiers, read_once, spread
@@ -129,11 +130,14 @@ async def restore_versions(
     for n, step in enumerate(common):
         with contextlib.ExitStack() as held_open:
             attempt = Attempt(f"rank {ranks.rank} holds no step {step} any more")
-            # The tiers in order (fastest first), each with this rank's own copy on it, then the copy
-            # it can fetch from other ranks (a peer's, another node's directory): every rank calls each
-            # fetch, wanting or not, so that every rank serves what the others fetch from it.
-            holding = [t for t in tiers if t.has_part(step) and any(info.step == step for info in t.versions())]
-            for i, (tier, recovery) in enumerate(zip(tiers, recoveries)):
+            # The tiers in order (fastest first; one process: the newest save of the step first), each
+            # with this rank's own copy on it, then the copy it can fetch from other ranks (a peer's,
+            # another node's directory): every rank calls each fetch, wanting or not, so that every
+            # rank serves what the others fetch from it.
+            order = newest_save_first(step, tiers) if ranks.world == 1 else range(len(tiers))
+            holding = [tiers[i] for i in order if tiers[i].has_part(step) and any(info.step == step for info in tiers[i].versions())]
+            for i in order:
+                tier, recovery = tiers[i], recoveries[i]
                 rest = holding[holding.index(tier) + 1 :] if tier in holding else []
                 after = functools.partial(_after, rest, step, tiers, common[n + 1 :], only)
                 if attempt.wants and any(t is tier for t in holding):

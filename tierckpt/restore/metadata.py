@@ -13,16 +13,19 @@ from typing import Any, Sequence
 
 from tierckpt.errors import ConfigError, CorruptCheckpointError, LayoutError, NoCheckpointError
 from tierckpt.format.layout import after_where, checked_step
+from tierckpt.restore.order import newest_save_first
 from tierckpt.restore.result import held_steps
 from tierckpt.tiers.base import Tier
 
 __all__ = ["read_metadata"]
 
 
-async def read_metadata(tiers: Sequence[Tier], step: int, tier: str | None = None, *, rank: int = 0) -> dict[str, Any]:
+async def read_metadata(tiers: Sequence[Tier], step: int, tier: str | None = None, *, rank: int = 0, world: int = 1) -> dict[str, Any]:
     """The metadata of ``step`` from the first of ``tiers`` (or tier ``tier`` only) holding this rank's
-    copy whose manifest verifies (on the engine's thread, which owns the tiers). A version saved by
-    another number of ranks gives the metadata of the part a restore takes this rank's values from.
+    copy whose manifest verifies (on the engine's thread, which owns the tiers), in the order a
+    restore tries them (one process: the newest save first, :mod:`tierckpt.restore.order`). A version
+    saved by another number of ranks gives the metadata of the part a restore takes this rank's
+    values from.
 
     Raises:
         TypeError, ValueError: ``step`` cannot name a version.
@@ -34,7 +37,7 @@ async def read_metadata(tiers: Sequence[Tier], step: int, tier: str | None = Non
     if tier is not None and all(t.name != tier for t in tiers):
         raise ConfigError(f"metadata(tier={tier!r}): there is no such tier (the tiers are {', '.join(t.name for t in tiers)})")
     failed = []
-    for t in tiers:
+    for t in [tiers[i] for i in (newest_save_first(step, tiers) if world == 1 else range(len(tiers)))]:
         if (tier is not None and t.name != tier) or not t.has_part(step):
             continue
         try:

@@ -96,6 +96,8 @@ class NodeLocalTier(FilesystemTier):
         self._outcomes: dict[str, str] = {}  # a keeper: the store key of rank 0's outcome of each staged version
         self._doomed: set[int] = set()  # a keeper: steps retention deleted while this rank held a lease
         self._tasks: set[asyncio.Task[None]] = set()  # deletions deferred to a lease's release
+        # One deletion at a time, in the order asked: a lease on a differential version releases it before its base.
+        self._removal = asyncio.Lock()
         self._where: dict[int, dict[int, int]] = {}  # of each listed step: rank -> the node whose directory holds its part
 
     @property
@@ -384,10 +386,11 @@ class NodeLocalTier(FilesystemTier):
             task.add_done_callback(self._tasks.discard)
 
     async def _remove(self, step: int) -> None:
-        try:
-            await self.delete(step)
-        except Exception as exc:
-            log.warning("tier %r: could not delete step %d: %s", self.name, step, exc)
+        async with self._removal:
+            try:
+                await self.delete(step)
+            except Exception as exc:
+                log.warning("tier %r: could not delete step %d: %s", self.name, step, exc)
 
     # -- reading -----------------------------------------------------------------------------------------
 

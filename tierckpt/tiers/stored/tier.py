@@ -210,6 +210,8 @@ class StoredTier(StoredReading, PartWriting, GroupTier):
             raise RuntimeError(f"tier {self.name!r}: only rank {self.keeper} deletes versions in {self.location}")
         if self.leased(step):
             raise RuntimeError(f"tier {self.name!r}: step {step} is leased and cannot be deleted")
+        if dependents := sorted(v.step for v in self._index.values() if v.base == step and v.step != step):
+            raise RuntimeError(f"tier {self.name!r}: step {step} is the base of step(s) {dependents}, which are kept: it cannot be deleted before them")
 
     # -- writing and committing -----------------------------------------------------------------------------
 
