@@ -38,7 +38,7 @@ from tierckpt.errors import CorruptCheckpointError, RestoreError
 from tierckpt.format.layout import after_where, where
 from tierckpt.format.saved_layout import NotHere
 from tierckpt.restore.landing import finish
-from tierckpt.restore.order import newest_save_first
+from tierckpt.restore.order import try_order
 from tierckpt.restore.plan import Plan
 from tierckpt.restore.read import in_thread, read_version
 from tierckpt.restore.replicas import LeftToOwners, Swapping, first_tiers, read_once, spread
@@ -134,7 +134,7 @@ async def restore_versions(
             # with this rank's own copy on it, then the copy it can fetch from other ranks (a peer's,
             # another node's directory): every rank calls each fetch, wanting or not, so that every
             # rank serves what the others fetch from it.
-            order = newest_save_first(step, tiers) if ranks.world == 1 else range(len(tiers))
+            order = try_order(step, tiers, ranks.world)
             holding = [tiers[i] for i in order if tiers[i].has_part(step) and any(info.step == step for info in tiers[i].versions())]
             for i in order:
                 tier, recovery = tiers[i], recoveries[i]

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from tierckpt.errors import ConfigError, CorruptCheckpointError, LayoutError, NoCheckpointError
 from tierckpt.format.layout import after_where, checked_step
-from tierckpt.restore.order import newest_save_first
+from tierckpt.restore.order import try_order
 from tierckpt.restore.result import held_steps
 from tierckpt.tiers.base import Tier
 
@@ -37,7 +37,7 @@ async def read_metadata(tiers: Sequence[Tier], step: int, tier: str | None = Non
     if tier is not None and all(t.name != tier for t in tiers):
         raise ConfigError(f"metadata(tier={tier!r}): there is no such tier (the tiers are {', '.join(t.name for t in tiers)})")
     failed = []
-    for t in [tiers[i] for i in (newest_save_first(step, tiers) if world == 1 else range(len(tiers)))]:
+    for t in [tiers[i] for i in try_order(step, tiers, world)]:
         if (tier is not None and t.name != tier) or not t.has_part(step):
             continue
         try:

@@ -14,7 +14,7 @@ from typing import Sequence
 
 from tierckpt.tiers.base import Tier
 
-__all__ = ["newest_save_first"]
+__all__ = ["newest_save_first", "try_order"]
 
 
 def newest_save_first(step: int, tiers: Sequence[Tier]) -> list[int]:
@@ -22,3 +22,9 @@ def newest_save_first(step: int, tiers: Sequence[Tier]) -> list[int]:
     the newest save first (stable: tier order among equal stamps), then the others, in tier order."""
     created = {i: max(v.created for v in held) for i, t in enumerate(tiers) if (held := [v for v in t.versions() if v.step == step])}
     return sorted(range(len(tiers)), key=lambda i: -created.get(i, float("-inf")))
+
+
+def try_order(step: int, tiers: Sequence[Tier], world: int) -> Sequence[int]:
+    """The indices of ``tiers`` in the order a rank of ``world`` tries ``step`` on them: one process by
+    :func:`newest_save_first`, several ranks in tier order (see the module docstring)."""
+    return newest_save_first(step, tiers) if world == 1 else range(len(tiers))
