@@ -64,6 +64,12 @@ if python3 -c "import transformers, accelerate" > /dev/null 2>&1; then
   cuda_tests+=(tests/test_huggingface.py)
   tests_limit=150
 fi
+# Lightning's FSDPStrategy (FSDP1) itself, where lightning imports (carried as wheels: docs/gpus.md; not by
+# default, so `all` keeps to 8 minutes): two 1-rank-per-GPU Trainer runs, ~30 s more.
+if python3 -c "import lightning" > /dev/null 2>&1; then
+  cuda_tests+=(tests/test_lightning.py)
+  tests_limit=$((tests_limit + 40))
+fi
 
 machine=$(
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -1

@@ -5,9 +5,10 @@ As a rank of a DDP job (``RANK`` in the environment, started by ``launch_ranks``
 ranks): ``python hf_worker.py <output_dir> <config.json> <kill at step or 0> <resume: none|true>``; each
 rank writes ``<output_dir>/result-<rank>.json`` (logged losses, final weights) unless killed.
 
-``HF_FSDP=1``: FSDP2 instead of DDP (``fsdp=True``, ``fsdp_config={"version": 2}``). accelerate
-turns FSDP on only for GPU-type jobs; :func:`fsdp_on_cpu` lets its own FSDP2 code (``fully_shard``
-over gloo) run here, the one thing faked: tests/test_huggingface.py's CUDA test runs it unpatched."""
+``HF_FSDP=1``: FSDP2 instead of DDP (``fsdp=True``, ``fsdp_config={"version": 2}``); ``HF_FSDP=v1``:
+FSDP1 (``"version": 1``). accelerate turns FSDP on only for GPU-type jobs; :func:`fsdp_on_cpu` lets its
+own FSDP code (``fully_shard``, or ``FullyShardedDataParallel`` on the CPU device, over gloo) run here,
+the one thing faked: tests/test_huggingface.py's CUDA test runs it unpatched."""
 
 from __future__ import annotations
 
@@ -63,9 +64,12 @@ def run(out: Path, config: dict[str, Any] | None, *, stop_at: int | None = None,
     set_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))  # dropout 0.1: RNG matters
     sharding: dict[str, Any] = {}
-    if os.environ.get("HF_FSDP") == "1":
-        sharding = {"fsdp": True, "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]}}
+    if os.environ.get("HF_FSDP") in ("1", "v1"):
+        version = 1 if os.environ["HF_FSDP"] == "v1" else 2
+        sharding = {"fsdp": True, "fsdp_config": {"version": version, "transformer_layer_cls_to_wrap": ["GPT2Block"]}}
         sharding["use_cpu"] = not torch.cuda.is_available()  # on the GPUs where there are some: the CUDA test
+        if version == 1 and sharding["use_cpu"]:  # its broadcast of rank 0's weights needs an accelerator (every rank has them: seed 0)
+            sharding["fsdp_config"]["sync_module_states"] = False
     args = TrainingArguments(
         output_dir=str(out), max_steps=STEPS, save_steps=EVERY, save_strategy="steps", logging_steps=1,
         per_device_train_batch_size=4, learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=2,
@@ -79,13 +83,14 @@ def run(out: Path, config: dict[str, Any] | None, *, stop_at: int | None = None,
         trainer = TierckptTrainer(model=model, args=args, train_dataset=Tokens(), callbacks=[losses, *callbacks], tierckpt=config)
     trainer.train(resume_from_checkpoint=resume)
     if weights is not None:
-        weights.update(whole_weights(model))
+        weights.update(whole_weights(trainer.model_wrapped))
     return losses.losses
 
 
 def fsdp_on_cpu() -> None:
     """Let accelerate's FSDP run in a CPU job: it enables FSDP only for GPU-type distributed jobs,
-    and its FSDP2 preparation (``fully_shard`` over the process group) runs the same on gloo."""
+    and its FSDP preparation (``fully_shard``, or ``FullyShardedDataParallel`` given the device
+    ``cpu``, over the process group) runs the same on gloo."""
     import accelerate.state
     from accelerate.utils import DistributedType
 
@@ -95,21 +100,30 @@ def fsdp_on_cpu() -> None:
         made(self, *args, **kwargs)
         if kwargs.get("fsdp_plugin") is not None and self.distributed_type == DistributedType.MULTI_CPU:
             self.distributed_type, self.fsdp_plugin = DistributedType.FSDP, kwargs["fsdp_plugin"]
+            if self.fsdp_plugin.fsdp_version == 1:  # FSDP1 takes the device as its compute device: "cpu", not a CPU job's "cpu:0"
+                self.device = torch.device("cpu")
 
     accelerate.state.AcceleratorState.__init__ = init  # type: ignore[method-assign]
 
 
 def whole_weights(model: Any) -> dict[str, Any]:
-    """The model's weights as lists (under FSDP2, gathered from the shards: every rank calls it)."""
+    """The model's weights as lists (under FSDP, gathered from the shards: every rank calls it)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):  # FSDP1: the whole state dict, from the wrapped model
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return {k: v.tolist() for k, v in get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)).items()}
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v).tolist() for k, v in model.state_dict().items()}
 
 
 class WeightsAt(TrainerCallback):
-    """Writes the whole weights to ``<out>/weights-<rank>-<when>.json``: ``saved-N`` at the save of step
-    ``step``, ``begin`` when training starts (after a resume loaded them)."""
+    """Writes the whole weights to ``<out>/weights-<rank>-<when>.json``: ``saved-N`` at the save of each
+    step of ``steps`` (``HF_WEIGHTS_AT``: e.g. ``8`` or ``4,8``), ``begin`` when training starts (after a
+    resume loaded them)."""
 
-    def __init__(self, out: Path, step: int) -> None:
-        self.out, self.step = out, step
+    def __init__(self, out: Path, steps: set[int]) -> None:
+        self.out, self.steps = out, steps
 
     def _write(self, when: str, model: Any) -> None:
         weights = whole_weights(model)
@@ -119,8 +133,8 @@ class WeightsAt(TrainerCallback):
         self._write("begin", model)
 
     def on_save(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        if state.global_step == self.step:
-            self._write(f"saved-{self.step}", model)
+        if state.global_step in self.steps:
+            self._write(f"saved-{state.global_step}", model)
 
 
 class KillAfterSave(TrainerCallback):
@@ -141,9 +155,9 @@ if __name__ == "__main__":
         run(out, config, callbacks=(KillAfterSave(kill_at),))
     else:
         os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])  # one node, as torchrun would set it
-        if os.environ.get("HF_FSDP") == "1" and not torch.cuda.is_available():
+        if os.environ.get("HF_FSDP") in ("1", "v1") and not torch.cuda.is_available():
             fsdp_on_cpu()
         final: dict[str, Any] = {}
-        watch = (WeightsAt(out, int(os.environ["HF_WEIGHTS_AT"])),) if os.environ.get("HF_WEIGHTS_AT") else ()
+        watch = (WeightsAt(out, {int(s) for s in os.environ["HF_WEIGHTS_AT"].split(",")}),) if os.environ.get("HF_WEIGHTS_AT") else ()
         logged = run(out, config, resume=True if sys.argv[4] == "true" else None, callbacks=watch + ((KillAfterSave(kill_at),) if kill_at else ()), weights=final)
         (out / f"result-{os.environ['RANK']}.json").write_text(json.dumps({"losses": logged, "weights": final}))

@@ -1,7 +1,8 @@
 """The Lightning model the tests share (tests/test_lightning.py), and a job of several processes:
 ``python lightning_worker.py <root> <config.json> <max_steps> <strategy> <kill at step or 0> <ckpt_path or none>``.
 
-``strategy``: ``ddp`` or ``fsdp`` (``ModelParallelStrategy``, the model's layers sharded with FSDP2),
+``strategy``: ``ddp``, ``fsdp`` (``ModelParallelStrategy``, the model's layers sharded with FSDP2) or
+``fsdp1`` (``FSDPStrategy``: :class:`CpuFSDPStrategy` on CPU, the strategy itself with ``ACCELERATOR=cuda``),
 run by ``launch_ranks`` (each process a rank, as torchrun starts them); or ``ddp_spawn``, run as one
 process (Lightning starts the workers). In the environment: ``HIDDEN``, the model's width (16), and
 ``DEVICES``, the number of ranks (2), and ``KILL_RANKS``, the ranks the kill step kills (all), and ``KILL_IN_SAVE`` (set: kill while the
@@ -23,7 +24,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
@@ -69,6 +70,29 @@ class Tiny(L.LightningModule):
         return DataLoader(TensorDataset(x, x.sum(1, keepdim=True) + 0.1 * x[:, :1] ** 2), batch_size=8)
 
 
+class CpuFSDPStrategy(FSDPStrategy):
+    """Lightning's FSDPStrategy (FSDP1) on CPU, where Lightning refuses it: its accelerator check takes
+    FSDPStrategy itself only, and it wraps the model with ``device_id=None``, which FSDP refuses
+    without an accelerator. Here the model is wrapped with ``device_id=cpu`` first (the strategy then
+    leaves a wrapped model as it is); everything else, its state dicts, saves and loads included, is
+    the strategy's own."""
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if not any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+            model = FullyShardedDataParallel(model, device_id=torch.device("cpu"), sharding_strategy=self.sharding_strategy, **self.kwargs)
+        return super()._setup_model(model)
+
+
+def _strategy(name: str, devices: int) -> Any:
+    if name == "fsdp":
+        return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
+    if name == "fsdp1":
+        return FSDPStrategy() if os.environ.get("ACCELERATOR") == "cuda" else CpuFSDPStrategy()
+    return name
+
+
 class KillAfterSave(Callback):
     """SIGKILL this rank at the start of the batch after step ``step``: its checkpoint was saved
     (captured) at the end of the batch before, and may or may not be durable yet."""
@@ -90,8 +114,14 @@ class KillAfterSave(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def whole_weights(module: nn.Module) -> dict[str, Any]:
-    """The module's weights as lists, DTensors gathered whole (collective: every rank calls it)."""
+def whole_weights(module: nn.Module, strategy: Any = None) -> dict[str, Any]:
+    """The module's weights as lists, DTensors gathered whole (collective: every rank calls it). Under
+    FSDPStrategy, FSDP1's whole state dict of the wrapped model (the module's own holds views of its
+    flat parameters)."""
+    if isinstance(strategy, FSDPStrategy):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return {k: v.tolist() for k, v in get_model_state_dict(strategy.model, options=StateDictOptions(full_state_dict=True)).items()}
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v).tolist() for k, v in module.state_dict().items()}
 
 
@@ -102,7 +132,7 @@ class WeightsAtSaves(Callback):
         self.root = root
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        weights = whole_weights(pl_module)
+        weights = whole_weights(pl_module, trainer.strategy)
         if trainer.global_rank == 0:
             (self.root / f"weights-{trainer.global_step}.json").write_text(json.dumps(weights))
 
@@ -120,14 +150,14 @@ def main(root: Path, config: dict[str, Any], max_steps: int, strategy: str, kill
     if kill_at:
         callbacks.append(KillAfterSave(kill_at))
     trainer = L.Trainer(
-        max_steps=max_steps, accelerator="cpu", devices=devices, logger=False,
-        strategy=ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1) if strategy == "fsdp" else strategy, enable_progress_bar=False,
+        max_steps=max_steps, accelerator=os.environ.get("ACCELERATOR", "cpu"), devices=devices, logger=False,
+        strategy=_strategy(strategy, devices), enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=root, plugins=[TierckptCheckpointIO(config)], callbacks=callbacks,
     )
     trainer.fit(model, ckpt_path=None if ckpt_path == "none" else ckpt_path)
     # ddp_spawn: this is the main process, the model holds the weights the workers handed back
     rank = "main" if strategy == "ddp_spawn" else trainer.global_rank
-    weights = whole_weights(model)
+    weights = whole_weights(model, trainer.strategy)
     (root / f"result-{rank}.json").write_text(json.dumps({"losses": model.losses, "weights": weights}))
 
 

@@ -22,7 +22,7 @@ from tierckpt.integrations.huggingface import POINTER_NAME
 from tierckpt.testing.ranks import failures, launch_ranks
 
 from helpers import fs_tier, tier_config
-from hf_worker import STEPS, run
+from hf_worker import STEPS, Tokens, run
 
 WORKER = Path(__file__).with_name("hf_worker.py")
 
@@ -109,6 +109,14 @@ def _ddp(out: Path, config: dict[str, Any], kill_at: int = 0, resume: bool = Fal
     assert not failed, failed
 
 
+def _rank1_regions(tier: Path, step: int) -> dict[str, Region]:
+    """Where each record of rank 1's part of ``step`` lies in its global tensor."""
+    marker = decode_document((tier / version_dirname(step) / MANIFEST_FILE).read_bytes())
+    assert isinstance(marker, CommitMarker)
+    part = Manifest.decode((tier / version_dirname(step) / marker.ranks[1][0]).read_bytes())
+    return {r.key: r.region for r in part.records}
+
+
 @pytest.mark.slow
 def test_ddp_killed_on_every_rank_after_a_save_resumes_every_rank_bitwise(tmp_path: Path) -> None:
     """2 ranks under DDP: every rank saves its part (the replicated states once between them), rank 0
@@ -138,42 +146,59 @@ def test_ddp_killed_on_every_rank_after_a_save_resumes_every_rank_bitwise(tmp_pa
 
 
 @pytest.mark.slow
-def test_fsdp2_killed_on_every_rank_after_a_save_resumes_bitwise_and_on_another_number_of_ranks(tmp_path: Path) -> None:
-    """2 ranks under FSDP2 (accelerate's own fully_shard, on gloo: hf_worker.fsdp_on_cpu lets it run on
-    CPU): every rank stores its shards of the model and of AdamW's moments, SIGKILLed on every rank
-    after the save of step 8; resumed on 2 ranks it continues bitwise, and on 3 ranks it starts from
-    the same weights, resharded."""
+@pytest.mark.parametrize(("fsdp", "other"), [("1", "v1"), ("v1", "1")], ids=["fsdp2", "fsdp1"])
+def test_fsdp_killed_on_every_rank_after_a_save_resumes_bitwise_and_under_the_other_fsdp_on_three_ranks(
+    tmp_path: Path, fsdp: str, other: str
+) -> None:
+    """2 ranks under FSDP2 (accelerate's own fully_shard) or FSDP1 (its FullyShardedDataParallel on the
+    CPU device), over gloo (hf_worker.fsdp_on_cpu lets them run on CPU): every rank stores its shards of
+    the model and of AdamW's moments by parameter name (FSDP1's ShardedTensors as DTensor pieces, not its
+    flat parameters), SIGKILLed on every rank after the save of step 8. Resumed from the newest step
+    durable by then (8, or 4 where the kill came first) under the same FSDP on 2 ranks, it continues
+    bitwise; under the other FSDP on 3 ranks it starts from the same weights, resharded."""
     whole = tmp_path / "whole"
-    _ddp(whole, tier_config(fs_tier("nvme", tmp_path / "whole-nvme"), capacity="32MiB"), HF_FSDP="1")
+    _ddp(whole, tier_config(fs_tier("nvme", tmp_path / "whole-nvme"), capacity="32MiB"), HF_FSDP=fsdp)
     w0 = json.loads((whole / "result-0.json").read_text())
     assert sorted(map(int, w0["losses"])) == list(range(1, STEPS + 1))
-    marker = decode_document((tmp_path / "whole-nvme" / version_dirname(12) / MANIFEST_FILE).read_bytes())
-    assert isinstance(marker, CommitMarker)
-    part = Manifest.decode((tmp_path / "whole-nvme" / version_dirname(12) / marker.ranks[1][0]).read_bytes())
-    shards = {r.key: r.region for r in part.records}
+    shards = _rank1_regions(tmp_path / "whole-nvme", 12)
     # Rank 1's second half of the embedding and of its AdamW moment: shards, not copies.
     assert shards["['model']['transformer.wte.weight']"] == Region((64, 32), (32, 0))
     assert shards["['optimizer']['state']['transformer.wte.weight']['exp_avg']"] == Region((64, 32), (32, 0))
 
     out, config = tmp_path / "run", tier_config(fs_tier("nvme", tmp_path / "nvme", keep={"last": 10}), capacity="32MiB")
-    _ddp(out, config, kill_at=8, HF_FSDP="1", HF_WEIGHTS_AT="8")
+    _ddp(out, config, kill_at=8, HF_FSDP=fsdp, HF_WEIGHTS_AT="4,8")
     with Checkpointer(config) as ckpt:
         durable = sorted(v.step for v in ckpt.versions() if v.tier == "nvme")
     assert durable in ([], [4], [4, 8]), durable
-    if durable != [4, 8]:
-        pytest.skip("step 8 was not durable before the kill on this machine")
-    saved = json.loads((out / "weights-0-saved-8.json").read_text())
+    if not durable:
+        pytest.skip("step 4 was not durable before the kill on this machine")
+    newest = durable[-1]
+    saved = json.loads((out / f"weights-0-saved-{newest}.json").read_text())
     wider = tmp_path / "wider"
     shutil.copytree(out, wider)
-    _ddp(out, config, resume=True, HF_FSDP="1", HF_WEIGHTS_AT="0")
+    _ddp(out, config, resume=True, HF_FSDP=fsdp, HF_WEIGHTS_AT="0")
     r0, r1 = (json.loads((out / f"result-{r}.json").read_text()) for r in (0, 1))
     assert json.loads((out / "weights-0-begin.json").read_text()) == saved
-    assert r0["losses"] == {str(s): w0["losses"][str(s)] for s in range(9, STEPS + 1)}  # bitwise
+    assert r0["losses"] == {str(s): w0["losses"][str(s)] for s in range(newest + 1, STEPS + 1)}  # bitwise
     assert r0["weights"] == r1["weights"] == w0["weights"]
 
-    _ddp(wider, config, resume=True, world=3, HF_FSDP="1", HF_WEIGHTS_AT="0")
+    _ddp(wider, config, resume=True, world=3, HF_FSDP=other, HF_WEIGHTS_AT="0")
     assert all(json.loads((wider / f"weights-{r}-begin.json").read_text()) == saved for r in range(3))
-    assert sorted(map(int, json.loads((wider / "result-0.json").read_text())["losses"])) == list(range(9, STEPS + 1))
+    assert sorted(map(int, json.loads((wider / "result-0.json").read_text())["losses"])) == list(range(newest + 1, STEPS + 1))
+
+
+@pytest.mark.parametrize("setting", ["load_best_model_at_end", "save_only_model"])
+def test_settings_it_cannot_honour_are_refused_when_the_trainer_is_made(tmp_path: Path, config: dict[str, Any], setting: str) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from tierckpt import ConfigError
+    from tierckpt.integrations.huggingface import TierckptTrainer
+
+    extra: dict[str, Any] = {"eval_strategy": "steps", "save_strategy": "steps"} if setting == "load_best_model_at_end" else {}
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], **{setting: True}, **extra)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2))
+    with pytest.raises(ConfigError, match=setting):
+        TierckptTrainer(model=model, args=args, train_dataset=Tokens(), eval_dataset=Tokens(), tierckpt=config)
 
 
 @pytest.mark.cuda

@@ -146,15 +146,21 @@ def test_a_torch_save_checkpoint_loads_as_lightning_loads_it_without_running_cod
     plugin.teardown()
 
 
-def test_a_sharded_strategy_is_refused_on_every_rank_with_what_to_use(config: dict[str, Any]) -> None:
+def test_a_strategy_with_a_format_of_its_own_is_refused_on_every_rank_with_what_to_use(config: dict[str, Any]) -> None:
+    """DeepSpeed's strategy (which needs the deepspeed package to be made) and any strategy that
+    writes its own files, as this DDPStrategy does, are refused; so is ModelParallelStrategy gathering
+    whole states on rank 0."""
     from lightning.fabric.plugins.environments import LightningEnvironment
-    from lightning.pytorch.strategies import FSDPStrategy
+    from lightning.pytorch.strategies import DDPStrategy
+
+    class OwnFiles(DDPStrategy):
+        def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+            raise AssertionError("never called")
 
     env = LightningEnvironment()
     env.set_world_size(2)
-    strategy = FSDPStrategy(cluster_environment=env)
-    with pytest.raises(ConfigError, match=r"FSDPStrategy saves sharded states in a format of its own.*Use ModelParallelStrategy for FSDP2"):
-        TierckptCheckpointIO(config).attach(strategy)
+    with pytest.raises(ConfigError, match=r"OwnFiles saves sharded states in a format of its own.*Use FSDPStrategy or ModelParallelStrategy"):
+        TierckptCheckpointIO(config).attach(OwnFiles(cluster_environment=env))
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     with pytest.raises(ConfigError, match=r"leave save_distributed_checkpoint=True"):
@@ -177,13 +183,13 @@ STEPS = 3 * EVERY
 
 
 def _job(root: Path, strategy: str = "ddp", kill_at: int = 0, ckpt_path: str = "none", hidden: int = 16, devices: int = 2,
-         steps: int = STEPS) -> None:
+         steps: int = STEPS, env: dict[str, str] | None = None) -> None:
     """A Lightning job of ``steps`` steps writing ``result-<rank>.json``, its tiers in ``root`` (ddp,
     fsdp: started as torchrun starts ranks; ddp_spawn: one process, Lightning starts the workers)."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(tier_config(fs_tier("nvme", root / "nvme", keep={"last": 10}))))
     argv = [sys.executable, str(WORKER), str(root), str(root / "config.json"), str(steps), strategy, str(kill_at), ckpt_path]
-    env = {"HIDDEN": str(hidden), "DEVICES": str(devices)}
+    env = {"HIDDEN": str(hidden), "DEVICES": str(devices)} | (env or {})
     if strategy == "ddp_spawn":
         child = subprocess.run(argv, env=os.environ | env | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
         assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
@@ -256,31 +262,48 @@ def test_ddp_spawn_saves_through_the_plugin_and_hands_the_weights_back(tmp_path:
     assert _result(tmp_path, "main")["weights"] == _result(whole_ddp, 0)["weights"]  # the workers' weights, back in the main process
 
 
-# -- ModelParallelStrategy (FSDP2): 2 ranks, and onto 1 --------------------------------------------------
+# -- ModelParallelStrategy (FSDP2) and FSDPStrategy (FSDP1): 2 ranks, onto 1, and one into the other ------
+# FSDPStrategy runs on CPU through lightning_worker.CpuFSDPStrategy (Lightning runs it on GPUs only); on
+# a GPU machine, test_fsdp1_on_cuda_resumes_from_its_shards runs the strategy itself.
+
+
+def _whole_job(factory: pytest.TempPathFactory, strategy: str) -> Path:
+    root = factory.mktemp(f"{strategy}-whole")
+    _job(root, strategy, hidden=64)
+    return root
 
 
 @pytest.fixture(scope="module")
 def whole_fsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("fsdp-whole")
-    _job(root, "fsdp", hidden=64)
-    return root
+    return _whole_job(tmp_path_factory, "fsdp")
+
+
+@pytest.fixture(scope="module")
+def whole_fsdp1(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _whole_job(tmp_path_factory, "fsdp1")
 
 
 @pytest.mark.slow
-def test_fsdp2_each_rank_stores_its_shards(whole_fsdp: Path) -> None:
-    r0, r1 = _result(whole_fsdp, 0), _result(whole_fsdp, 1)
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp1"])
+def test_fsdp_each_rank_stores_its_shards_by_parameter_name(request: pytest.FixtureRequest, strategy: str) -> None:
+    """ModelParallelStrategy (FSDP2) and FSDPStrategy (FSDP1, its ShardedTensors as DTensor pieces): 2
+    ranks, each writing its rows of every tensor, stored under torch's names (not FSDP1's flat parameters)."""
+    whole = request.getfixturevalue(f"whole_{strategy}")
+    r0, r1 = _result(whole, 0), _result(whole, 1)
     assert sorted(map(int, r0["losses"])) == list(range(STEPS)) and r0["weights"] == r1["weights"]
-    assert _pointers(whole_fsdp) == {"epoch=0-step=8.ckpt": 8, "epoch=1-step=16.ckpt": 16, "epoch=2-step=24.ckpt": 24, "last.ckpt": 24}
-    with Checkpointer(tier_config(fs_tier("nvme", whole_fsdp / "nvme", keep={"last": 10}))) as ckpt:
-        stored = ckpt.restore_sync(24).state  # one process: every DTensor consolidated whole
-    assert stored["state_dict"]["net.0.weight"].shape == (64, 4)
-    assert stored["state_dict"]["net.0.weight"].tolist() == json.loads((whole_fsdp / "weights-24.json").read_text())["net.0.weight"]
+    assert _pointers(whole) == {"epoch=0-step=8.ckpt": 8, "epoch=1-step=16.ckpt": 16, "epoch=2-step=24.ckpt": 24, "last.ckpt": 24}
+    with Checkpointer(tier_config(fs_tier("nvme", whole / "nvme", keep={"last": 10}))) as ckpt:
+        stored = ckpt.restore_sync(24).state  # one process: every piece consolidated whole
+    assert {k: v.tolist() for k, v in stored["state_dict"].items()} == json.loads((whole / "weights-24.json").read_text())
     assert stored["optimizer_states"][0]["state"]["net.0.weight"]["exp_avg"].shape == (64, 4)
+    data = list((whole / "nvme" / "step-000000000024").glob("data-r*.bin"))
+    assert len(data) == 2 and all(p.stat().st_size > 0 for p in data)
 
 
 @pytest.mark.slow
-def test_fsdp2_killed_on_every_rank_after_a_save_resumes_bitwise(tmp_path: Path, whole_fsdp: Path) -> None:
-    _killed_then_resumed(tmp_path, whole_fsdp, "fsdp", hidden=64)
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp1"])
+def test_fsdp_killed_on_every_rank_after_a_save_resumes_bitwise(request: pytest.FixtureRequest, tmp_path: Path, strategy: str) -> None:
+    _killed_then_resumed(tmp_path, request.getfixturevalue(f"whole_{strategy}"), strategy, hidden=64)
 
 
 @pytest.mark.slow
@@ -291,6 +314,36 @@ def test_fsdp2_saved_on_two_ranks_loads_resharded_onto_one(tmp_path: Path, whole
     shutil.copytree(whole_fsdp / "nvme", tmp_path / "nvme")
     _job(tmp_path, "fsdp", ckpt_path=str(whole_fsdp / "ckpts" / "epoch=1-step=16.ckpt"), hidden=64, devices=1, steps=2 * EVERY)
     assert _result(tmp_path, 0)["weights"] == json.loads((whole_fsdp / "weights-16.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved_by", ["fsdp1", "fsdp"])
+def test_fsdp1_loads_a_two_rank_checkpoint_of_either_fsdp_resharded_onto_one(tmp_path: Path, whole_fsdp1: Path, whole_fsdp: Path, saved_by: str) -> None:
+    """Step 16 of the 2-rank FSDP1 job, and of the 2-rank FSDP2 job, loaded by an FSDPStrategy job of
+    1 rank that stops where it starts: its weights are the loaded ones."""
+    whole = whole_fsdp1 if saved_by == "fsdp1" else whole_fsdp
+    shutil.copytree(whole / "nvme", tmp_path / "nvme")
+    _job(tmp_path, "fsdp1", ckpt_path=str(whole / "ckpts" / "epoch=1-step=16.ckpt"), hidden=64, devices=1, steps=2 * EVERY)
+    assert _result(tmp_path, 0)["weights"] == json.loads((whole / "weights-16.json").read_text())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fsdp1_on_cuda_resumes_from_its_shards(tmp_path: Path) -> None:
+    """Lightning's FSDPStrategy itself (accelerator="cuda", NCCL, one rank per device of this
+    machine): stopped after step 16, resumed from it, it starts from the weights it saved. (A GPU run
+    is not asserted bitwise: its kernels need not be deterministic.)"""
+    world = torch.cuda.device_count()
+    env = {"ACCELERATOR": "cuda"}
+    _job(tmp_path, "fsdp1", hidden=64, devices=world, steps=2 * EVERY, env=env)
+    with Checkpointer(tier_config(fs_tier("nvme", tmp_path / "nvme", keep={"last": 10}))) as ckpt:
+        stored = ckpt.restore_sync(2 * EVERY).state
+    saved = json.loads((tmp_path / f"weights-{2 * EVERY}.json").read_text())
+    assert {k: v.tolist() for k, v in stored["state_dict"].items()} == saved
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "nvme", resumed / "nvme")
+    _job(resumed, "fsdp1", ckpt_path=str(tmp_path / "ckpts" / "last.ckpt"), hidden=64, devices=world, steps=2 * EVERY, env=env)
+    assert _result(resumed, 0)["weights"] == saved
 
 
 @pytest.mark.slow

@@ -23,13 +23,13 @@ rank and stored once (``replicated=``, each rank writing its share); the RNG sta
 own. Rank 0 writes ``checkpoint-N/`` once the step is committed on every rank; every rank loads the
 step its pointer names and gets its own RNG states back.
 
-Under FSDP2 (``fsdp=True``, ``fsdp_config={"version": 2}``: transformers 5's default), the model's and
+Under FSDP (``fsdp=True``; ``fsdp_config={"version": 2}`` for FSDP2, else FSDP1), the model's and
 the optimizer's state dicts are torch's sharded ones (``get_model_state_dict``,
-``get_optimizer_state_dict``: DTensors, the optimizer's keyed by parameter name): every rank stores
-its shards, and a resume restores into the live sharded model and optimizer, resharded when the
-saving job had another number of ranks, then sets them (``set_model_state_dict``,
-``set_optimizer_state_dict``). FSDP1 and DeepSpeed save through accelerate's own code, and are
-refused.
+``get_optimizer_state_dict``: DTensors, FSDP1's ``ShardedTensor``s as the DTensors of the same pieces,
+the optimizer's keyed by parameter name): every rank stores its shards, and a resume restores into
+the live sharded model and optimizer, resharded when the saving job had another number of ranks or
+the other FSDP, then sets them (``set_model_state_dict``, ``set_optimizer_state_dict``). DeepSpeed
+saves through accelerate's own code, and is refused.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from tierckpt.config import Config
 from tierckpt.errors import ConfigError, CorruptCheckpointError, UnsupportedStateError
 from tierckpt.integrations.pointer import aside_name, read_pointer, remove_leftovers, write_pointer
 from tierckpt.integrations.saves import DurableSaves, holding_tensors
+from tierckpt.integrations.sharded_tensors import as_dtensors, with_originals
 
 __all__ = ["POINTER_NAME", "TierckptMixin", "TierckptTrainer"]
 
@@ -76,14 +77,13 @@ class TierckptMixin:
             raise ConfigError("TierckptTrainer does not support load_best_model_at_end yet: restore the step you want with Checkpointer.restore(step)")
         if args_.save_only_model:
             raise ConfigError("TierckptTrainer saves the whole training state; set save_only_model=False (or use save_model() for the weights)")
-        # FSDP2's state dicts are DTensors, which tierckpt stores and reshards itself.
-        self._fsdp2 = bool(getattr(self, "is_fsdp_enabled", False)) and bool(getattr(getattr(self, "accelerator"), "is_fsdp2", False))
-        sharded = [name for name, on in (("FSDP1", getattr(self, "is_fsdp_enabled", False) and not self._fsdp2), ("DeepSpeed", getattr(self, "is_deepspeed_enabled", False))) if on]
-        if sharded:
+        # FSDP's sharded state dicts are DTensors (FSDP1's made so), which tierckpt stores and reshards itself.
+        self._sharded = bool(getattr(self, "is_fsdp_enabled", False))
+        if getattr(self, "is_deepspeed_enabled", False):
             raise ConfigError(
-                f"TierckptTrainer supports DDP (torchrun, accelerate launch) and FSDP2 across processes; {sharded[0]} saves sharded "
-                "states through accelerate's own code, which tierckpt does not replace. For FSDP, set fsdp_config={'version': 2}; "
-                "else use DDP, or tierckpt's Checkpointer directly (it stores DTensor shards and reshards on load)"
+                "TierckptTrainer supports DDP (torchrun, accelerate launch) and FSDP across processes; DeepSpeed saves sharded "
+                "states through accelerate's own code, which tierckpt does not replace. Use FSDP (fsdp=True) or DDP, or "
+                "tierckpt's Checkpointer directly (it stores DTensor shards and reshards on load)"
             )
         self.tierckpt_config = Config.coerce(tierckpt)
         self._tierckpt = DurableSaves(self.tierckpt_config, "TierckptTrainer")
@@ -110,7 +110,7 @@ class TierckptMixin:
                 trainer.state.stateful_callbacks[name] = cb.state()
         trainer_state = json.dumps(dataclasses.asdict(trainer.state), indent=2, sort_keys=True) + "\n"
         scaler = getattr(trainer.accelerator, "scaler", None)
-        model_state, optimizer_state = self._sharded_states() if self._fsdp2 else (
+        model_state, optimizer_state = as_dtensors(self._sharded_states()) if self._sharded else (
             trainer.accelerator.unwrap_model(trainer.model).state_dict(), trainer.optimizer.state_dict()
         )
         state = {
@@ -130,8 +130,8 @@ class TierckptMixin:
         # whose directory a crash kept from being written is published at the next resume.
         metadata = {"hf_checkpoint": output_dir, "hf_trainer_state": trainer_state}
         try:
-            # Under FSDP2 each rank's shards are its own: only the scheduler and the scaler are replicated.
-            replicated = holding_tensors(state, _REPLICATED[2:] if self._fsdp2 else _REPLICATED)
+            # Under FSDP each rank's shards are its own: only the scheduler and the scaler are replicated.
+            replicated = holding_tensors(state, _REPLICATED[2:] if self._sharded else _REPLICATED)
             self._tierckpt.save(output_dir, step, state, publish, metadata=metadata, replicated=replicated)
         except UnsupportedStateError as exc:
             raise UnsupportedStateError(f"{exc}. tierckpt stores checkpoints without pickle: the optimizer, scheduler or scaler state must hold only numbers, strings, lists, dicts and tensors", key=exc.key) from exc
@@ -161,7 +161,7 @@ class TierckptMixin:
         newer = sorted({v.step for v in ckpt.versions() if v.tier in durable and v.step > max(published, default=-1)}, reverse=True)
         for step in newer[:1]:  # the newest: the one the Trainer would resume from
             tier = next(v.tier for v in ckpt.versions() if v.tier in durable and v.step == step)
-            # Its metadata alone: its tensors are restored when the Trainer loads (under FSDP2, into
+            # Its metadata alone: its tensors are restored when the Trainer loads (under FSDP, into
             # shards that do not exist yet; a whole restore here would allocate the whole state).
             metadata = ckpt.metadata_sync(step)  # from the fastest tier whose copy's manifest verifies
             path, trainer_state = metadata.get("hf_checkpoint"), metadata.get("hf_trainer_state")
@@ -171,9 +171,9 @@ class TierckptMixin:
                 _publish(path, step, tier, trainer_state)
 
     def _sharded_states(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Under FSDP2: the model's and the optimizer's state dicts as torch's distributed checkpointing
-        gives them (DTensor shards; the optimizer's keyed by parameter name). For a fresh optimizer,
-        that first gives it its states (zeros): a template to restore into."""
+        """Under FSDP: the model's and the optimizer's state dicts as torch's distributed checkpointing
+        gives them (FSDP2: DTensor shards, FSDP1: ShardedTensors; the optimizer's keyed by parameter
+        name). For a fresh optimizer, that first gives it its states (zeros): a template to restore into."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         trainer: Any = self
@@ -189,12 +189,16 @@ class TierckptMixin:
         if self._tierckpt_loaded is None or self._tierckpt_loaded[0] != checkpoint:
             step = read_pointer(os.path.join(checkpoint, POINTER_NAME))
             ckpt = self._tierckpt.checkpointer
-            if self._fsdp2:  # into the live shards (the model is wrapped and the optimizer made by now)
-                model_state, optimizer_state = self._sharded_states()
-                restored = ckpt.restore_sync(step, {"model": model_state, "optimizer": optimizer_state})
+            if self._sharded:  # into the live shards (the model is wrapped and the optimizer made by now)
+                # Under FSDP1, into its ShardedTensors through DTensors that share their shards, which
+                # the state then holds again, for set_*_state_dict (sharded_tensors says why).
+                originals: dict[int, Any] = {}
+                model_state, optimizer_state = as_dtensors(self._sharded_states(), originals)
+                state = ckpt.restore_sync(step, {"model": model_state, "optimizer": optimizer_state}).state
+                state = state | with_originals({"model": state["model"], "optimizer": state["optimizer"]}, originals)
             else:
-                restored = ckpt.restore_sync(step)
-            self._tierckpt_loaded = (checkpoint, restored.state)
+                state = ckpt.restore_sync(step).state
+            self._tierckpt_loaded = (checkpoint, state)
         return self._tierckpt_loaded[1]
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
@@ -202,7 +206,7 @@ class TierckptMixin:
         if stored is None:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
         trainer: Any = self
-        if self._fsdp2:
+        if self._sharded:
             from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
             set_model_state_dict(trainer.model_wrapped, stored["model"])
@@ -215,7 +219,7 @@ class TierckptMixin:
         if stored is None:
             return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
         trainer: Any = self
-        if self._fsdp2:
+        if self._sharded:
             from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
             set_optimizer_state_dict(trainer.model_wrapped, _bare(trainer.optimizer), stored["optimizer"])

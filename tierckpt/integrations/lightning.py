@@ -33,8 +33,12 @@ its default) the strategy's state dicts hold DTensors: each rank stores its shar
 by several ranks once), and the strategy's ``load_checkpoint`` is routed here too: the live sharded
 model and optimizers are the template (``get_model_state_dict``/``get_optimizer_state_dict``), so a
 job of another world size or layout reshards on load, then ``set_model_state_dict`` and
-``set_optimizer_state_dict`` put the values in place, as the strategy's own DCP load does. The older
-``FSDPStrategy`` (FSDP1) and DeepSpeed save through their own formats and are refused.
+``set_optimizer_state_dict`` put the values in place, as the strategy's own DCP load does. Under the
+older ``FSDPStrategy`` (FSDP1), whatever its ``state_dict_type``, the strategy's state dicts are
+torch's sharded ones too (the same functions: its ``ShardedTensor``s as the DTensors of the same
+pieces, :mod:`tierckpt.integrations.sharded_tensors`), saved and loaded the same way: a checkpoint of
+either FSDP loads into the other, on any number of ranks. DeepSpeed saves through a format of its own
+and is refused.
 
 A dict without ``global_step`` is not a training checkpoint but Lightning handing weights from its
 worker to the main process (``ddp_spawn``): it goes through Lightning's own ``TorchCheckpointIO``, and
@@ -56,13 +60,14 @@ import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
 
 from tierckpt.checkpointer import Checkpointer
 from tierckpt.config import Config
 from tierckpt.errors import ConfigError, UnsupportedStateError
 from tierckpt.integrations.pointer import read_pointer, write_pointer
 from tierckpt.integrations.saves import DurableSaves, holding_tensors
+from tierckpt.integrations.sharded_tensors import as_dtensors, with_originals
 
 __all__ = ["TierckptCheckpointIO"]
 
@@ -89,7 +94,7 @@ class TierckptCheckpointIO(CheckpointIO):
         self._saves = DurableSaves(self.config, "TierckptCheckpointIO")
         self._replicated: tuple[str, ...] = ()  # the checkpoint's keys whose values are the same on every rank (DDP)
         self._every_rank = False  # the strategy hands every rank's checkpoint to this plugin
-        self._sharded: ModelParallelStrategy | None = None  # whose load_checkpoint restores into its live shards
+        self._sharded: ModelParallelStrategy | FSDPStrategy | None = None  # whose load_checkpoint restores into its live shards
 
     def attach(self, strategy: Strategy) -> None:
         """Have ``strategy`` hand its checkpoints to this plugin on every rank (called on every rank
@@ -97,15 +102,20 @@ class TierckptCheckpointIO(CheckpointIO):
 
         Raises:
             ConfigError: a strategy of several processes that saves through a format of its own
-                (``FSDPStrategy``, DeepSpeed, XLA), or ``ModelParallelStrategy`` gathering whole
-                states on rank 0 (``save_distributed_checkpoint=False``).
+                (DeepSpeed, XLA), or ``ModelParallelStrategy`` gathering whole states on rank 0
+                (``save_distributed_checkpoint=False``).
         """
-        if isinstance(strategy, ModelParallelStrategy):  # even on one process: its own load reads DCP
-            if not getattr(strategy, "_save_distributed_checkpoint", True):
+        if isinstance(strategy, (ModelParallelStrategy, FSDPStrategy)):  # even on one process: their own loads read their own formats
+            if isinstance(strategy, ModelParallelStrategy) and not getattr(strategy, "_save_distributed_checkpoint", True):
                 raise ConfigError(
                     "TierckptCheckpointIO under ModelParallelStrategy stores each rank's shards: leave "
                     "save_distributed_checkpoint=True (the default); tierckpt's export gathers whole tensors offline"
                 )
+            if isinstance(strategy, FSDPStrategy) and vars(strategy).get("optimizer_state") != self._optimizer_shards:
+                # Its own state dicts are gathered on rank 0 ("full") or ShardedTensors of FSDP's own
+                # keys ("sharded"): torch's sharded ones instead, as ModelParallelStrategy's are.
+                strategy.lightning_module_state_dict = self._model_shards  # type: ignore[method-assign]
+                strategy.optimizer_state = self._optimizer_shards  # type: ignore[method-assign]
             self._replicated = ()  # DTensor shards held alike by several ranks are stored once without being named
             if vars(strategy).get("load_checkpoint") != self._load_sharded:
                 self._sharded = strategy
@@ -114,9 +124,9 @@ class TierckptCheckpointIO(CheckpointIO):
             return
         elif not isinstance(strategy, DDPStrategy) or isinstance(strategy, DeepSpeedStrategy) or type(strategy).save_checkpoint is not Strategy.save_checkpoint:
             raise ConfigError(
-                f"TierckptCheckpointIO supports Lightning's DDP strategies (ddp, ddp_spawn, ddp_fork) and ModelParallelStrategy "
-                f"(FSDP2, tensor parallelism) across processes; {type(strategy).__name__} saves sharded states in a format of its "
-                "own, which tierckpt does not replace. Use ModelParallelStrategy for FSDP2, or strategy='ddp'"
+                f"TierckptCheckpointIO supports Lightning's DDP strategies (ddp, ddp_spawn, ddp_fork), FSDPStrategy and "
+                f"ModelParallelStrategy (FSDP2, tensor parallelism) across processes; {type(strategy).__name__} saves sharded "
+                "states in a format of its own, which tierckpt does not replace. Use FSDPStrategy or ModelParallelStrategy, or strategy='ddp'"
             )
         else:
             self._replicated = ("state_dict", "optimizer_states")
@@ -127,8 +137,22 @@ class TierckptCheckpointIO(CheckpointIO):
             strategy.save_checkpoint = self._save_on_this_rank  # type: ignore[method-assign]
         self._every_rank = True
 
+    def _model_shards(self) -> dict[str, Any]:
+        """FSDPStrategy's ``lightning_module_state_dict``: torch's sharded state dict of the model."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        assert self._sharded is not None and self._sharded.model is not None
+        return as_dtensors(get_model_state_dict(self._sharded.model))
+
+    def _optimizer_shards(self, optimizer: Any) -> dict[str, Any]:
+        """FSDPStrategy's ``optimizer_state``: torch's sharded state dict of ``optimizer``, keyed by parameter name."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        assert self._sharded is not None and self._sharded.model is not None
+        return as_dtensors(get_optimizer_state_dict(self._sharded.model, _bare(optimizer)))
+
     def _load_sharded(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """ModelParallelStrategy's ``load_checkpoint``: the step restored into the live sharded model
+        """The sharded strategies' ``load_checkpoint``: the step restored into the live sharded model
         and optimizers (resharded when the saving job's layout differs), then set into them."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
@@ -140,14 +164,17 @@ class TierckptCheckpointIO(CheckpointIO):
         pending = self._saves.pending_step(key)
         step = read_pointer(key) if pending is None else pending
         model = strategy.model
-        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in strategy.optimizers]
+        optimizers = [_bare(o) for o in strategy.optimizers]
         # get_optimizer_state_dict gives a fresh optimizer its states (zeros) first: every moment has a
-        # sharded template to restore into.
-        template = {"state_dict": get_model_state_dict(model), "optimizer_states": [get_optimizer_state_dict(model, o) for o in optimizers]}
+        # sharded template to restore into. Under FSDP1 the restore writes into its ShardedTensors
+        # through DTensors that share their shards; those are set (sharded_tensors says why).
+        originals: dict[int, Any] = {}
+        template = as_dtensors({"state_dict": get_model_state_dict(model), "optimizer_states": [get_optimizer_state_dict(model, o) for o in optimizers]}, originals)
         state = self.checkpointer.restore_sync(step, template, strict=False).state
+        sharded = with_originals({"state_dict": state["state_dict"], "optimizer_states": state.get("optimizer_states", [])}, originals)
         strict = strategy.lightning_module.strict_loading
-        set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
-        for optimizer, optimizer_state in zip(optimizers, state.get("optimizer_states", [])):
+        set_model_state_dict(model, sharded["state_dict"], options=StateDictOptions(strict=strict))
+        for optimizer, optimizer_state in zip(optimizers, sharded["optimizer_states"]):
             set_optimizer_state_dict(model, optimizer, optimizer_state)
         return state
 
@@ -223,6 +250,10 @@ class TierckptCheckpointIO(CheckpointIO):
     def teardown(self) -> None:
         """Wait until every save is durable and its pointer written; close the Checkpointer."""
         self._saves.close()
+
+
+def _bare(optimizer: Any) -> Any:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 def _world_size() -> int:

@@ -1,0 +1,115 @@
+"""FSDP1's sharded state dicts as DTensors: :func:`as_dtensors`.
+
+FSDP1 (``FullyShardedDataParallel``) without a device mesh gives its sharded state dicts
+(``get_model_state_dict``, ``get_optimizer_state_dict``, ``SHARDED_STATE_DICT``) as ``ShardedTensor``s:
+each parameter and moment cut along dim 0 into ``world_size`` chunks, ``torch.chunk``'s sizes, rank r
+holding chunk r. That is the piece a DTensor with ``Shard(0)`` on a 1-D mesh of every rank holds. So
+each ShardedTensor becomes that DTensor, over the same local tensor (no copy): stored and resharded on
+load as FSDP2's are, whatever world size or FSDP version loads it. A restore into the DTensors writes
+into the ShardedTensors' shards; :func:`with_originals` puts those back in the restored state, which
+``set_model_state_dict``/``set_optimizer_state_dict`` then take (with the restored values that are
+not tensors, an optimizer's ``param_groups``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from tierckpt.errors import UnsupportedStateError
+from tierckpt.state import format_path
+
+__all__ = ["as_dtensors", "with_originals"]
+
+
+def as_dtensors(state: Any, originals: dict[int, Any] | None = None) -> Any:
+    """``state`` (nested dicts, lists and tuples) with each ShardedTensor as the DTensor of the same
+    piece, sharing its storage; every other value as it is, the containers new where they hold one.
+    ``originals``, if given, gets each such DTensor's ShardedTensor, by the DTensor's ``id``.
+
+    Raises:
+        UnsupportedStateError: a ShardedTensor that is not cut along dim 0 over every rank in
+            ``torch.chunk``'s sizes (FSDP1's hybrid sharding without a device mesh): names its key.
+    """
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:  # a torch without torch.distributed: there are none
+        return state
+    meshes: dict[str, Any] = {}
+
+    def convert(value: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(value, ShardedTensor):
+            piece = _dtensor(value, path, meshes)
+            if originals is not None:
+                originals[id(piece)] = value
+            return piece
+        if isinstance(value, dict):
+            items = [(k, convert(v, (*path, k))) for k, v in value.items()]
+            if all(new is value[k] for k, new in items):
+                return value
+            return OrderedDict(items) if isinstance(value, OrderedDict) else dict(items)
+        if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+            converted = [convert(v, (*path, i)) for i, v in enumerate(value)]
+            if all(new is old for new, old in zip(converted, value)):
+                return value
+            return type(value)(converted)
+        return value
+
+    return convert(state, ())
+
+
+def with_originals(state: Any, originals: dict[int, Any]) -> Any:
+    """``state`` (restored into the template :func:`as_dtensors` made, so holding its DTensors) with
+    each of those DTensors as the ShardedTensor it shares its storage with."""
+    if not originals:
+        return state
+    if id(state) in originals:
+        return originals[id(state)]
+    if isinstance(state, OrderedDict):
+        return OrderedDict((k, with_originals(v, originals)) for k, v in state.items())
+    if isinstance(state, dict):
+        return {k: with_originals(v, originals) for k, v in state.items()}
+    if isinstance(state, (list, tuple)) and type(state) in (list, tuple):
+        return type(state)(with_originals(v, originals) for v in state)
+    return state
+
+
+def _dtensor(sharded: Any, path: tuple[Any, ...], meshes: dict[str, Any]) -> torch.Tensor:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    def refuse(why: str) -> UnsupportedStateError:
+        where = format_path(path)
+        return UnsupportedStateError(f"cannot store the ShardedTensor at {where}: {why}", key=where)
+
+    meta = sharded.metadata()
+    shape, world = tuple(meta.size), dist.get_world_size()
+    if dist.get_world_size(sharded._process_group) != world:
+        raise refuse(
+            f"it is sharded over {dist.get_world_size(sharded._process_group)} of the job's {world} ranks (FSDP1's hybrid "
+            "sharding); pass FSDP a device_mesh, which makes its state dicts DTensors"
+        )
+    shards = sharded.local_shards()
+    if len(shards) > 1:
+        raise refuse(f"this rank holds {len(shards)} pieces of it; FSDP1 gives each rank one")
+    props = meta.tensor_properties
+    if shards:
+        local, offsets = shards[0].tensor, tuple(shards[0].metadata.shard_offsets)
+    else:  # a tensor with fewer rows than ranks: this rank holds none of it
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        local, offsets = torch.empty((0, *shape[1:]), dtype=props.dtype, device=device), (0,) * len(shape)
+    mesh = meshes.get(local.device.type)
+    if mesh is None:
+        mesh = meshes[local.device.type] = init_device_mesh(local.device.type, (world,))
+    want_shape, want_offset = compute_local_shape_and_global_offset(shape, mesh, (Shard(0),))
+    if not shape or tuple(want_shape) != tuple(local.shape) or (local.numel() and tuple(want_offset) != offsets):
+        raise refuse(
+            f"its piece here ({list(local.shape)} at {list(offsets)} of {list(shape)}) is not dim 0's chunk {dist.get_rank()} "
+            f"of {world} ({list(want_shape)} at {list(want_offset)}), the cut FSDP1 makes"
+        )
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, (Shard(0),), run_check=False, shape=torch.Size(shape), stride=stride)
