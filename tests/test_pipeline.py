@@ -748,3 +748,31 @@ def test_counters_are_a_copy(tmp_path: Path, opened: Opened) -> None:
     counters.forced["nvme"] = 99
     assert ckpt.counters.flushed == {"nvme": 1}
     assert ckpt.counters.forced == {}
+
+
+def test_a_dropped_snapshot_is_freed_at_once_not_left_to_the_collector(opened: Opened) -> None:
+    """Every save's snapshot (with its skeleton: a list a tensor) goes when host memory drops it, by
+    reference counting: nothing of a save is left in a reference cycle for Python's collector, whose
+    runs, on the training thread, cost more than save() itself when each save left one."""
+    import gc
+
+    ckpt = opened(config(memory_tier(keep={"last": 1}), snapshots=2))
+    state = {f"w{i}": torch.full((4,), float(i)) for i in range(50)}
+    ckpt.save_sync(0, state).captured_sync(30)
+    ckpt.wait_sync()
+    was_enabled, flags = gc.isenabled(), gc.get_debug()
+    gc.collect()
+    gc.disable()
+    try:
+        for step in range(1, 8):
+            ckpt.save_sync(step, state).captured_sync(30)
+        ckpt.wait_sync()  # the older snapshots are dropped by now
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        left = [type(o).__name__ for o in gc.garbage]
+    finally:
+        gc.set_debug(flags)
+        gc.garbage.clear()
+        if was_enabled:
+            gc.enable()
+    assert "Snapshot" not in left and left.count("list") < 50, sorted(set(left))

@@ -528,7 +528,7 @@ def test_unusual_states_take_the_general_walk_with_its_result_or_error(make: Any
     from tierckpt.state.leaves import _flatten_any
     from tierckpt.state.walk import _flatten_common, _Unusual
 
-    with pytest.raises((_Unusual, UnsupportedStateError)):
+    with pytest.raises((_Unusual, UnsupportedStateError, RuntimeError)):  # a strided nested tensor: its .shape raises
         _flatten_common(unusual)
     try:
         want: Any = _flatten_any(unusual)
@@ -547,3 +547,26 @@ def test_deep_states_take_the_general_walk() -> None:
         state = [state]
     skeleton, leaves = flatten(state)
     assert len(leaves) == 1 and leaves[0].path == (0,) * 400
+
+
+def test_tensor_leaf_nodes_are_shared_between_skeletons_up_to_their_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The common walk's ["T", i] nodes are made once and shared by every skeleton, up to a bound
+    (here 8 of 12 leaves); the skeletons are the general walk's all the same."""
+    from tierckpt.state import walk
+    from tierckpt.state.leaves import _flatten_any
+
+    monkeypatch.setattr(walk, "_SHARED_LEAF_NODES", 8)
+    monkeypatch.setattr(walk, "_LEAF_NODES", [])
+    state = {"layer": [{"w": torch.ones(2), "b": torch.zeros(1)} for _ in range(5)], "last": torch.ones(3), "opt": {"step": torch.tensor(1.0)}}
+    first, second = walk.survey(state), walk.survey(state)
+    want = msgpack.packb(_flatten_any(state)[0], use_bin_type=True)
+    assert msgpack.packb(first.skeleton, use_bin_type=True) == msgpack.packb(second.skeleton, use_bin_type=True) == want
+
+    def leaf_nodes(node: Any) -> list[Any]:
+        if isinstance(node, list) and len(node) == 2 and node[0] == "T":
+            return [node]
+        return [n for child in (node if isinstance(node, list) else []) for n in leaf_nodes(child)]
+
+    a, b = leaf_nodes(first.skeleton), leaf_nodes(second.skeleton)
+    assert [n[1] for n in a] == list(range(12))
+    assert [x is y for x, y in zip(a, b)] == [True] * 8 + [False] * 4

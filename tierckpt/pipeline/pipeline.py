@@ -78,6 +78,7 @@ class Pipeline:
         self._wall: Callable[[], float] = lambda: clock() + epoch
         self._seq = 0
         self._trackers: dict[int, SaveTracker] = {}
+        self._capturing: dict[int, Snapshot] = {}  # by token, until its capture ends
         self._single = not several_ranks
         self._capture_errors: list[FlushError] = []  # raised once by the next save, wait or close
         self._unresolved: dict[str, FlushError] = {}  # per tier, its newest failed flush with no commit since
@@ -178,8 +179,13 @@ class Pipeline:
         tracker = SaveTracker(step, snapshot.seq, committed={t.name: concurrent.futures.Future() for t in self.tiers}, began=request.began)
         self._trackers[snapshot.seq] = tracker
         self.memory.add(snapshot)
-        loop = asyncio.get_running_loop()
-        snapshot.capture.add_done_callback(lambda _: loop.call_soon_threadsafe(self._captured, snapshot))
+        loop, seq, captured = asyncio.get_running_loop(), snapshot.seq, self._capture_ended
+        # The capture future keeps its callback after it ran: a callback holding the snapshot would make
+        # a cycle (snapshot -> future -> callback -> snapshot) that leaves every dropped snapshot, its
+        # skeleton's thousand lists with it, to the collector (measured: 0.8 ms of collections a save of
+        # 600 tensors, on the training thread). So the callback names it by its token.
+        self._capturing[seq] = snapshot
+        snapshot.capture.add_done_callback(lambda _: loop.call_soon_threadsafe(captured, seq))
         request.handoff.admitted(lambda: self._start_copies(snapshot, request))
         return tracker
 
@@ -193,6 +199,9 @@ class Pipeline:
                 snapshot.report_failure = False  # raised right here: not again at the next call
                 snapshot.capture.set_exception(exc)
             raise
+
+    def _capture_ended(self, seq: int) -> None:
+        self._captured(self._capturing.pop(seq))
 
     def _captured(self, snapshot: Snapshot) -> None:
         tracker = self._trackers.get(snapshot.seq)

@@ -13,6 +13,7 @@ other state takes, with every check and error.
 from __future__ import annotations
 
 import gc
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,6 +136,26 @@ _STORABLE_NAMES = {d: name for d, name in _TORCH_DTYPE_NAMES.items() if name in 
 _SCALARS = (type(None), bool, float, bytes)
 
 
+# The skeleton node of tensor leaf i, ["T", i], made once and shared by every skeleton: a node is never
+# changed in place (skeletons are read, encoded, or copied). A save's walk then allocates one small list
+# a tensor fewer, and the collector has that many fewer young objects to go through after it (measured:
+# 0.05 ms of a 0.56 ms walk of 600 tensors, with the collection it sets off).
+_SHARED_LEAF_NODES = 1 << 16  # leaves past this many get nodes of their own
+_LEAF_NODES: list[list[Any]] = []
+_GROWING = threading.Lock()  # two threads' walks must not grow it at once: node i must stay at i
+
+
+def _shared_node(index: int) -> list[Any]:
+    """``["T", index]``: the shared node, the shared list grown to reach it (up to its bound)."""
+    if index >= _SHARED_LEAF_NODES:
+        return ["T", index]
+    with _GROWING:
+        have = len(_LEAF_NODES)
+        if index >= have:
+            _LEAF_NODES.extend([["T", i] for i in range(have, min(_SHARED_LEAF_NODES, max(2 * have, index + 1, 1024)))])
+    return _LEAF_NODES[index]
+
+
 class _Unusual(Exception):
     """Something the common-case walk leaves to the general one."""
 
@@ -171,7 +192,7 @@ def _node(obj: Any, path: tuple[Any, ...], found: Survey, depth: int, counted: l
             vk = type(value)
             if vk is _TENSOR or vk is _PARAMETER:
                 name = _STORABLE_NAMES.get(value.dtype)
-                if name is None or value.layout is not _STRIDED or value.is_nested:
+                if name is None or value.layout is not _STRIDED:  # a strided nested tensor raises at .shape below
                     raise _Unusual
                 index = len(values)
                 if not value.is_cpu:
@@ -182,7 +203,11 @@ def _node(obj: Any, path: tuple[Any, ...], found: Survey, depth: int, counted: l
                 versions.append(value._version)  # an inference tensor raises: the general walk takes it
                 values.append(value)
                 rows.append((path, key, name, value.shape))
-                append([key, ["T", index]])
+                try:
+                    node = _LEAF_NODES[index]
+                except IndexError:
+                    node = _shared_node(index)
+                append([key, node])
             elif vk in _SCALARS or (vk is int and _INT_MIN <= value <= _INT_MAX):
                 append([key, value])
             else:
@@ -225,7 +250,7 @@ def _tensor_node(obj: torch.Tensor, path: tuple[Any, ...], found: Survey) -> lis
     """The skeleton node of a plain tensor or Parameter that passes every check, its value, row and
     version recorded; else raises. A tensor in a dict takes the same lines inlined in :func:`_node`."""
     name = _STORABLE_NAMES.get(obj.dtype)  # quantized dtypes are not storable: no is_quantized needed
-    if name is None or obj.layout is not _STRIDED or obj.is_nested:
+    if name is None or obj.layout is not _STRIDED:  # a strided nested tensor raises at .shape below
         raise _Unusual
     index = len(found.values)
     if not obj.is_cpu:
@@ -236,4 +261,7 @@ def _tensor_node(obj: torch.Tensor, path: tuple[Any, ...], found: Survey) -> lis
     found.versions.append(obj._version)
     found.values.append(obj)
     found.rows.append((path, _WHOLE, name, obj.shape))
-    return ["T", index]
+    try:
+        return _LEAF_NODES[index]
+    except IndexError:
+        return _shared_node(index)
