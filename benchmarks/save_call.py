@@ -12,6 +12,10 @@ bias, and each one's ``exp_avg``, ``exp_avg_sq`` and ``step``; 75 layers make 60
    a ``save()`` returned, while tierckpt's threads copy that state. Its slowdown is what the copies'
    share of the interpreter lock costs a training loop whose GPU waits for its launches.
 
+3. **The collector**: Python's garbage collections that ran over the saves (on any thread: each holds
+   the interpreter lock the training thread needs), their time a save, by generation. What a save
+   allocates and keeps decides how often they run, and a full one goes over every object the process has.
+
 Both in one process, alternating (a step alone, a save, a step right after it), medians over ``--saves``.
 Prints a Markdown section and writes it with the raw numbers to ``--out`` (``save_call-<time>.json/.md``).
 An older tierckpt on ``PYTHONPATH`` (e.g. ``git worktree add /tmp/old <commit>``, then
@@ -24,6 +28,7 @@ An older tierckpt on ``PYTHONPATH`` (e.g. ``git worktree add /tmp/old <commit>``
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -49,6 +54,29 @@ def build(layers: int, width: int, device: str) -> tuple[torch.nn.Module, torch.
     return model, optimizer
 
 
+class Collector:
+    """Python's garbage collections while it is started: how many, and their seconds, by generation."""
+
+    def __init__(self) -> None:
+        self.runs = {0: 0, 1: 0, 2: 0}
+        self.seconds = {0: 0.0, 1: 0.0, 2: 0.0}
+        self._began = 0.0
+
+    def _seen(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.runs[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._began
+
+    def start(self) -> None:
+        gc.callbacks.append(self._seen)
+
+    def stop(self) -> None:
+        if self._seen in gc.callbacks:
+            gc.callbacks.remove(self._seen)
+
+
 def launches(ops: int, device: str) -> tuple[float, Any]:
     """One 'step' of ``ops`` tiny in-place ops; seconds (synchronized on CUDA)."""
     x, y = torch.ones(16, device=device), torch.full((16,), 0.5, device=device)
@@ -71,6 +99,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config = {"host": {"capacity": max(64 << 20, 3 * 4 * state_bytes + (16 << 20)), "snapshots": 3},
               "tiers": [{"name": "ram", "type": "memory", "keep": {"last": 1}}]}
     calls, alone, after = [], [], []
+    collector = Collector()
     with Checkpointer(config) as ckpt:
         for slot in ckpt._pool.slots:  # faulted in (and pinned) before anything is timed
             ckpt._pool.prepare(slot)
@@ -86,12 +115,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             after_s, _ = launches(args.ops, args.device)
             if not handle.captured_sync(60):
                 raise RuntimeError(f"step {step} was not captured")
+            if step == args.warmup - 1:
+                collector.start()
             if step >= args.warmup:
                 calls.append(call_s)
                 alone.append(alone_s)
                 after.append(after_s)
+    collector.stop()
     out = {
         "tensors": len(tierckpt.state.flatten(state)[1]), "state_bytes": state_bytes, "saves": args.saves,
+        "collector": {"runs": collector.runs, "ms_per_save": {g: 1e3 * t / args.saves for g, t in collector.seconds.items()}},
         "call_ms": {"median": 1e3 * statistics.median(calls), "p90": 1e3 * p90(calls), "samples": [1e3 * c for c in calls]},
         "launch_step_ms": {"alone": 1e3 * statistics.median(alone), "after_save": 1e3 * statistics.median(after)},
     }
@@ -103,6 +136,8 @@ def markdown(report: dict[str, Any], args: argparse.Namespace) -> str:
     m, r = report["machine"], report["result"]
     gpu = f"; GPU: {torch.cuda.get_device_name(0)}" if args.device == "cuda" else ""
     call, step = r["call_ms"], r["launch_step_ms"]
+    gc_runs = "/".join(str(r["collector"]["runs"][g]) for g in (0, 1, 2))
+    gc_ms = sum(r["collector"]["ms_per_save"].values())
     met = "met" if call["median"] <= GOAL_MS else "NOT met"
     return "\n".join([
         f"### `save()` and the training thread ({report['time']})",
@@ -117,6 +152,7 @@ def markdown(report: dict[str, Any], args: argparse.Namespace) -> str:
         f"| `save_sync` call, `state_dict()` not counted | {call['median']:.3f} ms | {call['p90']:.3f} ms |",
         f"| a launch-bound step ({args.ops} × 2 tiny ops) alone | {step['alone']:.2f} ms | |",
         f"| the same step right after `save()` returned, beside the copies | {step['after_save']:.2f} ms ({step['slowdown_pct']:+.0f}%) | |",
+        f"| Python's collector, a save (runs of generations 0/1/2 over the {r['saves']} saves: {gc_runs}) | {gc_ms:.3f} ms | |",
         "",
         f"Goal: the call ≤ {GOAL_MS:g} ms for 600 tensors: {call['median']:.3f} ms for {r['tensors']} ({met}).",
         "",
@@ -128,7 +164,7 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--layers", type=int, default=75, help="Linear layers: 8 state tensors each (default 75: 600)")
     parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--saves", type=int, default=60)
+    parser.add_argument("--saves", type=int, default=300, help="timed saves (a full collection comes every few hundred)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--ops", type=int, default=600, help="pairs of tiny ops in a launch-bound step")
     parser.add_argument("--out", type=Path, default=HERE / "results")

@@ -1,7 +1,7 @@
 """benchmarks/save_call.py on CPU, run as a user runs it: the report complete and its numbers consistent.
 
-It measures what ``save()`` costs the training thread (the call, and a launch-bound thread's step beside
-the copies); this checks that the numbers are there and agree with each other, never a timing target.
+It measures what ``save()`` costs the training thread (the call, a launch-bound thread's step beside
+the copies, and the garbage collections over the saves); this checks that the numbers are there and agree with each other, never a timing target.
 """
 
 from __future__ import annotations
@@ -32,5 +32,9 @@ def test_a_short_run_reports_the_call_and_the_launch_bound_step(tmp_path: Path) 
     assert 0 < call["median"] <= call["p90"] <= max(call["samples"])
     step = result["launch_step_ms"]
     assert step["alone"] > 0 and step["slowdown_pct"] == pytest.approx(100 * (step["after_save"] / step["alone"] - 1))
+    collector = result["collector"]  # JSON: the generations as strings
+    assert sorted(collector["runs"]) == sorted(collector["ms_per_save"]) == ["0", "1", "2"]
+    assert all(collector["ms_per_save"][g] >= 0 and (collector["runs"][g] > 0 or collector["ms_per_save"][g] == 0) for g in "012")
     assert report["library"] == str(ROOT / "tierckpt")
-    assert "| `save_sync` call" in path.with_suffix(".md").read_text()
+    text = path.with_suffix(".md").read_text()
+    assert "| `save_sync` call" in text and "| Python's collector, a save" in text

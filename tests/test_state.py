@@ -25,6 +25,7 @@ from tierckpt.state import (
     format_path,
     numpy_dtype,
     skeleton_leaf_count,
+    survey,
     torch_dtype,
     unflatten,
 )
@@ -359,7 +360,7 @@ def deep_skeleton(levels: int) -> list[Any]:
         (deep_skeleton(100_000), [], "nests deeper"),
         (["d", {"a": 1}], [], "payload of tag 'd' is not a list"),
         ({"a": 1}, [], "a msgpack map"),
-        (["l", (1, 2)], [], "payload of tag 'l' is not a list"),
+        (["l", "ab"], [], "payload of tag 'l' is not a list"),
         (["d", [[["l", []], 1]]], [], "cannot appear in a dict key"),
         (["d", [[["T", 0], 1]]], [torch.ones(1)], "cannot appear in a dict key"),
         (["d", [[1, "a"], [1.0, "b"]]], [], "same key twice"),
@@ -550,8 +551,8 @@ def test_deep_states_take_the_general_walk() -> None:
 
 
 def test_tensor_leaf_nodes_are_shared_between_skeletons_up_to_their_bound(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The common walk's ["T", i] nodes are made once and shared by every skeleton, up to a bound
-    (here 8 of 12 leaves); the skeletons are the general walk's all the same."""
+    """The common walk's ("T", i) nodes are made once and shared by every skeleton, up to a bound
+    (here 8 of 12 leaves); the skeletons encode as the general walk's all the same."""
     from tierckpt.state import walk
     from tierckpt.state.leaves import _flatten_any
 
@@ -563,10 +564,37 @@ def test_tensor_leaf_nodes_are_shared_between_skeletons_up_to_their_bound(monkey
     assert msgpack.packb(first.skeleton, use_bin_type=True) == msgpack.packb(second.skeleton, use_bin_type=True) == want
 
     def leaf_nodes(node: Any) -> list[Any]:
-        if isinstance(node, list) and len(node) == 2 and node[0] == "T":
+        if type(node) is tuple and node[0] == "T":
             return [node]
-        return [n for child in (node if isinstance(node, list) else []) for n in leaf_nodes(child)]
+        if type(node) is tuple and node[0] in ("d", "od"):
+            return [n for _, value in node[1] for n in leaf_nodes(value)]
+        return [n for child in node[1] for n in leaf_nodes(child)] if type(node) is tuple and node[0] in ("l", "t") else []
 
     a, b = leaf_nodes(first.skeleton), leaf_nodes(second.skeleton)
     assert [n[1] for n in a] == list(range(12))
     assert [x is y for x, y in zip(a, b)] == [True] * 8 + [False] * 4
+
+
+def test_the_skeleton_a_save_keeps_is_left_alone_by_the_collector_and_flatten_gives_lists() -> None:
+    """save()'s walk makes its skeleton of tuples, which Python's collector stops tracking once it has
+    looked at them (a snapshot keeps its skeleton for several saves: as lists, they were promoted and
+    set off full collections); unflatten takes it as it is, and flatten gives the grammar's lists."""
+    import gc
+
+    state = {"model": OrderedDict((f"w{i}", torch.ones(2)) for i in range(4)), "optim": {"state": {0: {"step": 3, "m": torch.zeros(1)}}, "groups": [{"lr": 0.1, "params": [0, 1]}]}, "dt": torch.float16, "n": np.float32(2)}
+    found = survey(state)
+    gc.collect()
+
+    def tensor_pairs(node: Any) -> list[Any]:  # each (key, ("T", i)): one a tensor, the bulk of a skeleton
+        if type(node) is not tuple or node[0] not in ("d", "od", "l", "t"):
+            return []
+        if node[0] in ("l", "t"):
+            return [p for child in node[1] for p in tensor_pairs(child)]
+        return [p for pair in node[1] for p in ([pair] if type(pair[1]) is tuple and pair[1][0] == "T" else tensor_pairs(pair[1]))]
+
+    pairs = tensor_pairs(found.skeleton)
+    assert len(pairs) == 5 and not any(gc.is_tracked(p) or gc.is_tracked(p[1]) for p in pairs)
+    rebuilt = unflatten(found.skeleton, found.values)
+    assert list(rebuilt["model"]) == [f"w{i}" for i in range(4)] and rebuilt["optim"]["state"][0]["step"] == 3 and rebuilt["dt"] is torch.float16
+    walk_skeleton(flatten(state)[0])  # lists only
+    assert through_msgpack(found.skeleton) == flatten(state)[0]

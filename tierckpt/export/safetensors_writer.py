@@ -100,7 +100,7 @@ def _names(layout: SavedLayout) -> tuple[dict[int, str], dict[str, Any]]:
     stack: list[tuple[Any, tuple[Any, ...]]] = [(layout.skeleton, ())]
     while stack:
         node, path = stack.pop()
-        tag, payload = node if type(node) is list else (None, node)
+        tag, payload = node if type(node) in (list, tuple) else (None, node)
         if tag in ("d", "od"):
             stack.extend((value, (*path, _key(key))) for key, value in reversed(payload))
             continue
@@ -126,7 +126,7 @@ def _names(layout: SavedLayout) -> tuple[dict[int, str], dict[str, Any]]:
 
 def _key(node: Any) -> Any:
     """A dict key of the skeleton as a value (a tuple key as a tuple, a dtype or device by its name)."""
-    if type(node) is not list:
+    if type(node) not in (list, tuple):
         return node
     tag, payload = node
     if tag == "t":

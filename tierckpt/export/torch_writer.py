@@ -99,7 +99,7 @@ def _numpy_as_tensors(skeleton: Any) -> Any:
     while stack:
         parent, i = stack.pop()
         node = parent[i]
-        if type(node) is not list:
+        if type(node) not in (list, tuple):
             continue
         tag, payload = node
         if tag in ("N", "n"):

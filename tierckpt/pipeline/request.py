@@ -8,6 +8,7 @@ state read once (:func:`~tierckpt.state.survey`) and laid out in a host slot (th
 
 from __future__ import annotations
 
+import gc
 from typing import Any, Mapping, Sequence
 
 import msgpack
@@ -35,6 +36,18 @@ def save_request(
         msgpack.packb(meta, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
         raise TypeError(f"metadata must hold only msgpack types (str, int, float, bool, None, bytes, lists, dicts): {exc}") from exc
-    found = survey(state)
-    entries, nbytes = layouts.entries(found, replicated)
-    return SaveRequest(step, found.values, entries, nbytes, found.skeleton, meta, moment(found), began)
+    # Python's collector is paused until the survey is gone (survey() pauses it for its walk alone): run
+    # in between, it would find the survey's thousands of objects alive and move them to an older
+    # generation, which only costlier collections look at again, though they go when this returns.
+    paused = gc.isenabled()
+    if paused:
+        gc.disable()
+    try:
+        found = survey(state)
+        entries, nbytes = layouts.entries(found, replicated)
+        request = SaveRequest(step, found.values, entries, nbytes, found.skeleton, meta, moment(found), began)
+        del found  # its rows: a tuple and a torch.Size a tensor
+    finally:
+        if paused:
+            gc.enable()
+    return request

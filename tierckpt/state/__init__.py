@@ -7,7 +7,8 @@ types or pickle. ``unflatten(skeleton, arrays)`` rebuilds the state. Skeletons a
 manifests on disk, i.e. from untrusted bytes, so ``unflatten`` checks every node and raises
 :class:`CorruptCheckpointError` rather than anything else.
 
-Skeleton grammar (a node is a scalar or a ``[tag, payload]`` list)::
+Skeleton grammar (a node is a scalar or a ``[tag, payload]`` list; in memory, the skeleton ``save()``
+makes has tuples where these have lists, which msgpack stores alike and ``unflatten`` takes too)::
 
     None | bool | int (-2**63 .. 2**64-1) | float | str | bytes    the value itself
     ["d", [[key, value], ...]]  dict             ["od", [[key, value], ...]]  OrderedDict, order kept

@@ -102,7 +102,7 @@ def _decode(skeleton: Any, arrays: Sequence[Any] | None) -> tuple[Any, set[int]]
         if kind in _SCALAR_NODES:
             values.append(node)
             continue
-        if kind is not list:
+        if kind is not list and kind is not tuple:  # a tuple: a node save() made in memory (never from msgpack)
             found = "a msgpack map" if kind is dict else f"a {kind.__name__}"
             raise _corrupt(path, in_key, f"found {found} where a value node was expected")
         if len(node) != 2 or type(node[0]) is not str:
@@ -113,7 +113,7 @@ def _decode(skeleton: Any, arrays: Sequence[Any] | None) -> tuple[Any, set[int]]
         if in_key and tag not in _KEY_TAGS:
             raise _corrupt(path, in_key, f"tag {_short(tag)} cannot appear in a dict key")
         if tag in ("l", "t", "d", "od"):
-            if type(payload) is not list:
+            if type(payload) is not list and type(payload) is not tuple:
                 raise _corrupt(path, in_key, f"the payload of tag {tag!r} is not a list")
             nodes += len(payload) if tag in ("l", "t") else 2 * len(payload)
             if nodes > MAX_SKELETON_NODES:
@@ -126,7 +126,7 @@ def _decode(skeleton: Any, arrays: Sequence[Any] | None) -> tuple[Any, set[int]]
             work.append(("build", tag, 2 * len(payload), path))
             for i in range(len(payload) - 1, -1, -1):
                 pair = payload[i]
-                if type(pair) is not list or len(pair) != 2:
+                if (type(pair) is not list and type(pair) is not tuple) or len(pair) != 2:
                     raise _corrupt(path, in_key, f"item {i} of a dict is not a [key, value] pair")
                 label = pair[0] if type(pair[0]) in (str, int) else f"<key #{i}>"
                 work.append(("visit", pair[1], (path, label), depth + 3, in_key))
