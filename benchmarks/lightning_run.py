@@ -17,10 +17,15 @@ the same repeat. Medians. Appends a section to RESULTS.md (``--quick``: small, n
 
 With ``--ranks 2`` the Trainer has ``devices=2, strategy="ddp"`` and Lightning starts the second rank
 itself: under tierckpt both ranks save, each writing its share of the replicated state; Lightning's
-own I/O writes from rank 0.
+own I/O writes from rank 0. ``--strategy fsdp2`` (``ModelParallelStrategy``, each Linear sharded with
+``fully_shard``) or ``fsdp1`` (``FSDPStrategy(state_dict_type="sharded")``, on CPU through
+``tierckpt.testing.lightning_cpu.CpuFSDPStrategy``) shard the model and Adam's moments: every rank
+saves its shards, Lightning's own way (the ``torch.save`` row: the strategy's own synchronous DCP
+save, a file a rank, fsynced; ``AsyncCheckpointIO`` does not apply) and through tierckpt.
 
     flock /tmp/tierckpt-bench.lock .venv/bin/python benchmarks/lightning_run.py
     flock /tmp/tierckpt-bench.lock .venv/bin/python benchmarks/lightning_run.py --ranks 2 --mib 192
+    flock /tmp/tierckpt-bench.lock .venv/bin/python benchmarks/lightning_run.py --ranks 2 --mib 192 --strategy fsdp1
 """
 
 from __future__ import annotations
@@ -37,10 +42,11 @@ from pathlib import Path
 from typing import Any
 
 VARIANTS = ("none", "torch.save", "AsyncCheckpointIO", "tierckpt")
+SHARDING = {"ddp": "DDP", "fsdp1": "FSDPStrategy (FSDP1)", "fsdp2": "ModelParallelStrategy (FSDP2)"}
 HERE = Path(__file__).resolve().parent
 
 
-def worker(variant: str, directory: Path, mib: int, steps: int, every: int, ranks: int) -> dict[str, Any] | None:
+def worker(variant: str, directory: Path, mib: int, steps: int, every: int, ranks: int, strategy: str) -> dict[str, Any] | None:
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -59,6 +65,16 @@ def worker(variant: str, directory: Path, mib: int, steps: int, every: int, rank
         def __init__(self) -> None:
             super().__init__()
             self.net = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(hidden, hidden), nn.GELU())])
+
+        def configure_model(self) -> None:
+            if strategy == "fsdp2":  # ModelParallelStrategy: each Linear, then the whole, sharded over the ranks
+                from torch.distributed.fsdp import fully_shard
+
+                mesh = self.device_mesh["data_parallel"]
+                for layer in self.net:
+                    if isinstance(layer, nn.Linear):
+                        fully_shard(layer, mesh=mesh)
+                fully_shard(self.net, mesh=mesh)
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             (x,) = batch
@@ -81,8 +97,18 @@ def worker(variant: str, directory: Path, mib: int, steps: int, every: int, rank
                                     capacity=2 * (int(state_bytes * 1.1) + (8 << 20)), snapshots=2)
         plugin = TierckptCheckpointIO(config)
     checkpointing = variant != "none"
+    if strategy == "fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        parallel: Any = ModelParallelStrategy(data_parallel_size=ranks, tensor_parallel_size=1)
+    elif strategy == "fsdp1":
+        from tierckpt.testing.lightning_cpu import CpuFSDPStrategy
+
+        parallel = CpuFSDPStrategy(state_dict_type="sharded")
+    else:
+        parallel = "ddp" if ranks > 1 else "auto"
     trainer = L.Trainer(
-        max_steps=steps, accelerator="cpu", devices=ranks, strategy="ddp" if ranks > 1 else "auto", logger=False, enable_progress_bar=False, enable_model_summary=False,
+        max_steps=steps, accelerator="cpu", devices=ranks, strategy=parallel, logger=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=directory, plugins=[plugin] if plugin is not None else None, enable_checkpointing=checkpointing,
         callbacks=[ModelCheckpoint(dirpath=directory / "ckpts", every_n_train_steps=every, save_top_k=2, monitor="step", mode="max")]
         if checkpointing else None,
@@ -92,7 +118,7 @@ def worker(variant: str, directory: Path, mib: int, steps: int, every: int, rank
     fit_s = time.perf_counter() - t
     if trainer.global_rank != 0:
         return None  # rank 0 reports (its stdout is the one read)
-    return {"variant": variant, "fit_s": fit_s, "params": sum(p.numel() for p in model.parameters()), "hidden": hidden,
+    return {"variant": variant, "fit_s": fit_s, "params": layers * (hidden * hidden + hidden), "hidden": hidden,
             "saved": sorted(os.listdir(directory / "ckpts")) if checkpointing else []}
 
 
@@ -104,13 +130,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=Path("/tmp/tierckpt-lightning-bench"))
     parser.add_argument("--ranks", type=int, default=1, help="processes of a DDP job (1: one process)")
+    parser.add_argument("--strategy", choices=("ddp", "fsdp1", "fsdp2"), default="ddp", help="with --ranks 2: DDP, or the model sharded")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
         args.mib, args.steps, args.every, args.repeats = 32, 12, 4, 1
     if args.worker:
-        result = worker(args.worker, args.dir, args.mib, args.steps, args.every, args.ranks)
+        result = worker(args.worker, args.dir, args.mib, args.steps, args.every, args.ranks, args.strategy)
         if result is not None:
             print(json.dumps(result))
         return
@@ -118,18 +145,21 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     from machine_limits import machine
 
-    runs: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    overheads: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    if args.strategy != "ddp" and args.ranks < 2:
+        parser.error(f"--strategy {args.strategy} shards over ranks: give --ranks 2 or more")
+    variants = VARIANTS if args.strategy == "ddp" else tuple(v for v in VARIANTS if v != "AsyncCheckpointIO")
+    runs: dict[str, list[float]] = {v: [] for v in variants}
+    overheads: dict[str, list[float]] = {v: [] for v in variants}
     info: dict[str, Any] = {}
     for r in range(args.repeats):
-        order = VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS))
+        order = variants if r % 2 == 0 else tuple(reversed(variants))
         times = {}
         for variant in order:
             shutil.rmtree(args.dir, ignore_errors=True)
             args.dir.mkdir(parents=True)
             out = subprocess.run(
                 [sys.executable, __file__, "--worker", variant, "--dir", str(args.dir), "--mib", str(args.mib),
-                 "--steps", str(args.steps), "--every", str(args.every), "--ranks", str(args.ranks)],
+                 "--steps", str(args.steps), "--every", str(args.every), "--ranks", str(args.ranks), "--strategy", args.strategy],
                 capture_output=True, text=True, env=os.environ | {"PYTHONPATH": str(HERE)},
             )
             if out.returncode != 0:
@@ -139,7 +169,7 @@ def main() -> None:
             times[variant] = result["fit_s"]
             runs[variant].append(result["fit_s"])
             print(f"repeat {r}: {variant:18s} {result['fit_s']:7.2f} s  saved {result['saved']}", flush=True)
-        for variant in VARIANTS:
+        for variant in variants:
             overheads[variant].append(times[variant] - times["none"])
     shutil.rmtree(args.dir, ignore_errors=True)
     args.dir.mkdir(parents=True)
@@ -147,9 +177,9 @@ def main() -> None:
     base = statistics.median(runs["none"])
     lines = [
         f"## Lightning: a training run's wall time, checkpointing every {args.every} steps"
-        f"{f', DDP on {args.ranks} ranks (issue 35)' if args.ranks > 1 else ' (issue 24)'} ({time.strftime('%Y-%m-%d %H:%M')})",
+        f"{f', {SHARDING[args.strategy]} on {args.ranks} ranks (issue 35)' if args.ranks > 1 else ' (issue 24)'} ({time.strftime('%Y-%m-%d %H:%M')})",
         "",
-        f"`benchmarks/lightning_run.py --mib {args.mib} --steps {args.steps} --every {args.every} --repeats {args.repeats} --ranks {args.ranks}`. "
+        f"`benchmarks/lightning_run.py --mib {args.mib} --steps {args.steps} --every {args.every} --repeats {args.repeats} --ranks {args.ranks} --strategy {args.strategy}`. "
         f"{m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, {m['disk']}; lightning, torch CPU. An MLP of "
         f"{info['params'] / 1e6:.1f} M parameters (hidden {info['hidden']}): a checkpoint of {args.mib} MiB with Adam's moments; "
         f"{args.steps} steps, a ModelCheckpoint every {args.every} (keep 2): {args.steps // args.every} checkpoints. "
@@ -159,11 +189,14 @@ def main() -> None:
         "| --- | ---: | ---: | ---: | --- |",
     ]
     durable = {"none": "", "torch.save": "no", "AsyncCheckpointIO": "no", "tierckpt": "yes"}
-    for variant in VARIANTS:
+    named = dict(zip(VARIANTS, VARIANTS))
+    if args.strategy != "ddp":  # the strategy writes its own files: DCP, which fsyncs
+        durable["torch.save"], named["torch.save"] = "yes", "Lightning's own (the strategy's DCP save)"
+    for variant in variants:
         over = statistics.median(overheads[variant])
         per = over / (args.steps // args.every) if variant != "none" else 0.0
-        lines.append(f"| {variant} | {statistics.median(runs[variant]):.2f} | {over:+.2f} | {per:+.3f} | {durable[variant]} |")
-    lines += ["", "Per repeat (s): " + "; ".join(f"{v} " + " / ".join(f"{t:.2f}" for t in runs[v]) for v in VARIANTS),
+        lines.append(f"| {named[variant]} | {statistics.median(runs[variant]):.2f} | {over:+.2f} | {per:+.3f} | {durable[variant]} |")
+    lines += ["", "Per repeat (s): " + "; ".join(f"{v} " + " / ".join(f"{t:.2f}" for t in runs[v]) for v in variants),
               f"(the no-checkpoint run: {base:.2f} s).", ""]
     text = "\n".join(lines)
     print(text)

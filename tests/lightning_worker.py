@@ -2,7 +2,7 @@
 ``python lightning_worker.py <root> <config.json> <max_steps> <strategy> <kill at step or 0> <ckpt_path or none>``.
 
 ``strategy``: ``ddp``, ``fsdp`` (``ModelParallelStrategy``, the model's layers sharded with FSDP2) or
-``fsdp1`` (``FSDPStrategy``: :class:`CpuFSDPStrategy` on CPU, the strategy itself with ``ACCELERATOR=cuda``),
+``fsdp1`` (``FSDPStrategy``: ``tierckpt.testing.lightning_cpu.CpuFSDPStrategy`` on CPU, the strategy itself with ``ACCELERATOR=cuda``),
 run by ``launch_ranks`` (each process a rank, as torchrun starts them); or ``ddp_spawn``, run as one
 process (Lightning starts the workers). In the environment: ``HIDDEN``, the model's width (16), and
 ``DEVICES``, the number of ranks (2), and ``KILL_RANKS``, the ranks the kill step kills (all), and ``KILL_IN_SAVE`` (set: kill while the
@@ -70,25 +70,12 @@ class Tiny(L.LightningModule):
         return DataLoader(TensorDataset(x, x.sum(1, keepdim=True) + 0.1 * x[:, :1] ** 2), batch_size=8)
 
 
-class CpuFSDPStrategy(FSDPStrategy):
-    """Lightning's FSDPStrategy (FSDP1) on CPU, where Lightning refuses it: its accelerator check takes
-    FSDPStrategy itself only, and it wraps the model with ``device_id=None``, which FSDP refuses
-    without an accelerator. Here the model is wrapped with ``device_id=cpu`` first (the strategy then
-    leaves a wrapped model as it is); everything else, its state dicts, saves and loads included, is
-    the strategy's own."""
-
-    def _setup_model(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        if not any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
-            model = FullyShardedDataParallel(model, device_id=torch.device("cpu"), sharding_strategy=self.sharding_strategy, **self.kwargs)
-        return super()._setup_model(model)
-
-
 def _strategy(name: str, devices: int) -> Any:
     if name == "fsdp":
         return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
     if name == "fsdp1":
+        from tierckpt.testing.lightning_cpu import CpuFSDPStrategy
+
         return FSDPStrategy() if os.environ.get("ACCELERATOR") == "cuda" else CpuFSDPStrategy()
     return name
 

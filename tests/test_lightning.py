@@ -263,7 +263,7 @@ def test_ddp_spawn_saves_through_the_plugin_and_hands_the_weights_back(tmp_path:
 
 
 # -- ModelParallelStrategy (FSDP2) and FSDPStrategy (FSDP1): 2 ranks, onto 1, and one into the other ------
-# FSDPStrategy runs on CPU through lightning_worker.CpuFSDPStrategy (Lightning runs it on GPUs only); on
+# FSDPStrategy runs on CPU through tierckpt.testing.lightning_cpu.CpuFSDPStrategy (Lightning runs it on GPUs only); on
 # a GPU machine, test_fsdp1_on_cuda_resumes_from_its_shards runs the strategy itself.
 
 
