@@ -183,11 +183,13 @@ STEPS = 3 * EVERY
 
 
 def _job(root: Path, strategy: str = "ddp", kill_at: int = 0, ckpt_path: str = "none", hidden: int = 16, devices: int = 2,
-         steps: int = STEPS, env: dict[str, str] | None = None) -> None:
+         steps: int = STEPS, env: dict[str, str] | None = None, flush: dict[str, Any] | None = None) -> None:
     """A Lightning job of ``steps`` steps writing ``result-<rank>.json``, its tiers in ``root`` (ddp,
     fsdp: started as torchrun starts ranks; ddp_spawn: one process, Lightning starts the workers)."""
     root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps(tier_config(fs_tier("nvme", root / "nvme", keep={"last": 10}))))
+    nvme = fs_tier("nvme", root / "nvme", keep={"last": 10}) | ({"flush": flush} if flush else {})
+    # With a flush held back, the last save's step is saved twice (its file and last.ckpt) beside it: a third host slot.
+    (root / "config.json").write_text(json.dumps(tier_config(nvme, snapshots=3 if flush else 2)))
     argv = [sys.executable, str(WORKER), str(root), str(root / "config.json"), str(steps), strategy, str(kill_at), ckpt_path]
     env = {"HIDDEN": str(hidden), "DEVICES": str(devices)} | (env or {})
     if strategy == "ddp_spawn":
@@ -298,6 +300,22 @@ def test_fsdp_each_rank_stores_its_shards_by_parameter_name(request: pytest.Fixt
     assert stored["optimizer_states"][0]["state"]["net.0.weight"]["exp_avg"].shape == (64, 4)
     data = list((whole / "nvme" / "step-000000000024").glob("data-r*.bin"))
     assert len(data) == 2 and all(p.stat().st_size > 0 for p in data)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp1"])
+def test_fsdp_a_job_that_ends_right_after_fit_has_every_checkpoint_durable_and_its_pointer(tmp_path: Path, strategy: str) -> None:
+    """ModelParallelStrategy's and FSDPStrategy's teardown() skip their checkpoint I/O's (DDP's calls
+    it): the plugin runs its own from theirs, so fit() returns with every save durable and its pointer
+    written (before, the last ones came only at the interpreter's exit), and without waiting out a
+    tier's min_interval (before, every trainer's teardown did)."""
+    # Step 16's flush is held back an hour after step 8's: the teardown must wait for it, and make it
+    # happen now (wait() waives min_interval), or the job would not end in _job's 240 s.
+    _job(tmp_path, strategy, hidden=64, steps=2 * EVERY, env={"EXIT_AFTER_FIT": "1"}, flush={"min_interval": "1h"})
+    assert json.loads((tmp_path / "after-fit.json").read_text()) == ["epoch=0-step=8.ckpt", "epoch=1-step=16.ckpt", "last.ckpt"]
+    assert _pointers(tmp_path) == {"epoch=0-step=8.ckpt": 8, "epoch=1-step=16.ckpt": 16, "last.ckpt": 16}
+    with Checkpointer(tier_config(fs_tier("nvme", tmp_path / "nvme", keep={"last": 10}))) as ckpt:
+        assert sorted(v.step for v in ckpt.versions() if v.tier == "nvme") == [8, 16]
 
 
 @pytest.mark.slow

@@ -12,8 +12,9 @@ found by listing its directory) and ``trainer.fit(ckpt_path=...)`` work unchange
   (then the next, if that one passes it over or fails), so after a crash every pointer, ``last.ckpt``
   included, names a step that can be restored. Until then, a load of that path in this process is
   served from whichever tier holds the step.
-- ``teardown()`` (Lightning calls it at the end of ``fit``/``test``) waits until every save is
-  durable and its pointer written, then closes the Checkpointer; the next use opens a new one.
+- ``teardown()`` (Lightning calls it at the end of ``fit``/``test``; under the sharded strategies,
+  whose own teardown skips it, theirs calls it) waits until every save is durable and its pointer
+  written, then closes the Checkpointer; the next use opens a new one.
 - ``remove_checkpoint`` removes the pointer; the step stays on the tiers until their retention
   drops it. The tiers' retention decides what is stored; a pointer whose step it dropped loads as a
   ``NoCheckpointError`` naming what the tiers hold.
@@ -95,6 +96,7 @@ class TierckptCheckpointIO(CheckpointIO):
         self._replicated: tuple[str, ...] = ()  # the checkpoint's keys whose values are the same on every rank (DDP)
         self._every_rank = False  # the strategy hands every rank's checkpoint to this plugin
         self._sharded: ModelParallelStrategy | FSDPStrategy | None = None  # whose load_checkpoint restores into its live shards
+        self._strategy_teardown: Any = None  # the sharded strategy's own teardown (which skips this plugin's)
 
     def attach(self, strategy: Strategy) -> None:
         """Have ``strategy`` hand its checkpoints to this plugin on every rank (called on every rank
@@ -120,6 +122,11 @@ class TierckptCheckpointIO(CheckpointIO):
             if vars(strategy).get("load_checkpoint") != self._load_sharded:
                 self._sharded = strategy
                 strategy.load_checkpoint = self._load_sharded  # type: ignore[method-assign]
+            if vars(strategy).get("teardown") != self._teardown_sharded:
+                # Their teardown() never calls their checkpoint I/O's (Strategy.teardown does): without
+                # this, a job that ends right after fit() would end before its last saves' pointers.
+                self._strategy_teardown = strategy.teardown
+                strategy.teardown = self._teardown_sharded  # type: ignore[method-assign]
         elif isinstance(strategy, SingleDeviceStrategy) or getattr(strategy, "world_size", 1) <= 1:
             return
         elif not isinstance(strategy, DDPStrategy) or isinstance(strategy, DeepSpeedStrategy) or type(strategy).save_checkpoint is not Strategy.save_checkpoint:
@@ -136,6 +143,14 @@ class TierckptCheckpointIO(CheckpointIO):
             # (Trainer.save_checkpoint runs on every rank).
             strategy.save_checkpoint = self._save_on_this_rank  # type: ignore[method-assign]
         self._every_rank = True
+
+    def _teardown_sharded(self) -> None:
+        """The sharded strategies' ``teardown``: this plugin's (every save durable, its pointer written,
+        the Checkpointer closed), then the strategy's own."""
+        try:
+            self.teardown()
+        finally:
+            self._strategy_teardown()
 
     def _model_shards(self) -> dict[str, Any]:
         """FSDPStrategy's ``lightning_module_state_dict``: torch's sharded state dict of the model."""

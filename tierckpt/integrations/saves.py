@@ -123,11 +123,21 @@ class DurableSaves:
             return
         self._ckpt = self._thread = None
         self._queue.put(None)
+        failed: Exception | None = None
+        try:
+            # Every due flush now, min_interval waived (as close() waives it): the waits for durability
+            # below end once the tiers have the saves, not once a held-back flush is due (up to
+            # min_interval later, at every trainer's teardown).
+            ckpt.wait_sync()
+        except Exception as exc:  # raised after the actions of what did become durable
+            failed = exc
         try:
             if thread is not None:
                 thread.join()
         finally:
             ckpt.close_sync()
+        if failed is not None:
+            raise failed
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
