@@ -21,7 +21,11 @@ Prints a Markdown section and writes it with the raw numbers to ``--out`` (``sav
 An older tierckpt on ``PYTHONPATH`` (e.g. ``git worktree add /tmp/old <commit>``, then
 ``PYTHONPATH=/tmp/old``) gives the figure before a change, on the same machine.
 
+``--fsdp`` shards the model with FSDP2 (``fully_shard``) over a 1-rank process group first: its weights
+and moments are then DTensors, as an LLM job's are, and each one's piece and place are read too.
+
     .venv/bin/python benchmarks/save_call.py                    # CPU, 600 tensors
+    .venv/bin/python benchmarks/save_call.py --fsdp             # the same as 450 DTensors and 150 step counters
     python3 benchmarks/save_call.py --device cuda --out $OUT    # the GPU machine
 """
 
@@ -45,9 +49,15 @@ HERE = Path(__file__).resolve().parent
 GOAL_MS = 1.0
 
 
-def build(layers: int, width: int, device: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(layers: int, width: int, device: str, fsdp: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).to(device)
+    if fsdp:  # FSDP2 over this one process: every parameter and moment a DTensor, as an LLM job's are
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, width, device=device)).sum().backward()
     optimizer.step()  # the moments and step counters exist from here on
@@ -94,7 +104,7 @@ def p90(samples: list[float]) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    model, optimizer = build(args.layers, args.width, args.device)
+    model, optimizer = build(args.layers, args.width, args.device, args.fsdp)
     state_bytes = sum(t.numel() * t.element_size() for t in list(model.state_dict().values()))
     config = {"host": {"capacity": max(64 << 20, 3 * 4 * state_bytes + (16 << 20)), "snapshots": 3},
               "tiers": [{"name": "ram", "type": "memory", "keep": {"last": 1}}]}
@@ -144,7 +154,7 @@ def markdown(report: dict[str, Any], args: argparse.Namespace) -> str:
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores{gpu}; Python {m['python']}, torch {m['torch']}; tierckpt from "
         f"`{report['library']}`. A model of {args.layers} `Linear({args.width}, {args.width})` and its AdamW state on "
-        f"`{args.device}`: {r['tensors']} tensors, {r['state_bytes'] / 2**20:.1f} MiB of weights; a memory tier; "
+        f"`{args.device}`{', FSDP2 over 1 rank (DTensors)' if args.fsdp else ''}: {r['tensors']} tensors, {r['state_bytes'] / 2**20:.1f} MiB of weights; a memory tier; "
         f"{r['saves']} saves after {args.warmup} warm-up saves.",
         "",
         "| measure | median | p90 |",
@@ -164,6 +174,7 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--layers", type=int, default=75, help="Linear layers: 8 state tensors each (default 75: 600)")
     parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) over a 1-rank group: a state of DTensors")
     parser.add_argument("--saves", type=int, default=300, help="timed saves (a full collection comes every few hundred)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--ops", type=int, default=600, help="pairs of tiny ops in a launch-bound step")
@@ -173,6 +184,12 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available to this torch")
     torch.set_num_threads(1)  # tiny ops: intra-op threads would only add their hand-offs
+    if args.fsdp:
+        import torch.distributed as dist
+
+        from tierckpt.testing.ranks import free_port
+
+        dist.init_process_group("gloo" if args.device == "cpu" else "nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y-%m-%d %H:%M")
     report = {"time": stamp, "machine": machine(args.out), "library": str(Path(tierckpt.__file__).parent), "args": vars(args) | {"out": str(args.out)},

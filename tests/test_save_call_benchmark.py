@@ -18,9 +18,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "save_call.py"
 
 
-def test_a_short_run_reports_the_call_and_the_launch_bound_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp2"])
+def test_a_short_run_reports_the_call_and_the_launch_bound_step(tmp_path: Path, fsdp: bool) -> None:
     out = tmp_path / "results"
     command = [sys.executable, str(SCRIPT), "--layers", "10", "--saves", "4", "--warmup", "1", "--ops", "20", "--out", str(out)]
+    command += ["--fsdp"] if fsdp else []
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{' '.join(command)} exited {done.returncode}\n{done.stdout}\n{done.stderr}"
     (path,) = out.glob("save_call-*.json")
@@ -38,3 +40,4 @@ def test_a_short_run_reports_the_call_and_the_launch_bound_step(tmp_path: Path) 
     assert report["library"] == str(ROOT / "tierckpt")
     text = path.with_suffix(".md").read_text()
     assert "| `save_sync` call" in text and "| Python's collector, a save" in text
+    assert ("FSDP2 over 1 rank (DTensors): 80 tensors" in text) == fsdp, text

@@ -20,6 +20,7 @@ import torch
 
 from tierckpt.errors import UnsupportedStateError
 from tierckpt.state import format_path
+from tierckpt.state.pieces import placed
 
 __all__ = ["as_dtensors", "with_originals"]
 
@@ -80,7 +81,6 @@ def _dtensor(sharded: Any, path: tuple[Any, ...], meshes: dict[str, Any]) -> tor
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     def refuse(why: str) -> UnsupportedStateError:
         where = format_path(path)
@@ -105,7 +105,8 @@ def _dtensor(sharded: Any, path: tuple[Any, ...], meshes: dict[str, Any]) -> tor
     mesh = meshes.get(local.device.type)
     if mesh is None:
         mesh = meshes[local.device.type] = init_device_mesh(local.device.type, (world,))
-    want_shape, want_offset = compute_local_shape_and_global_offset(shape, mesh, (Shard(0),))
+    _, _, region, want_shape = placed(mesh, (Shard(0),), shape)  # worked out once per global shape
+    want_offset = region.offset
     if not shape or tuple(want_shape) != tuple(local.shape) or (local.numel() and tuple(want_offset) != offsets):
         raise refuse(
             f"its piece here ({list(local.shape)} at {list(offsets)} of {list(shape)}) is not dim 0's chunk {dist.get_rank()} "

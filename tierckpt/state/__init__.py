@@ -23,7 +23,8 @@ Known losses, by design: a sub-structure shared by two keys is stored twice (ide
 
 The package: :mod:`~tierckpt.state.walk` reads a state as ``save()`` needs it (:func:`survey`,
 :func:`flatten`), :mod:`~tierckpt.state.leaves` holds :class:`Leaf` and the general walk,
-:mod:`~tierckpt.state.skeleton` decodes untrusted skeletons (:func:`unflatten`,
+:mod:`~tierckpt.state.pieces` finds a DTensor's local piece and where it lies (kept per mesh, placements
+and shape), :mod:`~tierckpt.state.skeleton` decodes untrusted skeletons (:func:`unflatten`,
 :func:`skeleton_leaf_count`, the limits), :mod:`~tierckpt.state.dtypes` names dtypes (:func:`torch_dtype`,
 :func:`numpy_dtype`); each imports only those after it in this list.
 """

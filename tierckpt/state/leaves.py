@@ -20,6 +20,7 @@ import torch
 from tierckpt.errors import UnsupportedStateError
 from tierckpt.format.records import Region
 from tierckpt.state.dtypes import _STORABLE_TORCH_DTYPES, _TORCH_DTYPE_NAMES, _numpy_problem
+from tierckpt.state.pieces import PieceProblem, is_dtensor_type, local_piece
 from tierckpt.state.skeleton import MAX_SKELETON_DEPTH, MAX_SKELETON_NODES, format_path
 
 __all__ = ["Leaf"]
@@ -139,9 +140,12 @@ def _leaf_node(obj: Any, path: tuple[Any, ...], leaves: list[Leaf]) -> list[Any]
     index = len(leaves)
     replicas: tuple[int, ...] = ()
     region = dtensor = None
-    if isinstance(obj, torch.Tensor) and _is_dtensor(obj):
+    if isinstance(obj, torch.Tensor) and is_dtensor_type(type(obj)):
         dtensor = obj
-        obj, replicas, region = _dtensor_piece(obj, path)
+        try:
+            obj, replicas, region = local_piece(obj)
+        except PieceProblem as exc:
+            raise _unsupported(dtensor, path, False, str(exc)) from None
     if isinstance(obj, torch.Tensor):
         problem = _tensor_problem(obj)
         if problem is not None:
@@ -160,38 +164,6 @@ def _leaf_node(obj: Any, path: tuple[Any, ...], leaves: list[Leaf]) -> list[Any]
         raise _unsupported(obj, path, False, problem)
     leaves.append(Leaf(index, path, "numpy", array, array.dtype.str, array.shape, array.nbytes))
     return [tag, index]
-
-
-def _dtensor_piece(dtensor: Any, path: tuple[Any, ...]) -> tuple[torch.Tensor, tuple[int, ...], Region]:
-    """A DTensor's local tensor, the global ranks holding the same piece, and where it lies."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    mesh, placements = dtensor.device_mesh, tuple(dtensor.placements)
-    for p in placements:
-        if type(p) is not Shard and type(p) is not Replicate:
-            why = (
-                "it holds partial values still to be reduced; redistribute it to Replicate() or Shard() first"
-                if p.is_partial()
-                else "only Shard(dim) and Replicate() placements can be stored (strided or custom shardings cannot)"
-            )
-            raise _unsupported(dtensor, path, False, f"a DTensor with placements {placements}: {why}")
-    local = dtensor.to_local()
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        raise _unsupported(dtensor, path, False, "this rank is not in the DTensor's device mesh")
-    shape, offset = compute_local_shape_and_global_offset(dtensor.shape, mesh, placements)
-    if tuple(shape) != tuple(local.shape):
-        raise _unsupported(dtensor, path, False, f"its local tensor {list(local.shape)} is not the piece {list(shape)} its placements give")
-    # The same piece lives on every rank that differs from this one only along Replicate() dimensions.
-    index = tuple(slice(None) if p.is_replicate() else c for p, c in zip(placements, coordinate))
-    replicas = tuple(sorted(int(r) for r in mesh.mesh[index].reshape(-1).tolist()))
-    return local, replicas if len(replicas) > 1 else (), Region(tuple(dtensor.shape), tuple(int(o) for o in offset))
-
-
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    cls = type(tensor)
-    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
 
 
 def _tensor_problem(tensor: torch.Tensor) -> str | None:

@@ -5,9 +5,9 @@ lies and what it is (key path, kind, dtype, shape, and a DTensor piece's place).
 the same layout every time: the rows of two saves compare equal, and the slot layout planned for the
 first is reused (:class:`~tierckpt.snapshot.LayoutCache`). The :class:`~tierckpt.state.leaves.Leaf`
 objects that planning needs are made only then, so a save whose layout did not change makes none.
-The common case (dicts with str or int keys, lists, tuples, dense tensors, numpy values, plain scalars)
-takes a recursive walk 2-3x faster than the general one (:mod:`tierckpt.state.leaves`), which any
-other state takes, with every check and error.
+The common case (dicts with str or int keys, lists, tuples, dense tensors and DTensors, numpy values,
+plain scalars) takes a recursive walk 2-3x faster than the general one (:mod:`tierckpt.state.leaves`),
+which any other state takes, with every check and error.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 
 from tierckpt.state.dtypes import _STORABLE_TORCH_DTYPES, _TORCH_DTYPE_NAMES
 from tierckpt.state.leaves import _CONTAINER_TAGS, _INT_MAX, _INT_MIN, Leaf, _flatten_any, _leaf_node
+from tierckpt.state.pieces import is_dtensor_type, local_piece
 from tierckpt.state.skeleton import MAX_SKELETON_NODES
 
 __all__ = ["Survey", "flatten", "survey"]
@@ -32,8 +33,9 @@ __all__ = ["Survey", "flatten", "survey"]
 # tensor's shape is its torch.Size (equal to the tuple) and its kind follows from the value's type;
 # a path tuple a tensor was a tenth of the walk. From the general walk, (path with each key's type,
 # kind, dtype, shape, region, replicas): its keys may be bools and floats, and True == 1 == 1.0 would
-# make two states that name their arrays differently compare equal. Rows of the two walks never
-# compare equal: a state that changes walk re-plans.
+# make two states that name their arrays differently compare equal. A DTensor's row from the
+# common-case walk is (path, _WHOLE, dtype name, local shape, (region, replicas)). Rows of the two walks
+# never compare equal: a state that changes walk re-plans.
 Row = tuple[Any, ...]
 _WHOLE = object()
 
@@ -56,15 +58,22 @@ class Survey:
     versions: list[int]
     on_device: list[int]
     _leaves: list[Leaf] | None = field(default=None, repr=False)
+    _dtensors: dict[int, Any] | None = field(default=None, repr=False)  # leaf index -> the DTensor whose local tensor it is
 
     def leaves(self) -> list[Leaf]:
         """The :class:`Leaf` of each value (made at the first call)."""
         if self._leaves is None:  # a survey of the common-case walk (the general walk's has them)
             leaves = self._leaves = []
-            for i, (value, (parent, key, dtype, shape)) in enumerate(zip(self.values, self.rows)):
+            dtensors = self._dtensors or {}
+            for i, (value, row) in enumerate(zip(self.values, self.rows)):
+                parent, key, dtype, shape = row[:4]
                 path = parent if key is _WHOLE else (*parent, key)
                 kind = "numpy" if type(value) is np.ndarray else "torch"
-                leaves.append(Leaf(i, path, kind, value, dtype, tuple(shape), value.nbytes))
+                if len(row) == 5:  # a DTensor's local piece
+                    region, replicas = row[4]
+                    leaves.append(Leaf(i, path, kind, value, dtype, tuple(shape), value.nbytes, replicas, region, dtensors[i]))
+                else:
+                    leaves.append(Leaf(i, path, kind, value, dtype, tuple(shape), value.nbytes))
         return self._leaves
 
     @classmethod
@@ -154,6 +163,7 @@ _TENSOR = torch.Tensor
 _PARAMETER = torch.nn.Parameter
 _STORABLE_NAMES = {d: name for d, name in _TORCH_DTYPE_NAMES.items() if name in _STORABLE_TORCH_DTYPES}
 _SCALARS = (type(None), bool, float, bytes)
+_DTENSOR_KINDS: set[type] = set()  # DTensor, once a walk has met it (found by name: nothing of torch.distributed imported)
 
 
 # The skeleton node of tensor leaf i, ("T", i), made once and shared by every skeleton: one object a
@@ -181,7 +191,8 @@ class _Unusual(Exception):
 
 def _flatten_common(state: Any) -> Survey:
     """:func:`survey` of a state made of dicts with str or int keys, lists, tuples, dense tensors of
-    storable dtypes (with version counters: not inference tensors), numpy values and plain scalars,
+    storable dtypes (with version counters: not inference tensors) and DTensors of such local tensors
+    whose placements can be stored, numpy values and plain scalars,
     nested at most ``_FAST_DEPTH`` deep: the same survey as the general walk's. Raises on anything
     else (:func:`survey` then takes the general walk)."""
     found = Survey(None, [], [], [], [])
@@ -229,6 +240,8 @@ def _node(obj: Any, path: tuple[Any, ...], found: Survey, depth: int, counted: l
                 append((key, node))
             elif vk in _SCALARS or (vk is int and _INT_MIN <= value <= _INT_MAX):
                 append((key, value))
+            elif vk in _DTENSOR_KINDS:  # FSDP2's weights and moments: straight to their node
+                append((key, _dtensor_node(value, (*path, key), found)))
             else:
                 append((key, _node(value, (*path, key), found, depth + 3, counted)))
         return (_CONTAINER_TAGS[kind], tuple(pairs))
@@ -261,12 +274,16 @@ def _node(obj: Any, path: tuple[Any, ...], found: Survey, depth: int, counted: l
         found.rows.append((path, _WHOLE, leaf.dtype, leaf.shape))
         found.versions.append(-1)
         return (tag, len(found.values) - 1)
+    if is_dtensor_type(kind):
+        _DTENSOR_KINDS.add(kind)
+        return _dtensor_node(obj, path, found)
     raise _Unusual
 
 
-def _tensor_node(obj: torch.Tensor, path: tuple[Any, ...], found: Survey) -> tuple[str, int]:
+def _tensor_node(obj: torch.Tensor, path: tuple[Any, ...], found: Survey, piece: Any = None) -> tuple[str, int]:
     """The skeleton node of a plain tensor or Parameter that passes every check, its value, row and
-    version recorded; else raises. A tensor in a dict takes the same lines inlined in :func:`_node`."""
+    version recorded; else raises. A tensor in a dict takes the same lines inlined in :func:`_node`.
+    ``piece``: (region, replicas) when ``obj`` is a DTensor's local tensor (its row has it as a fifth field)."""
     name = _STORABLE_NAMES.get(obj.dtype)  # quantized dtypes are not storable: no is_quantized needed
     if name is None or obj.layout is not _STRIDED:  # a strided nested tensor raises at .shape below
         raise _Unusual
@@ -278,8 +295,21 @@ def _tensor_node(obj: torch.Tensor, path: tuple[Any, ...], found: Survey) -> tup
             found.on_device.append(index)
     found.versions.append(obj._version)
     found.values.append(obj)
-    found.rows.append((path, _WHOLE, name, obj.shape))
+    found.rows.append((path, _WHOLE, name, obj.shape) if piece is None else (path, _WHOLE, name, obj.shape, piece))
     try:
         return _LEAF_NODES[index]
     except IndexError:
         return _shared_node(index)
+
+
+def _dtensor_node(obj: Any, path: tuple[Any, ...], found: Survey) -> tuple[str, int]:
+    """:func:`_tensor_node` of a DTensor: its local piece is the leaf, the DTensor kept beside it. A
+    DTensor that cannot be stored raises here and the general walk names the problem."""
+    local, replicas, region = local_piece(obj)
+    if type(local) is not _TENSOR and type(local) is not _PARAMETER:  # a subclass inside (Float8 and the like)
+        raise _Unusual
+    node = _tensor_node(local, path, found, (region, replicas))
+    if found._dtensors is None:
+        found._dtensors = {}
+    found._dtensors[node[1]] = obj
+    return node
