@@ -4,6 +4,8 @@ right after a save returns: ``python hf_worker.py <output_dir> <config.json> <ki
 As a rank of a DDP job (``RANK`` in the environment, started by ``launch_ranks`` as torchrun starts
 ranks): ``python hf_worker.py <output_dir> <config.json> <kill at step or 0> <resume: none|true>``; each
 rank writes ``<output_dir>/result-<rank>.json`` (logged losses, final weights) unless killed.
+``KILL_IN_SAVE=<step>`` with ``KILL_RANKS=<ranks>``: those ranks die as the Trainer checkpoints that step,
+right before their tierckpt save (:class:`KilledInSave`).
 
 ``HF_FSDP=1``: FSDP2 instead of DDP (``fsdp=True``, ``fsdp_config={"version": 2}``); ``HF_FSDP=v1``:
 FSDP1 (``"version": 1``). accelerate turns FSDP on only for GPU-type jobs; :func:`fsdp_on_cpu` lets its
@@ -80,7 +82,8 @@ def run(out: Path, config: dict[str, Any] | None, *, stop_at: int | None = None,
     if config is None:
         trainer: Trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[losses, *callbacks])
     else:
-        trainer = TierckptTrainer(model=model, args=args, train_dataset=Tokens(), callbacks=[losses, *callbacks], tierckpt=config)
+        kind = KilledInSave if os.environ.get("KILL_IN_SAVE") else TierckptTrainer
+        trainer = kind(model=model, args=args, train_dataset=Tokens(), callbacks=[losses, *callbacks], tierckpt=config)
     trainer.train(resume_from_checkpoint=resume)
     if weights is not None:
         weights.update(whole_weights(trainer.model_wrapped))
@@ -135,6 +138,24 @@ class WeightsAt(TrainerCallback):
     def on_save(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if state.global_step in self.steps:
             self._write(f"saved-{state.global_step}", model)
+
+
+class KilledInSave(TierckptTrainer):
+    """``KILL_IN_SAVE=<step>``: the ranks in ``KILL_RANKS`` (e.g. ``1``) SIGKILL themselves as the
+    Trainer checkpoints that step, after its own collectives and right before their tierckpt save of
+    it; the others save it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        step, saves = int(os.environ["KILL_IN_SAVE"]), self._tierckpt.save
+        dies = os.environ.get("RANK") in os.environ["KILL_RANKS"].split(",")
+
+        def save(output_dir: str, at: int, *rest: Any, **kw: Any) -> None:
+            if at == step and dies:
+                os.kill(os.getpid(), signal.SIGKILL)
+            saves(output_dir, at, *rest, **kw)
+
+        self._tierckpt.save = save  # type: ignore[method-assign]
 
 
 class KillAfterSave(TrainerCallback):

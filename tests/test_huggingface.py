@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -22,7 +23,7 @@ from tierckpt.integrations.huggingface import POINTER_NAME
 from tierckpt.testing.ranks import failures, launch_ranks
 
 from helpers import fs_tier, tier_config
-from hf_worker import STEPS, Tokens, run
+from hf_worker import EVERY, STEPS, Tokens, run
 
 WORKER = Path(__file__).with_name("hf_worker.py")
 
@@ -143,6 +144,30 @@ def test_ddp_killed_on_every_rank_after_a_save_resumes_every_rank_bitwise(tmp_pa
     r0, r1 = (json.loads((out / f"result-{r}.json").read_text()) for r in (0, 1))
     assert r0["losses"] == {str(s): w0["losses"][str(s)] for s in range(durable[-1] + 1, STEPS + 1)}  # bitwise
     assert r0["weights"] == r1["weights"] == w0["weights"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("at", [EVERY, 2 * EVERY])
+def test_a_rank_that_dies_during_a_save_is_named_on_the_survivor_and_no_directory_names_its_step(tmp_path: Path, at: int) -> None:
+    """2 ranks under DDP; rank 1 SIGKILLed as the Trainer checkpoints step ``at``, after the Trainer's
+    own collectives and before its tierckpt save. At the first save (step 4) the Checkpointer is being
+    constructed: rank 0's construction names rank 1. At step 8 rank 0's save returned, its next step's
+    collective fails, and train() ends with the RankFailureError naming rank 1 (distributed.timeout
+    after the save). No checkpoint-N names a step that is not committed on both ranks, and the dead
+    rank's step is not committed."""
+    config = tier_config(fs_tier("nvme", tmp_path / "nvme", keep={"last": 10}), capacity="32MiB") | {"distributed": {"timeout": "10s"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    argv = [sys.executable, str(WORKER), str(tmp_path / "run"), str(tmp_path / "config.json"), "0", "none"]
+    survivor, dead = launch_ranks(argv, 2, env={"KILL_IN_SAVE": str(at), "KILL_RANKS": "1"}, timeout_s=240)
+    assert dead.returncode == -signal.SIGKILL and survivor.returncode == 1, (survivor, dead)
+    said = (re.escape("RankFailureError: rank(s) 1 did not construct their Checkpointer within 10 s") if at == EVERY
+            else re.escape(f"RankFailureError: tier 'nvme': step {at} was abandoned: rank(s) 1 did not store their part"))
+    assert re.search(said, survivor.output), survivor.output[-5000:]
+    with Checkpointer(tier_config(fs_tier("nvme", tmp_path / "nvme", keep={"last": 10}))) as ckpt:
+        durable = {v.step for v in ckpt.versions() if v.tier == "nvme"}
+    published = {int(p.name.split("-")[1]) for p in (tmp_path / "run").glob("checkpoint-*")}
+    assert published <= durable <= set(range(EVERY, at, EVERY)), (published, durable)
+    assert published == durable  # rank 0's train() ended after its earlier steps were durable: each has its directory
 
 
 @pytest.mark.slow
