@@ -2,7 +2,7 @@
 right after a save returns: ``python hf_worker.py <output_dir> <config.json> <kill after the save of step>``.
 
 As a rank of a DDP job (``RANK`` in the environment, started by ``launch_ranks`` as torchrun starts
-ranks): ``python hf_worker.py <output_dir> <config.json> <kill at step or 0> <resume: none|true>``; each
+ranks): ``python hf_worker.py <output_dir> <config.json> <kill at step or 0> <resume: none|true|a path>``; each
 rank writes ``<output_dir>/result-<rank>.json`` (logged losses, final weights) unless killed.
 ``KILL_IN_SAVE=<step>`` with ``KILL_RANKS=<ranks>``: those ranks die as the Trainer checkpoints that step,
 right before their tierckpt save (:class:`KilledInSave`).
@@ -180,5 +180,6 @@ if __name__ == "__main__":
             fsdp_on_cpu()
         final: dict[str, Any] = {}
         watch = (WeightsAt(out, {int(s) for s in os.environ["HF_WEIGHTS_AT"].split(",")}),) if os.environ.get("HF_WEIGHTS_AT") else ()
-        logged = run(out, config, resume=True if sys.argv[4] == "true" else None, callbacks=watch + ((KillAfterSave(kill_at),) if kill_at else ()), weights=final)
+        resume = {"true": True, "none": None}.get(sys.argv[4], sys.argv[4])  # else a checkpoint-N path
+        logged = run(out, config, resume=resume, callbacks=watch + ((KillAfterSave(kill_at),) if kill_at else ()), weights=final)
         (out / f"result-{os.environ['RANK']}.json").write_text(json.dumps({"losses": logged, "weights": final}))

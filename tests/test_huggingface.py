@@ -102,12 +102,18 @@ def test_after_a_sigkill_the_newest_durable_step_resumes_exactly(tmp_path: Path,
     assert not [name for name in os.listdir(out) if name.startswith(".")]  # the killed job's leftovers removed
 
 
-def _ddp(out: Path, config: dict[str, Any], kill_at: int = 0, resume: bool = False, world: int = 2, **env: str) -> None:
+def _ddp(out: Path, config: dict[str, Any], kill_at: int = 0, resume: bool | Path = False, world: int = 2, fails: bool = False, **env: str) -> list[Any]:
+    """A DDP job of ``world`` ranks; with ``fails``, every rank must exit 1 (their exits are returned)."""
     (out.parent / f"{out.name}.json").write_text(json.dumps(config))
-    argv = [sys.executable, str(WORKER), str(out), str(out.parent / f"{out.name}.json"), str(kill_at), "true" if resume else "none"]
+    how = str(resume) if isinstance(resume, Path) else "true" if resume else "none"
+    argv = [sys.executable, str(WORKER), str(out), str(out.parent / f"{out.name}.json"), str(kill_at), how]
     exits = launch_ranks(argv, world, timeout_s=300, env=env)
+    if fails:
+        assert [e.returncode for e in exits] == [1] * world, failures(exits)
+        return exits
     failed = failures(exits, expect_dead=tuple(range(world)) if kill_at else ())
     assert not failed, failed
+    return exits
 
 
 def _rank1_regions(tier: Path, step: int) -> dict[str, Region]:
@@ -144,6 +150,26 @@ def test_ddp_killed_on_every_rank_after_a_save_resumes_every_rank_bitwise(tmp_pa
     r0, r1 = (json.loads((out / f"result-{r}.json").read_text()) for r in (0, 1))
     assert r0["losses"] == {str(s): w0["losses"][str(s)] for s in range(durable[-1] + 1, STEPS + 1)}  # bitwise
     assert r0["weights"] == r1["weights"] == w0["weights"]
+
+
+@pytest.mark.slow
+def test_a_step_that_lost_a_ranks_file_fails_on_every_rank_naming_it_and_an_earlier_checkpoint_resumes(tmp_path: Path) -> None:
+    """2 ranks under DDP; rank 1's data file of the newest step (12) is gone. resume_from_checkpoint=True
+    takes checkpoint-12 and fails on both ranks naming the directory, the step, the file and the steps
+    left, never quietly loading another step than the Trainer's own state names; checkpoint-8 resumes
+    every rank exactly."""
+    out, config = tmp_path / "run", tier_config(fs_tier("nvme", tmp_path / "nvme", keep={"last": 10}), capacity="32MiB")
+    _ddp(out, config)
+    whole = json.loads((out / "result-0.json").read_text())
+    (tmp_path / "nvme" / "step-000000000012" / "data-r00001.bin").unlink()
+    for e in _ddp(out, config, resume=True, fails=True):
+        said = f"CorruptCheckpointError: {out / 'checkpoint-12'} names step 12, which cannot be restored: "
+        assert said in e.output and "data-r00001.bin is missing" in e.output, e.output[-4000:]
+        assert "the tiers also hold step(s) 4, 8: pass resume_from_checkpoint=" in e.output, e.output[-4000:]
+    _ddp(out, config, resume=out / "checkpoint-8")
+    r0, r1 = (json.loads((out / f"result-{r}.json").read_text()) for r in (0, 1))
+    assert r0["losses"] == {str(s): whole["losses"][str(s)] for s in range(9, STEPS + 1)}  # bitwise
+    assert r0["weights"] == r1["weights"] == whole["weights"]
 
 
 @pytest.mark.slow

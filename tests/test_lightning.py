@@ -128,6 +128,25 @@ def test_paths_that_are_not_pointers_are_clear_errors(tmp_path: Path, config: di
     plugin.teardown()
 
 
+def test_a_checkpoint_whose_step_is_damaged_names_the_path_and_the_steps_left_and_an_earlier_one_resumes(tmp_path: Path, config: dict[str, Any]) -> None:
+    """The step last.ckpt names lost its data file: resuming from it fails naming the path, the step,
+    the file and the steps the tiers still hold, never quietly loading another step; ckpt_path= the
+    earlier checkpoint resumes."""
+    whole = _losses(tmp_path / "whole", 2 * BATCHES)
+    _losses(tmp_path, 2 * BATCHES, TierckptCheckpointIO(config), every_n_train_steps=BATCHES, save_last=True, save_top_k=-1)
+    (tmp_path / "nvme" / "step-000000000016" / "data-r00000.bin").unlink()
+    last = tmp_path / "ckpts" / "last.ckpt"
+    plugin = TierckptCheckpointIO(config)  # a new job: its RAM tier holds nothing
+    with pytest.raises(CorruptCheckpointError) as caught:
+        _losses(tmp_path, 3 * BATCHES, plugin, ckpt_path=last, every_n_train_steps=BATCHES)
+    message = str(caught.value)
+    assert message.startswith(f"{last} names step 16, which cannot be restored:"), message
+    assert "data-r00000.bin is missing" in message and "the tiers also hold step(s) 8: pass ckpt_path=" in message, message
+    plugin.teardown()
+    resumed = _losses(tmp_path, 2 * BATCHES, TierckptCheckpointIO(config), ckpt_path=tmp_path / "ckpts" / "epoch=0-step=8.ckpt", every_n_train_steps=BATCHES)
+    assert resumed == {s: whole[s] for s in range(BATCHES, 2 * BATCHES)}  # bitwise
+
+
 def test_a_torch_save_checkpoint_loads_as_lightning_loads_it_without_running_code(tmp_path: Path, config: dict[str, Any]) -> None:
     """ddp_spawn hands the weights back to the main process through the plugin; a checkpoint written
     before switching to tierckpt loads too. Both through torch.load(weights_only=True)."""

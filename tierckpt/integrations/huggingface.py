@@ -51,7 +51,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from tierckpt.config import Config
 from tierckpt.errors import ConfigError, CorruptCheckpointError, UnsupportedStateError
-from tierckpt.integrations.pointer import aside_name, read_pointer, remove_leftovers, write_pointer
+from tierckpt.integrations.pointer import aside_name, read_pointer, remove_leftovers, restore_named, write_pointer
 from tierckpt.integrations.saves import DurableSaves, holding_tensors
 from tierckpt.integrations.sharded_tensors import as_dtensors, with_originals
 
@@ -62,6 +62,7 @@ _REPLICATED = ("model", "optimizer", "scheduler", "scaler")  # the same on every
 _CHECKPOINT_DIR = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 TRAINER_STATE_NAME = "trainer_state.json"
 _ASIDE_PREFIX = ".tierckpt-dir-"  # a checkpoint-N being written, before its rename
+_EARLIER = "pass resume_from_checkpoint= the checkpoint-N directory of an earlier step"
 
 
 class TierckptMixin:
@@ -194,10 +195,11 @@ class TierckptMixin:
                 # the state then holds again, for set_*_state_dict (sharded_tensors says why).
                 originals: dict[int, Any] = {}
                 model_state, optimizer_state = as_dtensors(self._sharded_states(), originals)
-                state = ckpt.restore_sync(step, {"model": model_state, "optimizer": optimizer_state}).state
+                template = {"model": model_state, "optimizer": optimizer_state}
+                state = restore_named(ckpt, checkpoint, step, template, instead=_EARLIER).state
                 state = state | with_originals({"model": state["model"], "optimizer": state["optimizer"]}, originals)
             else:
-                state = ckpt.restore_sync(step).state
+                state = restore_named(ckpt, checkpoint, step, instead=_EARLIER).state
             self._tierckpt_loaded = (checkpoint, state)
         return self._tierckpt_loaded[1]
 

@@ -66,7 +66,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStr
 from tierckpt.checkpointer import Checkpointer
 from tierckpt.config import Config
 from tierckpt.errors import ConfigError, UnsupportedStateError
-from tierckpt.integrations.pointer import read_pointer, write_pointer
+from tierckpt.integrations.pointer import read_pointer, restore_named, write_pointer
 from tierckpt.integrations.saves import DurableSaves, holding_tensors
 from tierckpt.integrations.sharded_tensors import as_dtensors, with_originals
 
@@ -74,6 +74,7 @@ __all__ = ["TierckptCheckpointIO"]
 
 log = logging.getLogger("tierckpt")
 
+_EARLIER = "pass ckpt_path= the checkpoint of an earlier step"  # when the step a path names cannot be restored
 NO_PICKLE_HINT = (
     "tierckpt stores checkpoints without pickle; for Lightning's hyper_parameters, pass save_hyperparameters() "
     "values that are numbers, strings, lists, dicts or tensors, or leave the others out with "
@@ -185,7 +186,7 @@ class TierckptCheckpointIO(CheckpointIO):
         # through DTensors that share their shards; those are set (sharded_tensors says why).
         originals: dict[int, Any] = {}
         template = as_dtensors({"state_dict": get_model_state_dict(model), "optimizer_states": [get_optimizer_state_dict(model, o) for o in optimizers]}, originals)
-        state = self.checkpointer.restore_sync(step, template, strict=False).state
+        state = restore_named(self.checkpointer, key, step, template, instead=_EARLIER, strict=False).state
         sharded = with_originals({"state_dict": state["state_dict"], "optimizer_states": state.get("optimizer_states", [])}, originals)
         strict = strategy.lightning_module.strict_loading
         set_model_state_dict(model, sharded["state_dict"], options=StateDictOptions(strict=strict))
@@ -253,7 +254,8 @@ class TierckptCheckpointIO(CheckpointIO):
             state = TorchCheckpointIO().load_checkpoint(key, weights_only=True)
         else:
             step = self._saves.pending_step(key)
-            state = self.checkpointer.restore_sync(read_pointer(key) if step is None else step).state
+            step = read_pointer(key) if step is None else step
+            state = restore_named(self.checkpointer, key, step, instead=_EARLIER).state
         return _to(state, torch.device(map_location)) if map_location is not None else state
 
     def remove_checkpoint(self, path: Any) -> None:

@@ -15,11 +15,12 @@ import shutil
 import socket
 import threading
 from pathlib import Path
+from typing import Any
 
 from tierckpt.errors import CorruptCheckpointError, NoCheckpointError
 from tierckpt.storage.lock import process_alive
 
-__all__ = ["FORMAT", "aside_name", "read_pointer", "remove_leftovers", "write_pointer"]
+__all__ = ["FORMAT", "aside_name", "read_pointer", "remove_leftovers", "restore_named", "write_pointer"]
 
 FORMAT = "tierckpt-pointer"
 _MAX_BYTES = 64 << 10  # a pointer is a few dozen bytes; anything large is not one
@@ -96,3 +97,21 @@ def read_pointer(path: str | os.PathLike[str]) -> int:
             f"naming a step; a torch.save checkpoint is loaded with the trainer's default checkpoint I/O)"
         )
     return step
+
+
+def restore_named(ckpt: Any, path: str | os.PathLike[str], step: int, template: Any = None, *, instead: str, **options: Any) -> Any:
+    """``ckpt.restore_sync(step, template, **options)`` for the trainer's checkpoint at ``path``, which names
+    ``step``. When the step cannot be restored (every copy damaged or gone, on any rank), the error
+    names ``path``, says which steps the tiers still hold, and how to resume from one (``instead``):
+    the trainer asked for this step, and quietly loading another would not match its own state.
+
+    Raises:
+        CorruptCheckpointError, NoCheckpointError: as ``restore``, the message extended so.
+    """
+    try:
+        return ckpt.restore_sync(step, template, **options)
+    except (CorruptCheckpointError, NoCheckpointError) as exc:
+        others = sorted({v.step for v in ckpt.versions()} - {step})
+        held = f"the tiers also hold step(s) {', '.join(map(str, others[-5:]))}" if others else "the tiers hold no other step"
+        message = f"{os.fspath(path)} names step {step}, which cannot be restored: {exc}. {held}: {instead}"
+        raise type(exc)(message, tier=exc.tier, step=step, key=exc.key) from exc
