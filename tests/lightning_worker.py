@@ -156,3 +156,14 @@ def main(root: Path, config: dict[str, Any], max_steps: int, strategy: str, kill
 if __name__ == "__main__":
     root, config = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
     main(root, config, int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), sys.argv[6])
+    if torch.distributed.is_initialized():  # as torch asks of every script
+        torch.distributed.destroy_process_group()
+    if sys.argv[4] == "fsdp1":
+        # FSDP1 jobs here abort in the interpreter's finalization in about 1 run of 4 ("terminate called
+        # without an active exception", SIGABRT, no Python frame), after main() returned: after fit(),
+        # the plugin's teardown and the results are written. Measured the same with tierckpt at 6573cfa
+        # and with the process group destroyed; its cause, in torch's C++ teardown, is not found yet.
+        # The tests assert what the job wrote, so it ends here, before that finalization.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

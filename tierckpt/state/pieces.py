@@ -10,14 +10,17 @@ such triple and kept (:data:`_PLACES`).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
 from tierckpt.format.records import Region
 
-# (id(mesh), placements, global shape) -> (mesh, replicas, region, local shape). The mesh itself is
-# kept, and compared by identity on a hit: an id is only unique while its object lives.
+# (id(mesh), placements, global shape) -> (a weak reference to the mesh, replicas, region, local
+# shape). The mesh is compared by identity on a hit: an id is only unique while its object lives. Weak,
+# so the cache keeps no mesh (nor its process groups) alive: a job's mesh goes when the job drops it,
+# not at interpreter exit, and FSDP1's conversion makes a mesh per save.
 _PLACES: dict[tuple[Any, ...], tuple[Any, tuple[int, ...], Region, tuple[int, ...]]] = {}
 _TENSOR = torch.Tensor
 _MAX_PLACES = 4096  # distinct triples kept; past this the cache starts over (a state of every size at once)
@@ -57,8 +60,8 @@ def local_piece(dtensor: Any) -> tuple[torch.Tensor, tuple[int, ...], Region]:
 
 
 def placed(mesh: Any, placements: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[Any, tuple[int, ...], Region, tuple[int, ...]]:
-    """(mesh, replicas, region, local shape) of this rank's piece of a tensor of global ``shape`` laid
-    out over ``mesh`` by ``placements``, worked out once for each such triple.
+    """(a weak reference to ``mesh``, replicas, region, local shape) of this rank's piece of a tensor
+    of global ``shape`` laid out over ``mesh`` by ``placements``, worked out once for each such triple.
 
     Raises:
         PieceProblem: as :func:`local_piece`, but for the local tensor's shape.
@@ -68,8 +71,13 @@ def placed(mesh: Any, placements: tuple[Any, ...], shape: tuple[int, ...]) -> tu
         known, keep = _PLACES.get(key), True
     except TypeError:  # a placement that cannot be hashed: not one that can be stored either
         known, keep = None, False
-    if known is None or known[0] is not mesh:
-        known = _place(mesh, tuple(placements), tuple(shape))
+    if known is None or known[0]() is not mesh:
+        held: Any
+        try:
+            held = weakref.ref(mesh)
+        except TypeError:  # a mesh without weak references: worked out, not kept
+            held, keep = (lambda: mesh), False
+        known = (held, *_place(mesh, tuple(placements), tuple(shape)))
         if keep:
             if len(_PLACES) >= _MAX_PLACES:
                 _PLACES.clear()
@@ -77,8 +85,8 @@ def placed(mesh: Any, placements: tuple[Any, ...], shape: tuple[int, ...]) -> tu
     return known
 
 
-def _place(mesh: Any, placements: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[Any, tuple[int, ...], Region, tuple[int, ...]]:
-    """The uncached work of :func:`local_piece`: (mesh, replicas, region, local shape)."""
+def _place(mesh: Any, placements: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[tuple[int, ...], Region, tuple[int, ...]]:
+    """The uncached work of :func:`placed`: (replicas, region, local shape)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -98,4 +106,4 @@ def _place(mesh: Any, placements: tuple[Any, ...], shape: tuple[int, ...]) -> tu
     index = tuple(slice(None) if p.is_replicate() else c for p, c in zip(placements, coordinate))
     replicas = tuple(sorted(int(r) for r in mesh.mesh[index].reshape(-1).tolist()))
     region = Region(shape, tuple(int(o) for o in offset))
-    return mesh, replicas if len(replicas) > 1 else (), region, tuple(int(s) for s in piece_shape)
+    return replicas if len(replicas) > 1 else (), region, tuple(int(s) for s in piece_shape)
