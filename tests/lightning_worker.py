@@ -159,11 +159,12 @@ if __name__ == "__main__":
     if torch.distributed.is_initialized():  # as torch asks of every script
         torch.distributed.destroy_process_group()
     if sys.argv[4] == "fsdp1":
-        # FSDP1 jobs here abort in the interpreter's finalization in about 1 run of 4 ("terminate called
-        # without an active exception", SIGABRT, no Python frame), after main() returned: after fit(),
-        # the plugin's teardown and the results are written. Measured the same with tierckpt at 6573cfa
-        # and with the process group destroyed; its cause, in torch's C++ teardown, is not found yet.
-        # The tests assert what the job wrote, so it ends here, before that finalization.
+        # FSDP1 on gloo aborts in about 1 exit of 4 ("terminate called without an active exception",
+        # SIGABRT) after all its work: a gloo worker thread frees the last collective's tensors (an
+        # all-gather of FSDP1's full state dict, whole_weights here) while the interpreter shuts down
+        # (pytorch#190489; a core dump shows it). scripts/fsdp1_gloo_exit_abort.py, without Lightning or tierckpt, does it
+        # too, with or without destroy_process_group() (docs/integrations.md). The tests assert what
+        # the job wrote, so it ends here, before that finalization.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

@@ -47,6 +47,26 @@ def outcome(value: Any) -> dict[str, Any]:
     }
 
 
+def kept_across_calls() -> dict[str, Any]:
+    """Two conversions with one ``meshes`` dict, as a trainer plugin's saves: the same mesh and spec each
+    time, and the DTensor ``DTensor.from_local`` makes of the same piece (whole, it gathers alike)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Shard as Dim0
+
+    meshes: dict[str, Any] = {}
+    value = sharded([(0, 3), (3, 2)], 4)
+    first, second = (as_dtensors({"w": value}, meshes=meshes)["w"] for _ in range(2))
+    alone = as_dtensors({"w": value})["w"]  # a call of its own: its own mesh
+    public = DTensor.from_local(value.local_shards()[0].tensor, first.device_mesh, (Dim0(0),), run_check=False, shape=first.shape, stride=first.stride())
+    return {
+        "same_mesh": second.device_mesh is first.device_mesh, "same_spec": second._spec is first._spec,
+        "own_mesh_alone": alone.device_mesh is not first.device_mesh,
+        "as_from_local": first.shape == public.shape and first.stride() == public.stride() and first.placements == public.placements
+        and first.dtype == public.dtype and first.requires_grad == public.requires_grad,
+        "whole": first.full_tensor().tolist(), "whole_from_local": public.full_tensor().tolist(),
+    }
+
+
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -55,6 +75,7 @@ def main(out: Path) -> None:
         "chunks": outcome(sharded([(0, 3), (3, 2)], 4)),  # 5 rows: torch.chunk gives 3 and 2, as FSDP1 cuts
         "other_cut": outcome(sharded([(0, 1), (1, 4)], 4)),  # 1 and 4: not the chunk a DTensor holds
         "part_of_the_ranks": outcome(sharded([(0, 2)], 4, groups[rank])),  # each rank alone: hybrid sharding's shape
+        "kept": kept_across_calls(),
     }
     (out / f"result-{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()

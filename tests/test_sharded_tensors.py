@@ -1,6 +1,7 @@
 """FSDP1's ShardedTensors as DTensors (tierckpt.integrations.sharded_tensors), 2 ranks over gloo
 (tests/sharded_tensor_worker.py). The trainers' FSDP1 runs (tests/test_lightning.py,
-tests/test_huggingface.py) store and reshard them end to end; this names what is refused and why."""
+tests/test_huggingface.py) store and reshard them end to end; this names what is refused and why, and that
+a plugin's saves keep one mesh."""
 
 from __future__ import annotations
 
@@ -32,3 +33,8 @@ def test_fsdp1_pieces_become_dtensors_over_their_memory_and_other_cuts_are_refus
     part = r1["part_of_the_ranks"]
     assert part["error"] == "UnsupportedStateError" and part["key"] == key
     assert "sharded over 1 of the job's 2 ranks" in part["message"] and "device_mesh" in part["message"], part["message"]
+
+    for result in (r0, r1):  # a trainer plugin's dict of meshes, kept from save to save
+        kept = result["kept"]
+        assert kept["same_mesh"] and kept["same_spec"] and kept["own_mesh_alone"] and kept["as_from_local"], kept
+        assert kept["whole"] == kept["whole_from_local"] == [[4 * i + j for j in range(4)] for i in range(3)] + [[100 + 4 * i + j for j in range(4)] for i in range(2)]

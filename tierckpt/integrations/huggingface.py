@@ -89,6 +89,7 @@ class TierckptMixin:
         self.tierckpt_config = Config.coerce(tierckpt)
         self._tierckpt = DurableSaves(self.tierckpt_config, "TierckptTrainer")
         self._tierckpt_loaded: tuple[str, dict[str, Any]] | None = None
+        self._meshes: dict[str, Any] = {}  # FSDP1's DTensor meshes, kept from save to save (sharded_tensors says why)
 
     # -- saving --------------------------------------------------------------------------------------
 
@@ -111,7 +112,7 @@ class TierckptMixin:
                 trainer.state.stateful_callbacks[name] = cb.state()
         trainer_state = json.dumps(dataclasses.asdict(trainer.state), indent=2, sort_keys=True) + "\n"
         scaler = getattr(trainer.accelerator, "scaler", None)
-        model_state, optimizer_state = as_dtensors(self._sharded_states()) if self._sharded else (
+        model_state, optimizer_state = as_dtensors(self._sharded_states(), meshes=self._meshes) if self._sharded else (
             trainer.accelerator.unwrap_model(trainer.model).state_dict(), trainer.optimizer.state_dict()
         )
         state = {
@@ -194,7 +195,7 @@ class TierckptMixin:
                 # Under FSDP1, into its ShardedTensors through DTensors that share their shards, which
                 # the state then holds again, for set_*_state_dict (sharded_tensors says why).
                 originals: dict[int, Any] = {}
-                model_state, optimizer_state = as_dtensors(self._sharded_states(), originals)
+                model_state, optimizer_state = as_dtensors(self._sharded_states(), originals, self._meshes)
                 template = {"model": model_state, "optimizer": optimizer_state}
                 state = restore_named(ckpt, checkpoint, step, template, instead=_EARLIER).state
                 state = state | with_originals({"model": state["model"], "optimizer": state["optimizer"]}, originals)

@@ -98,6 +98,7 @@ class TierckptCheckpointIO(CheckpointIO):
         self._every_rank = False  # the strategy hands every rank's checkpoint to this plugin
         self._sharded: ModelParallelStrategy | FSDPStrategy | None = None  # whose load_checkpoint restores into its live shards
         self._strategy_teardown: Any = None  # the sharded strategy's own teardown (which skips this plugin's)
+        self._meshes: dict[str, Any] = {}  # FSDP1's DTensor meshes, kept from save to save (sharded_tensors says why)
 
     def attach(self, strategy: Strategy) -> None:
         """Have ``strategy`` hand its checkpoints to this plugin on every rank (called on every rank
@@ -158,14 +159,14 @@ class TierckptCheckpointIO(CheckpointIO):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         assert self._sharded is not None and self._sharded.model is not None
-        return as_dtensors(get_model_state_dict(self._sharded.model))
+        return as_dtensors(get_model_state_dict(self._sharded.model), meshes=self._meshes)
 
     def _optimizer_shards(self, optimizer: Any) -> dict[str, Any]:
         """FSDPStrategy's ``optimizer_state``: torch's sharded state dict of ``optimizer``, keyed by parameter name."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         assert self._sharded is not None and self._sharded.model is not None
-        return as_dtensors(get_optimizer_state_dict(self._sharded.model, _bare(optimizer)))
+        return as_dtensors(get_optimizer_state_dict(self._sharded.model, _bare(optimizer)), meshes=self._meshes)
 
     def _load_sharded(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """The sharded strategies' ``load_checkpoint``: the step restored into the live sharded model
@@ -185,7 +186,7 @@ class TierckptCheckpointIO(CheckpointIO):
         # sharded template to restore into. Under FSDP1 the restore writes into its ShardedTensors
         # through DTensors that share their shards; those are set (sharded_tensors says why).
         originals: dict[int, Any] = {}
-        template = as_dtensors({"state_dict": get_model_state_dict(model), "optimizer_states": [get_optimizer_state_dict(model, o) for o in optimizers]}, originals)
+        template = as_dtensors({"state_dict": get_model_state_dict(model), "optimizer_states": [get_optimizer_state_dict(model, o) for o in optimizers]}, originals, self._meshes)
         state = restore_named(self.checkpointer, key, step, template, instead=_EARLIER, strict=False).state
         sharded = with_originals({"state_dict": state["state_dict"], "optimizer_states": state.get("optimizer_states", [])}, originals)
         strict = strategy.lightning_module.strict_loading

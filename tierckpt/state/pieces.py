@@ -20,7 +20,7 @@ from tierckpt.format.records import Region
 # (id(mesh), placements, global shape) -> (a weak reference to the mesh, replicas, region, local
 # shape). The mesh is compared by identity on a hit: an id is only unique while its object lives. Weak,
 # so the cache keeps no mesh (nor its process groups) alive: a job's mesh goes when the job drops it,
-# not at interpreter exit, and FSDP1's conversion makes a mesh per save.
+# not at interpreter exit.
 _PLACES: dict[tuple[Any, ...], tuple[Any, tuple[int, ...], Region, tuple[int, ...]]] = {}
 _TENSOR = torch.Tensor
 _MAX_PLACES = 4096  # distinct triples kept; past this the cache starts over (a state of every size at once)
