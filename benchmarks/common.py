@@ -7,9 +7,13 @@ folder first on sys.path (the rank processes it starts run the same script, so t
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import statistics
+import subprocess
 import sys
 import warnings
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Collection
 
@@ -26,13 +30,59 @@ def disk_tier(path: Path | str, name: str = "disk", **settings: Any) -> dict[str
     return {"name": name, "type": "filesystem", "path": str(path), **settings}
 
 
-def tier_config(*tiers: dict[str, Any], capacity: int | str, snapshots: int, ram: dict[str, Any] | None = None,
+def tier_config(*tiers: dict[str, Any], capacity: int | str | None, snapshots: int, ram: dict[str, Any] | None = None,
                 distributed: dict[str, Any] | None = None, **host: Any) -> dict[str, Any]:
     """A host section, a memory tier (``ram``: its settings; a plain "ram" when None), then ``tiers``."""
     config: dict[str, Any] = {"host": {"capacity": capacity, "snapshots": snapshots, **host}, "tiers": [ram or ram_tier(), *tiers]}
     if distributed is not None:
         config["distributed"] = distributed
     return config
+
+
+def alternating_runs(variants: Sequence[str], repeats: int, directory: Path, command: Callable[[str], list[str]], seconds: str,
+                     env: Mapping[str, str]) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, Any]]:
+    """Each of ``variants`` run ``repeats`` times as ``command(variant)`` (a new process, ``directory``
+    emptied first), in alternating order; its last stdout line starting with ``{`` is its JSON result,
+    ``seconds`` its key of the time. Returns the times by variant, each time less the ``variants[0]``
+    run's of the same repeat (the baseline), and the last result."""
+    runs: dict[str, list[float]] = {v: [] for v in variants}
+    overheads: dict[str, list[float]] = {v: [] for v in variants}
+    info: dict[str, Any] = {}
+    for r in range(repeats):
+        times = {}
+        for variant in variants if r % 2 == 0 else tuple(reversed(variants)):
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir(parents=True)
+            out = subprocess.run(command(variant), capture_output=True, text=True, env=os.environ | dict(env))
+            if out.returncode != 0:
+                raise SystemExit(f"{variant} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+            info = json.loads(next(line for line in reversed(out.stdout.splitlines()) if line.startswith("{")))
+            times[variant] = info[seconds]
+            runs[variant].append(info[seconds])
+            print(f"repeat {r}: {variant:18s} {info[seconds]:7.2f} s  saved {info['saved']}", flush=True)
+        for variant in variants:
+            overheads[variant].append(times[variant] - times[variants[0]])
+    return runs, overheads, info
+
+
+def overhead_rows(variants: Sequence[str], runs: Mapping[str, list[float]], overheads: Mapping[str, list[float]], saves: int,
+                  named: Mapping[str, str], durable: Mapping[str, str]) -> list[str]:
+    """The table rows of :func:`alternating_runs`' results (median time, overhead, per checkpoint,
+    durable), then every repeat's times."""
+    rows = []
+    for variant in variants:
+        over = statistics.median(overheads[variant])
+        per = over / saves if variant != variants[0] else 0.0
+        rows.append(f"| {named[variant]} | {statistics.median(runs[variant]):.2f} | {over:+.2f} | {per:+.3f} | {durable[variant]} |")
+    return [*rows, "", "Per repeat (s): " + "; ".join(f"{v} " + " / ".join(f"{t:.2f}" for t in runs[v]) for v in variants)]
+
+
+def print_and_keep(text: str, results: Path, keep: bool) -> None:
+    """Print a benchmark's section, and append it to ``results`` (RESULTS.md) when ``keep``."""
+    print(text)
+    if keep:
+        with open(results, "a") as f:
+            f.write("\n" + text + "\n")
 
 
 # -- states --------------------------------------------------------------------------------------------

@@ -35,7 +35,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -143,34 +142,17 @@ def main() -> None:
         return
 
     sys.path.insert(0, str(HERE))
+    from common import alternating_runs, overhead_rows, print_and_keep
     from machine_limits import machine
 
     if args.strategy != "ddp" and args.ranks < 2:
         parser.error(f"--strategy {args.strategy} shards over ranks: give --ranks 2 or more")
     variants = VARIANTS if args.strategy == "ddp" else tuple(v for v in VARIANTS if v != "AsyncCheckpointIO")
-    runs: dict[str, list[float]] = {v: [] for v in variants}
-    overheads: dict[str, list[float]] = {v: [] for v in variants}
-    info: dict[str, Any] = {}
-    for r in range(args.repeats):
-        order = variants if r % 2 == 0 else tuple(reversed(variants))
-        times = {}
-        for variant in order:
-            shutil.rmtree(args.dir, ignore_errors=True)
-            args.dir.mkdir(parents=True)
-            out = subprocess.run(
-                [sys.executable, __file__, "--worker", variant, "--dir", str(args.dir), "--mib", str(args.mib),
-                 "--steps", str(args.steps), "--every", str(args.every), "--ranks", str(args.ranks), "--strategy", args.strategy],
-                capture_output=True, text=True, env=os.environ | {"PYTHONPATH": str(HERE)},
-            )
-            if out.returncode != 0:
-                raise SystemExit(f"{variant} failed:\n{out.stderr[-4000:]}")
-            result = json.loads(out.stdout.strip().splitlines()[-1])
-            info = result
-            times[variant] = result["fit_s"]
-            runs[variant].append(result["fit_s"])
-            print(f"repeat {r}: {variant:18s} {result['fit_s']:7.2f} s  saved {result['saved']}", flush=True)
-        for variant in variants:
-            overheads[variant].append(times[variant] - times["none"])
+    def command(variant: str) -> list[str]:
+        return [sys.executable, __file__, "--worker", variant, "--dir", str(args.dir), "--mib", str(args.mib),
+                "--steps", str(args.steps), "--every", str(args.every), "--ranks", str(args.ranks), "--strategy", args.strategy]
+
+    runs, overheads, info = alternating_runs(variants, args.repeats, args.dir, command, "fit_s", {"PYTHONPATH": str(HERE)})
     shutil.rmtree(args.dir, ignore_errors=True)
     args.dir.mkdir(parents=True)
     m = machine(args.dir)
@@ -192,18 +174,8 @@ def main() -> None:
     named = dict(zip(VARIANTS, VARIANTS))
     if args.strategy != "ddp":  # the strategy writes its own files: DCP, which fsyncs
         durable["torch.save"], named["torch.save"] = "yes", "Lightning's own (the strategy's DCP save)"
-    for variant in variants:
-        over = statistics.median(overheads[variant])
-        per = over / (args.steps // args.every) if variant != "none" else 0.0
-        lines.append(f"| {named[variant]} | {statistics.median(runs[variant]):.2f} | {over:+.2f} | {per:+.3f} | {durable[variant]} |")
-    lines += ["", "Per repeat (s): " + "; ".join(f"{v} " + " / ".join(f"{t:.2f}" for t in runs[v]) for v in variants),
-              f"(the no-checkpoint run: {base:.2f} s).", ""]
-    text = "\n".join(lines)
-    print(text)
-    if not args.quick:
-        with open(HERE / "RESULTS.md", "a") as f:
-            f.write("\n" + text + "\n")
-
+    lines += [*overhead_rows(variants, runs, overheads, args.steps // args.every, named, durable), f"(the no-checkpoint run: {base:.2f} s).", ""]
+    print_and_keep("\n".join(lines), HERE / "RESULTS.md", not args.quick)
 
 if __name__ == "__main__":
     main()

@@ -130,6 +130,17 @@ def bitwise_equal(got: Any, want: Any) -> bool:
     return True
 
 
+def clone(state: Any) -> Any:
+    """``state`` with every tensor copied (containers of the same types)."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return type(state)((k, clone(v)) for k, v in state.items())
+    if isinstance(state, (list, tuple)):
+        return type(state)(clone(v) for v in state)
+    return state
+
+
 def zeroed(like: Any) -> Any:
     """A state of the same structure with every array zeroed (a fresh model and optimizer to restore into)."""
     if isinstance(like, dict):

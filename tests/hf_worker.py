@@ -60,9 +60,9 @@ class Losses(TrainerCallback):
 
 
 def run(out: Path, config: dict[str, Any] | None, *, stop_at: int | None = None, resume: Any = None, limit: int | None = None,
-        callbacks: tuple[Any, ...] = (), weights: dict[str, Any] | None = None) -> dict[int, float]:
-    """Train (``config`` None: with the stock Trainer) and return the logged losses by step; the final
-    weights go into ``weights`` (as lists) when given."""
+        callbacks: tuple[Any, ...] = (), weights: dict[str, Any] | None = None, kind: type[Any] | None = None) -> dict[int, float]:
+    """Train (``config`` None: with the stock Trainer; ``kind``: a TierckptTrainer subclass) and return
+    the logged losses by step; the final weights go into ``weights`` (as lists) when given."""
     set_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))  # dropout 0.1: RNG matters
     sharding: dict[str, Any] = {}
@@ -82,7 +82,7 @@ def run(out: Path, config: dict[str, Any] | None, *, stop_at: int | None = None,
     if config is None:
         trainer: Trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[losses, *callbacks])
     else:
-        kind = KilledInSave if os.environ.get("KILL_IN_SAVE") else TierckptTrainer
+        kind = kind or (KilledInSave if os.environ.get("KILL_IN_SAVE") else TierckptTrainer)
         trainer = kind(model=model, args=args, train_dataset=Tokens(), callbacks=[losses, *callbacks], tierckpt=config)
     trainer.train(resume_from_checkpoint=resume)
     if weights is not None:
@@ -143,19 +143,20 @@ class WeightsAt(TrainerCallback):
 class KilledInSave(TierckptTrainer):
     """``KILL_IN_SAVE=<step>``: the ranks in ``KILL_RANKS`` (e.g. ``1``) SIGKILL themselves as the
     Trainer checkpoints that step, after its own collectives and right before their tierckpt save of
-    it; the others save it."""
+    it (before the lazy barrier is put on, which opens the Checkpointer at the first save); the
+    others save it."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        step, saves = int(os.environ["KILL_IN_SAVE"]), self._tierckpt.save
+        step, guards = int(os.environ["KILL_IN_SAVE"]), self._tierckpt.guard
         dies = os.environ.get("RANK") in os.environ["KILL_RANKS"].split(",")
 
-        def save(output_dir: str, at: int, *rest: Any, **kw: Any) -> None:
-            if at == step and dies:
+        def guard(*targets: Any) -> None:
+            if self.state.global_step == step and dies:
                 os.kill(os.getpid(), signal.SIGKILL)
-            saves(output_dir, at, *rest, **kw)
+            guards(*targets)
 
-        self._tierckpt.save = save  # type: ignore[method-assign]
+        self._tierckpt.guard = guard  # type: ignore[method-assign]
 
 
 class KillAfterSave(TrainerCallback):

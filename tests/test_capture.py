@@ -20,7 +20,7 @@ from tierckpt import CapacityError, Checkpointer
 from tierckpt.testing.copies import COPY_PIECE_BYTES, HeldCopies
 from tierckpt.testing.inspect import captured_done
 
-from helpers import assert_bitwise, fs_tier, parked, tier_config
+from helpers import assert_bitwise, clone, fs_tier, parked, tier_config
 
 DEADLINE_S = 30.0  # a deadlock guard only: every wait below ends on an event long before it
 
@@ -34,16 +34,6 @@ def make_config(tmp_path: Path, *, capacity: str = "8MiB", snapshots: int = 2, c
 
 def fs_only_config(path: Path) -> dict[str, Any]:
     return {"host": {"capacity": "8MiB", "snapshots": 1}, "tiers": [{"name": "disk", "type": "filesystem", "path": str(path)}]}
-
-
-def clone(state: Any) -> Any:
-    if isinstance(state, torch.Tensor):
-        return state.detach().clone()
-    if isinstance(state, dict):
-        return type(state)((k, clone(v)) for k, v in state.items())
-    if isinstance(state, (list, tuple)):
-        return type(state)(clone(v) for v in state)
-    return state
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import torch
 from tierckpt import Checkpointer, ConfigError, FlushError
 from tierckpt.capture.copier import TornCaptureError
 from tierckpt.testing.copies import HeldCopies, stopped_copy_threads
+from tierckpt.testing.inspect import captured_done
 
 from helpers import fs_tier, parked, tier_config
 
@@ -114,6 +115,36 @@ def test_attach_holds_a_wrapper_without_buffers_that_writes_its_childrens(tmp_pa
     for key, value in at_save.items():
         assert torch.equal(restored.state[key], value), key
     assert not torch.equal(wrapper.child[-1].running_mean, at_save["child.6.running_mean"])
+
+
+class _Rotary(torch.nn.Module):
+    """A layer with a buffer its state_dict() leaves out (as a rotary embedding's ``inv_freq``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(2048, 2048)
+        self.register_buffer("inv_freq", torch.linspace(0.5, 1.5, 2048), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) * self.inv_freq
+
+
+def test_attach_holds_no_forward_whose_module_saves_no_buffer(tmp_path: Path) -> None:
+    """Only persistent buffers are in the snapshot: a model whose buffers are all non-persistent gets
+    no forward hook, not even on its root, and its forward runs while the copy is still held."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(6)], _Rotary())
+    assert "6.inv_freq" not in model.state_dict()
+    with Checkpointer(_config(tmp_path)) as ckpt:
+        hooks = ckpt.attach(model)
+        assert all(not m._forward_pre_hooks for m in model.modules())
+        gate = _gate(ckpt)
+        handle = ckpt.save_sync(1, model.state_dict())
+        model(torch.randn(8, 2048))  # on this thread: a hook that waited would hold it until the gate's deadline
+        assert not captured_done(handle), "forward waited for the copy"
+        gate.release()
+        assert handle.captured_sync(timeout=30)
+        hooks.remove()
 
 
 def test_attach_rejects_other_objects(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,11 @@ import torch
 
 from tierckpt import Checkpointer
 from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, Region, decode_document, version_dirname
-from tierckpt.integrations.huggingface import POINTER_NAME
+from tierckpt.integrations.huggingface import POINTER_NAME, TierckptTrainer
+from tierckpt.testing.copies import HeldCopies
 from tierckpt.testing.ranks import failures, launch_ranks
 
-from helpers import fs_tier, tier_config
+from helpers import assert_bitwise, clone, fs_tier, tier_config, until
 from hf_worker import EVERY, STEPS, Tokens, run
 
 WORKER = Path(__file__).with_name("hf_worker.py")
@@ -54,6 +56,77 @@ def test_a_resumed_run_continues_exactly_as_an_uninterrupted_one(tmp_path: Path,
 
     again = run(out, config, resume=str(out / "checkpoint-4"))
     assert again == {s: whole[s] for s in range(5, STEPS + 1)}
+
+
+def _in_barrier(thread: threading.Thread) -> bool:
+    """Whether ``thread`` waits in the lazy barrier (the whole training runs under tierckpt's train(),
+    so "blocked in tierckpt's code" alone would take any wait for it)."""
+    frame = sys._current_frames().get(thread.ident)  # type: ignore[arg-type]
+    files = []
+    while frame is not None:
+        files.append(frame.f_code.co_filename)
+        frame = frame.f_back
+    return bool(files) and files[0] == threading.__file__ and any(f.endswith(os.path.join("capture", "barrier.py")) for f in files)
+
+
+class _HeldAtSave(TierckptTrainer):
+    """Holds the copy threads through its save of step EVERY, then trains on. A watcher waits until the
+    training thread parks inside tierckpt (the lazy barrier), notes what ran and what changed by then,
+    and releases the copy."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.forwards = 0
+        self.seen: dict[str, Any] = {}
+        self.watcher: threading.Thread | None = None
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        if self.state.global_step != EVERY:
+            return super()._save_checkpoint(model, trial)
+        self.at_save = clone(model.state_dict())
+        self.moments_at_save = clone(self.optimizer.state_dict()["state"])
+        model.register_forward_pre_hook(lambda *_: setattr(self, "forwards", self.forwards + 1))
+        held = HeldCopies(self.tierckpt_checkpointer, deadline_s=60)
+        super()._save_checkpoint(model, trial)
+        self.seen["returned_before_the_copy"] = self.tierckpt_checkpointer.wait_captured(timeout=0) is False
+        trainer, main = self, threading.current_thread()
+
+        def watch() -> None:
+            trainer.seen["parked"] = until(lambda: _in_barrier(main), 60)
+            trainer.seen["forwards_by_then"] = trainer.forwards
+            trainer.seen["weights_by_then"] = clone(model.state_dict())
+            held.release()
+
+        self.watcher = threading.Thread(target=watch)
+        self.watcher.start()
+
+
+def test_a_save_returns_before_its_copy_and_only_the_optimizer_step_waits(tmp_path: Path, config: dict[str, Any]) -> None:
+    """The lazy barrier under the Trainer: the save of step 4 returns with its copy held; step 5's
+    forward and backward run; its optimizer step parks until the copy is released, the weights still
+    those saved. The stored step 4 is the state at its save, and the run's losses are an eager run's."""
+    eager = run(tmp_path / "eager", tier_config(fs_tier("nvme", tmp_path / "eager-nvme"), capacity="32MiB"))
+    trainers: list[_HeldAtSave] = []
+
+    class Recorded(_HeldAtSave):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            trainers.append(self)
+
+    losses = run(tmp_path / "run", config, kind=Recorded)
+    trainer = trainers[0]
+    assert trainer.watcher is not None
+    trainer.watcher.join(60)
+    seen = trainer.seen
+    assert seen["returned_before_the_copy"], seen
+    assert seen["parked"], "the training thread never waited in the lazy barrier"
+    assert seen["forwards_by_then"] >= 1, "the training thread parked before the next forward: nothing overlapped the copy"
+    assert_bitwise(seen["weights_by_then"], trainer.at_save)  # parked before the optimizer changed anything
+    assert losses == eager  # bitwise: nothing of the state changed under the copy
+    with Checkpointer(config) as ckpt:
+        stored = ckpt.restore_sync(EVERY).state
+    assert_bitwise(stored["model"], trainer.at_save)
+    assert_bitwise(stored["optimizer"]["state"], trainer.moments_at_save)
 
 
 def test_save_total_limit_prunes_directories_and_the_tiers_keep_the_steps(tmp_path: Path, config: dict[str, Any]) -> None:

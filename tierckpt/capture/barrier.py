@@ -35,9 +35,11 @@ class LazyBarrier:
     def attach(self, target: torch.optim.Optimizer | torch.nn.Module) -> Any:
         """Install the lazy barrier: wait for pending host copies before state is overwritten.
 
-        An optimizer gets a step pre-hook (``optimizer.step()`` waits). A module gets a forward pre-hook on itself and on
-        every submodule that owns buffers, since forward may update those in place (BatchNorm running statistics, DDP's
-        buffer broadcast); modules without buffers keep running during the copy.
+        An optimizer gets a step pre-hook (``optimizer.step()`` waits). A module gets a forward pre-hook on every submodule
+        that owns persistent buffers, since forward may update those in place (BatchNorm running statistics), and on itself
+        when there are any (DDP's buffer broadcast writes its children's at the top of forward); the other modules keep
+        running during the copy. Non-persistent buffers are not in ``state_dict()``: a rotary embedding's ``inv_freq``
+        does not hold a forward back. A state that holds them anyway needs :meth:`wait_captured`.
         Returns a handle; ``handle.remove()`` detaches. Other state modified in place outside these (a GradScaler, EMA
         weights) needs :meth:`wait_captured` before it is modified; a copy that sees its tensor change fails with
         :class:`FlushError` instead of storing a torn snapshot.
@@ -57,15 +59,12 @@ class LazyBarrier:
             def forward_barrier(_module: Any, _args: Any) -> None:
                 wait()
 
-            # The root too, buffers or not: a wrapper may write its children's buffers before their
-            # own hooks run (DistributedDataParallel broadcasts them in place at the top of forward).
-            return Handles(
-                [
-                    module.register_forward_pre_hook(forward_barrier)
-                    for module in target.modules()
-                    if module is target or next(module.buffers(recurse=False), None) is not None
-                ]
-            )
+            holders = [module for module in target.modules() if _saves_buffers(module)]
+            # The root too, buffers of its own or not: a wrapper may write its children's buffers before
+            # their own hooks run (DistributedDataParallel broadcasts them in place at the top of forward).
+            if holders and holders[0] is not target:
+                holders.insert(0, target)
+            return Handles([module.register_forward_pre_hook(forward_barrier) for module in holders])
         raise TypeError(f"attach() takes a torch optimizer or module, not {type(target).__name__}")
 
     def wait_captured(self, timeout: float | None = None, *, host: bool = False) -> bool:
@@ -80,3 +79,9 @@ class LazyBarrier:
         Returns False if ``timeout`` ran out first (nothing is ordered then).
         """
         return self._copier.wait_captured(timeout, host=host)
+
+
+def _saves_buffers(module: torch.nn.Module) -> bool:
+    """Whether ``module`` owns a buffer that its ``state_dict()`` holds (a persistent one)."""
+    skipped = module._non_persistent_buffers_set
+    return any(value is not None and name not in skipped for name, value in module._buffers.items())

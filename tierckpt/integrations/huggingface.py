@@ -23,6 +23,12 @@ rank and stored once (``replicated=``, each rank writing its share); the RNG sta
 own. Rank 0 writes ``checkpoint-N/`` once the step is committed on every rank; every rank loads the
 step its pointer names and gets its own RNG states back.
 
+A save returns before its host copy is done: the next step's forward and backward run beside the
+copy, and only the optimizer's step (and the forward of a module holding saved buffers, such as
+BatchNorm's) waits for it: the Checkpointer's lazy barrier, put on the optimizer and the model at
+the first save. A callback that changes the saved tensors in place elsewhere (an EMA of the
+weights) must call ``trainer.tierckpt_checkpointer.wait_captured()`` first.
+
 Under FSDP (``fsdp=True``; ``fsdp_config={"version": 2}`` for FSDP2, else FSDP1), the model's and
 the optimizer's state dicts are torch's sharded ones (``get_model_state_dict``,
 ``get_optimizer_state_dict``: DTensors, FSDP1's ``ShardedTensor``s as the DTensors of the same pieces,
@@ -91,6 +97,11 @@ class TierckptMixin:
         self._tierckpt_loaded: tuple[str, dict[str, Any]] | None = None
         self._meshes: dict[str, Any] = {}  # FSDP1's DTensor meshes, kept from save to save (sharded_tensors says why)
 
+    @property
+    def tierckpt_checkpointer(self) -> Any:
+        """The open :class:`~tierckpt.Checkpointer` (opened on first use; collective under DDP/FSDP)."""
+        return self._tierckpt.checkpointer
+
     # -- saving --------------------------------------------------------------------------------------
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
@@ -134,7 +145,11 @@ class TierckptMixin:
         try:
             # Under FSDP each rank's shards are its own: only the scheduler and the scaler are replicated.
             replicated = holding_tensors(state, _REPLICATED[2:] if self._sharded else _REPLICATED)
-            self._tierckpt.save(output_dir, step, state, publish, metadata=metadata, replicated=replicated)
+            # The lazy barrier: the next step's forward and backward run while the copy goes on; the
+            # optimizer's step (and a forward that writes saved buffers) waits for it. The rest of
+            # the state is the Trainer's own Python values, or tensors made for this save (RNG).
+            self._tierckpt.guard(_bare(trainer.optimizer), trainer.model_wrapped)
+            self._tierckpt.save(output_dir, step, state, publish, metadata=metadata, replicated=replicated, lazy=True)
         except UnsupportedStateError as exc:
             raise UnsupportedStateError(f"{exc}. tierckpt stores checkpoints without pickle: the optimizer, scheduler or scaler state must hold only numbers, strings, lists, dicts and tensors", key=exc.key) from exc
 

@@ -69,6 +69,7 @@ class DurableSaves:
         # then last.ckpt): each save replaces the version, so only the newest one commits, for every key.
         self._newest: dict[int, SaveHandle] = {}
         self._seq = itertools.count()
+        self._guarded: dict[int, tuple[Any, Any]] = {}  # id(target) -> (target, its barrier hooks) on the open Checkpointer
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -80,11 +81,22 @@ class DurableSaves:
             self._thread.start()
         return self._ckpt
 
+    def guard(self, *targets: Any) -> None:
+        """Put the Checkpointer's lazy barrier on ``targets`` (optimizers: their step waits for a save's
+        host copy; modules: the forward of those holding saved buffers), once while it is open; close()
+        takes it off. Saves may then return before their copy is done (``save(lazy=True)``)."""
+        ckpt = self.checkpointer
+        for target in targets:
+            if id(target) not in self._guarded:
+                self._guarded[id(target)] = (target, ckpt.attach(target))
+
     def save(self, key: str, step: int, state: Any, then: Callable[[str], None], metadata: dict[str, Any] | None = None,
-             replicated: Sequence[Any] = ()) -> bool:
+             replicated: Sequence[Any] = (), lazy: bool = False) -> bool:
         """Save ``state`` as ``step``; return once it is captured (the trainer may then change the
-        live tensors). False when the save was skipped (``host.on_full: skip``). ``replicated``: the
-        values the same on every rank (``Checkpointer.save``), stored once."""
+        live tensors), or with ``lazy`` at once, the copy going on while the trainer computes: only for
+        a state that nothing but the :meth:`guard`-ed targets changes in place. False when the save
+        was skipped (``host.on_full: skip``). ``replicated``: the values the same on every rank
+        (``Checkpointer.save``), stored once."""
         ckpt = self.checkpointer
         # Under the lock: a save of a step replaces the one before it at once, and the thread, finding
         # that one passed over, must then see this one as the step's newest.
@@ -93,7 +105,8 @@ class DurableSaves:
             if handle.skipped:
                 return False
             self._newest[step] = handle
-        handle.captured_sync()
+        if not lazy:
+            handle.captured_sync()
         item = _Pending(key, step, handle, next(self._seq), then)
         with self._lock:
             self._pending[key] = item
@@ -135,6 +148,9 @@ class DurableSaves:
             if thread is not None:
                 thread.join()
         finally:
+            guarded, self._guarded = self._guarded, {}
+            for _, hooks in guarded.values():
+                hooks.remove()
             ckpt.close_sync()
         if failed is not None:
             raise failed
