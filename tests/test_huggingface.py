@@ -104,8 +104,9 @@ class _HeldAtSave(TierckptTrainer):
 def test_a_save_returns_before_its_copy_and_only_the_optimizer_step_waits(tmp_path: Path, config: dict[str, Any]) -> None:
     """The lazy barrier under the Trainer: the save of step 4 returns with its copy held; step 5's
     forward and backward run; its optimizer step parks until the copy is released, the weights still
-    those saved. The stored step 4 is the state at its save, and the run's losses are an eager run's."""
-    eager = run(tmp_path / "eager", tier_config(fs_tier("nvme", tmp_path / "eager-nvme"), capacity="32MiB"))
+    those saved. The stored step 4 is the state at its save, and the run's losses are those of a run
+    whose copies were not held."""
+    unheld = run(tmp_path / "unheld", tier_config(fs_tier("nvme", tmp_path / "unheld-nvme"), capacity="32MiB"))
     trainers: list[_HeldAtSave] = []
 
     class Recorded(_HeldAtSave):
@@ -122,7 +123,7 @@ def test_a_save_returns_before_its_copy_and_only_the_optimizer_step_waits(tmp_pa
     assert seen["parked"], "the training thread never waited in the lazy barrier"
     assert seen["forwards_by_then"] >= 1, "the training thread parked before the next forward: nothing overlapped the copy"
     assert_bitwise(seen["weights_by_then"], trainer.at_save)  # parked before the optimizer changed anything
-    assert losses == eager  # bitwise: nothing of the state changed under the copy
+    assert losses == unheld  # bitwise: nothing of the state changed under the copy
     with Checkpointer(config) as ckpt:
         stored = ckpt.restore_sync(EVERY).state
     assert_bitwise(stored["model"], trainer.at_save)
