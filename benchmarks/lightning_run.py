@@ -148,6 +148,7 @@ def main() -> None:
     if args.strategy != "ddp" and args.ranks < 2:
         parser.error(f"--strategy {args.strategy} shards over ranks: give --ranks 2 or more")
     variants = VARIANTS if args.strategy == "ddp" else tuple(v for v in VARIANTS if v != "AsyncCheckpointIO")
+
     def command(variant: str) -> list[str]:
         return [sys.executable, __file__, "--worker", variant, "--dir", str(args.dir), "--mib", str(args.mib),
                 "--steps", str(args.steps), "--every", str(args.every), "--ranks", str(args.ranks), "--strategy", args.strategy]
@@ -176,6 +177,7 @@ def main() -> None:
         durable["torch.save"], named["torch.save"] = "yes", "Lightning's own (the strategy's DCP save)"
     lines += [*overhead_rows(variants, runs, overheads, args.steps // args.every, named, durable), f"(the no-checkpoint run: {base:.2f} s).", ""]
     print_and_keep("\n".join(lines), HERE / "RESULTS.md", not args.quick)
+
 
 if __name__ == "__main__":
     main()
