@@ -4,7 +4,8 @@ Two CPU ranks train an FSDP1 model a few steps, take its full state dict (an all
 About 1 run in 3 aborts as the interpreter shuts down ("terminate called without an active
 exception", SIGABRT): a gloo worker thread frees the all-gather's tensors, which needs the interpreter
 lock, after finalization began. ``DESTROY=1`` calls ``destroy_process_group()`` first and ``BARRIER=1``
-a final ``barrier()``: neither prevents it (docs/integrations.md gives the counts).
+a final ``barrier()``: neither prevents it (docs/integrations.md gives the counts). ``END_JOB=1`` drops
+the model and calls ``tierckpt.testing.ranks.end_job()``, which leaves no gloo thread to race the exit.
 
     for i in $(seq 12); do .venv/bin/torchrun --nproc-per-node 2 --master-addr 127.0.0.1 \\
         --master-port $((29600 + i)) scripts/fsdp1_gloo_exit_abort.py > /dev/null 2>&1 || echo aborted; done
@@ -31,3 +32,8 @@ if os.environ.get("BARRIER"):
     dist.barrier()
 if os.environ.get("DESTROY"):
     dist.destroy_process_group()
+if os.environ.get("END_JOB"):
+    from tierckpt.testing.ranks import end_job
+
+    del model, optimizer
+    end_job()

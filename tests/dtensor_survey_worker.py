@@ -22,6 +22,7 @@ from tierckpt.errors import UnsupportedStateError
 from tierckpt.state import pieces, survey
 from tierckpt.state.leaves import Leaf, _flatten_any
 from tierckpt.state.walk import _as_lists
+from tierckpt.testing.ranks import end_job
 
 
 def described(leaves: list[Leaf], rows: list[Any] | None) -> list[dict[str, Any]]:
@@ -85,8 +86,8 @@ def main(out: Path) -> None:
         "partial": partial,
     }
     (out / f"result-{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    end_job()  # DTensors on gloo may abort at the interpreter's exit otherwise (pytorch#190489)

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from tierckpt.integrations.huggingface import TierckptTrainer
+from tierckpt.testing.ranks import end_job
 
 STEPS, EVERY = 12, 4
 
@@ -184,3 +185,4 @@ if __name__ == "__main__":
         resume = {"true": True, "none": None}.get(sys.argv[4], sys.argv[4])  # else a checkpoint-N path
         logged = run(out, config, resume=resume, callbacks=watch + ((KillAfterSave(kill_at),) if kill_at else ()), weights=final)
         (out / f"result-{os.environ['RANK']}.json").write_text(json.dumps({"losses": logged, "weights": final}))
+        end_job()  # FSDP on gloo may abort at the interpreter's exit otherwise (pytorch#190489)

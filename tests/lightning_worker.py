@@ -30,6 +30,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from tierckpt.testing.ranks import end_job
+
 BATCHES = 8  # per epoch (per rank under DDP: each rank takes every other batch of 2 x BATCHES)
 EVERY = BATCHES  # steps between checkpoints under DDP: at the end of each epoch (Lightning resumes a plain
 # DataLoader at the start of an epoch, so only such checkpoints resume bitwise, with or without tierckpt)
@@ -156,15 +158,4 @@ def main(root: Path, config: dict[str, Any], max_steps: int, strategy: str, kill
 if __name__ == "__main__":
     root, config = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
     main(root, config, int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), sys.argv[6])
-    if torch.distributed.is_initialized():  # as torch asks of every script
-        torch.distributed.destroy_process_group()
-    if sys.argv[4] == "fsdp1":
-        # FSDP1 on gloo aborts in about 1 exit of 4 ("terminate called without an active exception",
-        # SIGABRT) after all its work: a gloo worker thread frees the last collective's tensors (an
-        # all-gather of FSDP1's full state dict, whole_weights here) while the interpreter shuts down
-        # (pytorch#190489; a core dump shows it). scripts/fsdp1_gloo_exit_abort.py, without Lightning or tierckpt, does it
-        # too, with or without destroy_process_group() (docs/integrations.md). The tests assert what
-        # the job wrote, so it ends here, before that finalization.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    end_job()  # before the interpreter's exit: FSDP on gloo aborts there otherwise (pytorch#190489)

@@ -19,6 +19,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 
 from tierckpt.integrations.sharded_tensors import as_dtensors, with_originals
+from tierckpt.testing.ranks import end_job
 
 
 def sharded(rows: list[tuple[int, int]], cols: int, group: Any = None) -> ShardedTensor:
@@ -78,8 +79,8 @@ def main(out: Path) -> None:
         "kept": kept_across_calls(),
     }
     (out / f"result-{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    end_job()  # DTensors on gloo may abort at the interpreter's exit otherwise (pytorch#190489)

@@ -1,4 +1,5 @@
-"""``tierckpt.testing.launch_ranks``: real processes, their environment, one deadline, logs in files."""
+"""``tierckpt.testing.launch_ranks``: real processes, their environment, one deadline, logs in files; and
+``end_job``: a rank of an FSDP2 job on gloo ends with no gloo thread left to abort its exit."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from tierckpt.testing import TAIL_CHARS, RankExit, failures, launch_ranks
 
@@ -65,3 +68,45 @@ def test_ranks_expected_dead_must_die_by_sigkill() -> None:
     assert failures(exits, expect_dead=(1,)) == ""
     assert "--- rank 1 (exit -9, expected exit 0) ---" in failures(exits)
     assert "--- rank 0 (exit 0, expected exit -9) ---" in failures(exits, expect_dead=(0, 1))
+
+
+# Two ranks of an FSDP2 model on gloo take its weights whole, drop the model and call end_job.
+# "pinned": the script keeps the default group, as torch.distributed.nn's default arguments do when a
+# DTensor call first imports it after init_process_group.
+END_JOB = """
+import atexit, os, sys
+from pathlib import Path
+import torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from tierckpt.testing.ranks import end_job, gloo_threads
+out = Path(sys.argv[1]) / os.environ["RANK"]
+out.mkdir()
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+dist.init_process_group("gloo")
+model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+model(torch.randn(4, 4)).sum().backward()
+whole = [p.full_tensor() for p in model.parameters()]
+kept = dist.group.WORLD if sys.argv[2] == "pinned" else None
+(out / "threads").write_text(str(gloo_threads()))
+del model, whole
+end_job()
+(out / "returned").write_text(str(gloo_threads()))
+"""
+
+
+@pytest.mark.parametrize("held", ["freed", "pinned"])
+def test_end_job_leaves_no_gloo_thread_to_race_the_exit_or_ends_the_process_at_once(tmp_path: Path, held: str) -> None:
+    exits = launch_ranks([sys.executable, "-c", END_JOB, str(tmp_path), held], 2, timeout_s=120)
+    assert failures(exits) == ""
+    for rank in ("0", "1"):
+        out = tmp_path / rank
+        assert int((out / "threads").read_text()) > 0  # the job's groups ran gloo threads
+        if held == "freed":  # every group went: end_job returned with no thread left, and the exit ran its hooks
+            assert (out / "returned").read_text() == "0"
+            assert (out / "atexit").read_text() == "ran"
+        else:  # torch keeps the default group: the process ended inside end_job, before finalization
+            assert not (out / "returned").exists()
+            assert not (out / "atexit").exists()

@@ -28,6 +28,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersCon
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
 from tierckpt.integrations.torchtitan import TierckptCheckpointManager
+from tierckpt.testing.ranks import end_job
 
 TOTAL, BATCH, INTERVAL = 12, 4, 4
 
@@ -106,8 +107,8 @@ def main() -> None:
     out["end_params"] = full(model)
     manager.close()
     (root / f"result-{rank}.json").write_text(json.dumps(out))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    end_job()  # FSDP2 on gloo may abort at the interpreter's exit otherwise (pytorch#190489)

@@ -25,7 +25,8 @@ benchmarks of many ranks; :func:`failures` says which ranks did not exit as they
 
 The package: :mod:`~tierckpt.testing.tiers` (slow, gated and faulty tiers), :mod:`~tierckpt.testing.clock`
 (:class:`ManualClock`), :mod:`~tierckpt.testing.faults` (:class:`IOFaults`, :func:`flip_bits`) and
-:mod:`~tierckpt.testing.ranks` (:func:`launch_ranks`, :func:`failures`).
+:mod:`~tierckpt.testing.ranks` (:func:`launch_ranks`, :func:`failures`; :func:`~tierckpt.testing.ranks.end_job`,
+a rank's clean exit).
 
 The seams tests look through instead of private attributes, imported from their modules (not from here):
 :mod:`~tierckpt.testing.inspect` reads a Checkpointer's parts (its host pool, tiers, flushers and engine;

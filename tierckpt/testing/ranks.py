@@ -1,13 +1,17 @@
 """Ranks of one job on localhost: :func:`launch_ranks` runs a script as the ranks of one
 torch.distributed job, :class:`RankExit` is how each ended, :func:`failures` says which did not exit as
 they should, and :func:`free_port` picks the job's ``MASTER_PORT``. For tests and benchmarks of many ranks.
+In a rank, :func:`end_job` ends its part of the job so that the process exits cleanly.
 """
 
 from __future__ import annotations
 
+import functools
+import gc
 import os
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -104,3 +108,66 @@ def failures(exits: Sequence[RankExit], expect_dead: Collection[int] = ()) -> st
             how = "still running at the deadline, killed" if e.returncode is None else f"exit {e.returncode}"
             wrong.append(f"--- rank {e.rank} ({how}, expected exit {want}) ---\n{e.output}")
     return "\n".join(wrong)
+
+
+def gloo_threads() -> int:
+    """How many of gloo's worker threads (``pt_gloo_runloop``) run in this process; 0 where /proc is absent."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return 0
+    count = 0
+    for task in tasks.iterdir():
+        try:
+            count += (task / "comm").read_text().strip() == "pt_gloo_runloop"
+        except OSError:  # the thread ended while we looked
+            pass
+    return count
+
+
+def end_job() -> None:
+    """End this rank's part of its torch.distributed job so that its process exits cleanly. Call it
+    last, once every Checkpointer is closed and what holds the job's groups is dropped (a trainer, an
+    FSDP model, a device mesh).
+
+    A gloo worker thread frees a finished collective's tensors, which takes the interpreter lock; if it
+    does so while the interpreter shuts down, the process aborts ("terminate called without an active
+    exception", pytorch#190489): FSDP1, FSDP2 and DTensor jobs on CPU do it in some exits (an FSDP1
+    script in 5 of 12 runs here).
+    This call empties torch's caches of sharding plans (they keep device meshes, and so their groups,
+    for the life of the process) and destroys the groups: a group whose last reference goes joins its
+    threads, and the call returns with none left. Where torch itself still holds a group (a DTensor
+    call after ``init_process_group`` imports ``torch.distributed.nn``, whose functions' default
+    arguments keep the default group), the threads cannot be stopped: the process then flushes its
+    standard streams and ends at once with status 0 (``os._exit``), skipping the interpreter's
+    finalization, where the abort happens, and its ``atexit`` hooks.
+    """
+    import torch.distributed as dist
+
+    _drop_dtensor_caches()
+    gc.collect()  # trainers, models and meshes sit in reference cycles that hold the groups
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+    if gloo_threads():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _drop_dtensor_caches() -> None:
+    """Empty the caches torch.distributed keeps of sharding plans: the functools caches of its modules
+    and the C++ fast path's, keyed by DTensor specs whose meshes hold process groups (torch 2.13)."""
+    import torch
+
+    for obj in gc.get_objects():
+        # type(), not isinstance(): some of torch's objects warn when asked for their class
+        if type(obj) is functools._lru_cache_wrapper and str(getattr(obj, "__module__", "")).startswith("torch.distributed"):
+            obj.cache_clear()
+    clear_fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_fast_path is not None:
+        clear_fast_path()
+    try:
+        from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    except ImportError:  # a torch without the planner's cache
+        return
+    clear_redistribute_planner_cache()
