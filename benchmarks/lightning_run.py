@@ -10,6 +10,8 @@ Variants, each in a new process (``--worker``), in alternating order over ``--re
 - ``AsyncCheckpointIO``: Lightning's own asynchronous wrapper around it (a thread);
 - ``tierckpt``: ``TierckptCheckpointIO``: RAM, then a filesystem tier in the same directory (fsynced),
   keep 2. The Checkpointer is built on the first save, inside ``fit``: its host pool is in the time.
+- ``tierckpt lazy``: the same with ``lazy=True``: a save returns before its host copy, and the next
+  optimizer update waits for it.
 
 The time is ``fit()`` from call to return, which includes the plugin's ``teardown()``: every
 checkpoint is written (and, for tierckpt, durable) when it returns. Overhead = variant - ``none`` of
@@ -40,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("none", "torch.save", "AsyncCheckpointIO", "tierckpt")
+VARIANTS = ("none", "torch.save", "AsyncCheckpointIO", "tierckpt", "tierckpt lazy")
 SHARDING = {"ddp": "DDP", "fsdp1": "FSDPStrategy (FSDP1)", "fsdp2": "ModelParallelStrategy (FSDP2)"}
 HERE = Path(__file__).resolve().parent
 
@@ -90,11 +92,11 @@ def worker(variant: str, directory: Path, mib: int, steps: int, every: int, rank
     plugin: Any = None
     if variant == "AsyncCheckpointIO":
         plugin = AsyncCheckpointIO()
-    elif variant == "tierckpt":
+    elif variant.startswith("tierckpt"):
         state_bytes = 12 * sum(p.numel() for p in model.parameters())
         config = common.tier_config(common.disk_tier(directory / "nvme", "nvme", keep={"last": 2}),
                                     capacity=2 * (int(state_bytes * 1.1) + (8 << 20)), snapshots=2)
-        plugin = TierckptCheckpointIO(config)
+        plugin = TierckptCheckpointIO(config, lazy=variant == "tierckpt lazy")
     checkpointing = variant != "none"
     if strategy == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
@@ -171,7 +173,7 @@ def main() -> None:
         "| checkpoint I/O | fit (s) | overhead over no checkpoints (s) | per checkpoint (s) | durable (fsync) |",
         "| --- | ---: | ---: | ---: | --- |",
     ]
-    durable = {"none": "", "torch.save": "no", "AsyncCheckpointIO": "no", "tierckpt": "yes"}
+    durable = {"none": "", "torch.save": "no", "AsyncCheckpointIO": "no", "tierckpt": "yes", "tierckpt lazy": "yes"}
     named = dict(zip(VARIANTS, VARIANTS))
     if args.strategy != "ddp":  # the strategy writes its own files: DCP, which fsyncs
         durable["torch.save"], named["torch.save"] = "yes", "Lightning's own (the strategy's DCP save)"

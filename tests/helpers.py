@@ -235,6 +235,18 @@ def parked(thread: threading.Thread, deadline_s: float = 30.0) -> bool:
     return False
 
 
+def in_barrier(thread: threading.Thread) -> bool:
+    """Whether ``thread`` waits in the Checkpointer's lazy barrier: blocked on a threading primitive,
+    called from ``capture/barrier.py`` (a trainer may run its whole training under tierckpt's code,
+    so "blocked in tierckpt" alone would take any wait for it)."""
+    frame = sys._current_frames().get(thread.ident)  # type: ignore[arg-type]
+    files = []
+    while frame is not None:
+        files.append(frame.f_code.co_filename)
+        frame = frame.f_back
+    return bool(files) and files[0] == threading.__file__ and any(f.endswith(os.path.join("capture", "barrier.py")) for f in files)
+
+
 def until(predicate: Any, deadline_s: float = 30.0) -> bool:
     """Poll ``predicate()`` until it is true (True) or ``deadline_s``, a deadlock guard only, runs out."""
     end = time.monotonic() + deadline_s

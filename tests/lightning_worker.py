@@ -5,7 +5,7 @@
 ``fsdp1`` (``FSDPStrategy``: ``tierckpt.testing.lightning_cpu.CpuFSDPStrategy`` on CPU, the strategy itself with ``ACCELERATOR=cuda``),
 run by ``launch_ranks`` (each process a rank, as torchrun starts them); or ``ddp_spawn``, run as one
 process (Lightning starts the workers). In the environment: ``HIDDEN``, the model's width (16), and
-``DEVICES``, the number of ranks (2), ``EXIT_AFTER_FIT`` (set: rank 0 lists ``ckpts`` into ``after-fit.json`` right after ``fit()``, then every rank returns), and ``KILL_RANKS``, the ranks the kill step kills (all), and ``KILL_IN_SAVE`` (set: kill while the
+``DEVICES``, the number of ranks (2), ``LAZY`` (set: the plugin's saves are lazy), ``EXIT_AFTER_FIT`` (set: rank 0 lists ``ckpts`` into ``after-fit.json`` right after ``fit()``, then every rank returns), and ``KILL_RANKS``, the ranks the kill step kills (all), and ``KILL_IN_SAVE`` (set: kill while the
 Trainer dumps the step's first checkpoint, before this rank saves it). Each rank writes ``<root>/result-<rank>.json``: its losses by
 step and its final weights (whole tensors); rank 0 writes ``<root>/weights-<step>.json`` at each save.
 With a kill step, every rank SIGKILLs itself at the start of the batch after that step's checkpoint
@@ -141,7 +141,7 @@ def main(root: Path, config: dict[str, Any], max_steps: int, strategy: str, kill
     trainer = L.Trainer(
         max_steps=max_steps, accelerator=os.environ.get("ACCELERATOR", "cpu"), devices=devices, logger=False,
         strategy=_strategy(strategy, devices), enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=root, plugins=[TierckptCheckpointIO(config)], callbacks=callbacks,
+        enable_model_summary=False, default_root_dir=root, plugins=[TierckptCheckpointIO(config, lazy=bool(os.environ.get("LAZY")))], callbacks=callbacks,
     )
     trainer.fit(model, ckpt_path=None if ckpt_path == "none" else ckpt_path)
     if os.environ.get("EXIT_AFTER_FIT"):  # as a training script ends: what fit() left, seen right when it returned

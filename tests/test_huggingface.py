@@ -24,7 +24,7 @@ from tierckpt.integrations.huggingface import POINTER_NAME, TierckptTrainer
 from tierckpt.testing.copies import HeldCopies
 from tierckpt.testing.ranks import failures, launch_ranks
 
-from helpers import assert_bitwise, clone, fs_tier, tier_config, until
+from helpers import assert_bitwise, clone, fs_tier, in_barrier, tier_config, until
 from hf_worker import EVERY, STEPS, Tokens, run
 
 WORKER = Path(__file__).with_name("hf_worker.py")
@@ -58,17 +58,6 @@ def test_a_resumed_run_continues_exactly_as_an_uninterrupted_one(tmp_path: Path,
     assert again == {s: whole[s] for s in range(5, STEPS + 1)}
 
 
-def _in_barrier(thread: threading.Thread) -> bool:
-    """Whether ``thread`` waits in the lazy barrier (the whole training runs under tierckpt's train(),
-    so "blocked in tierckpt's code" alone would take any wait for it)."""
-    frame = sys._current_frames().get(thread.ident)  # type: ignore[arg-type]
-    files = []
-    while frame is not None:
-        files.append(frame.f_code.co_filename)
-        frame = frame.f_back
-    return bool(files) and files[0] == threading.__file__ and any(f.endswith(os.path.join("capture", "barrier.py")) for f in files)
-
-
 class _HeldAtSave(TierckptTrainer):
     """Holds the copy threads through its save of step EVERY, then trains on. A watcher waits until the
     training thread parks inside tierckpt (the lazy barrier), notes what ran and what changed by then,
@@ -92,7 +81,7 @@ class _HeldAtSave(TierckptTrainer):
         trainer, main = self, threading.current_thread()
 
         def watch() -> None:
-            trainer.seen["parked"] = until(lambda: _in_barrier(main), 60)
+            trainer.seen["parked"] = until(lambda: in_barrier(main), 60)
             trainer.seen["forwards_by_then"] = trainer.forwards
             trainer.seen["weights_by_then"] = clone(model.state_dict())
             held.release()

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +22,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from tierckpt import Checkpointer, ConfigError, CorruptCheckpointError, NoCheckpointError, UnsupportedStateError
 from tierckpt.integrations import lightning as tierckpt_lightning
 from tierckpt.integrations.lightning import TierckptCheckpointIO
+from tierckpt.testing.copies import HeldCopies
 from tierckpt.testing.inspect import opened_checkpointer
 from tierckpt.testing.ranks import failures, launch_ranks
 
-from helpers import fs_tier, tier_config
+from helpers import assert_bitwise, clone, fs_tier, in_barrier, tier_config, until
 from lightning_worker import BATCHES, EVERY, Tiny
 
 WORKER = Path(__file__).with_name("lightning_worker.py")
@@ -93,6 +95,62 @@ def test_the_stored_checkpoint_holds_what_lightning_put_in_it(tmp_path: Path, co
     assert loaded["lr_schedulers"][0]["last_epoch"] == 8
     assert any(key.startswith("ModelCheckpoint") for key in loaded["callbacks"])
     plugin.teardown()
+
+
+class _HeldAtSave(TierckptCheckpointIO):
+    """A lazy plugin that holds the copy threads through its save of step ``EVERY``. A watcher waits
+    until the training thread parks in the lazy barrier, notes what ran and what changed by then, and
+    releases the copy."""
+
+    def __init__(self, config: dict[str, Any], model: Tiny) -> None:
+        super().__init__(config, lazy=True)
+        self.model, self.forwards = model, 0
+        self.seen: dict[str, Any] = {}
+        self.watcher: threading.Thread | None = None
+        model.net.register_forward_pre_hook(lambda *_: setattr(self, "forwards", self.forwards + 1))
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if checkpoint.get("global_step") != EVERY:
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        self.at_save = clone(checkpoint["state_dict"])
+        self.moments_at_save = clone(checkpoint["optimizer_states"][0]["state"])
+        forwards_at_save, main = self.forwards, threading.current_thread()
+        held = HeldCopies(self.checkpointer, deadline_s=60)
+        super().save_checkpoint(checkpoint, path, storage_options)
+        self.seen["returned_before_the_copy"] = self.checkpointer.wait_captured(timeout=0) is False
+
+        def watch() -> None:
+            self.seen["parked"] = until(lambda: in_barrier(main), 60)
+            self.seen["forwards_by_then"] = self.forwards - forwards_at_save
+            self.seen["weights_by_then"] = clone(self.model.state_dict())
+            held.release()
+
+        self.watcher = threading.Thread(target=watch)
+        self.watcher.start()
+
+
+def test_a_lazy_save_returns_before_its_copy_and_only_the_optimizer_step_waits(tmp_path: Path, config: dict[str, Any]) -> None:
+    """``lazy=True``: the save of step 8 returns with its copy held; step 9's forward and backward run;
+    its optimizer step parks until the copy is released, the weights still those saved. The stored
+    step 8 is the state at its save, and the run's losses are those of a run whose saves waited."""
+    steps = EVERY + 4
+    eager = _losses(tmp_path / "eager", steps, TierckptCheckpointIO(tier_config(fs_tier("nvme", tmp_path / "eager-nvme"))), every_n_train_steps=EVERY)
+    L.seed_everything(0, verbose=False)
+    model = Tiny()
+    plugin = _HeldAtSave(config, model)
+    _trainer(tmp_path / "run", steps, plugin, every_n_train_steps=EVERY).fit(model)
+    assert plugin.watcher is not None
+    plugin.watcher.join(60)
+    seen = plugin.seen
+    assert seen["returned_before_the_copy"], seen
+    assert seen["parked"], "the training thread never waited in the lazy barrier"
+    assert seen["forwards_by_then"] >= 1, "the training thread parked before the next forward: nothing overlapped the copy"
+    assert_bitwise(seen["weights_by_then"], plugin.at_save)  # parked before the optimizer changed anything
+    assert model.losses == eager  # bitwise: nothing of the state changed under the copy
+    with Checkpointer(config) as ckpt:
+        stored = ckpt.restore_sync(EVERY).state
+    assert_bitwise(stored["state_dict"], plugin.at_save)
+    assert_bitwise(stored["optimizer_states"][0]["state"], plugin.moments_at_save)
 
 
 def test_hyperparameters_that_need_pickle_are_an_error_naming_the_key(tmp_path: Path, config: dict[str, Any]) -> None:
@@ -229,11 +287,11 @@ def _pointers(root: Path) -> dict[str, int]:
     return {p.name: json.loads(p.read_text())["step"] for p in (root / "ckpts").iterdir() if not p.name.startswith(".")}
 
 
-def _killed_then_resumed(tmp_path: Path, whole: Path, strategy: str, hidden: int) -> None:
-    """Every rank SIGKILLed right after the save of step 16 returned (captured; durable or not): each
-    pointer names a step committed on every rank, and the newest pointer (last.ckpt, unless the kill
-    came before it was updated) resumes every rank, bitwise."""
-    _job(tmp_path, strategy, kill_at=2 * EVERY, hidden=hidden)
+def _killed_then_resumed(tmp_path: Path, whole: Path, strategy: str, hidden: int, env: dict[str, str] | None = None) -> None:
+    """Every rank SIGKILLed right after the save of step 16 returned (captured, or with ``LAZY`` maybe
+    not yet; durable or not): each pointer names a step committed on every rank, and the newest
+    pointer (last.ckpt, unless the kill came before it was updated) resumes every rank, bitwise."""
+    _job(tmp_path, strategy, kill_at=2 * EVERY, hidden=hidden, env=env)
     with Checkpointer(tier_config(fs_tier("nvme", tmp_path / "nvme", keep={"last": 10}))) as ckpt:
         durable = sorted(v.step for v in ckpt.versions() if v.tier == "nvme")
     assert durable in ([], [8], [8, 16]), durable  # [] only on a machine slow enough that step 8 was not durable yet
@@ -243,7 +301,7 @@ def _killed_then_resumed(tmp_path: Path, whole: Path, strategy: str, hidden: int
         pytest.skip("no pointer was written before the kill on this machine")
     # last.ckpt may still name the step before (its save of step 16 came second): resume from the newest.
     newest = max(pointers, key=lambda name: (pointers[name], name == "last.ckpt"))
-    _job(tmp_path, strategy, ckpt_path="last" if newest == "last.ckpt" else str(tmp_path / "ckpts" / newest), hidden=hidden)
+    _job(tmp_path, strategy, ckpt_path="last" if newest == "last.ckpt" else str(tmp_path / "ckpts" / newest), hidden=hidden, env=env)
     want, r0, r1 = _result(whole, 0), _result(tmp_path, 0), _result(tmp_path, 1)
     assert r0["losses"] == {str(s): want["losses"][str(s)] for s in range(pointers[newest], STEPS)}  # bitwise
     assert r0["weights"] == r1["weights"] == want["weights"]
@@ -273,6 +331,19 @@ def test_ddp_saves_on_every_rank_and_stores_the_replicated_state_once(whole_ddp:
 @pytest.mark.slow
 def test_ddp_killed_on_every_rank_after_a_save_resumes_bitwise(tmp_path: Path, whole_ddp: Path) -> None:
     _killed_then_resumed(tmp_path, whole_ddp, "ddp", hidden=4096)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_lazy_saves_killed_on_every_rank_resume_bitwise(request: pytest.FixtureRequest, tmp_path: Path, strategy: str) -> None:
+    """``lazy=True`` under DDP and FSDP2: the updates wait for the copies on every rank, so the job's
+    losses and weights are bitwise those of eager saves, and a kill right after a save resumes bitwise."""
+    whole = request.getfixturevalue(f"whole_{strategy}")
+    hidden = 4096 if strategy == "ddp" else 64
+    lazy = tmp_path / "whole"
+    _job(lazy, strategy, hidden=hidden, env={"LAZY": "1"})
+    assert _result(lazy, 0) == _result(whole, 0) and _result(lazy, 1) == _result(whole, 1)
+    _killed_then_resumed(tmp_path / "killed", whole, strategy, hidden, env={"LAZY": "1"})
 
 
 @pytest.mark.slow

@@ -194,3 +194,37 @@ def test_the_pool_thread_takes_at_most_a_quarter_of_a_core(tmp_path: Path) -> No
     assert preparer.rested_s == pytest.approx(3 * preparer.worked_s)
     # The rests were taken, not only counted: the thread's CPU time is at most a quarter of its time.
     assert took >= preparer.worked_s + preparer.rested_s - 0.01, (took, preparer.worked_s, preparer.rested_s)
+
+
+# A save whose tensor changes under its held copy fails torn. The FlushError's traceback keeps the
+# snapshot, and with it tensors over the pool's memory; its frames' locals are formatted after the
+# Checkpointer closed, as pytest or an error reporter formats them. Run in a child process: a pool
+# unmapped under those tensors crashes whoever reads them.
+TORN_AFTER_CLOSE = """
+import sys, traceback, torch
+from tierckpt import Checkpointer, FlushError
+from tierckpt.testing.copies import HeldCopies
+config = {"host": {"capacity": "1MiB", "snapshots": 1}, "tiers": [{"name": "nvme", "type": "filesystem", "path": sys.argv[1]}]}
+state = {"w": torch.arange(4096, dtype=torch.float32)}
+ckpt = Checkpointer(config)
+held = HeldCopies(ckpt, deadline_s=60)
+handle = ckpt.save_sync(1, state)
+state["w"].add_(1)  # changed while its copy waits: the capture is torn
+held.release()
+try:
+    ckpt.close_sync()
+    raise SystemExit("close() did not raise the torn capture")
+except FlushError as exc:
+    error = exc
+formatted = "".join(traceback.TracebackException.from_exception(error, capture_locals=True).format())
+print("snapshot" in formatted, "modified in place" in formatted)
+"""
+
+
+def test_tensors_over_the_pool_outlive_the_checkpointer_that_closed_it(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    child = subprocess.run([sys.executable, "-c", TORN_AFTER_CLOSE, str(tmp_path / "nvme")], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert child.stdout.split() == ["True", "True"], child.stdout  # the locals formatted include the snapshot's

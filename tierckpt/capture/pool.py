@@ -109,12 +109,12 @@ class _Arena:
 
     def close(self) -> None:
         self.preparer.close()  # stopped and unpinned before the memory goes
-        del self.bytes
-        try:
-            self.memory.close()
-        except BufferError:
-            # A view handed out earlier is still alive; the mapping goes when it does.
-            pass
+        # Dropped, not closed: the mapping goes with the last reference to it. A torch tensor over the
+        # pool holds one (torch.frombuffer keeps the mmap object, but no buffer export that would make
+        # mmap.close() refuse), and may outlive the pool: a snapshot's views in a FlushError's traceback,
+        # which pytest or an error reporter prints with its frames' locals. Unmapped under them, the
+        # views would read freed memory and crash the process.
+        del self.bytes, self.memory
 
 
 class HostPool:

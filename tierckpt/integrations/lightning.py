@@ -7,7 +7,11 @@ found by listing its directory) and ``trainer.fit(ckpt_path=...)`` work unchange
 
 - ``save_checkpoint`` returns once the state is captured in host memory: the optimizer may then
   change the parameters that ``model.state_dict()`` put in the dict. The rest flows down the tiers
-  in the background.
+  in the background. With ``lazy=True`` it returns at once, the host copy going on while the next
+  step's forward and backward run; the optimizers' update (and the forward of modules with persistent
+  buffers) waits for it: the Checkpointer's lazy barrier. Lightning runs the forward and backward
+  inside ``optimizer.step(closure)``, so the optimizers wait not in a step pre-hook but at
+  ``on_before_optimizer_step``, after the closure (:mod:`~tierckpt.integrations.lightning_ranks`).
 - The pointer is written once the step is durable on the first tier below host memory that takes it
   (then the next, if that one passes it over or fails), so after a crash every pointer, ``last.ckpt``
   included, names a step that can be restored. Until then, a load of that path in this process is
@@ -88,11 +92,21 @@ class TierckptCheckpointIO(CheckpointIO):
     ``config``: a tier config (a YAML path, a dict or a :class:`~tierckpt.config.Config`), checked
     here, so a wrong one fails when the Trainer is built. The Checkpointer itself is opened on the
     first save or load, in the process that trains.
+
+    ``lazy``: a save returns before its host copy is done; the optimizers' next update (and the
+    forward of modules that hold persistent buffers) waits for it, so the next step's forward and
+    backward run beside the copy. Off by default: a callback that changes in place, before that
+    update, a tensor it put in the checkpoint would change the saved step too; such a callback calls
+    ``plugin.checkpointer.wait_captured()`` first. It takes effect once the plugin is attached to
+    the strategy (:mod:`~tierckpt.integrations.lightning_ranks`'s callback does it at ``setup``, and
+    makes the update wait); until then a save waits for its copy.
     """
 
-    def __init__(self, config: Config | Mapping[str, Any] | str | os.PathLike[str]) -> None:
+    def __init__(self, config: Config | Mapping[str, Any] | str | os.PathLike[str], *, lazy: bool = False) -> None:
         super().__init__()
         self.config = Config.coerce(config)
+        self.lazy = lazy
+        self._strategy: Strategy | None = None  # the Trainer's, once attached: with lazy, its model takes the lazy barrier
         self._saves = DurableSaves(self.config, "TierckptCheckpointIO")
         self._replicated: tuple[str, ...] = ()  # the checkpoint's keys whose values are the same on every rank (DDP)
         self._every_rank = False  # the strategy hands every rank's checkpoint to this plugin
@@ -109,6 +123,7 @@ class TierckptCheckpointIO(CheckpointIO):
                 (DeepSpeed, XLA), or ``ModelParallelStrategy`` gathering whole states on rank 0
                 (``save_distributed_checkpoint=False``).
         """
+        self._strategy = strategy
         if isinstance(strategy, (ModelParallelStrategy, FSDPStrategy)):  # even on one process: their own loads read their own formats
             if isinstance(strategy, ModelParallelStrategy) and not getattr(strategy, "_save_distributed_checkpoint", True):
                 raise ConfigError(
@@ -198,10 +213,10 @@ class TierckptCheckpointIO(CheckpointIO):
     def __getstate__(self) -> dict[str, Any]:
         # ddp_spawn pickles the Trainer, this plugin with it, into each worker: the config goes; the
         # worker opens its own Checkpointer.
-        return {"config": self.config}
+        return {"config": self.config, "lazy": self.lazy}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["config"])  # type: ignore[misc]
+        self.__init__(state["config"], lazy=state.get("lazy", False))  # type: ignore[misc]
 
     def _save_on_this_rank(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         self.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -212,7 +227,8 @@ class TierckptCheckpointIO(CheckpointIO):
         return self._saves.checkpointer
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        """Save ``checkpoint`` as step ``checkpoint["global_step"]``; returns once it is captured."""
+        """Save ``checkpoint`` as step ``checkpoint["global_step"]``; returns once it is captured (with
+        ``lazy``, at once: the strategy's optimizers and model wait for the copy)."""
         if storage_options is not None:
             raise TypeError(f"TierckptCheckpointIO.save_checkpoint takes no storage_options (got {storage_options!r}): the tier config says where and how")
         if "global_step" not in checkpoint:  # not a training checkpoint: ddp_spawn's hand-off of weights
@@ -229,9 +245,13 @@ class TierckptCheckpointIO(CheckpointIO):
                 "one, add callbacks=[tierckpt.integrations.lightning_ranks.EveryRankSaves()] to the Trainer"
             )
         key = os.fspath(path)
+        strategy = self._strategy if self.lazy else None
+        if strategy is not None and strategy.model is not None:  # before the save: the barrier must hold the next forward
+            self._saves.guard(strategy.model)  # the optimizers wait in before_optimizer_step
         try:
             saved = self._saves.save(key, step, _plain(checkpoint), lambda tier: write_pointer(key, step, tier),
-                                     metadata={"lightning_path": key}, replicated=holding_tensors(checkpoint, self._replicated))
+                                     metadata={"lightning_path": key}, replicated=holding_tensors(checkpoint, self._replicated),
+                                     lazy=strategy is not None)
         except UnsupportedStateError as exc:
             raise UnsupportedStateError(f"{exc}. {NO_PICKLE_HINT}", key=exc.key) from exc
         if not saved:
@@ -258,6 +278,12 @@ class TierckptCheckpointIO(CheckpointIO):
             step = read_pointer(key) if step is None else step
             state = restore_named(self.checkpointer, key, step, instead=_EARLIER).state
         return _to(state, torch.device(map_location)) if map_location is not None else state
+
+    def before_optimizer_step(self) -> None:
+        """With ``lazy``, wait for the host copies of the saves made so far (Lightning's
+        ``on_before_optimizer_step``: after the closure's forward and backward, before the update)."""
+        if self.lazy:
+            self._saves.wait_captured()
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the pointer at ``path`` (and cancel one waiting to be written). The step stays on the

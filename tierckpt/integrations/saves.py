@@ -90,6 +90,13 @@ class DurableSaves:
             if id(target) not in self._guarded:
                 self._guarded[id(target)] = (target, ckpt.attach(target))
 
+    def wait_captured(self) -> None:
+        """The lazy barrier as a call, for a trainer that runs its forward and backward inside the
+        optimizer's step (a closure): before the update, not before the step. Nothing when no
+        Checkpointer is open."""
+        if self._ckpt is not None:
+            self._ckpt.wait_captured()
+
     def save(self, key: str, step: int, state: Any, then: Callable[[str], None], metadata: dict[str, Any] | None = None,
              replicated: Sequence[Any] = (), lazy: bool = False) -> bool:
         """Save ``state`` as ``step``; return once it is captured (the trainer may then change the
