@@ -235,6 +235,16 @@ def parked(thread: threading.Thread, deadline_s: float = 30.0) -> bool:
     return False
 
 
+def assert_overlapped(seen: dict[str, Any], at_save: Any) -> None:
+    """What a lazy save's watcher saw (a trainer's test holds the copy of one save, then lets training
+    go on): the save returned before its copy, the next forward ran beside it, and the training thread
+    then parked in the lazy barrier with the weights (``weights_by_then``) still those saved."""
+    assert seen["returned_before_the_copy"], seen
+    assert seen["parked"], "the training thread never waited in the lazy barrier"
+    assert seen["forwards_by_then"] >= 1, "the training thread parked before the next forward: nothing overlapped the copy"
+    assert_bitwise(seen["weights_by_then"], at_save)  # parked before the optimizer changed anything
+
+
 def in_barrier(thread: threading.Thread) -> bool:
     """Whether ``thread`` waits in the Checkpointer's lazy barrier: blocked on a threading primitive,
     called from ``capture/barrier.py`` (a trainer may run its whole training under tierckpt's code,
