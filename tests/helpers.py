@@ -130,6 +130,19 @@ def bitwise_equal(got: Any, want: Any) -> bool:
     return True
 
 
+def whole_weights(module: torch.nn.Module, fsdp1_root: torch.nn.Module | None = None) -> dict[str, Any]:
+    """``module``'s weights as lists, DTensors gathered whole (collective: every rank of a sharded job
+    calls it). Under FSDP1 pass the wrapped root: its whole state dict is gathered instead (a module's
+    own state dict holds views of FSDP1's flat parameters)."""
+    if fsdp1_root is not None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return {k: v.tolist() for k, v in get_model_state_dict(fsdp1_root, options=StateDictOptions(full_state_dict=True)).items()}
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).tolist() for k, v in module.state_dict().items()}
+
+
 def clone(state: Any) -> Any:
     """``state`` with every tensor copied (containers of the same types)."""
     if isinstance(state, torch.Tensor):

@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from tierckpt.integrations.huggingface import TierckptTrainer
 from tierckpt.testing.ranks import end_job
+
+import helpers
 
 STEPS, EVERY = 12, 4
 
@@ -114,11 +115,7 @@ def whole_weights(model: Any) -> dict[str, Any]:
     """The model's weights as lists (under FSDP, gathered from the shards: every rank calls it)."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):  # FSDP1: the whole state dict, from the wrapped model
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return {k: v.tolist() for k, v in get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)).items()}
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).tolist() for k, v in model.state_dict().items()}
+    return helpers.whole_weights(model, model if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()) else None)
 
 
 class WeightsAt(TrainerCallback):

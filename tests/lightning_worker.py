@@ -26,11 +26,12 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from tierckpt.testing.ranks import end_job
+
+import helpers
 
 BATCHES = 8  # per epoch (per rank under DDP: each rank takes every other batch of 2 x BATCHES)
 EVERY = BATCHES  # steps between checkpoints under DDP: at the end of each epoch (Lightning resumes a plain
@@ -104,14 +105,9 @@ class KillAfterSave(Callback):
 
 
 def whole_weights(module: nn.Module, strategy: Any = None) -> dict[str, Any]:
-    """The module's weights as lists, DTensors gathered whole (collective: every rank calls it). Under
-    FSDPStrategy, FSDP1's whole state dict of the wrapped model (the module's own holds views of its
-    flat parameters)."""
-    if isinstance(strategy, FSDPStrategy):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return {k: v.tolist() for k, v in get_model_state_dict(strategy.model, options=StateDictOptions(full_state_dict=True)).items()}
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).tolist() for k, v in module.state_dict().items()}
+    """The module's weights as lists, gathered whole (collective: every rank calls it); under
+    FSDPStrategy, from the wrapped model."""
+    return helpers.whole_weights(module, strategy.model if isinstance(strategy, FSDPStrategy) else None)
 
 
 class WeightsAtSaves(Callback):
