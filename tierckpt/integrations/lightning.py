@@ -106,11 +106,11 @@ class TierckptCheckpointIO(CheckpointIO):
         super().__init__()
         self.config = Config.coerce(config)
         self.lazy = lazy
-        self._strategy: Strategy | None = None  # the Trainer's, once attached: with lazy, its model takes the lazy barrier
+        # The Trainer's, once attached: a sharded one's loads restore into its live shards; with lazy, its model takes the barrier.
+        self._strategy: Strategy | None = None
         self._saves = DurableSaves(self.config, "TierckptCheckpointIO")
         self._replicated: tuple[str, ...] = ()  # the checkpoint's keys whose values are the same on every rank (DDP)
         self._every_rank = False  # the strategy hands every rank's checkpoint to this plugin
-        self._sharded: ModelParallelStrategy | FSDPStrategy | None = None  # whose load_checkpoint restores into its live shards
         self._strategy_teardown: Any = None  # the sharded strategy's own teardown (which skips this plugin's)
         self._meshes: dict[str, Any] = {}  # FSDP1's DTensor meshes, kept from save to save (sharded_tensors says why)
 
@@ -137,7 +137,6 @@ class TierckptCheckpointIO(CheckpointIO):
                 strategy.optimizer_state = self._optimizer_shards  # type: ignore[method-assign]
             self._replicated = ()  # DTensor shards held alike by several ranks are stored once without being named
             if vars(strategy).get("load_checkpoint") != self._load_sharded:
-                self._sharded = strategy
                 strategy.load_checkpoint = self._load_sharded  # type: ignore[method-assign]
             if vars(strategy).get("teardown") != self._teardown_sharded:
                 # Their teardown() never calls their checkpoint I/O's (Strategy.teardown does): without
@@ -173,15 +172,15 @@ class TierckptCheckpointIO(CheckpointIO):
         """FSDPStrategy's ``lightning_module_state_dict``: torch's sharded state dict of the model."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        assert self._sharded is not None and self._sharded.model is not None
-        return as_dtensors(get_model_state_dict(self._sharded.model), meshes=self._meshes)
+        assert self._strategy is not None and self._strategy.model is not None
+        return as_dtensors(get_model_state_dict(self._strategy.model), meshes=self._meshes)
 
     def _optimizer_shards(self, optimizer: Any) -> dict[str, Any]:
         """FSDPStrategy's ``optimizer_state``: torch's sharded state dict of ``optimizer``, keyed by parameter name."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        assert self._sharded is not None and self._sharded.model is not None
-        return as_dtensors(get_optimizer_state_dict(self._sharded.model, _bare(optimizer)), meshes=self._meshes)
+        assert self._strategy is not None and self._strategy.model is not None
+        return as_dtensors(get_optimizer_state_dict(self._strategy.model, _bare(optimizer)), meshes=self._meshes)
 
     def _load_sharded(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """The sharded strategies' ``load_checkpoint``: the step restored into the live sharded model
@@ -190,7 +189,7 @@ class TierckptCheckpointIO(CheckpointIO):
             StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
         )
 
-        strategy = self._sharded
+        strategy = self._strategy
         assert strategy is not None and strategy.model is not None and strategy.lightning_module is not None
         key = os.fspath(checkpoint_path)
         pending = self._saves.pending_step(key)
