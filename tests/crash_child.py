@@ -23,7 +23,10 @@ Usage: ``python crash_child.py zygote`` (``benchmarks/crash_campaign.py``)
     costs seconds: that is what makes hundreds of kills affordable. The runs save through
     ram → nvme → pfs (:func:`campaign_config`) and die by SIGKILL: from the campaign after a random
     delay, or by their own hand at a kill point (:data:`POINTS`) of capture, flush, promotion, pruning
-    or the sweep on open.
+    or the sweep on open. A run saves on from the step it is given, or first rolls back: it restores
+    an earlier step with ``restore(step)``, checks that it got bitwise what some run saved there
+    (:func:`differences`), and saves the steps after it, so that its saves are the latest although
+    an abandoned direction holds higher steps (``tierckpt/format/lineage.py``).
 """
 
 from __future__ import annotations
@@ -121,14 +124,13 @@ def install_pause(point: str, step: int) -> None:
     elif point == "replace":
         rename = aiofiles.os.rename
 
-        async def pausing_rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
-            result = await rename(src, dst, *args, **kwargs)
+        async def pausing_rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+            await rename(src, dst, *args, **kwargs)
             # The committed version of ``step`` moved aside (retention, keep.last=2, never deletes the
             # newest step, so this rename is the replacement's).
             if Path(src).name == version_dirname(step) and Path(dst).name.startswith("."):
                 say("paused", point, step)
                 await asyncio.Event().wait()
-            return result
 
         aiofiles.os.rename = pausing_rename
     else:
@@ -169,7 +171,7 @@ PHASE_GROUP = {
 def campaign_config(root: str | Path, delta: int | None = None) -> dict[str, Any]:
     """ram → nvme (every version, keep 2) → pfs (even steps, zstd, keep 2): promotion and pruning all the
     time; ``delta``: both disk tiers store differential versions (``delta: {full_every: delta}``)."""
-    config = {
+    config: dict[str, Any] = {
         "host": {"capacity": "16MiB", "snapshots": 2},
         "tiers": [
             {"name": "ram", "type": "memory", "keep": {"last": 1}},
@@ -212,6 +214,27 @@ def campaign_state(step: int, variant: int, bases: dict[str, torch.Tensor]) -> d
         "step": step,
         "variant": variant,
     }
+
+
+def differences(actual: Any, expected: Any, prefix: str = "") -> list[str]:
+    """Where two states differ: structure, types, dtypes, shapes, bytes (empty: bitwise equal)."""
+    if isinstance(expected, dict):
+        if not isinstance(actual, dict) or list(actual) != list(expected):
+            return [f"{prefix or 'state'}: keys {list(actual) if isinstance(actual, dict) else type(actual)}"]
+        return [d for k in expected for d in differences(actual[k], expected[k], f"{prefix}{k}.")]
+    if isinstance(expected, (list, tuple)):
+        if type(actual) is not type(expected) or len(actual) != len(expected):
+            return [f"{prefix}: {type(actual).__name__} of {len(actual) if hasattr(actual, '__len__') else '?'}"]
+        return [d for i, (a, e) in enumerate(zip(actual, expected)) for d in differences(a, e, f"{prefix}{i}.")]
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(actual, torch.Tensor) or (actual.dtype, actual.shape) != (expected.dtype, expected.shape):
+            return [f"{prefix}: not {expected.dtype}{list(expected.shape)}"]
+        if not torch.equal(actual.contiguous().view(torch.uint8), expected.contiguous().view(torch.uint8)):
+            return [f"{prefix}: bytes differ"]
+        return []
+    if type(actual) is not type(expected) or actual != expected:
+        return [f"{prefix}: {actual!r} != {expected!r}"]
+    return []
 
 
 class _Run:
@@ -334,13 +357,35 @@ class _Run:
         return interposer
 
 
+def _roll_back(run: _Run, ckpt: Any, step: int, bases: dict[str, torch.Tensor]) -> None:
+    """``restore(step)`` (the rollback's), checked bitwise against what the run whose variant it holds
+    saved there; reports ``restored <step> <variant>``, or an error and dies (saving nothing: the
+    campaign's model of the lineages needs the version each save descends from)."""
+    try:
+        restored = ckpt.restore_sync(step)
+        state = restored.state
+        variant = state.get("variant") if isinstance(state, dict) else None
+        if restored.step != step or type(variant) is not int:
+            problems = [f"restored step {restored.step}, variant {variant!r}"]
+        else:
+            problems = differences(state, campaign_state(step, variant, bases))
+    except Exception as exc:  # noqa: BLE001 - reported to the campaign
+        problems = [repr(exc)]
+    if problems:
+        run.event("error", "restore", step, " ".join(problems[:3]).replace("\n", " "))
+        run.die()
+    run.event("restored", step, variant)
+
+
 def campaign_run(spec: dict[str, Any]) -> NoReturn:
-    """Save ``spec["start"]``, the next step, ... as variant ``spec["variant"]`` until killed.
+    """Save ``spec["start"]``, the next step, ... as variant ``spec["variant"]`` until killed; with
+    ``spec["restore"]`` (a step), a rollback: restore that step first (:func:`_roll_back`).
 
     Events (one line each, appended to ``spec["events"]``): ``ready`` (the Checkpointer is open),
-    ``saving <step>`` (before save()), ``saved <step>``, ``committed <tier> <step>`` (the handle said
-    so), ``hit <point> <n>`` (killing itself), ``missed`` (``max_steps`` saved without reaching the
-    kill point: the campaign kills it), ``error ...``.
+    ``restored <step> <variant>`` (the rollback's restore, verified), ``saving <step>`` (before
+    save()), ``saved <step>``, ``committed <tier> <step>`` (the handle said so), ``hit <point> <n>``
+    (killing itself), ``missed`` (``max_steps`` saved without reaching the kill point: the campaign
+    kills it), ``error ...``.
     """
     run = _Run(spec)
     try:
@@ -367,6 +412,8 @@ def campaign_run(spec: dict[str, Any]) -> NoReturn:
                 except Exception as exc:  # noqa: BLE001 - reported to the campaign
                     run.event("error", "flush", tier, step, repr(exc).replace("\n", " "))
 
+        if spec.get("restore") is not None:
+            _roll_back(run, ckpt, spec["restore"], bases)
         step, pace = spec["start"], spec.get("pace_s", 0.0)
         missed = False
         while True:

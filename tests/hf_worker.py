@@ -33,10 +33,11 @@ STEPS, EVERY = 12, 4
 
 
 class Tokens(torch.utils.data.Dataset):
-    """48 sequences of a learnable pattern, in memory."""
+    """48 sequences of a learnable pattern, in memory (``seed``: which starts; another seed stands for
+    other data, as a rollback past a bad shard trains on)."""
 
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(0)
+    def __init__(self, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
         starts = torch.randint(0, 50, (48, 1), generator=g)
         self.ids = (starts + torch.arange(16)) % 64
 
@@ -62,9 +63,11 @@ class Losses(TrainerCallback):
 
 
 def run(out: Path, config: dict[str, Any] | None, *, stop_at: int | None = None, resume: Any = None, limit: int | None = None,
-        callbacks: tuple[Any, ...] = (), weights: dict[str, Any] | None = None, kind: type[Any] | None = None) -> dict[int, float]:
-    """Train (``config`` None: with the stock Trainer; ``kind``: a TierckptTrainer subclass) and return
-    the logged losses by step; the final weights go into ``weights`` (as lists) when given."""
+        callbacks: tuple[Any, ...] = (), weights: dict[str, Any] | None = None, kind: type[Any] | None = None,
+        every: int = EVERY, data_seed: int = 0) -> dict[int, float]:
+    """Train (``config`` None: with the stock Trainer; ``kind``: a TierckptTrainer subclass), saving
+    every ``every`` steps, on ``Tokens(data_seed)``, and return the logged losses by step; the final
+    weights go into ``weights`` (as lists) when given."""
     set_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))  # dropout 0.1: RNG matters
     sharding: dict[str, Any] = {}
@@ -75,17 +78,17 @@ def run(out: Path, config: dict[str, Any] | None, *, stop_at: int | None = None,
         if version == 1 and sharding["use_cpu"]:  # its broadcast of rank 0's weights needs an accelerator (every rank has them: seed 0)
             sharding["fsdp_config"]["sync_module_states"] = False
     args = TrainingArguments(
-        output_dir=str(out), max_steps=STEPS, save_steps=EVERY, save_strategy="steps", logging_steps=1,
+        output_dir=str(out), max_steps=STEPS, save_steps=every, save_strategy="steps", logging_steps=1,
         per_device_train_batch_size=4, learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=2,
         report_to=[], seed=0, dataloader_num_workers=0, save_total_limit=limit, disable_tqdm=True,
         **({"use_cpu": True} | sharding),
     )
     losses = Losses(stop_at)
     if config is None:
-        trainer: Trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[losses, *callbacks])
+        trainer: Trainer = Trainer(model=model, args=args, train_dataset=Tokens(data_seed), callbacks=[losses, *callbacks])
     else:
         kind = kind or (KilledInSave if os.environ.get("KILL_IN_SAVE") else TierckptTrainer)
-        trainer = kind(model=model, args=args, train_dataset=Tokens(), callbacks=[losses, *callbacks], tierckpt=config)
+        trainer = kind(model=model, args=args, train_dataset=Tokens(data_seed), callbacks=[losses, *callbacks], tierckpt=config)
     trainer.train(resume_from_checkpoint=resume)
     if weights is not None:
         weights.update(whole_weights(trainer.model_wrapped))

@@ -10,6 +10,7 @@ Started once per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and:
     DELTA           nvme stores differential versions (``delta: {full_every: DELTA}``, zstd+shuffle),
                     and the state gains a frozen value (replicated) and a trained one (each rank's)
     PEER=1          add a peer tier (one copy on the other node), RAM tiers on <dir>/ram-<node>
+    ABANDONED       nvme's keep.abandoned (how many versions of abandoned directions it keeps)
     TIMEOUT         distributed.timeout (default 20s)
     SIMULATE=0      nodes by torchrun's GROUP_RANK (set here: ranks 0, 1 on node 0, ranks 2, 3 on node
                     1; SWAP=1 exchanges them), not ``distributed.nodes``
@@ -52,6 +53,8 @@ def config(root: Path) -> dict[str, Any]:
     if os.environ.get("DELTA"):
         tiers[1]["delta"] = {"full_every": int(os.environ["DELTA"])}
         tiers[1]["compression"] = {"codec": "zstd", "level": 1, "shuffle": True}
+    if os.environ.get("ABANDONED"):  # how many abandoned versions nvme keeps (keep.abandoned)
+        tiers[1]["keep"]["abandoned"] = int(os.environ["ABANDONED"])
     if os.environ.get("PEER") == "1":
         node = os.environ.get("GROUP_RANK") or str(int(os.environ["RANK"]) // 2)
         ram["path"] = str(root / f"ram-{node}")

@@ -1,12 +1,14 @@
 """``tierckpt ls|verify DIR`` (and ``python -m tierckpt``): listing and checking versions, exit statuses,
-damage reports, folders holding tiers, the console script and ``--version``."""
+damage reports, folders holding tiers, what a rollback left, the console script and ``--version``."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import os
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from helpers import nvme_and_pfs, tierckpt_cli, tierckpt_cli_argv
 
 DATA = DATA_FILE.format(rank=0)
 ROOT = Path(__file__).resolve().parent.parent
+LS_HEADER = ["NAME", "STEP", "SAVE", "STORED", "LOGICAL", "CREATED", "MANIFEST"]
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -56,6 +59,45 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 
 def _manifest(version: Path) -> Manifest:
     return Manifest.decode((version / MANIFEST_FILE).read_bytes())
+
+
+def rolled_back(root: Path) -> dict[str, Any]:
+    """A rollback saved by real Checkpointers in ``root``; returns their config. A job saves steps 1..13
+    (saves 1..13); the next one restores step 5 and saves 6, 7, 8 (saves 14, 15, 16). nvme (keep the
+    newest 3 live) then holds 6, 7, 8 and 13 (abandoned); pfs (every 5th step) holds 5 and 10 (abandoned)."""
+    config = {
+        "host": {"capacity": "1MiB", "snapshots": 2},
+        "tiers": [
+            {"name": "ram", "type": "memory", "keep": {"last": 1}},
+            {"name": "nvme", "type": "filesystem", "path": str(root / "nvme"), "keep": {"last": 3}},
+            {"name": "pfs", "type": "filesystem", "path": str(root / "pfs"), "flush": {"every_steps": 5, "newest_only": False}},
+        ],
+    }
+    with Checkpointer(config) as ckpt:
+        _save_each(ckpt, range(1, 14))
+    with Checkpointer(config) as ckpt:
+        ckpt.restore_sync(5)
+        _save_each(ckpt, range(6, 9))
+    return config
+
+
+def _save_each(ckpt: Checkpointer, steps: range) -> None:
+    for step in steps:
+        ckpt.save_sync(step, {"w": torch.full((4,), float(step))})
+        ckpt.wait_sync()
+
+
+def _listed(out: str) -> dict[tuple[str, int], tuple[str, str]]:
+    """What ``ls`` printed of each version, by (heading, step): its SAVE and its MANIFEST cell."""
+    listed = {}
+    for block in out.split("\n\n"):
+        lines = block.splitlines()
+        heading = lines.pop(0).removesuffix(":") if not lines[0].startswith("NAME") else ""
+        assert lines[0].split() == LS_HEADER
+        for row in lines[1:]:
+            _, step, save, *_ = row.split()
+            listed[(heading, int(step))] = (save, row.rpartition("  ")[2])
+    return listed
 
 
 def test_verify_passes_a_healthy_tier_and_says_what_it_checked(tiers: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -124,9 +166,12 @@ def test_ls_lists_steps_sizes_and_validity_and_verify_names_a_damaged_manifest(
     status, out, _ = _run(capsys, "ls", str(tiers / "pfs"))
     assert status == 0
     header, *rows = out.splitlines()
-    assert header.split() == ["NAME", "STEP", "STORED", "LOGICAL", "CREATED", "VALID"]
-    assert [row.split()[:2] for row in rows] == [["step-000000000001", "1"], ["step-000000000002", "2"]]
+    assert header.split() == LS_HEADER
+    assert [row.split()[:3] for row in rows] == [["step-000000000001", "1", "1"], ["step-000000000002", "2", "2"]]
     assert all(row.endswith("  yes") for row in rows)
+    # Creation times are local, with the UTC offset: the form status prints times in.
+    created = datetime.fromtimestamp(_manifest(tiers / "pfs" / version_dirname(1)).created).astimezone()
+    assert f"  {created.isoformat(timespec='seconds')}  yes" in rows[0]
     manifest = _manifest(tiers / "pfs" / version_dirname(2))
     assert manifest.stored_bytes < sum(r.nbytes for r in manifest.records)  # stored and logical differ
 
@@ -197,7 +242,6 @@ def test_python_dash_m_tierckpt(tiers: Path) -> None:
 
 
 
-
 def test_the_version_is_written_once_and_the_console_script_prints_it() -> None:
     assert tierckpt.__version__ == importlib.metadata.version("tierckpt")
     assert "__version__" not in tierckpt.__all__  # a module attribute, not an API name
@@ -241,7 +285,7 @@ def test_ls_of_a_folder_holding_tiers_lists_each_tier_under_its_path(tiers: Path
     assert [b.splitlines()[0] for b in blocks] == [f"{tiers / name}:" for name in ("nvme", "pfs", "ssd")]
     for block in blocks[:2]:
         header, *rows = block.splitlines()[1:]
-        assert header.split() == ["NAME", "STEP", "STORED", "LOGICAL", "CREATED", "VALID"]
+        assert header.split() == LS_HEADER
         assert [row.split()[:2] for row in rows] == [["step-000000000001", "1"], ["step-000000000002", "2"]]
         assert all(row.endswith("  yes") for row in rows)
     assert blocks[2].splitlines()[1:] == ["no versions"]
@@ -278,3 +322,34 @@ def test_a_folder_that_is_no_tier_and_holds_none_is_a_usage_error(tmp_path: Path
     # A tier directory with no version yet (its leftovers show what it is) is fine.
     (plain / ".tmp-step-000000000003-abc").mkdir()
     assert _run(capsys, "ls", str(plain)) == (0, f"no versions in {plain}\n", "")
+
+
+def test_ls_of_a_folder_of_tiers_numbers_the_saves_and_marks_what_a_rollback_abandoned(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Abandoned is decided against the newest save of every tier listed: the saves after the rollback
+    are on nvme, and leave pfs's step 10 behind as much as nvme's 13."""
+    rolled_back(tmp_path)
+    status, out, _ = _run(capsys, "ls", str(tmp_path))
+    assert status == 0, out
+    nvme, pfs = str(tmp_path / "nvme"), str(tmp_path / "pfs")
+    assert _listed(out) == {
+        (nvme, 6): ("14", "yes"), (nvme, 7): ("15", "yes"), (nvme, 8): ("16", "yes"), (nvme, 13): ("13", "yes, abandoned"),
+        (pfs, 5): ("5", "yes"), (pfs, 10): ("10", "yes, abandoned"),
+    }
+    # pfs alone holds no save after 10: it is the newest there, and nothing is abandoned.
+    status, out, _ = _run(capsys, "ls", pfs)
+    assert status == 0 and _listed(out) == {("", 5): ("5", "yes"), ("", 10): ("10", "yes")}
+
+
+def test_ls_of_a_version_without_a_lineage_or_with_a_damaged_manifest_shows_no_save(tiers: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A version saved before lineages were recorded counts as save 0 (live: the newest save descends
+    from it); one whose manifest does not read has no save to show, and is not called abandoned."""
+    old = tiers / "nvme" / version_dirname(1)
+    (old / MANIFEST_FILE).write_bytes(dataclasses.replace(_manifest(old), metadata={}).encode())
+    torn = tiers / "pfs" / version_dirname(2) / MANIFEST_FILE
+    torn.write_bytes(torn.read_bytes()[:-5])
+    status, out, _ = _run(capsys, "ls", str(tiers))
+    assert status == 1
+    listed = _listed(out)
+    assert listed[(str(tiers / "nvme"), 1)] == ("-", "yes") and listed[(str(tiers / "nvme"), 2)] == ("2", "yes")
+    assert listed[(str(tiers / "pfs"), 1)] == ("1", "yes")
+    assert listed[(str(tiers / "pfs"), 2)][0] == "-" and listed[(str(tiers / "pfs"), 2)][1].startswith(f"no: {MANIFEST_FILE}: not msgpack")

@@ -17,6 +17,7 @@ from tierckpt.ranks.nodes import node_identity
 from tierckpt.testing import flip_bits
 
 from helpers import SHUFFLED_ZSTD, fs_tier, memory_tier, tier_config, tierckpt_cli
+from test_cli import rolled_back
 
 DATA = DATA_FILE.format(rank=0)
 HEADER = ["TIER", "TYPE", "VERSIONS", "NEWEST", "STORED", "WHERE"]
@@ -151,6 +152,26 @@ def test_status_verify_counts_ok_and_damaged_versions_per_tier(root: Path, capsy
     assert status == 1
     assert _table(out)[1][:5] == ["pfs", "filesystem", "1", "2", "0 B"]
     assert out.splitlines()[2].startswith(f"pfs  step-000000000002  DAMAGED  {MANIFEST_FILE}: not msgpack")
+
+
+def test_status_counts_what_a_rollback_abandoned_and_shows_the_newest_live_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Against the newest save of every tier listed (on nvme, after the rollback to step 5): nvme's 13
+    and pfs's 10 are abandoned, and NEWEST is the direction's, not the highest step held."""
+    config = rolled_back(tmp_path)
+    nvme, pfs = tmp_path / "nvme", tmp_path / "pfs"
+    rows = [
+        ["nvme", "filesystem", "4 (1 abandoned)", "8", _stored(nvme), str(nvme)],
+        ["pfs", "filesystem", "2 (1 abandoned)", "5", _stored(pfs), str(pfs)],
+    ]
+    status, out, _ = _run(capsys, "status", str(tmp_path))
+    assert status == 0 and _table(out) == [HEADER, *rows]
+    path = tmp_path / "tiers.yaml"
+    path.write_text(Config.from_dict(config).to_yaml())
+    status, out, _ = _run(capsys, "status", str(path))
+    assert status == 0 and _table(out)[2:] == rows
+    # pfs alone: 10 is the newest save there.
+    status, out, _ = _run(capsys, "status", str(pfs))
+    assert status == 0 and _table(out)[1:] == [["pfs", "filesystem", "2", "10", _stored(pfs), str(pfs)]]
 
 
 def _files(root: Path) -> dict[str, tuple[int, int]]:

@@ -119,13 +119,13 @@ def test_example_as_dict(tmp_path: Path) -> None:
     assert load(tmp_path, EXAMPLE).to_dict() == {
         "host": {"capacity": 4 * 2**30, "snapshots": 2, "on_full": "block", "copy_threads": 2, "pinned": "auto"},
         "tiers": [
-            {"name": "ram", "type": "memory", "keep": {"last": 2, "every_steps": None, "within": None, "max_bytes": None}},
+            {"name": "ram", "type": "memory", "keep": {"last": 2, "every_steps": None, "within": None, "max_bytes": None, "abandoned": None}},
             {
                 "name": "nvme",
                 "type": "filesystem",
                 "path": "checkpoints/nvme",
                 "flush": {"every": 1, "every_steps": None, "min_interval": 0.0, "max_staleness": None, "newest_only": True},
-                "keep": {"last": 3, "every_steps": None, "within": None, "max_bytes": None},
+                "keep": {"last": 3, "every_steps": None, "within": None, "max_bytes": None, "abandoned": None},
                 "compression": {"codec": "none", "level": 1, "shuffle": False, "min_ratio": 1.05, "when": "always"},
                 "io_threads": 2,
                 "scope": "shared",
@@ -135,7 +135,7 @@ def test_example_as_dict(tmp_path: Path) -> None:
                 "type": "filesystem",
                 "path": "checkpoints/pfs",
                 "flush": {"every": 1, "every_steps": 100, "min_interval": 30.0, "max_staleness": None, "newest_only": True},
-                "keep": {"last": 2, "every_steps": 1000, "within": None, "max_bytes": None},
+                "keep": {"last": 2, "every_steps": 1000, "within": None, "max_bytes": None, "abandoned": None},
                 "compression": {"codec": "zstd", "level": 3, "shuffle": False, "min_ratio": 1.05, "when": "always"},
                 "io_threads": 2,
                 "scope": "shared",
@@ -210,7 +210,7 @@ def test_wrong_choice_message(tmp_path: Path) -> None:
         (small(host="  capacity: 1GiB\n  snapshot: 2\n"), "host.snapshot", 3, "capacity, snapshots, on_full, copy_threads, pinned"),
         (small(nvme="    replicas: 2\n"), "tiers[1].replicas", 9, "name, type, path, flush, keep, compression, delta, io_threads, scope, copies, bandwidth, url, endpoint, region, concurrency, part_size, retries, timeout"),
         (small(nvme="    flush:\n      every: 2\n      max_stale: 1m\n"), "tiers[1].flush.max_stale", 11, "every, every_steps, min_interval, max_staleness, newest_only"),
-        (small(nvme="    keep: {last: 2, newer_than: 1h}\n"), "tiers[1].keep.newer_than", 9, "last, every_steps, within, max_bytes"),
+        (small(nvme="    keep: {last: 2, newer_than: 1h}\n"), "tiers[1].keep.newer_than", 9, "last, every_steps, within, max_bytes, abandoned"),
         (small(nvme="    compression: {codec: zstd, planes: 4}\n"), "tiers[1].compression.planes", 9, "codec, level, shuffle, min_ratio, when"),
     ],
 )
@@ -257,7 +257,7 @@ def test_unknown_keys(tmp_path: Path, text: str, key: str, line: int, allowed: s
         ("", "    keep: {last: 0}\n", "tiers[1].keep.last", 9, ["0 is not allowed"]),
         ("", "    keep: {every_steps: false}\n", "tiers[1].keep.every_steps", 9, ["False is not an integer"]),
         ("", "    keep:\n", "tiers[1].keep", 9, ["None is not a mapping"]),
-        ("", "    keep: {}\n", "tiers[1].keep", 9, ["sets no rule", "last, every_steps, within or max_bytes", "leave keep out"]),
+        ("", "    keep: {}\n", "tiers[1].keep", 9, ["sets no rule", "last, every_steps, within, max_bytes or abandoned", "leave keep out"]),
         ("", "    keep: {last: null}\n", "tiers[1].keep", 9, ["sets no rule"]),
         ("", "    keep: {within: 0}\n", "tiers[1].keep.within", 9, ["0 is not allowed", "> 0"]),
         ("", "    keep: {within: -2h}\n", "tiers[1].keep.within", 9, ["'-2h' is negative"]),

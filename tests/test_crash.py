@@ -7,7 +7,8 @@ least as new as the last one the child reported committed, bitwise equal to that
 
 The last test runs a short form (20 kills) of ``benchmarks/crash_campaign.py``: ram → nvme → pfs with
 promotion and pruning, killed at random and at chosen points of capture, flush, promotion, pruning and
-the next open's sweep (the full campaign runs 200).
+the next open's sweep, with runs that roll back (``restore(step)`` of an earlier step, then saving on
+from it) or save steps again (the full campaign runs 200).
 """
 
 from __future__ import annotations
@@ -215,9 +216,12 @@ def test_a_short_crash_campaign_loses_nothing(tmp_path: Path, delta: int | None)
     """20 SIGKILLs (10 at random, 10 at kill points) of a run saving through ram → nvme → pfs; with
     ``delta``, both disk tiers store differential versions (a whole one every 3).
 
-    After each: nothing left to sweep once a new Checkpointer opened, every listed version verifies
-    bitwise on its own, and the restore is bitwise what was saved and no older than the newest version
-    acknowledged committed on any tier (see the campaign's docstring). About 25 s on 2 cores.
+    Some runs roll back or save steps again. After each kill: nothing left to sweep once a new
+    Checkpointer opened, every listed version verifies bitwise on its own and is marked abandoned
+    exactly when the campaign's model of the lineages says so, the restore is bitwise what was saved,
+    the newest live version listed and no older (by save call) than the newest version acknowledged
+    committed on any tier, and each tier kept what retention must keep (see the campaign's docstring).
+    About 25 s on 2 cores.
     """
     spec = importlib.util.spec_from_file_location("tierckpt_crash_campaign", _CAMPAIGN)
     assert spec is not None and spec.loader is not None
@@ -235,3 +239,5 @@ def test_a_short_crash_campaign_loses_nothing(tmp_path: Path, delta: int | None)
     assert report["commits_acknowledged"].get("nvme", 0) > 0 and report["commits_acknowledged"].get("pfs", 0) > 0, summary
     assert report["targeted_hits"] >= 3, summary  # most of the 10 aimed kills reach their point
     assert report["versions_verified"] >= 20, summary
+    # Runs went back: rollbacks that restored an earlier step and saved on from it, and rewinds.
+    assert report["rollbacks_saving"] >= 1 and report["rewound_runs"] >= 1, summary

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from tierckpt import Checkpointer
 from tierckpt.errors import CorruptCheckpointError, FormatVersionError
+from tierckpt.format.lineage import KEY as LINEAGE
 from tierckpt.format import (
     ALIGN,
     CHECKSUM_ALGORITHM,
@@ -396,7 +397,8 @@ def test_a_real_save_lays_out_format_v1(ckpt: Checkpointer, tmp_path: Path) -> N
     manifest = Manifest.decode((version / MANIFEST_FILE).read_bytes(), tier="nvme", step=12)
     assert manifest.step == 12
     assert manifest.world_size == 1
-    assert manifest.metadata == {"lr": 0.5}
+    # The save's lineage is kept in its record too: the first save of an empty tier, no cuts.
+    assert manifest.metadata == {"lr": 0.5, LINEAGE: [1, []]}
     assert [r.index for r in manifest.records] == list(range(5))
     by_key = {r.key: r for r in manifest.records}
     assert set(by_key) == {"['model']['w']", "['model']['b']", "['model']['empty']", "['model']['big']", "['arr']"}

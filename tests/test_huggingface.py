@@ -20,12 +20,12 @@ import torch
 
 from tierckpt import Checkpointer
 from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, Region, decode_document, version_dirname
-from tierckpt.integrations.huggingface import POINTER_NAME, TierckptTrainer
+from tierckpt.integrations.huggingface import ABANDONED_PREFIX, POINTER_NAME, TierckptTrainer
 from tierckpt.testing.copies import HeldCopies
 from tierckpt.testing.ranks import failures, launch_ranks
 
 from helpers import assert_bitwise, assert_overlapped, clone, fs_tier, in_barrier, tier_config, until
-from hf_worker import EVERY, STEPS, Tokens, run
+from hf_worker import EVERY, STEPS, Tokens, WeightsAt, run
 
 WORKER = Path(__file__).with_name("hf_worker.py")
 
@@ -56,6 +56,50 @@ def test_a_resumed_run_continues_exactly_as_an_uninterrupted_one(tmp_path: Path,
 
     again = run(out, config, resume=str(out / "checkpoint-4"))
     assert again == {s: whole[s] for s in range(5, STEPS + 1)}
+
+
+def _step_of(folder: Path) -> int:
+    return int(json.loads((folder / POINTER_NAME).read_text())["step"])
+
+
+def test_after_a_rollback_resume_true_takes_the_new_direction_and_the_abandoned_directories_are_set_aside(tmp_path: Path) -> None:
+    """checkpoint-2..12, then a rollback: resumed from checkpoint-6, on other data, stopped after its
+    save of step 8. Once that save is durable, checkpoint-10 and -12 (higher steps, of the direction
+    left; the tiers' retention may already have deleted step 10) are renamed abandoned-checkpoint-10
+    and -12, before save_total_limit's rotation, which keeps the new direction's checkpoint-8. Then
+    the state a job killed right after that save became durable leaves (the old checkpoint-8, 10 and
+    12 in place): resume_from_checkpoint=True writes checkpoint-8 anew from the step's record, sets
+    10 and 12 aside again, and resumes from the new direction's step 8, its weights those saved."""
+    # Every save goes down (a busy tier would pass over one with a newer one waiting: no checkpoint-6 to go back to).
+    config = tier_config(fs_tier("nvme", tmp_path / "nvme", keep={"last": 10}, flush={"newest_only": False}), capacity="32MiB")
+    out = tmp_path / "run"
+    run(out, config, every=2)
+    assert sorted(os.listdir(out)) == [f"checkpoint-{s}" for s in (10, 12, 2, 4, 6, 8)]
+    shutil.copytree(out / "checkpoint-8", tmp_path / "old-checkpoint-8")
+
+    back = run(out, config, every=2, resume=str(out / "checkpoint-6"), stop_at=8, limit=2, data_seed=1, callbacks=(WeightsAt(out, {8}),))
+    assert sorted(back) == [7, 8]
+    aside = [f"{ABANDONED_PREFIX}checkpoint-{s}" for s in (10, 12)]
+    assert sorted(name for name in os.listdir(out) if "checkpoint" in name) == [*aside, "checkpoint-6", "checkpoint-8"]
+    assert [_step_of(out / name) for name in aside] == [10, 12]
+    new_state = (out / "checkpoint-8" / "trainer_state.json").read_text()
+    assert new_state != (tmp_path / "old-checkpoint-8" / "trainer_state.json").read_text()  # the new direction's log history
+    with Checkpointer(config) as ckpt:
+        held = {v.step: v.abandoned for v in ckpt.versions() if v.tier == "nvme"}
+    assert held[8] is False and held[12] is True and held.get(10, True) is True, held
+
+    # As a kill between the durable save of step 8 and its directory (and the renames) leaves it.
+    for name in aside:
+        os.rename(out / name, out / name.removeprefix(ABANDONED_PREFIX))
+    shutil.rmtree(out / "checkpoint-8")
+    shutil.copytree(tmp_path / "old-checkpoint-8", out / "checkpoint-8")
+
+    resumed = run(out, config, every=2, resume=True, data_seed=1, callbacks=(WeightsAt(out, set()),))
+    assert sorted(resumed) == list(range(9, STEPS + 1))  # from step 8, not from the abandoned 12
+    assert json.loads((out / "weights-0-begin.json").read_text()) == json.loads((out / "weights-0-saved-8.json").read_text())
+    assert (out / "checkpoint-8" / "trainer_state.json").read_text() == new_state
+    assert {name for name in os.listdir(out) if "checkpoint" in name} == {*aside, "checkpoint-6", "checkpoint-8", "checkpoint-10", "checkpoint-12"}
+    assert [_step_of(out / name) for name in aside] == [10, 12]
 
 
 class _HeldAtSave(TierckptTrainer):

@@ -17,7 +17,8 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
 
 from tierckpt import Checkpointer, ConfigError, CorruptCheckpointError, NoCheckpointError, UnsupportedStateError
 from tierckpt.integrations import lightning as tierckpt_lightning
@@ -82,6 +83,60 @@ def test_a_stopped_run_resumed_from_last_or_any_checkpoint_matches_an_uninterrup
     again = _losses(run, 4 * BATCHES, TierckptCheckpointIO(config), ckpt_path=run / "ckpts" / "epoch=0-step=8.ckpt",
                     every_n_train_steps=BATCHES, save_top_k=-1, save_last=True)
     assert again == {s: whole[s] for s in range(BATCHES, 4 * BATCHES)}
+
+
+class _OtherData(Tiny):
+    """Other targets: the direction a rollback past a bad shard trains on."""
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(self.hparams.batches * 8, 4, generator=g)
+        return DataLoader(TensorDataset(x, x.sum(1, keepdim=True) - 1.0), batch_size=8)
+
+
+class _KilledBeforeLast(TierckptCheckpointIO):
+    """Leaves out the save of last.ckpt at step ``2 * BATCHES``: what a job killed after the step's
+    top-k file was durable and written, before its last.ckpt was, leaves (Lightning saves the top-k
+    file first)."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if Path(path).name != "last.ckpt" or checkpoint.get("global_step") != 2 * BATCHES:
+            super().save_checkpoint(checkpoint, path, storage_options)
+
+
+class _WeightsAtStart(Callback):
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.weights = clone(pl_module.state_dict())
+
+
+@pytest.mark.parametrize("killed", [False, True], ids=["whole", "killed-before-last"])
+def test_after_a_rollback_last_resumes_the_new_direction(tmp_path: Path, killed: bool) -> None:
+    """Steps 8, 16, 24 saved (last.ckpt: 24), then a rollback: fit(ckpt_path= step 8's file) on other
+    data to step 16. ckpt_path="last" then resumes the new direction's step 16, its weights those
+    saved, not the abandoned 24, also when the job was killed before its own last.ckpt was written:
+    the top-k file's save, once durable, rewrote last.ckpt (which named the abandoned 24) to name
+    16. The abandoned direction's top-k file still names its step 24."""
+    config = tier_config(fs_tier("nvme", tmp_path / "nvme", keep={"last": 10}, flush={"newest_only": False}))  # every save goes down
+    run = tmp_path / "run"
+    checkpointing: dict[str, Any] = {"every_n_train_steps": BATCHES, "save_top_k": -1, "save_last": True}
+    _losses(run, 3 * BATCHES, TierckptCheckpointIO(config), **checkpointing)
+    L.seed_everything(0, verbose=False)
+    back = _OtherData()
+    plugin = _KilledBeforeLast(config) if killed else TierckptCheckpointIO(config)
+    _trainer(run, 2 * BATCHES, plugin, **checkpointing).fit(back, ckpt_path=run / "ckpts" / "epoch=0-step=8.ckpt")
+    assert sorted(back.losses) == list(range(BATCHES, 2 * BATCHES))
+    pointers = {p.name: json.loads(p.read_text())["step"] for p in (run / "ckpts").iterdir()}
+    assert pointers["last.ckpt"] == 2 * BATCHES and pointers["epoch=2-step=24.ckpt"] == 3 * BATCHES, pointers
+    with Checkpointer(config) as ckpt:
+        assert {v.step: v.abandoned for v in ckpt.versions() if v.tier == "nvme"} == {8: False, 16: False, 24: True}
+
+    L.seed_everything(0, verbose=False)
+    resumed, start = _OtherData(), _WeightsAtStart()
+    trainer = _trainer(run, 3 * BATCHES, TierckptCheckpointIO(config), **checkpointing)
+    trainer.callbacks.append(start)
+    trainer.fit(resumed, ckpt_path="last")
+    assert sorted(resumed.losses) == list(range(2 * BATCHES, 3 * BATCHES))  # from step 16, not from the abandoned 24
+    assert_bitwise(start.weights, back.state_dict())  # the new direction's step 16
 
 
 def test_the_stored_checkpoint_holds_what_lightning_put_in_it(tmp_path: Path, config: dict[str, Any]) -> None:

@@ -110,16 +110,18 @@ def test_a_base_saved_again_stays_aside_on_every_node_while_versions_written_aga
         assert s["step"] == 5 and s["bitwise"] is True and s["resumed"] is True and s["versions"]["nvme"] == [4, 5], s
     for node in (0, 1):
         assert len(list((tmp_path / f"local-{node}" / "nvme").glob(".replaced-step-000000000004-*"))) == 1, node
-    # A new job finds the copies aside, keeps them (5 depends on them) and restores 5 from them. Step 6
-    # is written against the new 4.
+    # Saving 4 again left 5 in an abandoned direction (docs/index.md, "Rolling back"), kept by
+    # keep.abandoned: 1. A new job resumes the new 4, finds the copies aside and keeps them (5 depends
+    # on them). Step 6 is written against the new 4.
     restored = run("restore", tmp_path, RESUME="6", DELTA="3")
     for s in restored:
-        assert s["step"] == 5 and s["tier"] == "nvme" and s["bitwise"] is True and not s["warnings"], s
+        assert s["step"] == 4 and s["tier"] == "nvme" and s["bitwise"] is True and not s["warnings"], s
         assert s["resumed"] is True and s["versions"]["nvme"] == [4, 5, 6], s
     assert marker(tmp_path, 1, 6).base == 4 and steps_on(tmp_path, 1) == [4, 5, 6]
     assert len(list((tmp_path / "local-1" / "nvme").glob(".replaced-step-000000000004-*"))) == 1
-    # Step 7 pushes 5 out: nothing needs the old 4 any more, and it goes on both nodes.
-    restored = run("restore", tmp_path, RESUME="7", DELTA="3")
+    # With keep.abandoned: 0, step 7 pushes the abandoned 5 out: nothing needs the old 4 any more, and
+    # it goes on both nodes.
+    restored = run("restore", tmp_path, RESUME="7", DELTA="3", ABANDONED="0")
     for s in restored:
         assert s["step"] == 6 and s["bitwise"] is True and not s["warnings"], s
         assert s["versions"]["nvme"] == [4, 6, 7], s

@@ -32,7 +32,7 @@ def test_a_short_run_reads_the_replicated_value_once_between_the_ranks_against_o
     assert row["once"]["restore_s"] > 0 and row["limit_s"] > 0
     assert "| 2 | 8 MiB | `once` |" in done.stdout
     # The simulated agreement (tierckpt.testing.simrestore) makes the real restore's exchanges, and
-    # rank 0 sends what it does (one version held, on the second tier).
+    # rank 0 sends what it does (one version held, on the second tier, and its lineage: 22 bytes).
     simulated = simulate_restore(2, steps=1)
-    assert (row["once"]["exchanges"], row["once"]["exchange_sent"]) == (simulated.exchanges, simulated.sent) == (3, 11)
+    assert (row["once"]["exchanges"], row["once"]["exchange_sent"]) == (simulated.exchanges, simulated.sent) == (3, 22)
     assert row["every_rank"]["exchanges"] == 2  # nothing to say about reading replicated chunks

@@ -25,6 +25,7 @@ from tierckpt import Checkpointer
 from tierckpt.capture import HostPool
 from tierckpt.config import TierConfig
 from tierckpt.errors import ConfigError, CorruptCheckpointError, NoCheckpointError, RestoreError
+from tierckpt.format.lineage import user_metadata
 from tierckpt.format import CHECKSUM_ALGORITHM, MANIFEST_FILE, Manifest, checksum, version_dirname
 from tierckpt.tiers.base import VersionSource
 from tierckpt.tiers.filesystem import FilesystemTier
@@ -234,7 +235,7 @@ def test_metadata_comes_back(opened: Opened, tmp_path: Path) -> None:
     opened.close()
     restored = opened(config).restore_latest_sync()
     assert (restored.tier, restored.metadata) == ("nvme", metadata)
-    assert _manifest(tmp_path / "nvme", 6).metadata == metadata
+    assert user_metadata(_manifest(tmp_path / "nvme", 6).metadata) == metadata
 
 
 def test_no_metadata_is_an_empty_dict(opened: Opened, tmp_path: Path) -> None:
@@ -275,8 +276,9 @@ def test_a_fallback_is_one_log_record_naming_its_tier_once_and_no_python_warning
 ) -> None:
     nvme, pfs, config = two_tiers
     _corrupt_record(nvme, 2)
-    ckpt = opened(config)
     for attempt in range(2):  # the second one too: a log is not filtered once per place, as warnings are
+        # A new Checkpointer each time: one that found a copy damaged does not read it again.
+        ckpt = opened(config)
         caplog.clear()
         with warnings.catch_warnings(record=True) as warned, caplog.at_level(logging.INFO, logger="tierckpt"):
             warnings.simplefilter("always")
@@ -291,6 +293,7 @@ def test_a_fallback_is_one_log_record_naming_its_tier_once_and_no_python_warning
             f"['model']['w'] (chunk 0) at bytes {_chunk_bytes(nvme, 2)}; trying step 2 on tier 'pfs' next"
         ), message
         assert message.count("'nvme'") == 1 and message.count("step 2 on") == 2  # the failed copy, then the next
+        ckpt.close_sync()
 
 
 def test_the_last_candidate_says_none_is_left(opened: Opened, two_tiers: Any) -> None:
@@ -308,6 +311,8 @@ def test_the_last_candidate_says_none_is_left(opened: Opened, two_tiers: Any) ->
 
     for root in (nvme, pfs):
         _corrupt_record(root, 1)
+    ckpt.close_sync()
+    ckpt = opened(config)  # a new one: this one knows the copies of step 2 are damaged, and skips them
     with logged_warnings() as record:
         assert ckpt.restore_latest_sync() is None
     assert [m.split(" does not verify")[0] for m in record] == [
@@ -534,6 +539,9 @@ def test_a_fallback_lacking_a_tensor_a_failed_candidate_wrote_is_an_error(opened
         ckpt.restore_latest_sync(template, strict=False)
     assert caught.value.step == 1
     # With verify_first, step 1 loads, and x is left as it was: a missing key, as strict=False allows.
+    # (A new Checkpointer: this one does not read the copy it found damaged again.)
+    ckpt.close_sync()
+    ckpt = opened(config)
     template = {"a": torch.zeros(1000), "b": torch.zeros(10), "x": torch.zeros(500)}
     with logged_warnings(match="does not verify"):
         restored = ckpt.restore_latest_sync(template, strict=False, verify_first=True)
@@ -721,7 +729,9 @@ def test_verification_failing_while_staged_in_the_pool_leaves_the_template_untou
     template = _template()
     with logged_warnings(match="does not verify"):
         assert ckpt.restore_latest_sync(template, verify_first=True) is None
-    assert _slots(ckpt) == ([], [0, 1], 3 + 4)  # every candidate was staged in the pool, and failed
+    # Every candidate was staged in the pool, and failed: step 1's two copies (this Checkpointer knows
+    # step 2's are damaged, and did not read them again).
+    assert _slots(ckpt) == ([], [0, 1], 3 + 2)
     for path, value in _tensors(template):
         assert not value.any(), path
 

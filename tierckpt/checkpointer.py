@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from tierckpt.capture.barrier import LazyBarrier
 from tierckpt.config import Config
 from tierckpt.errors import ClosedError
+from tierckpt.format.lineage import marked
 from tierckpt.handle import SaveHandle
 from tierckpt.pipeline import Counters, Engine
 from tierckpt.pipeline.engine import sync_twin
@@ -213,7 +214,7 @@ class Checkpointer(LazyBarrier):
         engine, p = self._open_engine(), self._pipeline
         work = prepare_restore(
             self._group, p.tiers, p.memory, p.events, template, strict=strict, cast=cast, verify_first=verify_first, step=step, tier=tier,
-            replicas_once=self.config.distributed.read_replicated == "once",
+            replicas_once=self.config.distributed.read_replicated == "once", direction=p.direction,
         )
         return await engine.run(work)
 
@@ -233,11 +234,13 @@ class Checkpointer(LazyBarrier):
     metadata_sync = sync_twin(metadata, _open_engine)
 
     def versions(self) -> list[VersionInfo]:
-        """What each tier holds now: one :class:`VersionInfo` per committed version, per tier."""
+        """What each tier holds now: one :class:`VersionInfo` per committed version, per tier. ``abandoned``: saved in
+        a direction that a save after a rollback left (docs/index.md, "Rolling back"); ``serial``: the number of the
+        ``save()`` call that made it."""
         return self._open_engine().run_sync(self._versions())
 
     async def _versions(self) -> list[VersionInfo]:  # on the engine's thread, which changes what the tiers hold
-        return self._pipeline.versions()
+        return marked(self._pipeline.versions())
 
     async def close(self) -> None:
         """Drain every pending flush, stop the engine and release host memory.

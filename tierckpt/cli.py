@@ -9,17 +9,21 @@ one version directory; or a folder holding tier directories (``./checkpoints`` h
 AWS and the credentials found as the tier finds them. Nothing is written, and no lock is taken: every
 command works beside a running job.
 
-- ``ls`` prints one line per version: step, stored and logical bytes, creation time, and whether it
-  looks valid: its manifest verifies and its records fit its data files (no tensor byte is read; use
-  ``verify`` for that).
+- ``ls`` prints one line per version: step, save (the number of the ``save()`` call that made it,
+  across restarts: :mod:`tierckpt.format.lineage`), stored and logical bytes, creation time (local,
+  with its UTC offset, as ``status`` prints times), and whether its manifest verifies and its records
+  fit its data files (no tensor byte is read; use ``verify`` for that), with notes: ``abandoned`` for
+  a version of a direction a save after a rollback left, decided against the newest save among every
+  version listed (of every tier directory DIR holds).
 - ``verify`` checks what a restore checks: the manifest's checksum and fields, the skeleton, every
   record against the data files, and every chunk's checksum, decoding each compressed chunk. It
   prints one line per version, ``OK`` or ``DAMAGED`` with the first damage found (file, key, chunk)
   and how many chunks are damaged.
 
-- ``status`` prints one line per tier of a config (:mod:`tierckpt.clistatus`) or of ``DIR``: versions,
-  newest step, stored bytes, and with ``--verify`` what ``verify`` finds; with ``--events FILE`` (or
-  a config's ``events:`` file, rank 0's, when it exists) each tier's last flush and last failure.
+- ``status`` prints one line per tier of a config (:mod:`tierckpt.clistatus`) or of ``DIR``: versions
+  (and how many are abandoned), the newest step not abandoned, stored bytes, and with ``--verify``
+  what ``verify`` finds; with ``--events FILE`` (or a config's ``events:`` file, rank 0's, when it
+  exists) each tier's last flush and last failure.
 
 Exit status: 0 when every version is fine (or there is none), 1 when one is damaged, 2 on a usage
 error (a missing directory, a folder that is neither a tier directory nor holds one, a bad argument).
@@ -61,7 +65,6 @@ import argparse
 import concurrent.futures
 import os
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,11 +73,13 @@ from tierckpt import export as exporting
 from tierckpt._version import __version__
 from tierckpt.clistatus import status as tier_status
 from tierckpt.cliversions import (
-    DAMAGED, NO_TIER_HINT, OK, USAGE, ListedVersion, OpenedVersion, UsageError, bucket_versions,
-    damage_message, dir_versions, format_size, held_bytes, open_parts, verify_bytes, verify_version,
+    DAMAGED, NO_TIER_HINT, OK, USAGE, ListedVersion, OpenedVersion, UsageError, abandoned, bucket_versions,
+    damage_message, dir_versions, direction, format_size, format_time, held_bytes, open_parts, verify_bytes,
+    verify_version,
 )
 from tierckpt.errors import ConfigError, CorruptCheckpointError, UnsupportedStateError
 from tierckpt.format import CommitMarker, Manifest
+from tierckpt.format.lineage import Lineage, lineage_of
 from tierckpt.observe.progress import Progress, progress_bar
 from tierckpt.observe.timeline import draw_timeline, read_events
 from tierckpt.tiers.stored.delta import dependents
@@ -119,6 +124,10 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
         print(f"no versions in {args.dir}")
         return OK
     status = OK
+    # ls reads every manifest first: a version is abandoned against the newest save of every tier
+    # listed (a rollback's new saves may lie on nvme, the versions it left on pfs).
+    listed = [_read(tier.versions) if args.command == "ls" else [] for tier in tiers]
+    top = direction(got.head for read in listed for _, got in read if isinstance(got, OpenedVersion))
     for i, tier in enumerate(tiers):
         if tier.heading is not None:
             if i:
@@ -127,7 +136,7 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
         if not tier.versions:
             print("no versions", flush=True)
         elif args.command == "ls":
-            status = max(status, _ls(tier.versions))
+            status = max(status, _ls(listed[i], top))
         else:
             status = max(status, _verify(tier.versions, args.threads))
     return status
@@ -138,7 +147,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"tierckpt {__version__}", help="print tierckpt's version and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{ls,verify,status,export,timeline}")
     where = "a tier directory, a folder holding tier directories, or one version directory; or s3://bucket/prefix"
-    ls = commands.add_parser("ls", help="list versions: step, sizes, creation time, valid (reads manifests only)")
+    ls = commands.add_parser("ls", help="list versions: step, save, sizes, creation time, manifest valid, abandoned (reads manifests only)")
     ls.add_argument("dir", metavar="DIR", help=where)
     verify = commands.add_parser("verify", help="check every version: manifest, every chunk's checksum, decoding")
     verify.add_argument("dir", metavar="DIR", help=where)
@@ -212,39 +221,49 @@ def _dependency(head: Manifest | CommitMarker, needed_by: Sequence[int]) -> str 
     return None
 
 
-def _ls(versions: list[ListedVersion]) -> int:
-    rows = [("NAME", "STEP", "STORED", "LOGICAL", "CREATED", "VALID")]
-    status = OK
-    listed: list[tuple[ListedVersion, OpenedVersion | CorruptCheckpointError]] = []
+_Read = list[tuple[ListedVersion, OpenedVersion | CorruptCheckpointError]]  # a version, opened or why not
+
+
+def _read(versions: list[ListedVersion]) -> _Read:
+    """Each version opened as ls reads it (its manifests, checked against its files), or why not."""
+    read: _Read = []
     for version in versions:
         try:
             opened = open_parts(version)
             opened.close()
-            listed.append((version, opened))
+            read.append((version, opened))
         except CorruptCheckpointError as exc:
-            listed.append((version, exc))
+            read.append((version, exc))
+    return read
+
+
+def _ls(read: _Read, top: Lineage | None) -> int:
+    """Print one tier's versions; ``top``: the newest save of every tier listed (:func:`direction`)."""
+    rows = [("NAME", "STEP", "SAVE", "STORED", "LOGICAL", "CREATED", "MANIFEST")]
+    status = OK
     # Of each base, the differential versions listed here written against it.
-    needed = dependents([(got.head.step, got.head.base_step, got.head.created) for _, got in listed if not isinstance(got, CorruptCheckpointError)])
-    for version, got in listed:
+    needed = dependents([(got.head.step, got.head.base_step, got.head.created) for _, got in read if isinstance(got, OpenedVersion)])
+    for version, got in read:
         if isinstance(got, CorruptCheckpointError):
             status = DAMAGED
             try:
                 assert version.path is not None
-                created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(os.lstat(version.path).st_mtime))
+                created = format_time(os.lstat(version.path).st_mtime)
             except (OSError, AssertionError):
                 created = "-"
             step = "-" if version.step is None else str(version.step)
-            rows.append((version.name, step, "-", "-", created, f"no: {damage_message(got, version)}"))
+            rows.append((version.name, step, "-", "-", "-", created, f"no: {damage_message(got, version)}"))
             continue
         head = got.head
+        lineage = lineage_of(head.metadata)
         logical = sum(r.nbytes for r in got.logical_records())
-        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(head.created))
-        notes = [n for n in (_part(head), _dependency(head, needed.get(head.step, ()))) if n]
-        valid = ", ".join(["yes", *notes])
-        rows.append((version.name, str(head.step), format_size(held_bytes(head)), format_size(logical), created, valid))
-    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+        notes = [_part(head), _dependency(head, needed.get(head.step, ())), "abandoned" if abandoned(head, top) else None]
+        verdict = ", ".join(["yes", *(n for n in notes if n)])
+        save = "-" if lineage is None else str(lineage.serial)
+        rows.append((version.name, str(head.step), save, format_size(held_bytes(head)), format_size(logical), format_time(head.created), verdict))
+    widths = [max(len(row[i]) for row in rows) for i in range(6)]
     for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[5])
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[6])
     return status
 
 

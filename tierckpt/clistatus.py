@@ -1,9 +1,12 @@
 """``tierckpt status CONFIG|DIR [--verify] [--threads N] [--events FILE]``: one line per tier, what it holds now.
 
-For each tier: its name, its type, the number of versions it holds, the newest step, the bytes they
-store, and with ``--verify`` how many verify and how many are damaged (each version checked as
-``tierckpt verify`` checks it: :func:`tierckpt.cliversions.verify_version`). The damaged versions follow the
-table, one line each, as ``verify`` prints them.
+For each tier: its name, its type, the number of versions it holds (with how many are differential
+and how many abandoned: of a direction a save after a rollback left, :mod:`tierckpt.format.lineage`,
+decided against the newest save of every tier listed), the newest step of the direction being
+trained (the highest step not abandoned), the bytes they store, and with ``--verify`` how many
+verify and how many are damaged (each version checked as ``tierckpt verify`` checks it:
+:func:`tierckpt.cliversions.verify_version`). The damaged versions follow the table, one line each,
+as ``verify`` prints them.
 
 ``CONFIG`` is a YAML config (what :meth:`Checkpointer.from_yaml <tierckpt.Checkpointer.from_yaml>`
 reads): every tier it names, in its order, where the Checkpointer would find it if started here
@@ -24,8 +27,8 @@ line per tier directory, named after it), one version directory, or ``s3://bucke
 
 With an events file (``--events FILE``; for a ``CONFIG`` with an ``events:`` key and no ``--events``,
 rank 0's file of it, when it exists), a second table follows: per tier, when its last flush ended
-(local ISO time, and its step) and its last failure (``flush_failed`` or ``delete_failed``: time,
-step, error), as the file recorded them. What a running job already did: a recorded failure does not
+(local time with its UTC offset, as ``ls`` prints times, and its step) and its last failure
+(``flush_failed`` or ``delete_failed``: time, step, error), as the file recorded them. What a running job already did: a recorded failure does not
 change the exit status (a later flush may have gone through; the first table says what is held).
 
 Nothing is written and no tier's lock is taken, so it runs beside a training job; a version that
@@ -43,19 +46,18 @@ import concurrent.futures
 import os
 import re
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from tierckpt.cliversions import (
-    DAMAGED, NO_TIER_HINT, OK, ListedVersion, UsageError, bucket_versions, damage_message, dir_versions,
-    format_size, held_bytes, open_parts, verify_version,
+    DAMAGED, NO_TIER_HINT, OK, ListedVersion, UsageError, abandoned, bucket_versions, damage_message,
+    dir_versions, direction, format_size, format_time, held_bytes, open_parts, verify_version,
 )
 from tierckpt.config import Config, TierConfig
 from tierckpt.errors import ConfigError, CorruptCheckpointError
-from tierckpt.format import parse_version_dirname
+from tierckpt.format import CommitMarker, Manifest, parse_version_dirname
 from tierckpt.observe.eventfile import events_path
 from tierckpt.observe.timeline import read_events
 from tierckpt.tiers.stored.find import holds_a_tier, tier_dirs
@@ -83,9 +85,12 @@ class _Row:
     versions: list[ListedVersion] | None = None
     broken: bool = False
     held: int = 0
-    newest: int | None = None
+    newest: int | None = None  # the highest step not abandoned (:func:`_mark`)
     stored: int = 0
     deltas: int = 0  # differential versions among those held
+    abandoned: int = 0  # versions of a direction a save after a rollback left (:func:`_mark`)
+    heads: list[Manifest | CommitMarker] = field(default_factory=list)  # of the versions whose manifests read
+    unread: list[int] = field(default_factory=list)  # steps of those whose manifests did not: never known abandoned
     damage: list[tuple[str, str]] = field(default_factory=list)  # (version, what is damaged)
 
 
@@ -128,6 +133,7 @@ def status(target: str, *, verify: bool, threads: int, endpoint: str | None, eve
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tierckpt-status") as executor:
         for row in rows:
             _tally(row, verify, executor)
+    _mark(rows)
     _print(rows, verify)
     if recorded is not None:
         _print_recorded(recorded, rows)
@@ -243,14 +249,34 @@ def _tally(row: _Row, verify: bool, executor: concurrent.futures.Executor) -> No
         if damage is not None and version.path is not None and not os.path.lexists(version.path):
             continue  # removed while it was read (retention beside the running job): no longer held
         row.held += 1
-        step = opened.head.step if opened is not None else version.step
-        if step is not None:
-            row.newest = step if row.newest is None else max(row.newest, step)
         if opened is not None:
+            row.heads.append(opened.head)
             row.stored += held_bytes(opened.head)
             row.deltas += opened.head.base_step is not None
+        elif version.step is not None:
+            row.unread.append(version.step)
         if damage is not None:
             row.damage.append((version.name, damage))
+
+
+def _mark(rows: list[_Row]) -> None:
+    """Count each row's abandoned versions and find its newest step not abandoned, against the newest
+    save of every row: a rollback's new saves may lie on one tier, the versions it left on another."""
+    top = direction(h for row in rows for h in row.heads)
+    for row in rows:
+        live = [h.step for h in row.heads if not abandoned(h, top)]
+        row.abandoned = len(row.heads) - len(live)
+        row.newest = max(live + row.unread, default=None)
+
+
+def _count(row: _Row) -> str:
+    """The VERSIONS cell: how many, and of them how many differential and abandoned (``4 (2 deltas, 1 abandoned)``)."""
+    notes = []
+    if row.deltas:
+        notes.append(f"{row.deltas} delta{'s' if row.deltas != 1 else ''}")
+    if row.abandoned:
+        notes.append(f"{row.abandoned} abandoned")
+    return f"{row.held} ({', '.join(notes)})" if notes else str(row.held)
 
 
 def _print(rows: list[_Row], verify: bool) -> None:
@@ -260,8 +286,7 @@ def _print(rows: list[_Row], verify: bool) -> None:
         if row.versions is None:
             cells = ["-", "-", "-"] + (["-"] if verify else [])
         else:
-            count = f"{row.held} ({row.deltas} delta{'s' if row.deltas != 1 else ''})" if row.deltas else str(row.held)
-            cells = [count, "-" if row.newest is None else str(row.newest), format_size(row.stored)]
+            cells = [_count(row), "-" if row.newest is None else str(row.newest), format_size(row.stored)]
             if verify:
                 ok = row.held - len(row.damage)
                 cells.append("-" if not row.held else f"{ok} OK" + (f", {len(row.damage)} DAMAGED" if row.damage else ""))
@@ -324,19 +349,15 @@ def _print_recorded(recorded: _Recorded, rows: list[_Row]) -> None:
     table = [["TIER", "LAST FLUSHED", "LAST FAILURE"]]
     for tier in tiers:
         flushed, failed = recorded.flushed.get(tier), recorded.failed.get(tier)
-        last_flush = "-" if flushed is None else f"{_local_time(flushed['time'])} step {_step(flushed, ranked)}"
+        last_flush = "-" if flushed is None else f"{format_time(flushed['time'])} step {_step(flushed, ranked)}"
         last_failure = "-"
         if failed is not None:
             error = " ".join(str(failed["error"] or "no error recorded").split())  # one line
-            last_failure = f"{_local_time(failed['time'])} step {_step(failed, ranked)} {failed['event']}: {error}"
+            last_failure = f"{format_time(failed['time'])} step {_step(failed, ranked)} {failed['event']}: {error}"
         table.append([tier, last_flush, last_failure])
     widths = [max(len(line[i]) for line in table) for i in range(2)]
     for line in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)) + "  " + line[-1])
-
-
-def _local_time(unix: float) -> str:
-    return datetime.fromtimestamp(unix).astimezone().isoformat(timespec="seconds")
 
 
 def _step(event: dict[str, Any], ranked: bool) -> str:

@@ -11,21 +11,24 @@ from __future__ import annotations
 import concurrent.futures
 import os
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, TensorRecord, parse_version_dirname
 from tierckpt.format.layout import where
+from tierckpt.format.lineage import Lineage, head, is_live, lineage_of
 from tierckpt.observe.progress import format_size
 from tierckpt.storage.scratch import scratch, scratch2, scratch_bytes
+from tierckpt.tiers.base import VersionInfo
 from tierckpt.tiers.stored.read import open_source, read_head, read_rank_manifest, version_files
 from tierckpt.tiers.stored.source import StoredSource, StoreVersion
 
 __all__ = [
-    "DAMAGED", "NO_TIER_HINT", "OK", "USAGE", "ListedVersion", "OpenedVersion", "UsageError",
-    "bucket_versions", "damage_message", "dir_versions", "format_size", "held_bytes", "open_parts", "verify_bytes",
-    "verify_version",
+    "DAMAGED", "NO_TIER_HINT", "OK", "USAGE", "ListedVersion", "OpenedVersion", "UsageError", "abandoned",
+    "bucket_versions", "damage_message", "dir_versions", "direction", "format_size", "format_time", "held_bytes",
+    "open_parts", "verify_bytes", "verify_version",
 ]
 
 OK, DAMAGED, USAGE = 0, 1, 2  # the commands' exit statuses
@@ -145,6 +148,28 @@ def open_parts(version: ListedVersion) -> OpenedVersion:
 def held_bytes(head: Manifest | CommitMarker) -> int:
     """The bytes a version's directory or container stores (of a node's part: that part's)."""
     return head.held_bytes if isinstance(head, CommitMarker) else head.stored_bytes
+
+
+def format_time(unix: float) -> str:
+    """A time as every command prints it: local, with its UTC offset (``2026-11-27T15:29:06+01:00``)."""
+    return datetime.fromtimestamp(unix).astimezone().isoformat(timespec="seconds")
+
+
+def _ordered(version: Manifest | CommitMarker) -> VersionInfo:
+    """A version's head as :mod:`tierckpt.format.lineage` orders versions: its step, save time and lineage."""
+    return VersionInfo("", version.step, held_bytes(version), version.created, lineage=lineage_of(version.metadata))
+
+
+def direction(heads: Iterable[Manifest | CommitMarker]) -> Lineage | None:
+    """The lineage of the newest save among ``heads`` (:func:`tierckpt.format.lineage.head`): pass those
+    of every version a command lists whose manifest read, of every tier it lists, as restore looks at
+    every tier (a rollback's new saves may lie on one tier, the versions it left on another)."""
+    return head(_ordered(h) for h in heads)
+
+
+def abandoned(version: Manifest | CommitMarker, top: Lineage | None) -> bool:
+    """Whether a save after a rollback left the version's direction: it is not ``top``'s (:func:`direction`)."""
+    return not is_live(_ordered(version), top)
 
 
 def verify_bytes(versions: list[ListedVersion]) -> int:

@@ -28,7 +28,8 @@ Flushing (one :class:`FlushState` per tier below the first, held by its flusher)
   be older by a second write, and a failed flush must not count (nothing new reached the tier).
   Before any flush succeeds, the clock runs from when the flusher started.
 
-Retention: :func:`retain`, applied after each commit. Host slots: :func:`choose_slot`.
+Retention: :func:`retain`, applied after each commit: it counts the direction being trained
+(:mod:`tierckpt.format.lineage`). Host slots: :func:`choose_slot`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from dataclasses import dataclass, replace
 from typing import Literal, Protocol, Sequence
 
 from tierckpt.config import FlushPolicy, KeepPolicy
+from tierckpt.format.lineage import Lineage, is_live, order_key
 
 __all__ = [
     "Candidate",
@@ -303,33 +305,48 @@ class Stored(Protocol):
     @property
     def nbytes(self) -> int: ...  # bytes it takes on its tier
 
+    @property
+    def lineage(self) -> Lineage | None: ...  # which save it is (tierckpt.format.lineage)
 
-def retain(versions: Sequence[Stored], policy: KeepPolicy, *, now: float) -> frozenset[int]:
-    """The steps a tier keeps: the union of what each rule keeps, always with the newest step.
 
-    A policy with no rule keeps everything. ``last``: the newest N steps. ``every_steps``: steps
-    divisible by N. ``within``: versions created at most that long before ``now`` (unix seconds, the
-    clock ``created`` is on; a version from the future is kept). ``max_bytes``: the newest versions
-    whose bytes add up to at most that; the newest always, even alone larger; versions other rules
-    keep do not count against it. For a step given twice the last one given counts.
+def retain(versions: Sequence[Stored], policy: KeepPolicy, *, now: float, top: Lineage | None = None) -> frozenset[int]:
+    """The steps a tier keeps: the union of what each rule keeps of the live versions, always with
+    the newest of them, and the newest ``policy.abandoned_kept`` abandoned versions.
+
+    Live and abandoned are :func:`tierckpt.format.lineage.is_live` of ``top``, the lineage of the newest
+    save the job committed (None: every version is live). The rules count the live versions only, so
+    that versions of a direction a rollback left never displace the direction being trained.
+
+    A policy with no rule keeps every live version. ``last``: the newest N steps. ``every_steps``:
+    steps divisible by N. ``within``: versions created at most that long before ``now`` (unix
+    seconds, the clock ``created`` is on; a version from the future is kept). ``max_bytes``: the
+    newest versions whose bytes add up to at most that; the newest always, even alone larger;
+    versions other rules keep do not count against it. For a step given twice the last one given
+    counts. Abandoned versions: the most recently saved first (their serials).
     """
     if not versions:
         return frozenset()
     by_step = {v.step: v for v in versions}
+    live = {s: v for s, v in by_step.items() if is_live(v, top)}
+    abandoned = sorted((v for s, v in by_step.items() if s not in live), key=order_key, reverse=True)
+    kept_abandoned = policy.abandoned_kept
+    keep = {v.step for v in abandoned[: len(abandoned) if kept_abandoned is None else kept_abandoned]}
+    if not live:
+        return frozenset(keep)
     if policy.keeps_all:
-        return frozenset(by_step)
-    ordered = sorted(by_step)
-    keep = {ordered[-1]}
+        return frozenset(keep | set(live))
+    ordered = sorted(live)
+    keep.add(ordered[-1])
     if policy.last is not None:
         keep.update(ordered[-policy.last :])
     if policy.every_steps is not None:
         keep.update(s for s in ordered if s % policy.every_steps == 0)
     if policy.within_s is not None:
-        keep.update(s for s in ordered if now - by_step[s].created <= policy.within_s)
+        keep.update(s for s in ordered if now - live[s].created <= policy.within_s)
     if policy.max_bytes is not None:
         total = 0
         for s in reversed(ordered):
-            total += by_step[s].nbytes
+            total += live[s].nbytes
             if total > policy.max_bytes and s != ordered[-1]:
                 break
             keep.add(s)

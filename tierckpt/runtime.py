@@ -22,6 +22,7 @@ from tierckpt.capture import Copier, HostPool
 from tierckpt.capture.pool import FILE_POOL_BYTES
 from tierckpt.config import Config, TierConfig, check_disjoint_paths
 from tierckpt.errors import ConfigError
+from tierckpt.format.lineage import KEY as LINEAGE, lineage_of
 from tierckpt.observe import Events, open_events
 from tierckpt.pipeline import Engine, Pipeline
 from tierckpt.pipeline.flusher import Flusher
@@ -116,15 +117,33 @@ class Runtime:
         assert self.pipeline is not None
         return [t.holdings() for t in self.pipeline.tiers]
 
-    def learn(self, replies: Sequence[Sequence[Any]]) -> None:
-        """Every tier learns from every rank's :meth:`holdings` (rank order) what the group holds after
-        a restart (:meth:`Tier.learn`: a peer tier's copies, a node-local tier's directories)."""
+    def held_head(self) -> list[Any]:
+        """What this rank's tiers hold of the saves' order (:meth:`Pipeline.held_head`), to send: the
+        newest save's step, its lineage (encoded, or None), the highest serial."""
         assert self.pipeline is not None and self.engine is not None
-        tiers = self.pipeline.tiers
+        pipeline = self.pipeline
+
+        async def held() -> list[Any]:  # on the engine's thread, which owns the tiers
+            step, lineage, highest = pipeline.held_head()
+            return [step, None if lineage is None else lineage.encode(), highest]
+
+        return self.engine.run_sync(held())
+
+    def learn(self, replies: Sequence[Sequence[Any]], heads: Sequence[Sequence[Any]] = ()) -> None:
+        """Every tier learns from every rank's :meth:`holdings` (rank order) what the group holds after
+        a restart (:meth:`Tier.learn`: a peer tier's copies, a node-local tier's directories), and the
+        pipeline every rank's :meth:`held_head`: every rank then numbers its saves alike."""
+        assert self.pipeline is not None and self.engine is not None
+        pipeline = self.pipeline
+        tiers = pipeline.tiers
 
         async def learn() -> None:  # on the engine's thread, which owns the tiers
             for i, tier in enumerate(tiers):
                 await tier.learn([reply[i] for reply in replies])
+            for step, lineage, highest in heads:
+                pipeline.direction.held(step, lineage_of({LINEAGE: lineage}), highest)
+            # What the tiers learned (a node-local tier's versions across the nodes) counts too.
+            pipeline.direction.held(*pipeline.held_head())
 
         self.engine.run_sync(learn())
 
@@ -282,15 +301,16 @@ def construct(
     except BaseException as exc:
         failure = exc
     # One exchange: how construction went, and what each tier holds, for the tiers that learn from it.
-    said = ranks.all_gather([f"{type(failure).__name__}: {failure}", None] if runtime is None else [None, runtime.holdings()])
+    # And the newest save each rank holds: every rank numbers its saves from the same one.
+    said = ranks.all_gather([f"{type(failure).__name__}: {failure}", None, None] if runtime is None else [None, runtime.holdings(), runtime.held_head()])
     if failure is not None:
         ranks.close()
         raise failure
     assert runtime is not None
-    failed = [(r, why) for r, (why, _) in enumerate(said) if why]
+    failed = [(r, why) for r, (why, _, _) in enumerate(said) if why]
     if failed:
         runtime.abandon()
         rank, why = failed[0]
         raise ConfigError(f"rank {rank} could not construct its Checkpointer: {why}")
-    runtime.learn([held for _, held in said])
+    runtime.learn([held for _, held, _ in said], [head for _, _, head in said])
     return ranks, runtime

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from tierckpt.format.lineage import Lineage
 from tierckpt._buffers import align_up
 from tierckpt.format import ALIGN, CHUNK_BYTES
 from tierckpt.format.records import TensorInfo
@@ -179,3 +180,6 @@ class Snapshot:
     persisted: Path | None = None
     restored: bool = False  # found by a new process: it was not captured here
     verified: bool = False  # a restored snapshot whose every chunk matched its checksum
+    # Which save this is (tierckpt.format.lineage), as its metadata records it: kept decoded, since
+    # retention and the tier's listing ask at every save.
+    lineage: Lineage | None = None

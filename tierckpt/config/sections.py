@@ -195,8 +195,10 @@ class KeepPolicy:
     """Which committed versions a tier keeps (YAML section ``keep``).
 
     A tier keeps the union of what the set rules keep, and always its newest version; with no rule set
-    it keeps everything (:func:`tierckpt.policy.retain` applies it). In YAML, a ``keep`` section must
-    set a rule: leave ``keep`` out to keep everything.
+    it keeps everything (:func:`tierckpt.policy.retain` applies it). The rules count the versions of
+    the direction being trained; versions of a direction a rollback left (:mod:`tierckpt.format.lineage`)
+    never displace them, and ``abandoned`` of them are kept for inspection. In YAML, a ``keep`` section
+    must set a rule: leave ``keep`` out to keep everything.
 
     Attributes:
         last: keep the newest N versions (>= 1), or ``None``.
@@ -205,6 +207,8 @@ class KeepPolicy:
             or ``None``.
         max_bytes: keep the newest versions whose stored bytes add up to at most this (>= 1; YAML
             ``max_bytes``: ``"50GiB"``), and always the newest even if it alone is larger, or ``None``.
+        abandoned: how many versions of abandoned directions to keep, the most recently saved (>= 0);
+            ``None``: every one where no other rule is set (the tier keeps everything), else 1.
 
     Raises:
         ConfigError: a value is of the wrong type or out of range.
@@ -218,9 +222,11 @@ class KeepPolicy:
     every_steps: int | None = None
     within_s: float | None = None
     max_bytes: int | None = None
+    abandoned: int | None = None
 
     def __post_init__(self) -> None:
         at = site("keep")
+        check_int(at, "abandoned", self.abandoned, low=0, optional=True)
         check_int(at, "last", self.last, low=1, optional=True)
         check_int(at, "every_steps", self.every_steps, low=1, optional=True)
         object.__setattr__(self, "within_s", check_seconds(at, "within", self.within_s, positive=True, optional=True))
@@ -230,6 +236,13 @@ class KeepPolicy:
     def keeps_all(self) -> bool:
         """True when no rule is set: the tier keeps every version."""
         return self.last is None and self.every_steps is None and self.within_s is None and self.max_bytes is None
+
+    @property
+    def abandoned_kept(self) -> int | None:
+        """How many abandoned versions the tier keeps (None: every one)."""
+        if self.abandoned is not None:
+            return self.abandoned
+        return None if self.keeps_all else 1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -341,6 +354,7 @@ _KEEP_KEYS = (
     Key("every_steps", "every_steps"),
     Key("within", "within_s", optional(read_duration)),
     Key("max_bytes", "max_bytes", optional(read_size)),
+    Key("abandoned", "abandoned"),
 )
 _DELTA_KEYS = (Key("full_every", "full_every"), Key("min_ratio", "min_ratio"))
 _COMPRESSION_KEYS = (

@@ -260,7 +260,7 @@ def _write_tiers(tiers: tuple[TierConfig, ...]) -> list[dict[str, Any]]:
             tier,
             _TIER_KEYS,
             skip=frozenset(_NOT_FOR_TYPE[tier.type])
-            | ({"keep"} if tier.keep.keeps_all else set())
+            | ({"keep"} if tier.keep.keeps_all and tier.keep.abandoned is None else set())
             | ({"path"} if tier.path is None else set())
             | ({"delta"} if tier.delta is None else set())
             | {k for k in ("url", "endpoint", "region") if getattr(tier, k) is None},
@@ -279,8 +279,8 @@ def _read_bandwidth(value: Any, at: Site) -> int:
 
 def _read_keep(data: Any, at: Site) -> KeepPolicy:
     keep: KeepPolicy = _read_keep_section(data, at)
-    if keep.keeps_all:
-        hint = "set last, every_steps, within or max_bytes; leave keep out to keep every version"
+    if keep.keeps_all and keep.abandoned is None:
+        hint = "set last, every_steps, within, max_bytes or abandoned; leave keep out to keep every version"
         raise at.error(problem="sets no rule", hint=hint)
     return keep
 

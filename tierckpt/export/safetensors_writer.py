@@ -13,6 +13,7 @@ import struct
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from tierckpt.format.lineage import user_metadata
 from tierckpt.errors import UnsupportedStateError
 from tierckpt.export.reader import _little_endian, _nbytes, _Reader, _Writer
 from tierckpt.format import TensorRecord
@@ -56,7 +57,7 @@ class _SafetensorsWriter(_Writer):
         f.write(struct.pack("<Q", len(text)) + text)
 
     def _metadata(self) -> dict[str, str]:
-        meta = {k: v for k, v in self.layout.metadata.items() if type(k) is str and _json(v) is not None}
+        meta = {k: v for k, v in user_metadata(self.layout.metadata).items() if type(k) is str and _json(v) is not None}
         return {
             "format": "pt",
             "tierckpt.step": str(self.layout.step),

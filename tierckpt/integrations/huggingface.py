@@ -17,6 +17,13 @@ itself: global step, log history, callback states; the data position follows fro
 directory, so after a crash it is one whose step can be restored; ``save_total_limit`` then prunes
 the directories, and the tiers' ``keep`` rules prune the stored steps.
 
+After a rollback (``resume_from_checkpoint=`` an earlier ``checkpoint-N``, then a save), the Trainer
+would take the abandoned direction's higher ``checkpoint-M`` for the newest: once a save of the new
+direction is durable and its directory written, each ``checkpoint-M`` whose step that direction left
+(:class:`~tierckpt.integrations.saves.DurableSteps`) is renamed ``abandoned-checkpoint-M``, which
+neither the Trainer's resume nor its rotation takes; ``resume_from_checkpoint=True`` does the same
+first, and resumes the newest live step (docs/index.md, "Rolling back").
+
 Under ``torchrun`` or ``accelerate launch`` (DDP), the Trainer calls these methods on every rank, and
 every rank saves its part: the model, optimizer, scheduler and scaler states are the same on every
 rank and stored once (``replicated=``, each rank writing its share); the RNG states are each rank's
@@ -56,18 +63,21 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from tierckpt.config import Config
-from tierckpt.errors import ConfigError, CorruptCheckpointError, UnsupportedStateError
+from tierckpt.errors import ConfigError, CorruptCheckpointError, NoCheckpointError, UnsupportedStateError
 from tierckpt.integrations.pointer import aside_name, read_pointer, remove_leftovers, restore_named, write_pointer
-from tierckpt.integrations.saves import DurableSaves, holding_tensors
+from tierckpt.integrations.saves import DurableSaves, DurableSteps, holding_tensors, newest_live
 from tierckpt.integrations.sharded_tensors import as_dtensors, with_originals
 
-__all__ = ["POINTER_NAME", "TierckptMixin", "TierckptTrainer"]
+__all__ = ["ABANDONED_PREFIX", "POINTER_NAME", "TierckptMixin", "TierckptTrainer"]
 
 POINTER_NAME = "tierckpt.json"
 _REPLICATED = ("model", "optimizer", "scheduler", "scaler")  # the same on every rank under DDP
 _CHECKPOINT_DIR = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 TRAINER_STATE_NAME = "trainer_state.json"
 _ASIDE_PREFIX = ".tierckpt-dir-"  # a checkpoint-N being written, before its rename
+# A checkpoint-N of a direction training left, renamed: neither the Trainer's resume (the regex
+# _CHECKPOINT_DIR) nor its rotation (the glob "checkpoint-*") takes it.
+ABANDONED_PREFIX = "abandoned-"
 _EARLIER = "pass resume_from_checkpoint= the checkpoint-N directory of an earlier step"
 
 
@@ -134,11 +144,6 @@ class TierckptMixin:
             "rng": _rng_states(),
         }
         limit, best = trainer.args.save_total_limit, trainer.state.best_model_checkpoint
-
-        def publish(tier: str) -> None:
-            _publish(output_dir, step, tier, trainer_state)
-            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=best, use_mtime=False)
-
         # The directory's contents also go with the step, so that a step that became durable but
         # whose directory a crash kept from being written is published at the next resume.
         metadata = {"hf_checkpoint": output_dir, "hf_trainer_state": trainer_state}
@@ -148,7 +153,17 @@ class TierckptMixin:
             # The lazy barrier: the next step's forward and backward run while the copy goes on; the
             # optimizer's step (and a forward that writes saved buffers) waits for it. The rest of
             # the state is the Trainer's own Python values, or tensors made for this save (RNG).
+            # (It opens the Checkpointer at the first save, on every rank at once.)
             self._tierckpt.guard(_bare(trainer.optimizer), trainer.model_wrapped)
+            ckpt, durable = self._tierckpt.checkpointer, self._tierckpt.durable_tiers  # kept: close() lets go of it before the last actions run
+
+            def publish(tier: str) -> None:  # rank 0, once the step is durable
+                _publish(output_dir, step, tier, trainer_state)
+                # Before the rotation: it keeps the highest checkpoint-N, and would otherwise count an
+                # abandoned direction's higher ones as the newest and delete the new direction's.
+                _set_aside_abandoned(run_dir, step, DurableSteps.of(ckpt.versions(), durable))
+                rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=best, use_mtime=False)
+
             self._tierckpt.save(output_dir, step, state, publish, metadata=metadata, replicated=replicated, lazy=True)
         except UnsupportedStateError as exc:
             raise UnsupportedStateError(f"{exc}. tierckpt stores checkpoints without pickle: the optimizer, scheduler or scaler state must hold only numbers, strings, lists, dicts and tensors", key=exc.key) from exc
@@ -156,9 +171,9 @@ class TierckptMixin:
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's ``train``; once it ends, every checkpoint is durable and its directory written.
 
-        With ``resume_from_checkpoint=True``, a step newer than the newest ``checkpoint-N`` directory
-        that a durable tier holds (saved by a job that died before writing its directory) gets its
-        directory first, so the Trainer resumes from it.
+        With ``resume_from_checkpoint=True``, the newest live step a durable tier holds gets its
+        directory first when it has none (saved by a job that died before writing it), and the
+        directories of a direction a rollback left are set aside, so the Trainer resumes from it.
         """
         try:
             if resume_from_checkpoint is True:
@@ -171,21 +186,31 @@ class TierckptMixin:
             self._tierckpt.close()
 
     def _publish_newer(self, run_dir: str) -> None:
-        listed = os.listdir(run_dir) if os.path.isdir(run_dir) else []
-        published = [int(m.group(1)) for m in map(_CHECKPOINT_DIR.match, listed) if m and os.path.isdir(os.path.join(run_dir, m.group(0)))]
+        """Before the Trainer takes the highest ``checkpoint-N`` of ``run_dir``: make that the newest
+        live durable version's (rank 0; every rank opens the Checkpointer).
+
+        The newest live version, not the highest step: after a rollback the new direction's steps
+        are below the abandoned one's, and a job killed between a durable save and its directory (or
+        the renames after it) left those higher directories in place. Its directory is written when
+        missing, or when the one there holds another save's trainer state (the abandoned direction's
+        save of the same step, whose save the tiers replaced); then the abandoned directories are
+        renamed aside (:func:`_set_aside_abandoned`), as ``publish`` would have done."""
         ckpt = self._tierckpt.checkpointer
-        durable = {t.name for t in self.tierckpt_config.tiers if t.type in ("filesystem", "object")}
-        newer = sorted({v.step for v in ckpt.versions() if v.tier in durable and v.step > max(published, default=-1)}, reverse=True)
-        for step in newer[:1]:  # the newest: the one the Trainer would resume from
-            tier = next(v.tier for v in ckpt.versions() if v.tier in durable and v.step == step)
-            # Its metadata alone: its tensors are restored when the Trainer loads (under FSDP, into
-            # shards that do not exist yet; a whole restore here would allocate the whole state).
-            metadata = ckpt.metadata_sync(step)  # from the fastest tier whose copy's manifest verifies
-            path, trainer_state = metadata.get("hf_checkpoint"), metadata.get("hf_trainer_state")
-            if not isinstance(path, str) or not isinstance(trainer_state, str) or os.path.normpath(os.path.dirname(path)) != os.path.normpath(run_dir):
-                return  # not a checkpoint of this output directory
-            if ckpt.rank == 0:  # the job's directory, written once
-                _publish(path, step, tier, trainer_state)
+        if ckpt.rank != 0:  # the job's directory, written once; the metadata read below is not collective
+            return
+        versions, durable = ckpt.versions(), self._tierckpt.durable_tiers
+        newest = newest_live(versions, durable)
+        if newest is None:
+            return
+        # Its metadata alone, from its own tier's copy: its tensors are restored when the Trainer loads
+        # (under FSDP, into shards that do not exist yet; a whole restore here would allocate the whole state).
+        metadata = ckpt.metadata_sync(newest.step, tier=newest.tier)
+        path, trainer_state = metadata.get("hf_checkpoint"), metadata.get("hf_trainer_state")
+        if not isinstance(path, str) or not isinstance(trainer_state, str) or os.path.normpath(os.path.dirname(path)) != os.path.normpath(run_dir):
+            return  # not a checkpoint of this output directory
+        if _read_text(os.path.join(path, TRAINER_STATE_NAME)) != trainer_state:
+            _publish(path, newest.step, newest.tier, trainer_state)
+        _set_aside_abandoned(run_dir, newest.step, DurableSteps.of(versions, durable))
 
     def _sharded_states(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """Under FSDP: the model's and the optimizer's state dicts as torch's distributed checkpointing
@@ -287,7 +312,58 @@ def _publish(output_dir: str, step: int, tier: str, trainer_state: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(aside, output_dir)
-    fd = os.open(parent, os.O_RDONLY)
+    _fsync_dir(parent)
+
+
+def _set_aside_abandoned(run_dir: str, newest: int, steps: DurableSteps) -> None:
+    """Rename each ``checkpoint-M`` of ``run_dir`` whose pointer names a step of a direction training
+    left (``steps.left(M, newest)``; ``newest``: the live step just published) to
+    ``abandoned-checkpoint-M``, replacing an older one of that name: the Trainer takes the highest
+    ``checkpoint-M`` to resume from (and its rotation keeps the highest), and after a rollback the
+    highest are the abandoned direction's. Renamed, not deleted: what it was stays to be looked at.
+    Each rename is atomic (then the directory is fsynced): a crash leaves the directory in its place
+    or under its new name. A directory the stock Trainer wrote (no pointer) is left alone."""
+    for name, step in _pointer_dirs(run_dir):
+        if steps.left(step, newest):
+            _rename_aside(run_dir, name)
+
+
+def _pointer_dirs(run_dir: str) -> list[tuple[str, int]]:
+    """The ``checkpoint-M`` directories of ``run_dir`` holding a pointer, with the step it names (a
+    damaged pointer is passed over: loading it names the damage)."""
+    found = []
+    for name in os.listdir(run_dir) if os.path.isdir(run_dir) else []:
+        pointer = os.path.join(run_dir, name, POINTER_NAME)
+        if _CHECKPOINT_DIR.match(name) and os.path.isfile(pointer):
+            try:
+                found.append((name, read_pointer(pointer)))
+            except (CorruptCheckpointError, NoCheckpointError):  # damaged, or removed meanwhile
+                continue
+    return found
+
+
+def _rename_aside(run_dir: str, name: str) -> None:
+    target = os.path.join(run_dir, ABANDONED_PREFIX + name)
+    old = None
+    if os.path.lexists(target):  # a direction left at this step before: the newer one replaces it
+        old = os.path.join(run_dir, aside_name(_ASIDE_PREFIX, f"{ABANDONED_PREFIX}{name}.old"))
+        os.rename(target, old)
+    os.rename(os.path.join(run_dir, name), target)
+    _fsync_dir(run_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

@@ -22,6 +22,14 @@ found by listing its directory) and ``trainer.fit(ckpt_path=...)`` work unchange
 - ``remove_checkpoint`` removes the pointer; the step stays on the tiers until their retention
   drops it. The tiers' retention decides what is stored; a pointer whose step it dropped loads as a
   ``NoCheckpointError`` naming what the tiers hold.
+- After a rollback (``fit(ckpt_path=`` an earlier step's file``)``, then saves), ``last.ckpt`` and
+  the other ``last*.ckpt`` files Lightning resolves ``ckpt_path="last"`` from (by their time) must
+  not name the direction given up: once each save is durable, before its own pointer is written, a
+  ``last*.ckpt`` pointer whose step that direction left
+  (:class:`~tierckpt.integrations.saves.DurableSteps`) is rewritten to name the new step. So a job
+  killed between the rollback's first durable save and its own ``last.ckpt`` (the last file is
+  written after the top-k one), or a copy that reset the files' times, still resumes the new
+  direction. The top-k files are left: each names its step, and loading one loads that step.
 
 Under ``strategy="ddp"`` (and ``ddp_spawn``, ``ddp_fork``) every rank saves. Lightning hands a
 checkpoint to its ``CheckpointIO`` on rank 0 only, while a Checkpointer of several ranks saves with
@@ -64,14 +72,15 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
 
 from tierckpt.checkpointer import Checkpointer
 from tierckpt.config import Config
-from tierckpt.errors import ConfigError, UnsupportedStateError
+from tierckpt.errors import ConfigError, CorruptCheckpointError, NoCheckpointError, UnsupportedStateError
 from tierckpt.integrations.pointer import read_pointer, restore_named, write_pointer
-from tierckpt.integrations.saves import DurableSaves, holding_tensors
+from tierckpt.integrations.saves import DurableSaves, DurableSteps, holding_tensors
 from tierckpt.integrations.sharded_tensors import as_dtensors, with_originals
 
 __all__ = ["TierckptCheckpointIO"]
@@ -247,8 +256,15 @@ class TierckptCheckpointIO(CheckpointIO):
         strategy = self._strategy if self.lazy else None
         if strategy is not None and strategy.model is not None:  # before the save: the barrier must hold the next forward
             self._saves.guard(strategy.model)  # the optimizers wait in before_optimizer_step
+        ckpt, durable = self.checkpointer, self._saves.durable_tiers  # kept: close() lets go of it before the last actions run
+
+        def written(tier: str) -> None:  # rank 0, once the step is durable
+            # The last files first: a kill between the two leaves them naming the new step.
+            _repoint_left_last(Path(key), step, tier, DurableSteps.of(ckpt.versions(), durable))
+            write_pointer(key, step, tier)
+
         try:
-            saved = self._saves.save(key, step, _plain(checkpoint), lambda tier: write_pointer(key, step, tier),
+            saved = self._saves.save(key, step, _plain(checkpoint), written,
                                      metadata={"lightning_path": key}, replicated=holding_tensors(checkpoint, self._replicated),
                                      lazy=strategy is not None)
         except UnsupportedStateError as exc:
@@ -293,6 +309,29 @@ class TierckptCheckpointIO(CheckpointIO):
     def teardown(self) -> None:
         """Wait until every save is durable and its pointer written; close the Checkpointer."""
         self._saves.close()
+
+
+def _repoint_left_last(saved: Path, step: int, tier: str, steps: DurableSteps) -> None:
+    """Beside ``saved`` (the path of a save of ``step``, now durable on ``tier``), rewrite each
+    ``last*.ckpt`` pointer naming a step of a direction training left (``steps.left``) to name
+    ``step``: Lightning resolves ``ckpt_path="last"`` to the newest such file by its time, and one
+    left from before a rollback names the direction given up. ``saved`` itself is written by its own
+    action; a symlink (``save_last="link"``) follows its target; files that are not pointers are left."""
+    for other in saved.parent.iterdir() if saved.parent.is_dir() else ():
+        if other.name == saved.name or not _names_last(other.name) or other.is_symlink():
+            continue
+        try:
+            named = read_pointer(other)
+        except (CorruptCheckpointError, NoCheckpointError):  # a torch.save file, a directory, or removed meanwhile
+            continue
+        if steps.left(named, step):
+            write_pointer(other, step, tier)
+
+
+def _names_last(name: str) -> bool:
+    """Whether Lightning's ``ckpt_path="last"`` may resolve to a file of this name: ``last.ckpt``,
+    ``last-v1.ckpt``, ... (its ``_find_last_checkpoints``; before Lightning 2.5 any name holding "last")."""
+    return name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST) and name.endswith(ModelCheckpoint.FILE_EXTENSION)
 
 
 def _bare(optimizer: Any) -> Any:

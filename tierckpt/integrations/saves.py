@@ -10,6 +10,10 @@ Under torch.distributed every rank saves through its own DurableSaves (one Check
 the same steps on every rank: the Checkpointer's save is collective). A step counts as durable once
 it is committed on every rank, and only rank 0 runs the action: the paths are the job's, written
 once.
+
+After a rollback (docs/index.md, "Rolling back") the paths of the direction given up still name
+their steps, higher than the new saves': :class:`DurableSteps` tells an integration which of them
+to set aside once a save of the new direction is durable.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Callable, Sequence
 
 import torch
@@ -27,8 +31,9 @@ import torch
 from tierckpt.checkpointer import Checkpointer, SaveHandle
 from tierckpt.config import Config
 from tierckpt.errors import FlushError
+from tierckpt.tiers.base import VersionInfo
 
-__all__ = ["DurableSaves", "holding_tensors"]
+__all__ = ["DurableSaves", "DurableSteps", "holding_tensors", "newest_live"]
 
 log = logging.getLogger("tierckpt")
 
@@ -80,6 +85,12 @@ class DurableSaves:
             self._thread = threading.Thread(target=self._run, name="tierckpt-durable-actions", daemon=True)
             self._thread.start()
         return self._ckpt
+
+    @property
+    def durable_tiers(self) -> list[str]:
+        """The tiers whose copy of a step counts as durable: those below host memory that outlive the
+        process (the first tier when the config has none), as the actions are run for."""
+        return list(self._durable) or [self.config.tiers[0].name]
 
     def guard(self, *targets: Any) -> None:
         """Put the Checkpointer's lazy barrier on ``targets`` (optimizers: their step waits for a save's
@@ -196,6 +207,39 @@ class DurableSaves:
             handle = newer  # a newer save of the same step replaced this one: its commit counts
         log.warning("tierckpt: %s: checkpoint %s (step %d) reached no durable tier; nothing is written at its path", self.who, item.key, item.step)
         return None, handle
+
+
+@dataclass(frozen=True)
+class DurableSteps:
+    """Which steps the durable tiers hold live and which only abandoned (the rule:
+    :mod:`tierckpt.format.lineage`), from one ``Checkpointer.versions()``: what decides whether a
+    trainer's path (a pointer naming a step) belongs to a direction training left."""
+
+    live: frozenset[int]
+    abandoned: frozenset[int]
+
+    @classmethod
+    def of(cls, versions: Sequence[VersionInfo], durable: Collection[str]) -> DurableSteps:
+        """From ``versions`` (``Checkpointer.versions()``: its verdicts look at every tier), those on the ``durable`` tiers."""
+        held = [v for v in versions if v.tier in durable]
+        return cls(frozenset(v.step for v in held if not v.abandoned), frozenset(v.step for v in held if v.abandoned))
+
+    def left(self, step: int, newest: int) -> bool:
+        """Whether a path naming ``step`` is of a direction training left, seen once the live step
+        ``newest`` (a save just made durable, or the newest live one) is durable: no durable tier
+        holds a live version of ``step``, and one holds an abandoned one, or none holds it and it
+        lies above ``newest``. (A live direction's steps grow with its saves, so a step above the
+        newest live one was saved before it and is not its ancestor; the tiers' retention keeps
+        ``keep.abandoned`` abandoned versions only, and may have deleted it.)"""
+        return step not in self.live and (step in self.abandoned or step > newest)
+
+
+def newest_live(versions: Sequence[VersionInfo], durable: Collection[str]) -> VersionInfo | None:
+    """The newest live version on the ``durable`` tiers (the highest serial, then step, whose record
+    verified and that is not abandoned): what a restart resumes, whatever higher steps an abandoned
+    direction left; None when they hold none."""
+    live = [v for v in versions if v.tier in durable and v.valid and not v.abandoned]
+    return max(live, key=lambda v: (v.serial, v.step), default=None)
 
 
 def holding_tensors(state: Mapping[str, Any], keys: Sequence[str]) -> list[str]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Awaitable, Callable, Protocol, Sequence
 
 from tierckpt.config import FlushPolicy
+from tierckpt.format.lineage import Lineage
 from tierckpt.policy import (
     Candidate,
     FlushState,
@@ -78,6 +79,9 @@ class Upstream(Protocol):
     def defer(self, tier: str, candidate: Candidate) -> bool: ...
 
     def spared(self, tier: str, step: int) -> bool: ...
+
+    def direction(self) -> Lineage | None:
+        """The lineage whose direction retention counts (see :meth:`~tierckpt.pipeline.sources.Sources.direction`)."""
 
 
 class Flusher:
@@ -285,18 +289,19 @@ class Flusher:
         and nobody reads.
 
         The version just committed always stays (a leftover newer step from an earlier run must not
-        push it out), and versions whose manifest did not verify are neither counted nor deleted.
+        push it out), and versions whose manifest did not verify, or that a restore of this process
+        found damaged, are neither counted nor deleted.
         Retention runs only after a commit: a failed flush never deletes anything, so the last good
         version stays. What it spares for a tier below is owed: tried again when a flush ends. The
         base of a differential version it keeps or spares is kept with it; where a tier does not keep
         the earlier version of a step saved again aside, the versions written against it go with it.
         """
-        infos = [i for i in self.tier.versions() if i.valid]
+        infos = [i for i in self.tier.versions() if i.valid and self.tier.damage_of(i) is None]
         # Versions that depend on ``committed`` were written against the version of that step this
         # commit replaced (none can depend on a version just committed): on a tier that does not keep
         # that earlier version aside for them, they can never be read again.
         broken = set() if self.tier.keeps_replaced_bases else {i.step for i in infos if i.base == committed}
-        keep = (retain(infos, self.tier.config.keep, now=self._wall_clock()) | {committed}) - broken
+        keep = (retain(infos, self.tier.config.keep, now=self._wall_clock(), top=self.upstream.direction()) | {committed}) - broken
         dropped = [info.step for info in infos if info.step not in keep]
         spared = {s for s in dropped if self.tier.leased(s) or self.upstream.spared(self.tier.name, s)}
         self._retention_owed = committed if spared and self.retries_retention else None

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import time
 from typing import Callable, Sequence
@@ -32,6 +33,8 @@ from tierckpt.capture import Copier
 from tierckpt.config import Config
 from tierckpt.errors import FlushError, flush_failure
 from tierckpt.observe.events import Events
+from tierckpt.format.lineage import KEY as LINEAGE, Lineage, head, order_key
+from tierckpt.pipeline.direction import Direction
 from tierckpt.pipeline.flusher import Flusher
 from tierckpt.pipeline.ramfs import RamFiles
 from tierckpt.pipeline.saves import Counters, SaveRequest, SaveTracker, capture_failure
@@ -77,6 +80,7 @@ class Pipeline:
         epoch = time.time() - clock()
         self._wall: Callable[[], float] = lambda: clock() + epoch
         self._seq = 0
+        self.direction = Direction()  # which lineage each save gets (tierckpt.format.lineage)
         self._trackers: dict[int, SaveTracker] = {}
         self._capturing: dict[int, Snapshot] = {}  # by token, until its capture ends
         self._single = not several_ranks
@@ -108,12 +112,24 @@ class Pipeline:
     def wall_clock(self) -> float:
         return self._wall()
 
+    def held_direction(self) -> Lineage | None:
+        return head(v for t in self.tiers for v in t.versions() if v.valid)
+
+    def held_head(self) -> tuple[int, Lineage | None, int]:
+        """What this rank's tiers hold, for :meth:`Direction.held`: the newest save's step and lineage
+        (:func:`~tierckpt.format.lineage.head`; step -1 when nothing is held) and the highest serial."""
+        held = [v for t in self.tiers for v in t.versions()]
+        newest = max((v for v in held if v.valid), key=order_key, default=None)
+        highest = max((v.serial for v in held), default=0)
+        return (-1, None, highest) if newest is None else (newest.step, newest.lineage, highest)
+
     def save_waits(self) -> None:
         self._wake_flushers()
 
     async def start(self) -> None:
         for tier in self.tiers:
             await tier.open()
+        self.direction.held(*self.held_head())
         for flusher in self.flushers:
             flusher.start()
         if self._single:  # not for several ranks yet: every rank would have to have kept the same steps
@@ -136,6 +152,10 @@ class Pipeline:
     async def save(self, request: SaveRequest) -> SaveTracker:
         step = request.step
         self.raise_pending(flushes=False)  # a failed flush never fails a later save: see the module docstring
+        # Every call takes its serial, a skipped save's too: ranks that skip different saves still
+        # number each save alike.
+        lineage = self.direction.next(step)
+        request.metadata[LINEAGE] = lineage.encode()
         pool = self.memory.pool
         # Without host.capacity the pool is sized to the state: mapped at the first save, and again,
         # larger, for a save that does not fit (tierckpt.capture.pool); CapacityError past its limit.
@@ -175,6 +195,7 @@ class Pipeline:
             metadata=request.metadata,
             created=self._wall(),
             slot=slot,
+            lineage=lineage,
         )
         tracker = SaveTracker(step, snapshot.seq, committed={t.name: concurrent.futures.Future() for t in self.tiers}, began=request.began)
         self._trackers[snapshot.seq] = tracker
@@ -348,7 +369,8 @@ class Pipeline:
         self.raise_pending(flushes=True)
 
     def versions(self) -> list[VersionInfo]:
-        return [info for tier in self.tiers for info in tier.versions()]
+        """Every tier's versions, with what a restore of this process found damaged said."""
+        return [info if (why := tier.damage_of(info)) is None else dataclasses.replace(info, damaged=why) for tier in self.tiers for info in tier.versions()]
 
     async def close(self) -> None:
         try:

@@ -13,6 +13,7 @@ import logging
 import time
 from typing import Any, Callable, Coroutine, Sequence
 
+from tierckpt.format.lineage import order_key
 from tierckpt.errors import CorruptCheckpointError, flush_failure
 from tierckpt.observe.events import Events
 from tierckpt.pipeline.flusher import Flusher
@@ -75,7 +76,10 @@ class RamFiles:
         checked: list[tuple[Snapshot, list[Flusher], Lease]] = []
         try:
             for snapshot in self.memory.adopted():
-                flushers = [f for f in all_flushers if snapshot.step > max((v.step for v in f.tier.versions()), default=-1)]
+                # Newer by the save's order (tierckpt.format.lineage): after a rollback a snapshot of
+                # the new direction has a lower step than what the tier still holds of the old one.
+                newer = order_key(snapshot)
+                flushers = [f for f in all_flushers if newer > max((order_key(v) for v in f.tier.versions()), default=(-1, -1, 0.0))]
                 if not flushers:
                     continue
                 lease = self.memory.hold(snapshot)  # retention must not drop it before the flushers want it

@@ -15,6 +15,7 @@ import msgpack
 
 from tierckpt.capture.views import moment
 from tierckpt.format.layout import checked_step
+from tierckpt.format.lineage import KEY as LINEAGE
 from tierckpt.pipeline.saves import SaveRequest
 from tierckpt.snapshot import LayoutCache
 from tierckpt.state import survey
@@ -27,11 +28,14 @@ def save_request(
 
     Raises:
         TypeError: ``step`` is not an int, or ``metadata`` holds a value msgpack cannot encode.
-        ValueError: ``step`` is outside ``0..MAX_STEP``, or ``replicated`` names no value of ``state``.
+        ValueError: ``step`` is outside ``0..MAX_STEP``, ``replicated`` names no value of ``state``, or
+            ``metadata`` uses tierckpt's own key (:data:`tierckpt.format.lineage.KEY`).
         UnsupportedStateError: a value in ``state`` cannot be stored.
     """
     checked_step(step)
     meta = dict(metadata or {})
+    if LINEAGE in meta:
+        raise ValueError(f"metadata key {LINEAGE!r} is tierckpt's own (which save this is): use another key")
     try:
         msgpack.packb(meta, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:

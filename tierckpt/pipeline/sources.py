@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from tierckpt.format.lineage import Lineage, head
 from tierckpt.pipeline.flusher import Flusher, Located
 from tierckpt.policy import Candidate
 from tierckpt.snapshot import Snapshot
@@ -53,6 +54,12 @@ class Sources:
         # Per stored tier: step -> the token of the save it committed under that step in this process.
         self._tokens: dict[str, dict[int, int]] = {t.name: {} for t in self.tiers[1:] if t.config.type in ("filesystem", "object")}
         self._flushers = flushers
+
+    def direction(self) -> Lineage | None:
+        """The lineage of the newest save committed on a tier below host memory: retention keeps the
+        versions of its direction (:func:`tierckpt.policy.retain`). A save only in host memory does not
+        count yet: until a new direction's first save commits, nothing stored changes."""
+        return head(v for t in self.tiers[1:] for v in t.versions() if v.valid)
 
     def committed(self, tier: str, candidate: Candidate) -> None:
         """``tier`` committed the save ``candidate``: it can serve it to the tiers below."""

@@ -14,6 +14,7 @@ from typing import Any, Coroutine, Sequence
 from tierckpt.errors import ConfigError
 from tierckpt.format.layout import checked_step
 from tierckpt.observe.events import Events
+from tierckpt.pipeline.direction import Direction
 from tierckpt.ranks.group import RankGroup
 from tierckpt.restore.fallback import restore_versions
 from tierckpt.restore.result import Restored
@@ -34,6 +35,7 @@ def prepare_restore(
     step: int | None = None,
     tier: str | None = None,
     replicas_once: bool = True,
+    direction: Direction | None = None,
 ) -> Coroutine[Any, Any, Any]:
     """The restore to run on the engine: of step ``step`` (else the newest that verifies), from tier
     ``tier`` only (else from any of ``tiers``, fastest first), collectively when ``group`` is given.
@@ -42,6 +44,7 @@ def prepare_restore(
     asked for and no tier holds a version. How it ends is reported on ``events``: ``restored`` (step,
     tier, bytes, seconds since this call) or ``restore_failed`` (step, error). ``replicas_once``: a
     value stored once between ranks is read once between them (``distributed.read_replicated``).
+    ``direction``: told of the version restored, which the next save descends from.
 
     Raises:
         TypeError, ValueError: ``step`` cannot name a version (:func:`~tierckpt.format.layout.checked_step`).
@@ -52,7 +55,7 @@ def prepare_restore(
         checked_step(step)
     only = None if tier is None else _named(tiers, tier)
     work = _restore(group, tiers, memory, template, strict, cast, verify_first, step, only, replicas_once)
-    return _reported(work, tiers, events, step, began)
+    return _reported(work, tiers, events, step, began, direction)
 
 
 def _named(tiers: Sequence[Tier], name: str) -> list[Tier]:
@@ -87,15 +90,19 @@ async def _restore(
         return await work
 
 
-async def _reported(work: Coroutine[Any, Any, Restored | None], tiers: Sequence[Tier], events: Events, step: int | None, began: float) -> Restored | None:
-    """``work``, a restore, reported as a ``restored`` or ``restore_failed`` event (on the engine's
-    thread, which owns what the tiers hold)."""
+async def _reported(
+    work: Coroutine[Any, Any, Restored | None], tiers: Sequence[Tier], events: Events, step: int | None, began: float, direction: Direction | None
+) -> Restored | None:
+    """``work``, a restore, reported as a ``restored`` or ``restore_failed`` event, and to ``direction``
+    (on the engine's thread, which owns what the tiers hold and the pipeline's direction)."""
     try:
         restored = await work
     except Exception as exc:
         events.emit("restore_failed", step=step, error=exc)
         raise
     if restored is not None:
+        if direction is not None:
+            direction.restored(restored.step, restored.lineage)
         held = next((v.nbytes for t in tiers if t.name == restored.tier for v in t.versions() if v.step == restored.step), None)
         events.emit("restored", step=restored.step, tier=restored.tier, bytes=held, seconds=time.monotonic() - began)
     return restored

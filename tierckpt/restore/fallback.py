@@ -1,7 +1,9 @@
 """Restore: the newest step every rank can load and verify, loaded on every rank, or none; one
 process is a group of one (:class:`Alone`). Or one step (``only``), or an error on every rank.
 
-The candidates are the steps every rank can get from some tier, newest first: its own copy (host
+The candidates are the steps of the direction being trained (the versions the newest save any rank
+holds descends from: :mod:`tierckpt.format.lineage`) that every rank can get from some tier, newest
+first (never a version a rollback abandoned, whatever its step). A rank gets one through its own copy (host
 memory, or a filesystem tier, where only globally committed versions are listed), a copy a peer
 holds of its part (a peer tier), or its part on another node's directory of a node-local tier. The
 ranks exchange what each can get and try the newest step common to all. On a step, each rank goes
@@ -36,9 +38,10 @@ from typing import Any, Protocol, Sequence
 
 from tierckpt.errors import CorruptCheckpointError, RestoreError
 from tierckpt.format.layout import after_where, where
+from tierckpt.format.lineage import Lineage, head, lineage_of, user_metadata
 from tierckpt.format.saved_layout import NotHere
 from tierckpt.restore.landing import finish
-from tierckpt.restore.order import try_order
+from tierckpt.restore.order import admitted, try_order
 from tierckpt.restore.plan import Plan
 from tierckpt.restore.read import in_thread, read_version
 from tierckpt.restore.replicas import LeftToOwners, Swapping, first_tiers, read_once, spread
@@ -114,7 +117,8 @@ async def restore_versions(
     voice = AloneVoice(only, listed) if ranks.world == 1 else RanksVoice(only, listed, ranks.rank)
     recoveries = [t.recovery() for t in tiers]  # how each tier gets this rank's part from other ranks, if it can
     helped = [r for r in recoveries if r is not None]
-    can, once = agree(tiers, helped, await _exchange(ranks, what_held(tiers, helped, replicas_once)))
+    explicit = only is not None
+    can, once, top = agree(tiers, helped, await _exchange(ranks, what_held(tiers, helped, replicas_once)), explicit=explicit)
     common = sorted(set.intersection(*can), reverse=True)
     if only is not None:
         if only not in common:
@@ -134,8 +138,11 @@ async def restore_versions(
             # with this rank's own copy on it, then the copy it can fetch from other ranks (a peer's,
             # another node's directory): every rank calls each fetch, wanting or not, so that every
             # rank serves what the others fetch from it.
+            # Only copies of the direction being trained (tierckpt.format.lineage); of one step asked
+            # for, an abandoned copy where no live one is held.
             order = try_order(step, tiers, ranks.world)
-            holding = [tiers[i] for i in order if tiers[i].has_part(step) and any(info.step == step for info in tiers[i].versions())]
+            allowed = admitted(step, tiers, top, explicit=explicit)
+            holding = [tiers[i] for i in order if i in allowed]
             for i in order:
                 tier, recovery = tiers[i], recoveries[i]
                 rest = holding[holding.index(tier) + 1 :] if tier in holding else []
@@ -159,7 +166,10 @@ async def restore_versions(
                     voice.fetch_failed(exc, [t for t in tiers[i + 1 :] if any(t is h for h in holding)])
                     continue
                 if fetched is not None:
-                    await attempt_on(held_open, fetched, step, attempt)
+                    if admitted(step, [fetched], top, explicit=explicit and not allowed):
+                        await attempt_on(held_open, fetched, step, attempt)
+                    else:
+                        attempt.verdict = f"the copy of step {step} that tier {tier.name!r} fetched was saved in an abandoned direction"
             # Its template keys written so far: by earlier steps, by this step's tries (a step
             # every rank leaves behind leaves what verified here written, too).
             touched |= attempt.written
@@ -179,7 +189,10 @@ async def restore_versions(
                 assert loaded is not None
                 tier, planned, (missing, unexpected) = loaded
                 state = await in_thread(finish, planned.saved, planned.targets)
-                return Restored(step, state, tier.name, dict(planned.saved.metadata), missing, unexpected, read_bytes=planned.bytes_read)
+                saved = planned.saved.metadata
+                return Restored(
+                    step, state, tier.name, user_metadata(saved), missing, unexpected, read_bytes=planned.bytes_read, lineage=lineage_of(saved)
+                )
         voice.step_failed(step, {r: v[0] for r, v in enumerate(verdicts) if v[0]}, common[n + 1 :], touched, touched_ranks)
     failed = voice.none_verified(touched, touched_ranks)
     if failed is not None:
@@ -189,21 +202,49 @@ async def restore_versions(
 
 def what_held(tiers: Sequence[Tier], helped: Sequence[Recovery], replicas_once: bool) -> list[Any]:
     """What this rank tells the others first: the steps it holds a part of (newest first), what each
-    tier that fetches from other ranks reports, and the first tier holding each step (None: it reads
-    every replicated value whole)."""
-    mine = sorted({info.step for tier in tiers for info in tier.versions() if tier.has_part(info.step)}, reverse=True)
-    return [mine, [r.report() for r in helped], first_tiers(tiers, mine) if replicas_once else None]
+    tier that fetches from other ranks reports, the first tier holding each step (None: it reads
+    every replicated value whole), the serials of its copies of each step, the lineage of the newest
+    save its tiers list (:mod:`tierckpt.format.lineage`; encoded, or None), and the serials of every
+    version its tiers list, parts other ranks hold included ([step, serials])."""
+    listed = [(info, tier.has_part(info.step)) for tier in tiers for info in tier.versions()]
+    mine = sorted({info.step for info, own in listed if own}, reverse=True)
+    serials: dict[int, set[int]] = {}  # of this rank's own parts
+    anywhere: dict[int, set[int]] = {}  # of every version a tier lists (a part another rank holds too)
+    for info, own in listed:
+        anywhere.setdefault(info.step, set()).add(info.serial)
+        if own:
+            serials.setdefault(info.step, set()).add(info.serial)
+    top = head(info for info, _ in listed if info.valid)
+    return [
+        mine, [r.report() for r in helped], first_tiers(tiers, mine) if replicas_once else None,
+        [sorted(serials[s]) for s in mine], None if top is None else top.encode(),
+        [[s, sorted(found)] for s, found in sorted(anywhere.items())],
+    ]
 
 
-def agree(tiers: Sequence[Tier], helped: Sequence[Recovery], held: Sequence[Any]) -> tuple[list[set[int]], dict[int, int]]:
+def agree(
+    tiers: Sequence[Tier], helped: Sequence[Recovery], held: Sequence[Any], *, explicit: bool = False
+) -> tuple[list[set[int]], dict[int, int], Lineage | None]:
     """From every rank's :func:`what_held`, in rank order (the same on every rank): the steps each rank
-    can get, by itself or with the others' help, and the steps whose replicated values are read once
-    (step -> tier index: :func:`~tierckpt.restore.replicas.read_once`)."""
-    can = [set(h[0]) for h in held]
+    can get, by itself or with the others' help, the steps whose replicated values are read once
+    (step -> tier index: :func:`~tierckpt.restore.replicas.read_once`), and the lineage of the newest
+    save any rank holds (:func:`~tierckpt.format.lineage.head`).
+
+    ``explicit``: a restore of one step asked for. Without it, a rank can get a step only where it
+    holds a copy in the newest save's direction (or, through a tier that fetches, a step some rank's tiers list
+    so): every rank resumes the same direction, also where one rank's tiers still hold an abandoned one."""
+    tops = [Lineage.decode(h[4]) for h in held if h[4] is not None]
+    top = max(tops, key=lambda lineage: lineage.serial, default=None)
+
+    def live(step: int, serials: Sequence[int]) -> bool:
+        return explicit or top is None or any(top.descends(step, x) for x in serials)
+
+    can = [{s for s, serials in zip(h[0], h[3]) if live(s, serials)} for h in held]
+    anywhere = {s for h in held for s, serials in h[5] if live(s, serials)}
     for k, helper in enumerate(helped):
         for r, steps in enumerate(helper.reachable([h[1][k] for h in held])):
-            can[r] |= steps
-    return can, read_once(tiers, [(h[0], h[2]) for h in held])
+            can[r] |= steps if explicit else steps & anywhere
+    return can, read_once(tiers, [(h[0], h[2]) for h in held]), top
 
 
 async def _share_replicas(ranks: Exchange, attempt: Attempt, tier: Tier, step: int) -> CorruptCheckpointError | None:
@@ -307,7 +348,16 @@ async def _try(
         return exc
     except CorruptCheckpointError as exc:
         attempt.failed(tier, step, exc)
+        _known_damaged(tier, step, exc)
         return exc
     except Exception as exc:  # a template that does not match, say: raised on every rank
         attempt.error = exc
     return None
+
+
+def _known_damaged(tier: Tier, step: int, error: CorruptCheckpointError) -> None:
+    """Remember that this copy of ``step`` did not verify: later restores of this process pass it over,
+    and retention neither counts nor deletes it (tierckpt.restore.order.admitted, Flusher.doomed)."""
+    info = next((v for v in tier.versions() if v.step == step), None)
+    if info is not None:
+        tier.found_damaged[(step, info.created)] = str(error)

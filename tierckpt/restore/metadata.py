@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from tierckpt.format.lineage import head, user_metadata
 from tierckpt.errors import ConfigError, CorruptCheckpointError, LayoutError, NoCheckpointError
 from tierckpt.format.layout import after_where, checked_step
-from tierckpt.restore.order import try_order
+from tierckpt.restore.order import admitted, try_order
 from tierckpt.restore.result import held_steps
 from tierckpt.tiers.base import Tier
 
@@ -23,7 +24,8 @@ __all__ = ["read_metadata"]
 async def read_metadata(tiers: Sequence[Tier], step: int, tier: str | None = None, *, rank: int = 0, world: int = 1) -> dict[str, Any]:
     """The metadata of ``step`` from the first of ``tiers`` (or tier ``tier`` only) holding this rank's
     copy whose manifest verifies (on the engine's thread, which owns the tiers), in the order a
-    restore tries them (one process: the newest save first, :mod:`tierckpt.restore.order`). A version
+    restore tries them (a copy of the direction being trained first; one process: the newest save
+    first, :mod:`tierckpt.restore.order`). A version
     saved by another number of ranks gives the metadata of the part a restore takes this rank's
     values from.
 
@@ -37,7 +39,12 @@ async def read_metadata(tiers: Sequence[Tier], step: int, tier: str | None = Non
     if tier is not None and all(t.name != tier for t in tiers):
         raise ConfigError(f"metadata(tier={tier!r}): there is no such tier (the tiers are {', '.join(t.name for t in tiers)})")
     failed = []
-    for t in [tiers[i] for i in try_order(step, tiers, world)]:
+    # The copy a restore of the step would read first: a live one before an abandoned one (this
+    # rank's tiers decide: metadata is not collective).
+    top = head(v for t in tiers for v in t.versions() if v.valid)
+    live = admitted(step, tiers, top, explicit=True)
+    order = try_order(step, tiers, world)
+    for t in [tiers[i] for i in [*(i for i in order if i in live), *(i for i in order if i not in live)]]:
         if (tier is not None and t.name != tier) or not t.has_part(step):
             continue
         try:
@@ -48,9 +55,9 @@ async def read_metadata(tiers: Sequence[Tier], step: int, tier: str | None = Non
             try:
                 source = await t.read(step)
             except LayoutError:  # saved by another number of ranks: its layout's (this rank's home part's)
-                return dict((await t.read_layout(step, rank)).metadata)
+                return user_metadata((await t.read_layout(step, rank)).metadata)
             try:
-                return dict(source.metadata)
+                return user_metadata(source.metadata)
             finally:
                 source.close()
         except CorruptCheckpointError as exc:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from tierckpt.errors import RestoreError
+from tierckpt.format.lineage import Lineage
 from tierckpt.restore.read import some_keys
 from tierckpt.state import Leaf, flatten, format_path
 from tierckpt.tiers.base import Tier
@@ -29,6 +30,14 @@ class Restored:
     # replicated across ranks, only the chunks it stored, when the others sent theirs
     # (tierckpt.restore.replicas).
     read_bytes: int = 0
+    # Which save it is and which saves it descends from (tierckpt.format.lineage): the next save
+    # descends from it. None: saved before lineages were recorded.
+    lineage: Lineage | None = field(default=None, repr=False)
+
+    @property
+    def serial(self) -> int:
+        """The number of the ``save()`` call that made it, across restarts (0: saved before serials were recorded)."""
+        return 0 if self.lineage is None else self.lineage.serial
 
 
 def template_leaves(template: Any) -> dict[str, Leaf]:

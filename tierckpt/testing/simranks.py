@@ -41,6 +41,7 @@ from tierckpt.ranks.group import RankGroup
 from tierckpt.ranks.nodes import split_nodes
 from tierckpt.ranks.nodestore import NodeLink, relayed_nodes
 from tierckpt.ranks.tally import StoreTally
+from tierckpt.format.lineage import Lineage, lineage_of
 from tierckpt.tiers.base import GroupTier, Lease, Part, Staged, VersionInfo
 
 __all__ = ["NullTier", "SaveCost", "SimGroup", "SimStore", "leader_seconds", "simulate_saves"]
@@ -151,14 +152,15 @@ class NullTier(GroupTier):
         raise NotImplementedError("a NullTier stores no bytes")
 
     async def write(self, source: Any, staging: str | None = None) -> Staged:
-        return Staged(source.step, staging, self.part_bytes, time.time(), Part(f"manifest-{staging}.msgpack", 0, self.part_bytes))
+        part = Part(f"manifest-{staging}.msgpack", 0, self.part_bytes)
+        return Staged(source.step, staging, self.part_bytes, time.time(), part, lineage=lineage_of(source.metadata))
 
     async def seal(self, staged: Staged, parts: list[Part], metadata: dict[str, Any]) -> None:
         marker = CommitMarker(staged.step, staged.created, len(parts), tuple((p.manifest, p.checksum, p.nbytes) for p in parts), metadata)
         self.marker_bytes = len(marker.encode())
 
     async def commit(self, staged: Staged) -> VersionInfo:
-        info = VersionInfo(self.name, staged.step, staged.nbytes, staged.created)
+        info = VersionInfo(self.name, staged.step, staged.nbytes, staged.created, lineage=staged.lineage)
         self.committed.append(info)
         return info
 
@@ -201,6 +203,9 @@ class _Everything:
 
     def spared(self, tier: str, step: int) -> bool:
         return False
+
+    def direction(self) -> Lineage | None:
+        return None  # simulated versions have no lineage: retention counts every one
 
     def committed(self, tier: str, candidate: Candidate, info: VersionInfo, started: float) -> None:
         self._done[candidate.step] += 1

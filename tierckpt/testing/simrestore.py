@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import msgpack
 
+from tierckpt.format.lineage import Lineage
 from tierckpt.restore.fallback import agree, what_held
 from tierckpt.testing.simranks import NullTier
 from tierckpt.tiers.base import VersionInfo
@@ -54,13 +55,13 @@ def simulate_restore(world: int, steps: int = 8, repeats: int = 5) -> RestoreCos
     median of ``repeats``)."""
     ram, shared = NullTier("ram"), NullTier("shared")
     shared.reads_replicas_once = True
-    shared.committed = [VersionInfo("shared", step, 1 << 30, 0.0) for step in range(1, steps + 1)]
+    shared.committed = [VersionInfo("shared", step, 1 << 30, 0.0, lineage=Lineage(step)) for step in range(1, steps + 1)]
     first = msgpack.packb(what_held([ram, shared], [], True), use_bin_type=True)
     held = [msgpack.unpackb(first, raw=False) for _ in range(world)]
     times = []
     for _ in range(repeats):
         started = time.process_time()
-        can, once = agree([ram, shared], [], held)
+        can, once, _ = agree([ram, shared], [], held)
         newest = max(set.intersection(*can))
         times.append(time.process_time() - started)
     agree_s = statistics.median(times)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
 from tierckpt.config import TierConfig
+from tierckpt.format.lineage import Lineage
 from tierckpt.format.saved_layout import SavedLayout, source_layout
 from tierckpt.format.source import VersionSource as VersionSource  # re-exported: it was defined here
 
@@ -48,6 +49,19 @@ class VersionInfo:
     base: int | None = None
     chain: int = 0
     needed_by: tuple[int, ...] = ()
+    # Which save it is and which saves it descends from (tierckpt.format.lineage), from its record;
+    # None: saved before lineages were recorded, or a record that did not verify.
+    lineage: Lineage | None = None
+    # Saved in a direction training left (a save after a rollback excludes it): set where every tier
+    # was looked at (Checkpointer.versions, the CLI), False from a tier alone.
+    abandoned: bool = False
+    # Why a restore of this process found its bytes damaged (Checkpointer.versions); None: not found so.
+    damaged: str | None = None
+
+    @property
+    def serial(self) -> int:
+        """The number of the save() call that made it, across restarts (0: saved before serials were recorded)."""
+        return 0 if self.lineage is None else self.lineage.serial
 
 
 class Part(NamedTuple):
@@ -69,6 +83,7 @@ class Staged:
     part: Part | None = None  # of a version several ranks save: this rank's part
     base: int | None = None  # a differential version's base step (the tier's decision: every rank's the same)
     chain: int = 0
+    lineage: Lineage | None = None  # from the version's metadata (tierckpt.format.lineage)
 
 
 class Lease:
@@ -109,6 +124,14 @@ class Tier(abc.ABC):
         self.config = config
         self.name = config.name
         self._leases: collections.Counter[int] = collections.Counter()
+        # The copies a restore of this process found damaged, by (step, created): one save's copy (a
+        # step saved again is another), why. Later restores pass them over and retention neither
+        # counts nor deletes them (docs/guarantees.md).
+        self.found_damaged: dict[tuple[int, float], str] = {}
+
+    def damage_of(self, info: VersionInfo) -> str | None:
+        """Why a restore of this process found ``info``'s copy here damaged, or None."""
+        return self.found_damaged.get((info.step, info.created)) if self.found_damaged else None
 
     async def open(self) -> None:  # noqa: B027 - optional hook
         """Prepare the tier: create it, sweep what a crash left, index what is committed."""

@@ -7,6 +7,7 @@ import enum
 import time
 from typing import Protocol
 
+from tierckpt.format.lineage import Lineage
 from tierckpt.snapshot import Snapshot
 
 
@@ -35,6 +36,10 @@ class MemoryHooks(Protocol):
     def wall_clock(self) -> float:
         """Unix seconds, for ``keep.within``."""
 
+    def held_direction(self) -> Lineage | None:
+        """The lineage of the newest save on any tier, host memory's included: retention in host memory
+        keeps the versions of its direction first (None: this tier's own newest)."""
+
 
 class Alone:
     """The hooks of a memory tier with no tier below it (used on its own, as tests and tools do)."""
@@ -50,3 +55,6 @@ class Alone:
 
     def wall_clock(self) -> float:
         return time.time()
+
+    def held_direction(self) -> Lineage | None:
+        return None

@@ -37,6 +37,7 @@ from tierckpt.capture.pool import HostPool
 from tierckpt.config import TierConfig
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import DATA_FILE, Manifest
+from tierckpt.format.lineage import head
 from tierckpt.policy import SlotChoice, SlotOccupant, choose_slot, retain
 from tierckpt.snapshot import Entry, Slot, Snapshot, SnapshotState
 from tierckpt.tiers.base import Lease, Tier, VersionInfo, VersionSource
@@ -280,7 +281,8 @@ class MemoryTier(Tier):
         for s in self._snapshots.values():
             if s.state is SnapshotState.CAPTURED:
                 newest[s.step] = s  # a later save of the same step replaces the earlier one
-        keep = retain(list(newest.values()), self.config.keep, now=self._hooks.wall_clock())
+        top = self._hooks.held_direction()
+        keep = retain(list(newest.values()), self.config.keep, now=self._hooks.wall_clock(), top=top or head(newest.values()))
         for s in list(self._snapshots.values()):
             if s.state is SnapshotState.FAILED and not s.leases:
                 self.drop(s)
@@ -314,7 +316,10 @@ class MemoryTier(Tier):
             if s.state is SnapshotState.CAPTURED:
                 found[s.step] = s
         return [
-            VersionInfo(self.name, step, found[step].nbytes, found[step].created, str(found[step].persisted) if found[step].persisted else None)
+            VersionInfo(
+                self.name, step, found[step].nbytes, found[step].created, str(found[step].persisted) if found[step].persisted else None,
+                lineage=found[step].lineage,
+            )
             for step in sorted(found)
         ]
 

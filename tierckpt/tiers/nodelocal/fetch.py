@@ -29,6 +29,7 @@ from typing import Any, Protocol, Sequence
 
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, version_dirname
+from tierckpt.format.lineage import lineage_of
 from tierckpt.tiers.base import Recovery, Tier, VersionInfo, VersionSource
 from tierckpt.tiers.stored.read import open_source, read_head, read_rank_manifest, resolve_shared
 from tierckpt.tiers.stored.standalone import standalone
@@ -93,7 +94,7 @@ class FetchedPart(Tier):
         self.path = path
         self.manifest = manifest
         self.node = node  # the name of the node it came from
-        self._info = VersionInfo(tier.name, step, nbytes, manifest.created, str(path))
+        self._info = VersionInfo(tier.name, step, nbytes, manifest.created, str(path), lineage=lineage_of(manifest.metadata))
 
     @property
     def place(self) -> str:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from tierckpt.format import CommitMarker
+from tierckpt.format.lineage import KEY, Lineage, lineage_of
 
 __all__ = ["Holding", "complete_versions"]
 
@@ -28,21 +29,27 @@ class Holding:
     aside: str | None = None  # a copy moved aside by a replacement that was cut short: its name
     base: int | None = None  # a differential version's base step, as the marker names it
     chain: int = 0
+    lineage: Lineage | None = None  # which save it is (tierckpt.format.lineage), as the marker records it
 
     def pack(self) -> list[Any]:
-        return [self.step, self.world, list(self.parts), list(self.holds), self.created, self.nbytes, self.aside, self.base, self.chain]
+        lineage = None if self.lineage is None else self.lineage.encode()
+        return [self.step, self.world, list(self.parts), list(self.holds), self.created, self.nbytes, self.aside, self.base, self.chain, lineage]
 
     @classmethod
     def unpack(cls, raw: Sequence[Any]) -> Holding:
-        step, world, parts, holds, created, nbytes, aside, base, chain = raw
-        return cls(int(step), int(world), tuple(parts), tuple(holds), float(created), int(nbytes), aside, None if base is None else int(base), int(chain))
+        step, world, parts, holds, created, nbytes, aside, base, chain, lineage = raw
+        return cls(
+            int(step), int(world), tuple(parts), tuple(holds), float(created), int(nbytes), aside, None if base is None else int(base), int(chain),
+            lineage_of({KEY: lineage}),
+        )
 
     @classmethod
     def of(cls, marker: CommitMarker, aside: str | None = None) -> Holding:
         """What a node's commit marker says (one naming the ranks its directory ``holds``)."""
         assert marker.holds is not None
         parts = tuple(p[1] for p in marker.ranks)
-        return cls(marker.step, marker.world_size, parts, marker.holds, marker.created, marker.stored_bytes, aside, marker.base, marker.chain)
+        lineage = lineage_of(marker.metadata)
+        return cls(marker.step, marker.world_size, parts, marker.holds, marker.created, marker.stored_bytes, aside, marker.base, marker.chain, lineage)
 
 
 def complete_versions(reports: dict[int, list[Holding]], world: int) -> dict[int, tuple[dict[int, int], Holding]]:

@@ -157,7 +157,8 @@ class NodeLocalTier(FilesystemTier):
         for step, (where, held) in complete.items():
             self._where[step] = where
             local = self._local.get(step)
-            self._index[step] = VersionInfo(self.name, step, held.nbytes, held.created, local.path if local else None, base=held.base, chain=held.chain)
+            path = local.path if local else None
+            self._index[step] = VersionInfo(self.name, step, held.nbytes, held.created, path, base=held.base, chain=held.chain, lineage=held.lineage)
         for step, (_, held) in complete.items():  # once every version is listed: which ones a copy aside is the base of
             await self._settle_aside(step, held)
         mine = self._held.keys() & self._local.keys()
@@ -292,7 +293,7 @@ class NodeLocalTier(FilesystemTier):
             staged.nbytes = nbytes
             info = self._indexed(staged)
             self._where[staged.step] = self._as_saved()
-            self._held[staged.step] = Holding(staged.step, self.group.world, (), self.node, staged.created, nbytes)
+            self._held[staged.step] = Holding(staged.step, self.group.world, (), self.node, staged.created, nbytes, lineage=staged.lineage)
             return info
         staged.nbytes = nbytes
         return await self._committed(staged)
@@ -308,7 +309,7 @@ class NodeLocalTier(FilesystemTier):
         info = self._indexed(staged)
         self._where[staged.step] = self._as_saved()
         self._local[staged.step] = info
-        self._held[staged.step] = Holding(staged.step, self.group.world, (), self.node, staged.created, staged.nbytes)
+        self._held[staged.step] = Holding(staged.step, self.group.world, (), self.node, staged.created, staged.nbytes, lineage=staged.lineage)
         for step in sorted(s for s in self._orphans if s < staged.step):
             self._orphans.discard(step)
             self._local.pop(step, None)

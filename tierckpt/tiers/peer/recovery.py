@@ -21,6 +21,7 @@ from typing import Any, Protocol, Sequence
 from tierckpt._buffers import prefaulting
 from tierckpt.errors import CorruptCheckpointError
 from tierckpt.format import MANIFEST_FILE, Manifest
+from tierckpt.format.lineage import lineage_of
 from tierckpt.tiers.base import Recovery, Tier, VersionInfo, VersionSource
 from tierckpt.tiers.stored.check import check_records
 from tierckpt.tiers.stored.read import open_source, read_manifest
@@ -71,12 +72,13 @@ class PeerRecovery(Recovery):
 class FetchedCopy(Tier):
     """This rank's part of one version, fetched from a peer into its own replica directory for a restore."""
 
-    def __init__(self, peer: CopyHolder, held: ReplicaId, created: float, nbytes: int) -> None:
+    def __init__(self, peer: CopyHolder, held: ReplicaId, manifest: Manifest, nbytes: int) -> None:
         super().__init__(peer.config)
         self.executor = peer.executor
         self._peer = peer
         self._held = held
-        self._info = VersionInfo(peer.name, held.step, nbytes, created, str(peer.replicas.path(held)))
+        path = str(peer.replicas.path(held))
+        self._info = VersionInfo(peer.name, held.step, nbytes, manifest.created, path, lineage=lineage_of(manifest.metadata))
 
     def versions(self) -> list[VersionInfo]:
         return [self._info]
@@ -110,7 +112,7 @@ async def exchange(peer: CopyHolder, step: int, fetchers: dict[int, int], held_o
         return None
     held, manifest, nbytes = fetched
     held_open.callback(peer.replicas.delete, held)
-    return FetchedCopy(peer, held, manifest.created, nbytes)
+    return FetchedCopy(peer, held, manifest, nbytes)
 
 
 def _serve(peer: CopyHolder, held: ReplicaId, dst: int) -> None:
@@ -158,7 +160,7 @@ def _fetch(peer: CopyHolder, step: int, src: int) -> tuple[ReplicaId, Manifest, 
     try:
         with prefaulting(incoming.data):
             wire.receive_copy(incoming.data, manifest.records, src, bulk, wire.TAG_FETCH)
-        peer.replicas.commit(incoming, encoded, manifest.created)
+        peer.replicas.commit(incoming, encoded, manifest.created, lineage_of(manifest.metadata))
     except BaseException:
         peer.replicas.discard(incoming)
         raise

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from tierckpt.errors import ConfigError, CorruptCheckpointError
 from tierckpt.format import MANIFEST_FILE, Manifest, parse_version_dirname, version_dirname
+from tierckpt.format.lineage import Lineage, lineage_of
 from tierckpt.storage.posix import preallocate, remove_out_of_sight, write_file
 from tierckpt.storage.lock import DirectoryLock
 from tierckpt.tiers.wire import COPY_FILE
@@ -119,6 +120,7 @@ class ReplicaStore:
         self._guard = threading.Lock()
         self._held: dict[ReplicaId, int] = {}  # -> bytes
         self._created: dict[ReplicaId, float] = {}  # -> when its owner saved it (unix time)
+        self._lineage: dict[ReplicaId, Lineage] = {}  # -> which save it is (tierckpt.format.lineage), if recorded
         # Data files of deleted copies, kept (up to ``spares``) to receive later copies into: their RAM is
         # allocated and faulted in already, which made a 256 MiB copy land in 65 ms instead of 175-350 ms.
         self.spares = 0
@@ -155,7 +157,7 @@ class ReplicaStore:
                     self._remove(path / version)
                     continue
                 self._held[held] = size
-                self._created[held] = manifest.created
+                self._note(held, manifest.created, lineage_of(manifest.metadata))
 
     def held(self) -> dict[ReplicaId, int]:
         with self._guard:
@@ -165,6 +167,18 @@ class ReplicaStore:
         """When the owner saved the version of a copy held (unix time; 0 if not known)."""
         with self._guard:
             return self._created.get(held, 0.0)
+
+    def lineage(self, held: ReplicaId) -> Lineage | None:
+        """Which save the version of a copy held is (None: not recorded)."""
+        with self._guard:
+            return self._lineage.get(held)
+
+    def _note(self, held: ReplicaId, created: float, lineage: Lineage | None) -> None:
+        self._created[held] = created
+        if lineage is None:
+            self._lineage.pop(held, None)
+        else:
+            self._lineage[held] = lineage
 
     def path(self, held: ReplicaId) -> Path:
         return self.root / held.dirname / version_dirname(held.step)
@@ -188,9 +202,10 @@ class ReplicaStore:
                 raise OSError(exc.errno, f"no room for a {nbytes}-byte copy of rank {held.owner}'s step {held.step} ({exc.strerror})", str(self.root)) from None
             raise
 
-    def commit(self, incoming: Incoming, manifest: bytes, created: float = 0.0) -> Path:
+    def commit(self, incoming: Incoming, manifest: bytes, created: float = 0.0, lineage: Lineage | None = None) -> Path:
         """Make a fully received and verified copy visible; replaces an older copy of the same step.
-        ``created``: when the owner saved it, from ``manifest`` (decoded and checked by the caller)."""
+        ``created`` and ``lineage``: when the owner saved it and which save it is, from ``manifest``
+        (decoded and checked by the caller)."""
         incoming.unmap()
         write_file(incoming.path / MANIFEST_FILE, manifest)
         final = self.path(incoming.held)
@@ -200,7 +215,7 @@ class ReplicaStore:
         os.rename(incoming.path, final)
         with self._guard:
             self._held[incoming.held] = incoming.nbytes
-            self._created[incoming.held] = created
+            self._note(incoming.held, created, lineage)
         return final
 
     def discard(self, incoming: Incoming) -> None:
@@ -211,6 +226,7 @@ class ReplicaStore:
     def delete(self, held: ReplicaId) -> None:
         with self._guard:
             self._created.pop(held, None)
+            self._lineage.pop(held, None)
             if self._held.pop(held, None) is None:
                 return
         path = self.path(held)

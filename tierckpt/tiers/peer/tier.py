@@ -35,6 +35,7 @@ from tierckpt.ranks.group import CoordinationLost, RankGroup
 from tierckpt.ranks.nodes import placement, senders
 from tierckpt.errors import ConfigError, CorruptCheckpointError
 from tierckpt.format import CHUNK_BYTES, Manifest
+from tierckpt.format.lineage import KEY, lineage_of
 from tierckpt.tiers.base import GroupTier, Part, Staged, VersionInfo, VersionSource
 from tierckpt.tiers.stored.check import check_records
 from tierckpt.tiers import wire
@@ -155,7 +156,7 @@ class PeerTier(GroupTier):
         if failed:
             raise RuntimeError(f"tier {self.name!r}: the copies of rank {group.rank}'s step {source.step} were not stored: {'; '.join(failed)}")
         self.last_copy_s = time.monotonic() - started
-        return Staged(source.step, None, nbytes, source.created, part=Part(self.name, 0, nbytes))
+        return Staged(source.step, None, nbytes, source.created, part=Part(self.name, 0, nbytes), lineage=lineage_of(source.metadata))
 
     async def seal(self, staged: Staged, parts: list[Part], metadata: dict[str, Any]) -> None:
         """The leader: every rank's copies are held; nothing to write (the holders hold them whole)."""
@@ -165,7 +166,7 @@ class PeerTier(GroupTier):
         return await self.adopt(staged, staged.nbytes)
 
     async def adopt(self, staged: Staged, nbytes: int) -> VersionInfo:
-        info = VersionInfo(self.name, staged.step, nbytes, staged.created)
+        info = VersionInfo(self.name, staged.step, nbytes, staged.created, lineage=staged.lineage)
         self._index[staged.step] = info
         await self._prune(staged.step)
         return info
@@ -192,21 +193,30 @@ class PeerTier(GroupTier):
         return PeerRecovery(self)
 
     def holdings(self) -> list[list[Any]]:
-        """The copies this rank holds for the others of a job of this size: [owner, step, bytes, created]."""
+        """The copies this rank holds for the others of a job of this size: [owner, step, bytes, created,
+        lineage (tierckpt.format.lineage: encoded, or None)]."""
         world = self.group.world
-        return [[h.owner, h.step, nbytes, self.replicas.created(h)] for h, nbytes in self.replicas.held().items() if h.world == world]
+        replicas = self.replicas
+        return [
+            [h.owner, h.step, nbytes, replicas.created(h), None if (lineage := replicas.lineage(h)) is None else lineage.encode()]
+            for h, nbytes in replicas.held().items()
+            if h.world == world
+        ]
 
     async def learn(self, reports: Sequence[Any]) -> None:
         """After a restart: the versions every rank's part of which some rank still holds, from every
         rank's :meth:`holdings`; retention goes on from them."""
-        by_step: dict[int, dict[int, tuple[int, float]]] = {}
+        by_step: dict[int, dict[int, tuple[int, float, Any]]] = {}
         for reply in reports:
-            for owner, step, nbytes, created in reply:
-                by_step.setdefault(step, {})[owner] = (nbytes, created)
+            for owner, step, nbytes, created, lineage in reply:
+                by_step.setdefault(step, {})[owner] = (nbytes, created, lineage)
         for step, parts in sorted(by_step.items()):
             if len(parts) == self.group.world:
-                created = max(c for _, c in parts.values())
-                self._index[step] = VersionInfo(self.name, step, sum(n for n, _ in parts.values()), created)
+                created = max(c for _, c, _ in parts.values())
+                # Every rank's part of one save has the same lineage; the newest save's if copies of two were kept.
+                lineages = [lineage_of({KEY: raw}) for _, _, raw in parts.values()]
+                lineage = max((x for x in lineages if x is not None), key=lambda x: x.serial, default=None)
+                self._index[step] = VersionInfo(self.name, step, sum(n for n, _, _ in parts.values()), created, lineage=lineage)
 
     # -- as a holder: other ranks' copies --------------------------------------------------------------
 
@@ -266,7 +276,7 @@ class PeerTier(GroupTier):
             if not encoded:
                 raise RuntimeError(f"rank {owner} abandoned its copy of step {held.step} (it could not send all of it)")
             manifest = await loop.run_in_executor(self.executor, self._check, incoming, encoded, layout)
-            await loop.run_in_executor(self.executor, self.replicas.commit, incoming, encoded, manifest.created)
+            await loop.run_in_executor(self.executor, self.replicas.commit, incoming, encoded, manifest.created, lineage_of(manifest.metadata))
         except BaseException:
             await loop.run_in_executor(self.executor, self.replicas.discard, incoming)
             raise

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from tierckpt.errors import CorruptCheckpointError, LayoutError
 from tierckpt.format import CommitMarker, Manifest, checksum
+from tierckpt.format.lineage import lineage_of
 from tierckpt.tiers.base import Lease, Part, Staged, VersionInfo, VersionSource
 from tierckpt.tiers.stored.delta import BaseChoice, BaseUnreadable, DeltaBase, choose_base, open_base
 from tierckpt.tiers.stored.write import write_data_file
@@ -142,9 +143,10 @@ class PartWriting:
         :class:`Part` (its manifest's name and checksum) for the leader's commit marker; ``choice``:
         the base the tier chose for it (every rank's the same, whether or not this part used it)."""
         part = Part(manifest_name, checksum(encoded), manifest.stored_bytes) if self.group is not None else None
+        lineage = lineage_of(source.metadata)
         if choice is None or (self.group is None and manifest.base is None):
-            return Staged(source.step, location, manifest.stored_bytes, source.created, part)
-        return Staged(source.step, location, manifest.stored_bytes, source.created, part, base=choice.step, chain=choice.chain)
+            return Staged(source.step, location, manifest.stored_bytes, source.created, part, lineage=lineage)
+        return Staged(source.step, location, manifest.stored_bytes, source.created, part, base=choice.step, chain=choice.chain, lineage=lineage)
 
     def _marker(self, staged: Staged, parts: Sequence[Part], metadata: dict[str, Any]) -> CommitMarker:
         """The leader's commit marker of a staged version: every rank's part, in rank order (a

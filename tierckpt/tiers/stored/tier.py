@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from tierckpt.config import TierConfig
 from tierckpt.errors import ConfigError, CorruptCheckpointError
+from tierckpt.format.lineage import lineage_of
 from tierckpt.format import DATA_FILE, MANIFEST_FILE, RANK_MANIFEST_FILE, CommitMarker, Manifest, version_dirname
 from tierckpt.storage.store import ByteStore
 from tierckpt.tiers.base import GroupTier, Part, Staged, VersionInfo, VersionSource
@@ -126,7 +127,8 @@ class StoredTier(StoredReading, PartWriting, GroupTier):
     def _info(self, step: int, nbytes: int, created: float, *, head: Manifest | CommitMarker | Staged) -> VersionInfo:
         """A committed version's index entry, with the base it depends on as ``head`` names it."""
         base = head.base if isinstance(head, Staged) else head.base_step
-        return VersionInfo(self.name, step, nbytes, created, self._at(step), base=base, chain=head.chain if base is not None else 0)
+        lineage = head.lineage if isinstance(head, Staged) else lineage_of(head.metadata)
+        return VersionInfo(self.name, step, nbytes, created, self._at(step), base=base, chain=head.chain if base is not None else 0, lineage=lineage)
 
     def _at(self, step: int) -> str:
         """Where committed ``step`` is, for messages."""
