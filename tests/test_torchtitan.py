@@ -18,10 +18,10 @@ from helpers import fs_tier, tier_config
 WORKER = Path(__file__).with_name("titan_worker.py")
 
 
-def _run(root: Path, world: int, stop: int, load: str, tiers: Path, exclude: str = "") -> list[dict[str, Any]]:
+def _run(root: Path, world: int, stop: int, load: str, tiers: Path, exclude: str = "", interval: int | None = None) -> list[dict[str, Any]]:
     root.mkdir(parents=True, exist_ok=True)
     config = tier_config(fs_tier("nvme", tiers, keep={"last": 10}))
-    env = {"TIERS": json.dumps(config), "EXCLUDE": exclude}
+    env = {"TIERS": json.dumps(config), "EXCLUDE": exclude} | ({} if interval is None else {"INTERVAL": str(interval)})
     exits = launch_ranks([sys.executable, str(WORKER), str(root), str(stop), load], world, env=env, timeout_s=240)
     failed = failures(exits)
     assert not failed, failed
@@ -66,3 +66,16 @@ def test_load_of_a_step_and_a_reshard_onto_one_rank(runs: dict[str, Any]) -> Non
     one = _run(base / "one", 1, 8, "8", base / "nvme", exclude="dataloader")
     assert (one[0]["loaded"], one[0]["start"]) == (True, 8)
     assert one[0]["start_params"] == first[0]["end_params"]
+
+
+@pytest.mark.slow
+def test_after_a_rollback_the_latest_step_is_the_new_directions(runs: dict[str, Any]) -> None:
+    """torchtitan's load(-1) after going back: the new direction's step 6, not the abandoned 8."""
+    base = runs["base"]
+    shutil.copytree(base / "nvme", base / "nvme-rollback")  # 4 and 8, of its own
+    back = _run(base / "back", 2, 6, "4", base / "nvme-rollback", interval=2)  # back to 4, saving 6
+    again = _run(base / "again", 2, 8, "-1", base / "nvme-rollback")
+    for b, a in zip(back, again):
+        assert (a["loaded"], a["start"]) == (True, 6)
+        assert a["start_params"] == b["end_params"]
+        assert a["losses"].keys() == {"7", "8"}

@@ -4,7 +4,7 @@
 torchtitan's own classes on CPU with gloo: an MLP sharded with FSDP2 (``fully_shard``: parameters and
 AdamW moments are DTensors), its ``OptimizersContainer`` and ``LRSchedulersContainer``, a
 ``ParallelAwareDataloader`` over each data-parallel rank's own samples, and a train state. The
-manager saves every 4 steps; the rank writes its losses, and each parameter in full at the step it
+manager saves every 4 steps (``INTERVAL`` in the environment: every that many); the rank writes its losses, and each parameter in full at the step it
 started from and at the end, to ``<dir>/result-<rank>.json``.
 """
 
@@ -83,7 +83,7 @@ def main() -> None:
     train_state = TrainState()
     tiers = json.loads(os.environ["TIERS"])
     manager = TierckptCheckpointManager(
-        TierckptCheckpointManager.Config(enable=True, interval=INTERVAL, tiers_inline=tiers, last_save_model_only=False,
+        TierckptCheckpointManager.Config(enable=True, interval=int(os.environ.get("INTERVAL", INTERVAL)), tiers_inline=tiers, last_save_model_only=False,
                                          exclude_from_loading=os.environ.get("EXCLUDE", "").split(",") if os.environ.get("EXCLUDE") else []),
         dataloader=dataloader, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
         states={"train_state": train_state},
