@@ -22,7 +22,7 @@ from tierckpt.capture import Copier, HostPool
 from tierckpt.capture.pool import FILE_POOL_BYTES
 from tierckpt.config import Config, TierConfig, check_disjoint_paths
 from tierckpt.errors import ConfigError
-from tierckpt.format.lineage import KEY as LINEAGE, lineage_of
+from tierckpt.format.lineage import decoded
 from tierckpt.observe import Events, open_events
 from tierckpt.pipeline import Engine, Pipeline
 from tierckpt.pipeline.flusher import Flusher
@@ -141,7 +141,7 @@ class Runtime:
             for i, tier in enumerate(tiers):
                 await tier.learn([reply[i] for reply in replies])
             for step, lineage, highest in heads:
-                pipeline.direction.held(step, lineage_of({LINEAGE: lineage}), highest)
+                pipeline.direction.held(step, decoded(lineage), highest)
             # What the tiers learned (a node-local tier's versions across the nodes) counts too.
             pipeline.direction.held(*pipeline.held_head())
 

@@ -45,7 +45,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Protocol, Sequence, TypeVar
 
-__all__ = ["KEY", "MAX_CUTS", "Cut", "Lineage", "Ordered", "head", "is_live", "lineage_of", "marked", "newest_first", "user_metadata"]
+__all__ = ["KEY", "MAX_CUTS", "Cut", "Lineage", "Ordered", "decoded", "head", "is_live", "lineage_of", "marked", "newest", "newest_first", "user_metadata"]
 
 KEY = "tierckpt.lineage"  # the metadata key the lineage is stored under
 MAX_CUTS = 256  # a lineage keeps its newest cuts: one per rollback, so far more than a job makes
@@ -113,7 +113,12 @@ def _int(value: Any, low: int = 0) -> int:
 def lineage_of(metadata: Mapping[str, Any]) -> Lineage | None:
     """The lineage a version's metadata holds; None when it has none (saved before lineages were
     recorded) or holds something else there (counted as such a version, never trusted)."""
-    raw = metadata.get(KEY)
+    return decoded(metadata.get(KEY))
+
+
+def decoded(raw: Any) -> Lineage | None:
+    """:meth:`Lineage.decode` of ``raw`` (as ranks exchange it, or a record holds it); None for
+    None or for anything that is not a lineage."""
     if raw is None:
         return None
     try:
@@ -152,10 +157,15 @@ def order_key(v: Ordered) -> tuple[int, int, float]:
     return serial(v), v.step, v.created
 
 
+def newest(versions: Iterable[V]) -> V | None:
+    """The newest save among ``versions`` (:func:`order_key`), or None when there is none."""
+    return max(versions, key=order_key, default=None)
+
+
 def head(versions: Iterable[Ordered]) -> Lineage | None:
     """The lineage of the newest save among ``versions`` (those whose records verified); None when
     none has one (every version's is then live)."""
-    best = max(versions, key=order_key, default=None)
+    best = newest(versions)
     return None if best is None else best.lineage
 
 

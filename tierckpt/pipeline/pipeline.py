@@ -33,7 +33,7 @@ from tierckpt.capture import Copier
 from tierckpt.config import Config
 from tierckpt.errors import FlushError, flush_failure
 from tierckpt.observe.events import Events
-from tierckpt.format.lineage import KEY as LINEAGE, Lineage, head, order_key
+from tierckpt.format.lineage import KEY as LINEAGE, Lineage, head, newest
 from tierckpt.pipeline.direction import Direction
 from tierckpt.pipeline.flusher import Flusher
 from tierckpt.pipeline.ramfs import RamFiles
@@ -119,9 +119,9 @@ class Pipeline:
         """What this rank's tiers hold, for :meth:`Direction.held`: the newest save's step and lineage
         (:func:`~tierckpt.format.lineage.head`; step -1 when nothing is held) and the highest serial."""
         held = [v for t in self.tiers for v in t.versions()]
-        newest = max((v for v in held if v.valid), key=order_key, default=None)
+        found = newest(v for v in held if v.valid)
         highest = max((v.serial for v in held), default=0)
-        return (-1, None, highest) if newest is None else (newest.step, newest.lineage, highest)
+        return (-1, None, highest) if found is None else (found.step, found.lineage, highest)
 
     def save_waits(self) -> None:
         self._wake_flushers()

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from tierckpt.format.lineage import lineage_of
+from tierckpt.format.lineage import Lineage, lineage_of
 from tierckpt._buffers import align_up
 from tierckpt.format import Manifest, version_dirname
 from tierckpt.snapshot import Entry, Slot, Snapshot, SnapshotState
@@ -24,7 +24,8 @@ def leftover_snapshots(found: Sequence[tuple[Manifest, int | None]], free: Seque
     placed += [(m, by_index.pop(min(by_index))) for m, i in found if i is None and by_index]
     snapshots = []
     # In the order of their saves (tierckpt.format.lineage): after a rollback, not the order of their steps.
-    for seq, (manifest, slot) in enumerate(sorted(placed, key=lambda p: (_serial(p[0]), p[0].step)), start=1 - len(placed)):
+    ordered = sorted(((m, slot, lineage_of(m.metadata)) for m, slot in placed), key=lambda p: (_serial(p[2]), p[0].step))
+    for seq, (manifest, slot, lineage) in enumerate(ordered, start=1 - len(placed)):
         entries = tuple(
             Entry(**r.identity(), offset=r.chunk(0).offset - slot.offset if r.chunks else 0)
             for r in manifest.records
@@ -42,13 +43,12 @@ def leftover_snapshots(found: Sequence[tuple[Manifest, int | None]], free: Seque
             checksums=tuple(tuple(c.checksum for c in r.all_chunks()) for r in manifest.records),
             persisted=root / version_dirname(manifest.step) if root is not None else None,
             restored=True,
-            lineage=lineage_of(manifest.metadata),
+            lineage=lineage,
         )
         snapshot.capture.set_result(None)
         snapshots.append(snapshot)
     return snapshots
 
 
-def _serial(manifest: Manifest) -> int:
-    lineage = lineage_of(manifest.metadata)
+def _serial(lineage: Lineage | None) -> int:
     return 0 if lineage is None else lineage.serial

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from tierckpt.format import CommitMarker
-from tierckpt.format.lineage import KEY, Lineage, lineage_of
+from tierckpt.format.lineage import Lineage, decoded, lineage_of
 
 __all__ = ["Holding", "complete_versions"]
 
@@ -40,7 +40,7 @@ class Holding:
         step, world, parts, holds, created, nbytes, aside, base, chain, lineage = raw
         return cls(
             int(step), int(world), tuple(parts), tuple(holds), float(created), int(nbytes), aside, None if base is None else int(base), int(chain),
-            lineage_of({KEY: lineage}),
+            decoded(lineage),
         )
 
     @classmethod

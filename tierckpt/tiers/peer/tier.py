@@ -35,7 +35,7 @@ from tierckpt.ranks.group import CoordinationLost, RankGroup
 from tierckpt.ranks.nodes import placement, senders
 from tierckpt.errors import ConfigError, CorruptCheckpointError
 from tierckpt.format import CHUNK_BYTES, Manifest
-from tierckpt.format.lineage import KEY, lineage_of
+from tierckpt.format.lineage import decoded, lineage_of
 from tierckpt.tiers.base import GroupTier, Part, Staged, VersionInfo, VersionSource
 from tierckpt.tiers.stored.check import check_records
 from tierckpt.tiers import wire
@@ -214,7 +214,7 @@ class PeerTier(GroupTier):
             if len(parts) == self.group.world:
                 created = max(c for _, c, _ in parts.values())
                 # Every rank's part of one save has the same lineage; the newest save's if copies of two were kept.
-                lineages = [lineage_of({KEY: raw}) for _, _, raw in parts.values()]
+                lineages = [decoded(raw) for _, _, raw in parts.values()]
                 lineage = max((x for x in lineages if x is not None), key=lambda x: x.serial, default=None)
                 self._index[step] = VersionInfo(self.name, step, sum(n for n, _, _ in parts.values()), created, lineage=lineage)
 
