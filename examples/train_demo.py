@@ -1,7 +1,8 @@
 """Train a small GPT-style language model on CPU and checkpoint it at every step with tierckpt.
 
-Every step is saved to host RAM; every version that reaches RAM goes on to ``<dir>/nvme``, and every 50th
-step on to ``<dir>/pfs``, compressed (``examples/tiers.yaml``). Stop it at any time (Ctrl-C) and run it
+Every step is saved to host RAM; from there the newest save goes on to ``<dir>/nvme`` whenever that tier
+is free (a save still waiting when a newer one arrives is passed over: newest wins), and every 50th step
+to ``<dir>/pfs``, compressed (``examples/tiers.yaml``). Stop it at any time (Ctrl-C) and run it
 again: it resumes from the newest checkpoint on disk and continues exactly where it was, the same batches
 and the same dropout masks, so an interrupted run ends with the same weights as an uninterrupted one.
 
@@ -21,8 +22,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import hashlib
+import importlib.util
 import json
+import os
 import random
 import shlex
 import statistics
@@ -34,11 +38,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from tierckpt import Checkpointer, Config, TierckptError, VersionInfo
+from tierckpt import Checkpointer, Config, FlushError, TierckptError, VersionInfo
 
 HERE = Path(__file__).resolve().parent
 VOCAB = "0123456789+=\n"
 CORPUS_LINES = 20_000
+EXIT_DISK_FULL = 3
+EXIT_STATUSES = f"""exit status:
+  0    trained to --steps (or had already)
+  2    bad options, or --dir holds checkpoints of another model size
+  {EXIT_DISK_FULL}    a tier's file system is full: the message says what it needs, what is free, and what to do
+  130  interrupted (Ctrl-C): the newest checkpoint on disk is where the next run resumes"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,8 +167,103 @@ def weights_digest(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
+def full_tiers(ckpt: Checkpointer) -> list[FlushError]:
+    """The tiers whose latest failure was a full disk (ENOSPC) and that committed nothing since."""
+    full = [e for e in ckpt.counters.last_error.values() if e.errno == errno.ENOSPC]
+    if not full:
+        return []
+    held = steps_by_tier(ckpt)
+    return [e for e in full if not any(s > (e.step or 0) for s in held.get(e.tier or "", []))]
+
+
+def drain(ckpt: Checkpointer) -> list[FlushError]:
+    """Wait for every due flush; returns the tiers whose disk is full (any other failure is raised)."""
+    try:
+        ckpt.wait_sync()
+    except FlushError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        return full_tiers(ckpt) or [exc]
+    return full_tiers(ckpt)
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def disk_full(failures: list[FlushError], ckpt: Checkpointer, step: int, args: argparse.Namespace) -> str:
+    """What a full disk stopped, what each full tier needs and has, what is safe, and what to do."""
+    lines = [f"stopped at step {step}: no space left on the disk of tier {', '.join(repr(e.tier) for e in failures)}"]
+    smallest = []  # what keep {last: 1} needs on each tier: the one version kept and the one being written
+    for e in failures:
+        lines.append(f"  tier {e.tier!r} could not write step {e.step}: {e.strerror} ({e.filename})")
+        space = e.space
+        if space is None:
+            continue
+        if space.version_bytes is not None:
+            lines.append(f"    a version needs {'about ' if space.estimated else ''}{mib(space.version_bytes)}")
+            smallest.append(f"{mib(2 * space.version_bytes)} on tier {e.tier!r}")
+        if space.keep_bytes is not None:
+            at_least = "at least " if space.open_ended else ""
+            kept = f"{space.kept} version{'s' if space.kept != 1 else ''} kept"
+            lines.append(f"    keep {space.keep} needs {at_least}{mib(space.keep_bytes)}: {kept} and the one being written")
+        lines.append(f"    free: {mib(space.free_bytes)} on the file system of {space.path}")
+    durable = max((i for i in ckpt.versions() if i.path is not None), key=lambda i: i.step, default=None)
+    if durable is None:
+        lines.append("safe: no version was committed to disk yet, so none can be damaged; a run again starts from scratch")
+    else:
+        lines.append(
+            f"safe: the committed versions stay whole (a failed write never deletes one): the newest on disk is"
+            f" step {durable.step} (tier {durable.tier}), where a run again resumes"
+        )
+    config = shown(args.config)
+    lower = f" (even keep: {{last: 1}} needs {', '.join(smallest)})" if smallest else ""
+    lines += [
+        "to go on, do one of these and run it again:",
+        "  - free space on that file system",
+        f"  - lower the tier's keep in {config} (--config){lower}",
+        "  - point the tiers elsewhere: --dir on a file system with room (the demo puts every disk tier under --dir)",
+    ]
+    return "\n".join(lines)
+
+
+def shown(path: Path) -> str:
+    """``path`` as typed from here: relative when it is below the working directory."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def beside_python(name: str) -> str | None:
+    """The command ``name`` installed beside this interpreter (``.venv/bin/tierckpt``), as typed from here."""
+    path = Path(sys.executable).parent / name
+    if not path.exists():
+        return None
+    try:
+        relative = str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+    return relative if os.sep in relative else os.path.join(".", relative)
+
+
+def timeline_hint(events: str) -> str:
+    """How to draw ``events`` from here, in this interpreter's environment (which may lack matplotlib)."""
+    tierckpt = beside_python("tierckpt") or f"{sys.executable} -m tierckpt"
+    hint = f"events: {events} (draw them: {tierckpt} timeline {shlex.quote(events)} -o timeline.png)"
+    if importlib.util.find_spec("matplotlib") is None:
+        pip = beside_python("pip") or f"{sys.executable} -m pip"
+        hint += f"\n  drawing needs matplotlib, which this environment lacks: {pip} install matplotlib"
+    return hint
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="bash scripts/demo.sh",
+        description=__doc__.split("\n\n")[0],
+        epilog=EXIT_STATUSES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--steps", type=int, default=300, help="train until this step (default: 300)")
     parser.add_argument("--dir", type=Path, default=Path("checkpoints"), help="where the disk tiers live (default: ./checkpoints)")
     parser.add_argument("--config", type=Path, default=HERE / "tiers.yaml", help="tier config (default: examples/tiers.yaml)")
@@ -242,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print("every line: step, loss | the steps each tier holds now (the step just saved may still be in flight) | counters")
         model.train()
+        interrupted = False
         try:
             while step < args.steps:
                 inputs, targets = data.next()
@@ -259,15 +365,21 @@ def main(argv: list[str] | None = None) -> int:
 
                 if step % args.log_every == 0 or step == args.steps:
                     print(f"step {step:4d}  loss {losses[-1]:.4f}  | {describe(steps_by_tier(ckpt))}  | {counts(ckpt)}", flush=True)
+                if full_tiers(ckpt):
+                    break  # a full disk stays full: every later flush to that tier would fail too
         except KeyboardInterrupt:
             print(f"\ninterrupted at step {step}: draining the flushes")
-            ckpt.wait_sync()
+            interrupted = True
+
+        train_s = time.perf_counter() - started
+        full = drain(ckpt)  # every due flush done: what the tiers hold now is what a restart would find
+        if full:
+            print(disk_full(full, ckpt, step, args), file=sys.stderr)
+            return EXIT_DISK_FULL
+        if interrupted:
             newest = max((i.step for i in ckpt.versions() if i.path is not None), default=None)
             print(f"the newest checkpoint on disk is step {newest}: run again to resume from it")
             return 130
-
-        train_s = time.perf_counter() - started
-        ckpt.wait_sync()  # every due flush done: what the tiers hold now is what a restart would find
         held = steps_by_tier(ckpt)
         infos: list[VersionInfo] = ckpt.versions()
         print(f"done: step {step}, loss {losses[-1]:.4f}, {train_s:.1f} s ({len(save_times)} steps trained)")
@@ -290,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     for info in durable:
         print(f"  step {info.step:4d}  {info.tier:5s} {info.path}")
     if config.events is not None:
-        print(f"events: {config.events} (draw them: tierckpt timeline {config.events} -o timeline.png)")
+        print(timeline_hint(config.events))
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)
         report = {

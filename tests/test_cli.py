@@ -251,6 +251,35 @@ def test_the_version_is_written_once_and_the_console_script_prints_it() -> None:
     assert (module.returncode, module.stdout) == (0, done.stdout)
 
 
+# main() as the console script runs it, in a fresh interpreter: what it imported, after it printed.
+NO_TORCH = """
+import sys
+from tierckpt.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit:  # argparse's --version and --help exit
+    pass
+print("imported torch" if "torch" in sys.modules else "no torch", file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["export", "--help"]])
+def test_version_and_help_do_not_import_torch(argv: list[str]) -> None:
+    # torch takes seconds to import (5-10 s on a busy machine, issue 55); neither answer needs it.
+    done = subprocess.run([sys.executable, "-c", NO_TORCH, *argv], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr) == (0, "no torch\n"), done.stderr
+    if argv == ["--version"]:
+        assert done.stdout == f"tierckpt {tierckpt.__version__}\n"
+    else:
+        assert done.stdout.startswith("usage: ")
+
+
+def test_the_parser_offers_the_export_formats() -> None:
+    from tierckpt import cli, export
+
+    assert cli._FORMATS == export.FORMATS  # the parser's copy: tierckpt.export imports torch
+
+
 def test_the_console_script_and_python_dash_m_are_one_command_line() -> None:
     script = tierckpt_cli("--help")
     module = subprocess.run([sys.executable, "-m", "tierckpt", "--help"], capture_output=True, text=True, timeout=120)

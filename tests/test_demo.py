@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
+from typing import Iterator
 
 import pytest
 
-from tierckpt import Config
+from tierckpt import Config, cli
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "train_demo.py"
@@ -85,3 +90,83 @@ def test_resumed_run_ends_with_the_same_weights(tmp_path: Path, config: Path) ->
     # Bitwise: the same batches, the same dropout masks, the same optimizer moments after the restart.
     assert b["final_loss"] == a["final_loss"]
     assert b["weights_sha256"] == a["weights_sha256"]
+
+
+@pytest.fixture
+def demo(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """examples/train_demo.py imported in this process (its dataclasses need it in sys.modules)."""
+    spec = importlib.util.spec_from_file_location("train_demo", DEMO)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "train_demo", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_help_names_the_command_users_run_and_the_exit_statuses(demo: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        demo.parse_args(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: bash scripts/demo.sh"), out
+    assert f"\n  {demo.EXIT_DISK_FULL}    a tier's file system is full" in out and "\n  130  interrupted" in out, out
+
+
+def test_the_timeline_hint_works_as_printed(demo: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command is this interpreter's own tierckpt (.venv/bin/tierckpt: not on PATH unless activated),
+    and without matplotlib (the demo's setup leaves it out) the hint says how to add it."""
+    monkeypatch.chdir(tmp_path)
+    hint = demo.timeline_hint("ck/events.jsonl")
+    command = hint.split("draw them: ")[1].split(" timeline ck/events.jsonl -o timeline.png)")[0]
+    assert Path(command) == Path(sys.executable).parent / "tierckpt" and os.access(command, os.X_OK), hint
+    assert "matplotlib" not in hint  # the test extras have it
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    lacking = demo.timeline_hint("ck/events.jsonl")
+    assert lacking.startswith(hint) and lacking.endswith(f"lacks: {Path(sys.executable).parent / 'pip'} install matplotlib"), lacking
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 20 MiB tmpfs, mounted for the test and unmounted after it (root only)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root and mount(8)")
+    target = tmp_path / "disk"
+    target.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(target)], capture_output=True, text=True, timeout=30)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
+    try:
+        yield target
+    finally:
+        if subprocess.run(["umount", str(target)], capture_output=True, timeout=30).returncode != 0:
+            subprocess.run(["umount", "-l", str(target)], capture_output=True, timeout=30)
+
+
+@pytest.mark.slow
+def test_a_full_disk_ends_the_demo_with_what_to_do_and_its_exit_status(small_disk: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Other files fill the disk but for room for two versions of the tiny model (0.7 MiB each): the
+    third flush to nvme (keep: {last: 3}) finds it full. The demo stops there and says why, with no
+    traceback; the two committed versions verify."""
+    fd = os.open(small_disk / "other-files", os.O_CREAT | os.O_WRONLY)
+    try:
+        os.posix_fallocate(fd, 0, shutil.disk_usage(small_disk).free - (1800 << 10))
+    finally:
+        os.close(fd)
+    ck = small_disk / "ck"
+    command = [sys.executable, str(DEMO), "--tiny", "--steps", "40", "--dir", str(ck)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode == 3, output
+    assert "Traceback" not in output, output
+    # The library's one line per failed flush carries the sizes.
+    assert "failed with ENOSPC" in done.stderr and "(a version needs 0.7 MiB; keep {last: 3} needs 2.7 MiB for 3 versions" in done.stderr, output
+    assert "no space left on the disk of tier 'nvme'" in done.stderr and str(ck / "nvme" / ".tmp-step-") in done.stderr, output
+    for said in ("a version needs 0.7 MiB", "keep {last: 3} needs 2.7 MiB", "free: 0.", "safe: the committed versions stay whole"):
+        assert said in done.stderr, output
+    assert "lower the tier's keep in examples/tiers.yaml" in done.stderr and "--dir on a file system with room" in done.stderr, output
+    held = steps_on(ck / "nvme")
+    assert len(held) >= 1 and f"the newest on disk is step {held[-1]} (tier nvme)" in done.stderr, output
+    assert cli.main(["verify", str(ck)]) == 0  # `python -m tierckpt verify DIR`, in this process (no second torch import)
+    verified = capsys.readouterr().out
+    assert f"{len(held)} versions: {len(held)} OK, 0 damaged" in verified, verified

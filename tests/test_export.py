@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from tierckpt import Checkpointer
 from tierckpt.cli import main
-from tierckpt.export import ExportProgress, export
+from tierckpt.export import ExportProgress, OutputExistsError, export
 from tierckpt.format import DATA_FILE, MANIFEST_FILE, Manifest, version_dirname
 from tierckpt.testing import failures, flip_bits, launch_ranks
 
@@ -240,7 +240,11 @@ def test_refusals_exit_2_and_write_nothing(version: Path, tmp_path: Path, capsys
     out = tmp_path / "model.safetensors"
     out.write_bytes(b"keep")
     status, _, err = _in_process(capsys, str(version), str(out))
-    assert status == 2 and "exists" in err and "--force" in err
+    assert (status, err) == (2, f"tierckpt export: {out} exists; --force replaces it\n")  # the flag, not force=True
+    assert out.read_bytes() == b"keep"
+    with pytest.raises(OutputExistsError, match=r"exists; force=True replaces it$") as refused:  # Python: the argument
+        export(version, out)
+    assert isinstance(refused.value, FileExistsError) and refused.value.path == out and "--force" not in str(refused.value)
     assert out.read_bytes() == b"keep"
     status, _, err = _in_process(capsys, str(version), str(out), "--force")
     assert status == 0, err

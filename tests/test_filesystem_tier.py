@@ -96,7 +96,12 @@ def test_a_version_with_a_corrupted_manifest_is_kept_but_skipped(opened: Opened,
     data[len(data) // 2] ^= 0x55
     manifest.write_bytes(bytes(data))
 
-    ckpt = opened(ram_fs(root))
+    with logged_warnings() as said:
+        ckpt = opened(ram_fs(root))
+    # Said once at open, naming the tier once (issue 55: "tier 'nvme': step 8 on tier 'nvme': ...").
+    [message] = [m for m in said if "step 8" in m]
+    assert message.startswith("step 8 on tier 'nvme': ") and message.count("nvme") == 1, message
+    assert message.endswith("; the version is kept, not deleted, and restores skip it"), message
     assert (root / version_dirname(8)).is_dir()  # maybe someone's only copy: never deleted
     assert manifest.read_bytes() == bytes(data)
     assert [v.step for v in ckpt.versions()] == [4, 8]
@@ -412,6 +417,15 @@ def test_a_disk_that_fills_up_fails_flushes_until_space_is_freed(
         assert failure.filename is not None and failure.filename.startswith(str(root / ".tmp-step-")), failure.filename
         assert failure.filename in str(failure) and "ENOSPC" in str(failure) and f"step {step}" in str(failure)
         assert errno.ENOSPC in _errnos(failure.__cause__)
+        # What the tier needs and has, at the end of the message: its one version as the disk counts it
+        # (blocks in use), keep's versions with the one being written, and what is free.
+        space = failure.space
+        assert space is not None and (space.path, space.estimated) == (str(root), False), space
+        in_use = sum(p.stat().st_blocks * 512 for p in (root / version_dirname(1)).iterdir())
+        assert space.version_bytes == in_use >= 2_000_000, space
+        assert (space.keep, space.kept, space.open_ended, space.keep_bytes) == ("{last: 1}", 1, False, 2 * in_use), space
+        assert abs(space.free_bytes - _free_bytes(small_fs)) <= 64 << 10, space
+        assert str(failure).endswith(f"({space})") and "MiB free in" in str(space), failure
         assert handle.committed_sync("ram", timeout=1) is True
         # The failed attempt gave its space back, and left nothing behind.
         assert leftovers(root) == []
@@ -424,7 +438,7 @@ def test_a_disk_that_fills_up_fails_flushes_until_space_is_freed(
     assert counters.last_error["nvme"] is failures[-1]
     logged = [r.getMessage() for r in caplog.records if r.name == "tierckpt" and r.levelname == "ERROR"]
     for step in (2, 3):
-        assert any(f"flushing step {step} failed with ENOSPC" in m and "holds steps [1]" in m for m in logged), logged
+        assert any(f"flushing step {step} failed with ENOSPC" in m and "MiB free in" in m and "holds steps [1]" in m for m in logged), logged
 
     # Step 1 as it was before the disk filled up, bit for bit (copied out: the tier is still open).
     shutil.copytree(root / version_dirname(1), tmp_path / "copy" / version_dirname(1))

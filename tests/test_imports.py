@@ -183,3 +183,46 @@ def test_the_graph_is_read_from_every_module() -> None:
 def test_no_import_cycle() -> None:
     found = cycles(graph())
     assert not found, "import cycles:\n" + "\n".join(" -> ".join(chain) for chain in found)
+
+
+def test_the_package_imports_its_api_names_when_first_used() -> None:
+    """``tierckpt/__init__.py`` imports its names at their first use (PEP 562), so that importing any
+    module of the package (``tierckpt --version`` imports tierckpt.cli) does not import torch. Where
+    each name lives is written twice there, for the type checker and for ``__getattr__``: the two agree
+    with ``__all__``, and each name is its home module's object."""
+    import importlib
+
+    import tierckpt
+
+    tree = ast.parse((ROOT / "__init__.py").read_text())
+    typed = {
+        alias.name: node.module
+        for block in tree.body
+        if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    homes = tierckpt._HOMES
+    assert typed == homes and sorted(homes) == sorted(tierckpt.__all__)
+    for name, home in homes.items():
+        assert getattr(tierckpt, name) is getattr(importlib.import_module(home), name), name
+    assert set(tierckpt.__all__) <= set(dir(tierckpt))
+
+
+def test_importing_the_package_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, tierckpt, tierckpt.cli\n"
+        "assert 'torch' not in sys.modules, 'import tierckpt imported torch'\n"
+        "from tierckpt import Checkpointer, ConfigError\n"
+        "assert 'torch' in sys.modules and Checkpointer.__module__ == 'tierckpt.checkpointer'\n"
+        "try:\n"
+        "    tierckpt.Nonesuch\n"
+        "except AttributeError as exc:\n"
+        "    print(exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (0, "module 'tierckpt' has no attribute 'Nonesuch'\n"), done.stderr

@@ -375,6 +375,18 @@ def test_the_command_line_lists_verifies_and_exports_versions_in_a_bucket(tmp_pa
     assert main(["verify", url, "--endpoint", s3.endpoint]) == 1
     out = capsys.readouterr().out
     assert "step-000000000001  OK" in out and "step-000000000002  DAMAGED" in out and "checksum mismatch" in out
+    # verify's mark, at the prefix's root (never inside the version's container): the tier reads it at open.
+    assert ".damaged-step-000000000002" in listing(s3, s3.prefix)
+    assert main(["ls", url, "--endpoint", s3.endpoint]) == 1 and "DAMAGED (tierckpt verify" in capsys.readouterr().out
+    with Checkpointer(config(s3)) as ckpt:
+        assert [(v.step, v.damaged is not None) for v in ckpt.versions() if v.tier == "s3"] == [(1, False), (2, True)]
+        restored = ckpt.restore_latest_sync(template())
+        assert restored.step == 1
+    body[100] ^= 1  # as saved again: verify takes its mark back
+    obstore.put(client(s3), data, bytes(body))
+    assert main(["verify", url, "--endpoint", s3.endpoint]) == 0
+    assert ".damaged-step-000000000002" not in listing(s3, s3.prefix)
+    capsys.readouterr()
     assert main(["ls", f"s3://{s3.bucket}/nothing-here", "--endpoint", s3.endpoint]) == 0
     assert "no versions" in capsys.readouterr().out
 

@@ -21,6 +21,9 @@ import pytest
 import torch
 
 from tierckpt import Checkpointer, FlushError
+from tierckpt.config import KeepPolicy
+from tierckpt.errors import SpaceNeeded
+from tierckpt.pipeline.space import _keep_words, _kept
 from tierckpt.testing import Gates, ManualClock, SlowTier, faulty, slow
 from tierckpt.testing.copies import HeldCopies
 from tierckpt.testing.inspect import captured_done, committed_done, is_closed, noticed_copy_checks, run_on_engine
@@ -427,6 +430,26 @@ def test_versions_reports_what_each_tier_holds(tmp_path: Path, opened: Opened) -
 
 
 # -- failures ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("keep", "said"),
+    [
+        (KeepPolicy(last=3), "keep {last: 3} needs 8.0 MiB for 3 versions and the one being written"),
+        (
+            KeepPolicy(last=2, every_steps=100),
+            "keep {last: 2, every_steps: 100} needs at least 6.0 MiB for 2 versions and the one being written, plus what its other rules keep",
+        ),
+        (KeepPolicy(max_bytes=5 << 20), "keep {max_bytes: 5MiB} needs 6.0 MiB for 2 versions and the one being written"),
+        (KeepPolicy(within_s=7200), "keep {within: 7200s} needs at least 4.0 MiB for 1 version and the one being written, plus what its other rules keep"),
+        (KeepPolicy(), "no keep rule: the tier holds every version"),
+    ],
+)
+def test_a_full_disk_says_what_keep_needs(keep: KeepPolicy, said: str) -> None:
+    """Retention deletes only after a commit: a tier needs room for what keep holds and the version being written."""
+    kept, open_ended = _kept(keep, 2 << 20)
+    space = SpaceNeeded("/ckpt/nvme", 1 << 20, 2 << 20, False, _keep_words(keep), kept, open_ended)
+    assert str(space) == f"a version needs 2.0 MiB; {said}; 1.0 MiB free in /ckpt/nvme"
 
 
 def test_a_failing_tier_fails_that_handle_and_training_goes_on(tmp_path: Path, opened: Opened) -> None:

@@ -163,6 +163,21 @@ def test_without_matplotlib_names_the_extra(tmp_path: Path, monkeypatch: pytest.
         draw_timeline(_handwritten(), tmp_path / "x.png")
 
 
+def test_cli_without_matplotlib_says_what_to_install_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
+    events = _write(tmp_path / "events.jsonl", _handwritten())
+    assert main(["timeline", str(events), "-o", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "tierckpt timeline: matplotlib (which draws the timeline) is not installed: pip install 'tierckpt[plot]' "
+        "(in a clone of tierckpt: .venv/bin/pip install matplotlib)\n"
+    )
+    assert err.count("timeline:") == 1  # the prefix once (issue 55)
+    assert not (tmp_path / "x.png").exists()
+
+
 # -- a real run -----------------------------------------------------------------------------------
 
 

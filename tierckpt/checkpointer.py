@@ -183,6 +183,9 @@ class Checkpointer(LazyBarrier):
             RestoreError: the template's tensors do not match the stored ones (global shape, dtype, kind), or ``strict``
                 and template keys are missing; or a version verified that lacks template tensors a failed candidate wrote.
             CorruptCheckpointError: no version verifies and a failed one wrote into the template (never with ``verify_first``).
+            NoCheckpointError: no version of the direction being trained can be restored while versions a rollback abandoned
+                are held (they are not loaded in its place, nor left for retention to delete as a job starting over saves):
+                names them; :meth:`restore` loads one.
         """
         return await self._restore(template, strict, cast, verify_first)
 

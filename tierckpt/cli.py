@@ -14,11 +14,15 @@ command works beside a running job.
   with its UTC offset, as ``status`` prints times), and whether its manifest verifies and its records
   fit its data files (no tensor byte is read; use ``verify`` for that), with notes: ``abandoned`` for
   a version of a direction a save after a rollback left, decided against the newest save among every
-  version listed (of every tier directory DIR holds).
+  version listed (of every tier directory DIR holds), and ``DAMAGED`` with the damage ``verify``
+  found in its bytes when it last checked it.
 - ``verify`` checks what a restore checks: the manifest's checksum and fields, the skeleton, every
   record against the data files, and every chunk's checksum, decoding each compressed chunk. It
   prints one line per version, ``OK`` or ``DAMAGED`` with the first damage found (file, key, chunk)
-  and how many chunks are damaged.
+  and how many chunks are damaged. It leaves a mark beside each damaged version (and takes back its
+  own mark of one that now verifies): later restores pass a marked version over and retention keeps
+  it for inspection (:mod:`tierckpt.format.damage`). A chunk that could not be read (an I/O error) is
+  reported but not marked.
 
 - ``status`` prints one line per tier of a config (:mod:`tierckpt.clistatus`) or of ``DIR``: versions
   (and how many are abandoned), the newest step not abandoned, stored bytes, and with ``--verify``
@@ -68,24 +72,26 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeAlias
 
-from tierckpt import export as exporting
 from tierckpt._version import __version__
-from tierckpt.clistatus import status as tier_status
-from tierckpt.cliversions import (
-    DAMAGED, NO_TIER_HINT, OK, USAGE, ListedVersion, OpenedVersion, UsageError, abandoned, bucket_versions,
-    damage_message, dir_versions, direction, format_size, format_time, held_bytes, open_parts, verify_bytes,
-    verify_version,
-)
 from tierckpt.errors import ConfigError, CorruptCheckpointError, UnsupportedStateError
 from tierckpt.format import CommitMarker, Manifest
 from tierckpt.format.lineage import Lineage, lineage_of
-from tierckpt.observe.progress import Progress, progress_bar
+from tierckpt.observe.progress import Progress, format_size, progress_bar
 from tierckpt.observe.timeline import draw_timeline, read_events
-from tierckpt.tiers.stored.delta import dependents
-from tierckpt.tiers.stored.find import holds_a_tier, tier_dirs
+
+# What reads stored versions (cliversions, clistatus, the tiers, the export) imports torch, seconds of
+# it: each command imports it in its own function, so that `tierckpt --version` and `--help` do not
+# wait for it (tests/test_cli.py checks that they leave torch unimported).
+if TYPE_CHECKING:
+    from tierckpt import export as exporting
+    from tierckpt.cliversions import ListedVersion, OpenedVersion
 
 __all__ = ["main"]
+
+# tierckpt.export.FORMATS, which the parser cannot import without torch; a test keeps the two equal.
+_FORMATS = ("safetensors", "torch")
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "tierckpt") -> int:
@@ -111,6 +117,9 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
         return _export(parser.prog, args)
     if args.command == "timeline":
         return _timeline(parser.prog, args)
+    from tierckpt.clistatus import status as tier_status
+    from tierckpt.cliversions import OK, USAGE, OpenedVersion, UsageError, bucket_versions, direction
+
     try:
         if args.command in ("verify", "status") and args.threads < 1:
             raise UsageError(f"--threads must be at least 1, not {args.threads}")
@@ -165,7 +174,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     export.add_argument("version", metavar="VERSION", help="a version directory (step-<12 digits>) of a filesystem tier, or s3://bucket/prefix/step-...")
     export.add_argument("out", metavar="OUT", type=Path, help="the file to write")
     export.add_argument(
-        "--to", choices=exporting.FORMATS, default=None,
+        "--to", choices=_FORMATS, default=None,
         help="safetensors, or torch (a file torch.load reads); default: torch when OUT ends in .pt or .pth, else safetensors",
     )
     export.add_argument("--force", action="store_true", help="replace OUT if it exists")
@@ -194,6 +203,9 @@ class _Tier:
 def _local_tiers(argument: str) -> list[_Tier]:
     """DIR's versions: its own (a tier directory, or a version directory), or those of each tier directory
     it holds (a folder of tiers), each under its path as given; a usage error when it is neither."""
+    from tierckpt.cliversions import NO_TIER_HINT, UsageError, dir_versions
+    from tierckpt.tiers.stored.find import holds_a_tier, tier_dirs
+
     directory = Path(argument)
     versions = dir_versions(directory)
     if versions or holds_a_tier(directory):
@@ -221,11 +233,13 @@ def _dependency(head: Manifest | CommitMarker, needed_by: Sequence[int]) -> str 
     return None
 
 
-_Read = list[tuple[ListedVersion, OpenedVersion | CorruptCheckpointError]]  # a version, opened or why not
+_Read: TypeAlias = "list[tuple[ListedVersion, OpenedVersion | CorruptCheckpointError]]"  # a version, opened or why not
 
 
 def _read(versions: list[ListedVersion]) -> _Read:
     """Each version opened as ls reads it (its manifests, checked against its files), or why not."""
+    from tierckpt.cliversions import open_parts
+
     read: _Read = []
     for version in versions:
         try:
@@ -239,6 +253,9 @@ def _read(versions: list[ListedVersion]) -> _Read:
 
 def _ls(read: _Read, top: Lineage | None) -> int:
     """Print one tier's versions; ``top``: the newest save of every tier listed (:func:`direction`)."""
+    from tierckpt.cliversions import DAMAGED, OK, OpenedVersion, abandoned, damage_message, format_time, held_bytes, marked
+    from tierckpt.tiers.stored.delta import dependents
+
     rows = [("NAME", "STEP", "SAVE", "STORED", "LOGICAL", "CREATED", "MANIFEST")]
     status = OK
     # Of each base, the differential versions listed here written against it.
@@ -257,7 +274,13 @@ def _ls(read: _Read, top: Lineage | None) -> int:
         head = got.head
         lineage = lineage_of(head.metadata)
         logical = sum(r.nbytes for r in got.logical_records())
-        notes = [_part(head), _dependency(head, needed.get(head.step, ())), "abandoned" if abandoned(head, top) else None]
+        mark = marked(version, head)
+        notes = [
+            _part(head), _dependency(head, needed.get(head.step, ())), "abandoned" if abandoned(head, top) else None,
+            f"DAMAGED (tierckpt verify, {format_time(mark.at)}): {mark.why}" if mark is not None else None,
+        ]
+        if mark is not None:
+            status = DAMAGED
         verdict = ", ".join(["yes", *(n for n in notes if n)])
         save = "-" if lineage is None else str(lineage.serial)
         rows.append((version.name, str(head.step), save, format_size(held_bytes(head)), format_size(logical), format_time(head.created), verdict))
@@ -268,6 +291,8 @@ def _ls(read: _Read, top: Lineage | None) -> int:
 
 
 def _verify(versions: list[ListedVersion], threads: int) -> int:
+    from tierckpt.cliversions import DAMAGED, OK, held_bytes, keep_verdict, verify_bytes, verify_version
+
     width = max(len(v.name) for v in versions)
     damaged = 0
     desc = f"verify {len(versions)} version{'s' if len(versions) != 1 else ''}"
@@ -288,11 +313,16 @@ def _verify(versions: list[ListedVersion], threads: int) -> int:
             else:
                 damaged += 1
                 bar.print_above(f"{version.name.ljust(width)}  DAMAGED  {damage}")
+            if opened is not None and opened.verdict is not None and (problem := keep_verdict(version, opened.verdict)) is not None:
+                bar.print_above(f"{version.name.ljust(width)}  note: {problem}")
     print(f"{len(versions)} version{'s' if len(versions) != 1 else ''}: {len(versions) - damaged} OK, {damaged} damaged")
     return DAMAGED if damaged else OK
 
 
 def _export(prog: str, args: argparse.Namespace) -> int:
+    from tierckpt import export as exporting
+    from tierckpt.cliversions import DAMAGED, OK, USAGE
+
     if args.threads < 1:
         print(f"{prog} export: --threads must be at least 1, not {args.threads}", file=sys.stderr)
         return USAGE
@@ -301,6 +331,8 @@ def _export(prog: str, args: argparse.Namespace) -> int:
         summary = exporting.export(
             args.version, args.out, to=args.to, force=args.force, threads=args.threads, progress=bar, endpoint=args.endpoint
         )
+    except exporting.OutputExistsError as exc:  # its message names the Python argument
+        status, text = USAGE, f"{exc.path} exists; --force replaces it"
     except (FileNotFoundError, FileExistsError, UnsupportedStateError) as exc:  # NoCheckpointError too
         status, text = USAGE, str(exc)
     except CorruptCheckpointError as exc:
@@ -319,6 +351,8 @@ def _export(prog: str, args: argparse.Namespace) -> int:
 
 
 def _timeline(prog: str, args: argparse.Namespace) -> int:
+    from tierckpt.cliversions import DAMAGED, OK
+
     try:
         events = [event for path in args.events for event in read_events(path)]
     except FileNotFoundError as exc:
@@ -346,6 +380,8 @@ def _timeline(prog: str, args: argparse.Namespace) -> int:
 
 
 def _usage(prog: str, command: str, text: str) -> int:
+    from tierckpt.cliversions import USAGE
+
     print(f"{prog} {command}: {text}", file=sys.stderr)
     return USAGE
 

@@ -5,8 +5,9 @@ and how many abandoned: of a direction a save after a rollback left, :mod:`tierc
 decided against the newest save of every tier listed), the newest step of the direction being
 trained (the highest step not abandoned), the bytes they store, and with ``--verify`` how many
 verify and how many are damaged (each version checked as ``tierckpt verify`` checks it:
-:func:`tierckpt.cliversions.verify_version`). The damaged versions follow the table, one line each,
-as ``verify`` prints them.
+:func:`tierckpt.cliversions.verify_version`, leaving the same marks). The damaged versions follow
+the table, one line each, as ``verify`` prints them; without ``--verify``, those ``verify`` marked
+damaged when it last checked them (:mod:`tierckpt.format.damage`).
 
 ``CONFIG`` is a YAML config (what :meth:`Checkpointer.from_yaml <tierckpt.Checkpointer.from_yaml>`
 reads): every tier it names, in its order, where the Checkpointer would find it if started here
@@ -31,11 +32,11 @@ rank 0's file of it, when it exists), a second table follows: per tier, when its
 (``flush_failed`` or ``delete_failed``: time, step, error), as the file recorded them. What a running job already did: a recorded failure does not
 change the exit status (a later flush may have gone through; the first table says what is held).
 
-Nothing is written and no tier's lock is taken, so it runs beside a training job; a version that
+Nothing is written but ``--verify``'s damage marks, and no tier's lock is taken, so it runs beside a training job; a version that
 retention removes while it is being read is left out rather than reported damaged.
 
 Exit status: 0 when every version read is fine, 1 when one is damaged (a manifest that does not
-read, or with ``--verify`` any damage) or a tier cannot be listed, 2 on a usage error (a missing
+read, a version marked damaged, or with ``--verify`` any damage) or a tier cannot be listed, 2 on a usage error (a missing
 path, a config that does not load, a folder that is neither a tier directory nor holds one, an
 ``--events`` file missing or holding a line that is not an event).
 """
@@ -53,7 +54,7 @@ import yaml
 
 from tierckpt.cliversions import (
     DAMAGED, NO_TIER_HINT, OK, ListedVersion, UsageError, abandoned, bucket_versions, damage_message,
-    dir_versions, direction, format_size, format_time, held_bytes, open_parts, verify_version,
+    dir_versions, direction, format_size, format_time, held_bytes, keep_verdict, marked, open_parts, verify_version,
 )
 from tierckpt.config import Config, TierConfig
 from tierckpt.errors import ConfigError, CorruptCheckpointError
@@ -92,6 +93,7 @@ class _Row:
     heads: list[Manifest | CommitMarker] = field(default_factory=list)  # of the versions whose manifests read
     unread: list[int] = field(default_factory=list)  # steps of those whose manifests did not: never known abandoned
     damage: list[tuple[str, str]] = field(default_factory=list)  # (version, what is damaged)
+    notes: list[str] = field(default_factory=list)  # what verify could not leave for later processes
 
 
 @dataclass
@@ -240,10 +242,14 @@ def _tally(row: _Row, verify: bool, executor: concurrent.futures.Executor) -> No
     for version in row.versions or []:
         if verify:
             opened, damage = verify_version(version, executor)
+            if opened is not None and opened.verdict is not None and (problem := keep_verdict(version, opened.verdict)) is not None:
+                row.notes.append(problem)
         else:
             try:
                 opened, damage = open_parts(version), None
                 opened.close()
+                mark = marked(version, opened.head)
+                damage = None if mark is None else mark.text
             except CorruptCheckpointError as exc:
                 opened, damage = None, damage_message(exc, version)
         if damage is not None and version.path is not None and not os.path.lexists(version.path):
@@ -300,6 +306,9 @@ def _print(rows: list[_Row], verify: bool) -> None:
         name_width = max(len(n) for _, n, _ in damaged)
         for tier, name, damage in damaged:
             print(f"{tier.ljust(tier_width)}  {name.ljust(name_width)}  DAMAGED  {damage}")
+    for row in rows:
+        for note in row.notes:
+            print(f"{row.tier}: note: {note}")
     if verify:
         held = sum(row.held for row in rows)
         print(f"{held} version{'s' if held != 1 else ''}: {held - len(damaged)} OK, {len(damaged)} damaged")

@@ -8,27 +8,32 @@ what they share, below both. What a read refuses is :mod:`tierckpt.tiers.stored.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import os
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from tierckpt.errors import CorruptCheckpointError
+from tierckpt.format import damage as marks
 from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, TensorRecord, parse_version_dirname
 from tierckpt.format.layout import where
 from tierckpt.format.lineage import Lineage, head, is_live, lineage_of
 from tierckpt.observe.progress import format_size
+from tierckpt.storage.posix import fsync_dir
 from tierckpt.storage.scratch import scratch, scratch2, scratch_bytes
+from tierckpt.storage.store import TooLarge, Unreadable
 from tierckpt.tiers.base import VersionInfo
 from tierckpt.tiers.stored.read import open_source, read_head, read_rank_manifest, version_files
 from tierckpt.tiers.stored.source import StoredSource, StoreVersion
 
 __all__ = [
-    "DAMAGED", "NO_TIER_HINT", "OK", "USAGE", "ListedVersion", "OpenedVersion", "UsageError", "abandoned",
+    "DAMAGED", "NO_TIER_HINT", "OK", "USAGE", "ListedVersion", "OpenedVersion", "UsageError", "Verdict", "abandoned",
     "bucket_versions", "damage_message", "dir_versions", "direction", "format_size", "format_time", "held_bytes",
-    "open_parts", "verify_bytes", "verify_version",
+    "keep_verdict", "marked", "open_parts", "verify_bytes", "verify_version",
 ]
 
 OK, DAMAGED, USAGE = 0, 1, 2  # the commands' exit statuses
@@ -108,6 +113,7 @@ class OpenedVersion:
 
     head: Manifest | CommitMarker
     parts: list[tuple[Manifest, StoredSource]]
+    verdict: Verdict | None = None  # what verify_version found of it
 
     @property
     def tensors(self) -> int:
@@ -185,22 +191,41 @@ def verify_bytes(versions: list[ListedVersion]) -> int:
     return total
 
 
-def _check_chunk(source: StoredSource, record: TensorRecord, chunk: int) -> str | None:
-    """None if the chunk verifies (and decodes), else the damage."""
+def _check_chunk(source: StoredSource, record: TensorRecord, chunk: int) -> tuple[str, bool] | None:
+    """None if the chunk verifies (and decodes), else the damage and whether it may pass (:func:`_passing`)."""
     _, length = record.chunk_span(chunk)
     out = scratch2(record.chunk_bytes)[:length]
     try:
         source.read_logical(record, chunk, out, scratch(scratch_bytes(record.chunk_bytes)))
     except CorruptCheckpointError as exc:
-        return str(exc)
+        return str(exc), _passing(exc)
     return None
+
+
+def _passing(exc: CorruptCheckpointError) -> bool:
+    """Whether the read failed rather than found wrong bytes (an I/O error, a store that did not
+    answer): the next read may succeed, so it is no damage to keep (:func:`keep_verdict`). A missing
+    file, a symlink refused, a size refused are not passing."""
+    cause = exc.__cause__
+    return isinstance(cause, OSError) and not isinstance(cause, (FileNotFoundError, TooLarge, Unreadable))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What :func:`verify_version` found of a version whose manifests read: ``damage`` (None: it
+    verifies); ``passing``: each damaged chunk failed to be read rather than read wrong."""
+
+    head: Manifest | CommitMarker
+    damage: str | None
+    passing: bool = False
 
 
 def verify_version(
     version: ListedVersion, executor: concurrent.futures.Executor, progress: Callable[[int], None] | None = None
 ) -> tuple[OpenedVersion | None, str | None]:
     """The version and None if it verifies (every rank's part), else its damage (the first found, and
-    how many chunks are damaged).
+    how many chunks are damaged). The version's
+    :attr:`OpenedVersion.verdict` says whether the damage may pass (:func:`keep_verdict`).
 
     ``progress``: called in this thread with each chunk's stored bytes once it was checked, damaged
     or not; of a version that opens, :func:`held_bytes` of its head in all (of one that does not,
@@ -218,7 +243,7 @@ def verify_version(
             for c, chunk in enumerate(record.chunks)
             if chunk is not None  # a shared chunk is checked in the part of the rank that stored it
         ]
-        damage = []
+        damage: list[tuple[str, bool]] = []
         # In order, as the checks finish: the callback runs here, never on the executor's threads.
         for (_, record, c), found in zip(jobs, executor.map(lambda job: _check_chunk(*job), jobs)):
             if found is not None:
@@ -228,8 +253,81 @@ def verify_version(
     finally:
         opened.close()
     if not damage:
+        opened.verdict = Verdict(opened.head, None)
         return opened, None
-    text = damage_message(CorruptCheckpointError(damage[0]), version)
+    text = damage_message(CorruptCheckpointError(damage[0][0]), version)
     extra = len(damage) - 1
     more = f" (and {extra} more damaged chunk{'s' if extra > 1 else ''})" if extra else ""
+    opened.verdict = Verdict(opened.head, text + more, passing=all(p for _, p in damage))
     return opened, text + more
+
+
+def _mark_at(version: ListedVersion) -> tuple[Path | None, Any, str] | None:
+    """Where ``version``'s damage mark is: the directory beside it, or its bucket (prefix-relative
+    key); None for a version under another name than its step's (a copy: nothing to mark)."""
+    if version.step is None:
+        return None
+    name = marks.mark_name(version.step)
+    if version.path is not None:
+        return version.path.parent, None, name
+    return None, version.files.store, name
+
+
+def marked(version: ListedVersion, head: Manifest | CommitMarker) -> marks.Mark | None:
+    """The damage mark ``tierckpt verify`` left of this save of ``version`` (:mod:`tierckpt.format.damage`),
+    or None (none, or one of another save of the step, or one that does not read)."""
+    at = _mark_at(version)
+    if at is None:
+        return None
+    directory, bucket, name = at
+    try:
+        if directory is not None:
+            with open(directory / name, "rb") as f:
+                data = f.read(marks.MARK_BYTES + 1)
+        else:
+            data = bucket.read_small(name, marks.MARK_BYTES)
+    except OSError:
+        return None
+    mark = marks.decode(data)
+    return mark if mark is not None and mark.created == head.created else None
+
+
+def keep_verdict(version: ListedVersion, verdict: Verdict) -> str | None:
+    """Leave what verify found for every later process: a damage mark beside a damaged version (not
+    for damage that may pass: a read that failed), none beside one that verifies. Returns why that
+    could not be done (a read-only directory, refused credentials), or None."""
+    at = _mark_at(version)
+    if at is None or (verdict.damage is not None and verdict.passing):
+        return None
+    directory, bucket, name = at
+    if verdict.damage is None and marked(version, verdict.head) is None:
+        return None  # nothing to take back (a mark of another save of the step is its tier's keeper's to remove)
+    data = None if verdict.damage is None else marks.encode(marks.Mark(verdict.head.created, verdict.damage, time.time()))
+    try:
+        if directory is not None:
+            _keep_local(directory, name, data)
+        elif data is not None:
+            asyncio.run(bucket.put(name, data))
+        else:
+            asyncio.run(bucket.delete([name]))
+    except OSError as exc:
+        doing = "leave a damage mark of" if data is not None else "remove the damage mark of"
+        return f"cannot {doing} {version.name} ({exc.strerror or exc}): later restores will read it to find out"
+    return None
+
+
+def _keep_local(directory: Path, name: str, data: bytes | None) -> None:
+    """Write the mark (durable, whole: through a temporary name), or remove it (None)."""
+    path = directory / name
+    if data is None:
+        os.remove(path)
+        fsync_dir(directory)
+        return
+    tmp = directory / f"{name}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(directory)
+

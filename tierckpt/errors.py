@@ -7,7 +7,7 @@
     ├── CapacityError(ValueError)           a state that does not fit a host slot: names the setting to raise
     ├── UnsupportedStateError(TypeError)    a value in the state that cannot be stored safely: names its key path
     ├── FlushError(OSError)                 a background flush or capture failed: names the tier, the step,
-    │                                       and for an I/O error its errno and path
+    │                                       and for an I/O error its errno and path (a full disk: the sizes)
     ├── CorruptCheckpointError(ValueError)  a manifest or a checksum does not verify: names tier, step and key
     │   └── FormatVersionError              a checkpoint written in a format this version cannot read
     ├── RestoreError(ValueError)            a checkpoint does not fit the template it is restored into
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import errno
 import os
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "RestoreError",
     "NoCheckpointError",
     "ClosedError",
+    "SpaceNeeded",
 ]
 
 
@@ -92,14 +94,20 @@ class FlushError(TierckptError, OSError):
     ``filename`` (also ``path``) are those of the call, and the message names them with the tier and
     the step: ``tier 'nvme': flushing step 2 failed with ENOSPC: [Errno 28] No space left on device
     (fallocate): '/ckpt/nvme/.tmp-step-000000000002-…/data-r00000.bin'``. The cause is chained.
+
+    A full disk (ENOSPC) of a tier with a path also says what the tier needs and has: ``space``
+    (:class:`SpaceNeeded`), whose sizes end the message. ``None`` for every other failure.
     """
 
-    def __init__(self, message: str, *, errno: int | None = None, path: str | None = None, **where: Any) -> None:
+    def __init__(
+        self, message: str, *, errno: int | None = None, path: str | None = None, space: SpaceNeeded | None = None, **where: Any
+    ) -> None:
         super().__init__(message, **where)  # tier, step, key: as every TierckptError
         # OSError's own attributes, so ``except OSError as e: e.errno`` works on it too.
         self.errno = errno
         self.strerror = os.strerror(errno) if errno else None
         self.filename = path
+        self.space = space
 
     @property
     def path(self) -> str | None:
@@ -109,6 +117,64 @@ class FlushError(TierckptError, OSError):
     def __str__(self) -> str:
         # OSError would print "[Errno n] strerror: filename" once errno is set, dropping tier and step.
         return str(self.args[0]) if self.args else ""
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+@dataclass(frozen=True)
+class SpaceNeeded:
+    """What a tier whose file system is full (ENOSPC) needs and has: a :class:`FlushError`'s ``space``.
+
+    Retention deletes only after a commit, so while a version is written the tier holds every version
+    its ``keep`` holds, and the new one: ``keep_bytes`` is that.
+
+    Attributes:
+        path: the tier's directory, where ``free_bytes`` was measured.
+        free_bytes: free on that file system (for this user) once the failed write gave its space back.
+        version_bytes: one version on that disk: the newest the tier holds (blocks in use), else the one
+            that failed as it was read (``estimated``: this tier's compression may store less, alignment
+            more); ``None``: not known.
+        estimated: ``version_bytes`` is the version as read, not as stored here.
+        keep: the tier's keep rules as YAML writes them (``"{last: 3}"``; ``""``: none, it keeps every version).
+        kept: how many versions ``keep`` holds (``None``: every one); with ``open_ended``, at least that many.
+        open_ended: ``keep`` also holds versions beyond ``kept`` (``every_steps``, ``within``).
+
+    Example:
+        >>> print(SpaceNeeded("/ckpt/nvme", 20 << 20, 21 << 20, False, "{last: 3}", 3, False))
+        a version needs 21.0 MiB; keep {last: 3} needs 84.0 MiB for 3 versions and the one being written; 20.0 MiB free in /ckpt/nvme
+    """
+
+    path: str
+    free_bytes: int
+    version_bytes: int | None
+    estimated: bool
+    keep: str
+    kept: int | None
+    open_ended: bool
+
+    @property
+    def keep_bytes(self) -> int | None:
+        """What ``keep`` needs while a version is written (at least that, with ``open_ended``); None: unknown or unbounded."""
+        if self.kept is None or self.version_bytes is None:
+            return None
+        return (self.kept + 1) * self.version_bytes
+
+    def __str__(self) -> str:
+        words = []
+        if self.version_bytes is not None:
+            words.append(f"a version needs {'about ' if self.estimated else ''}{_mib(self.version_bytes)}")
+        if self.kept is None:
+            words.append(f"keep {self.keep} holds every version" if self.keep else "no keep rule: the tier holds every version")
+        else:
+            versions = f"{self.kept} version{'s' if self.kept != 1 else ''} and the one being written"
+            more = ", plus what its other rules keep" if self.open_ended else ""
+            total = self.keep_bytes
+            needs = "holds" if total is None else f"needs {'at least ' if self.open_ended else ''}{_mib(total)} for"
+            words.append(f"keep {self.keep} {needs} {versions}{more}")
+        words.append(f"{_mib(self.free_bytes)} free in {self.path}")
+        return "; ".join(words)
 
 
 class RankFailureError(FlushError):
@@ -148,22 +214,31 @@ class ClosedError(TierckptError, RuntimeError):
     """The Checkpointer was used after ``close()``."""
 
 
-def flush_failure(tier: str, step: int | None, doing: str, error: BaseException) -> FlushError:
-    """``error`` as a FlushError naming the tier, the step, and the errno and path of the I/O call that failed."""
-    if isinstance(error, FlushError):
-        return error
+def io_cause(error: BaseException) -> OSError | None:
+    """The failed I/O call behind ``error``: itself, or the first of its causes, that has an errno."""
     cause: BaseException | None = error
     while cause is not None and not (isinstance(cause, OSError) and cause.errno):
         cause = cause.__cause__
-    code = cause.errno if isinstance(cause, OSError) else None
-    path = cause.filename if isinstance(cause, OSError) and cause.filename is not None else None
+    return cause if isinstance(cause, OSError) else None
+
+
+def flush_failure(tier: str, step: int | None, doing: str, error: BaseException, *, space: SpaceNeeded | None = None) -> FlushError:
+    """``error`` as a FlushError naming the tier, the step, and the errno and path of the I/O call that
+    failed; ``space``: what a full tier needs and has, said at the end."""
+    if isinstance(error, FlushError):
+        return error
+    cause = io_cause(error)
+    code = None if cause is None else cause.errno
+    path = None if cause is None else cause.filename
     name = f" with {errno.errorcode.get(code, code)}" if code else ""
+    sizes = "" if space is None else f" ({space})"
     failure = FlushError(
-        f"tier {tier!r}: {doing} failed{name}: {error}",
+        f"tier {tier!r}: {doing} failed{name}: {error}{sizes}",
         tier=tier,
         step=step,
         errno=code,
         path=None if path is None else str(path),
+        space=space,
     )
     failure.__cause__ = error
     return failure

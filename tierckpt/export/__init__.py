@@ -30,6 +30,6 @@ version, read one tensor at a time), :mod:`~tierckpt.export.safetensors_writer` 
 
 from __future__ import annotations
 
-from tierckpt.export.driver import FORMATS, ExportProgress, ExportSummary, export, format_for
+from tierckpt.export.driver import FORMATS, ExportProgress, ExportSummary, OutputExistsError, export, format_for
 
-__all__ = ["FORMATS", "ExportProgress", "ExportSummary", "export", "format_for"]
+__all__ = ["FORMATS", "ExportProgress", "ExportSummary", "OutputExistsError", "export", "format_for"]

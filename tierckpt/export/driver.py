@@ -20,9 +20,18 @@ from tierckpt.export.safetensors_writer import _SafetensorsWriter
 from tierckpt.export.torch_writer import _TorchWriter
 from tierckpt.storage.posix import fsync_dir
 
-__all__ = ["FORMATS", "ExportProgress", "ExportSummary", "export", "format_for"]
+__all__ = ["FORMATS", "ExportProgress", "ExportSummary", "OutputExistsError", "export", "format_for"]
 
 FORMATS = ("safetensors", "torch")
+
+
+class OutputExistsError(FileExistsError):
+    """``out`` exists and ``force`` is false. Its message names the Python argument; ``path`` lets
+    the command line name its own flag (``--force``) instead."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"{path} exists; force=True replaces it")
+        self.path = path
 
 
 @dataclass(frozen=True)
@@ -75,7 +84,8 @@ def export(
 
     Raises:
         NoCheckpointError: ``version_dir`` is missing or not a version directory.
-        FileExistsError: ``out`` exists and ``force`` is false (or it is a directory).
+        FileExistsError: ``out`` is a directory; :class:`OutputExistsError` (a FileExistsError): ``out``
+            exists and ``force`` is false.
         FileNotFoundError: the directory of ``out`` does not exist.
         UnsupportedStateError: the chosen format cannot hold a value (its dtype, or two values that
             get the same name); raised before anything is written.
@@ -98,7 +108,7 @@ def export(
     if out.is_dir():
         raise FileExistsError(f"{out} is a directory; name the file to write")
     if os.path.lexists(out) and not force:
-        raise FileExistsError(f"{out} exists; --force (force=True) replaces it")
+        raise OutputExistsError(out)
     if not out.parent.is_dir():
         raise FileNotFoundError(f"{out.parent}: no such directory to write {out.name} in")
     writer: _Writer = _SafetensorsWriter(layout) if to == "safetensors" else _TorchWriter(layout)

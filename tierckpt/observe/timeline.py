@@ -144,7 +144,11 @@ def draw_timeline(events: Sequence[dict[str, Any]], out_path: str | os.PathLike[
         from matplotlib.lines import Line2D
         from matplotlib.patches import Patch
     except ImportError as exc:
-        raise ConfigError("timeline: needs matplotlib: pip install 'tierckpt[plot]'") from exc
+        # No "timeline:" of its own: the command line puts "tierckpt timeline:" before it.
+        raise ConfigError(
+            "matplotlib (which draws the timeline) is not installed: pip install 'tierckpt[plot]' "
+            "(in a clone of tierckpt: .venv/bin/pip install matplotlib)"
+        ) from exc
 
     drawable.sort(key=lambda e: e["time"])
     ranks = tuple(sorted({e["rank"] for e in drawable}))

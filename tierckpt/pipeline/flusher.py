@@ -9,17 +9,23 @@ read fastest (host memory, else a stored tier above that holds it: :mod:`tierckp
 writes, commits, tells the pipeline, and prunes its tier. A flush starts only while no host copy is
 running, unless the tier is overdue: training waits for the copy, never for the disk, and on few
 cores a write beside the copy slows it.
+
+A flush that finds its tier's file system full (ENOSPC) says what the tier needs and has
+(:mod:`tierckpt.pipeline.space`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import time
 from dataclasses import dataclass, replace
 from typing import Awaitable, Callable, Protocol, Sequence
 
 from tierckpt.config import FlushPolicy
+from tierckpt.errors import flush_failure, io_cause
+from tierckpt.format.records import TensorRecord
 from tierckpt.format.lineage import Lineage
 from tierckpt.policy import (
     Candidate,
@@ -34,6 +40,7 @@ from tierckpt.policy import (
     still_wanted,
     take,
 )
+from tierckpt.pipeline.space import space_needed
 from tierckpt.tiers.base import Lease, Tier, VersionInfo, VersionSource
 
 log = logging.getLogger("tierckpt")
@@ -112,6 +119,7 @@ class Flusher:
         self.state = FlushState()
         self.in_flight: Candidate | None = None
         self._last_write_s = 0.0  # seconds the last successful flush took (bounds a deferral)
+        self._written_records: Sequence[TensorRecord] = ()  # the records of the version being written (sizes a full disk)
         self._deferring: tuple[int, float] | None = None  # (token, since when, monotonic) while deferring
         self._drains = 0
         # Retention left a version it drops because a tier below was reading it or waiting for it: it
@@ -258,10 +266,17 @@ class Flusher:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the pipeline logs it, and the handle raises it; the next flush tries again
-            self._events.failed(self.tier.name, candidate, exc)
+            failure: Exception = exc
+            cause = io_cause(exc)
+            if cause is not None and cause.errno == errno.ENOSPC and self.tier.config.path is not None:
+                newest = max((i for i in self.tier.versions() if i.valid), key=lambda i: i.step, default=None)
+                space = await asyncio.to_thread(space_needed, newest, self.tier.config.keep, str(self.tier.config.path), self._written_records)
+                failure = flush_failure(self.tier.name, candidate.step, f"flushing step {candidate.step}", exc, space=space)
+            self._events.failed(self.tier.name, candidate, failure)
             return
         finally:
             located.lease.release()
+            self._written_records = ()
         self._last_write_s = time.monotonic() - began
         self.state = finished(self.state, started=started, ok=True)
         self._events.committed(self.tier.name, candidate, info, started)
@@ -270,6 +285,7 @@ class Flusher:
     async def _store(self, candidate: Candidate, located: Located) -> VersionInfo:
         """Read ``candidate`` where it was located, write it here and commit it (the caller holds the lease)."""
         source = await located.open()
+        self._written_records = source.records
         try:
             staged = await self.tier.write(source)
         finally:
@@ -325,3 +341,4 @@ class Flusher:
                 kept.update(i.base for i in self.tier.versions() if i.step == step and i.base is not None)
             else:
                 self._events.deleted(self.tier.name, step)
+

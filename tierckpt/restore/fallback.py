@@ -34,20 +34,20 @@ import asyncio
 import contextlib
 import functools
 import typing
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from tierckpt.errors import CorruptCheckpointError, RestoreError
 from tierckpt.format.layout import after_where, where
 from tierckpt.format.lineage import Lineage, head, lineage_of, user_metadata
 from tierckpt.format.saved_layout import NotHere
 from tierckpt.restore.landing import finish
-from tierckpt.restore.order import admitted, try_order
+from tierckpt.restore.order import admitted, known_damage, try_order
 from tierckpt.restore.plan import Plan
 from tierckpt.restore.read import in_thread, read_version
 from tierckpt.restore.replicas import LeftToOwners, Swapping, first_tiers, read_once, spread
 from tierckpt.restore.result import Restored, template_leaves, uncovered
-from tierckpt.restore.verdicts import AloneVoice, RanksVoice
-from tierckpt.tiers.base import Recovery, Tier
+from tierckpt.restore.verdicts import AloneVoice, RanksVoice, Voice
+from tierckpt.tiers.base import Recovery, Tier, VersionInfo
 from tierckpt.tiers.memory.tier import MemoryTier
 
 __all__ = ["Alone", "Exchange", "agree", "restore_versions", "what_held"]
@@ -118,7 +118,8 @@ async def restore_versions(
     recoveries = [t.recovery() for t in tiers]  # how each tier gets this rank's part from other ranks, if it can
     helped = [r for r in recoveries if r is not None]
     explicit = only is not None
-    can, once, top = agree(tiers, helped, await _exchange(ranks, what_held(tiers, helped, replicas_once)), explicit=explicit)
+    held = await _exchange(ranks, what_held(tiers, helped, replicas_once))
+    can, once, top = agree(tiers, helped, held, explicit=explicit)
     common = sorted(set.intersection(*can), reverse=True)
     if only is not None:
         if only not in common:
@@ -147,7 +148,9 @@ async def restore_versions(
                 tier, recovery = tiers[i], recoveries[i]
                 rest = holding[holding.index(tier) + 1 :] if tier in holding else []
                 after = functools.partial(_after, rest, step, tiers, common[n + 1 :], only)
-                if attempt.wants and any(t is tier for t in holding):
+                if attempt.wants and i not in allowed and tier.has_part(step) and (damaged := known_damage(step, tier, top)) is not None:
+                    _pass_over_known(tier, damaged, attempt, voice, after, elsewhere=bool(rest))
+                elif attempt.wants and any(t is tier for t in holding):
                     missed = await attempt_on(held_open, tier, step, attempt, owner=ranks.rank if once.get(step) == i else None)
                     if isinstance(missed, NotHere):
                         voice.not_here(missed, after)
@@ -197,6 +200,9 @@ async def restore_versions(
     failed = voice.none_verified(touched, touched_ranks)
     if failed is not None:
         raise failed
+    left = abandoned_held(held, top)
+    if left:  # starting over would let retention delete them: the caller chooses
+        raise voice.only_abandoned(left)
     return None
 
 
@@ -245,6 +251,14 @@ def agree(
         for r, steps in enumerate(helper.reachable([h[1][k] for h in held])):
             can[r] |= steps if explicit else steps & anywhere
     return can, read_once(tiers, [(h[0], h[2]) for h in held]), top
+
+
+def abandoned_held(held: Sequence[Any], top: Lineage | None) -> list[int]:
+    """From every rank's :func:`what_held`: the steps of versions some rank's tiers list whose
+    manifest verified that ``top``'s direction left (newest first; the same on every rank)."""
+    if top is None:
+        return []
+    return sorted({s for h in held for s, serials in h[5] if not any(top.descends(s, x) for x in serials)}, reverse=True)
 
 
 async def _share_replicas(ranks: Exchange, attempt: Attempt, tier: Tier, step: int) -> CorruptCheckpointError | None:
@@ -353,6 +367,18 @@ async def _try(
     except Exception as exc:  # a template that does not match, say: raised on every rank
         attempt.error = exc
     return None
+
+
+def _pass_over_known(tier: Tier, damaged: VersionInfo, attempt: Attempt, voice: Voice, after: Callable[[], str], *, elsewhere: bool) -> None:
+    """Pass over a copy known to be damaged without reading it: its damage is this rank's verdict on
+    the step. Said once per process: a copy ``tierckpt verify`` marked at its first restore, one a
+    restore found damaged when it was found."""
+    step = damaged.step
+    known = CorruptCheckpointError(f"{where(tier.name, step)}: {tier.damage_of(damaged)}", tier=tier.name, step=step)
+    attempt.failed(tier, step, known)
+    if (step, damaged.created) not in tier.found_damaged:
+        voice.passed_over(tier, step, known, after, elsewhere=elsewhere)
+        tier.found_damaged[(step, damaged.created)] = str(tier.damage_of(damaged))
 
 
 def _known_damaged(tier: Tier, step: int, error: CorruptCheckpointError) -> None:

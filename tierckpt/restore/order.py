@@ -20,9 +20,9 @@ from __future__ import annotations
 from typing import Sequence
 
 from tierckpt.format.lineage import Lineage, is_live, order_key
-from tierckpt.tiers.base import Tier
+from tierckpt.tiers.base import Tier, VersionInfo
 
-__all__ = ["admitted", "newest_save_first", "try_order"]
+__all__ = ["admitted", "known_damage", "newest_save_first", "try_order"]
 
 
 def admitted(step: int, tiers: Sequence[Tier], top: Lineage | None, *, explicit: bool) -> set[int]:
@@ -35,6 +35,13 @@ def admitted(step: int, tiers: Sequence[Tier], top: Lineage | None, *, explicit:
     if live or not explicit:
         return live
     return {i for i, found in held.items() if found}
+
+
+def known_damage(step: int, tier: Tier, top: Lineage | None) -> VersionInfo | None:
+    """``tier``'s live copy of ``step`` when it is known to be damaged (found so by a restore of this
+    process, or marked so by ``tierckpt verify``: :meth:`~tierckpt.tiers.base.Tier.damage_of` says
+    why), which :func:`admitted` left out; None: not known so."""
+    return next((v for v in tier.versions() if v.step == step and is_live(v, top) and tier.damage_of(v) is not None), None)
 
 
 def newest_save_first(step: int, tiers: Sequence[Tier]) -> list[int]:

@@ -56,6 +56,18 @@ class Voice(abc.ABC):
         """Step ``step`` did not verify on ranks ``failed`` (rank: why); ``later``: the steps left to try.
         Raises when it was the one step asked for."""
 
+    def only_abandoned(self, steps: Sequence[int]) -> NoCheckpointError:
+        """No version of the direction being trained restored, and versions a rollback abandoned
+        (``steps``, newest first) are held: the caller chooses, as starting over would let retention
+        delete them."""
+        shown = ", ".join(map(str, steps[:8])) + (f" and {len(steps) - 8} more" if len(steps) > 8 else "")
+        return NoCheckpointError(
+            f"no version of the direction being trained can be restored, and versions a rollback abandoned are held "
+            f"(step(s) {shown}; {held_steps(self.listed)}): restore(step) loads one of them, and training on from it makes "
+            f"its direction live again; to start over, remove them first (tierckpt ls lists them as abandoned)",
+            step=steps[0],
+        )
+
     @abc.abstractmethod
     def none_verified(self, touched: set[str], touched_ranks: set[int]) -> CorruptCheckpointError | None:
         """No step verified: the error to raise when the failed copies wrote into a template, else None."""

