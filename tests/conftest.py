@@ -13,6 +13,19 @@ import pytest
 from helpers import Opened
 
 
+# What the whole suite holds, counted before -m or -k deselect anything (None: this run collected
+# only part of tests/): the claim docs/contributing.md makes of the two subsets (tests/test_docs.py).
+SUITE_COUNTS = pytest.StashKey[dict[str, int]]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = config.invocation_params.dir
+    whole = [Path(here, a).resolve() for a in config.args] in ([], [Path(config.rootpath, "tests").resolve()])
+    if whole:
+        config.stash[SUITE_COUNTS] = {"all": len(items), "slow": sum(1 for i in items if i.get_closest_marker("slow"))}
+
+
 @pytest.fixture
 def opened(request: pytest.FixtureRequest) -> Iterator[Opened]:
     """``opened(config)`` opens a Checkpointer that is closed at teardown, whatever the test did.
@@ -25,6 +38,32 @@ def opened(request: pytest.FixtureRequest) -> Iterator[Opened]:
         yield o
     finally:
         o.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_servers() -> Iterator[None]:
+    """The ranks tests launch (tierckpt.testing.launch_ranks) are forked from servers that imported
+    torch, and Lightning or transformers for their workers, once (tierckpt.testing.forkserver): on 2
+    cores, importing them again in every rank was most of the suite's time. Each starts at its first
+    use. ``TIERCKPT_TEST_FORK=0`` starts every rank as an interpreter of its own instead."""
+    from tierckpt.testing.forkserver import ForkServer
+    from tierckpt.testing.ranks import fork_ranks_from
+
+    if os.environ.get("TIERCKPT_TEST_FORK", "1") == "0":
+        yield
+        return
+    servers = {
+        "*": ForkServer(("torch.distributed.tensor",)),
+        "lightning_worker.py": ForkServer(("lightning", "lightning.pytorch")),
+        "hf_worker.py": ForkServer(("transformers.trainer", "accelerate")),
+    }
+    fork_ranks_from(servers)
+    try:
+        yield
+    finally:
+        fork_ranks_from({})
+        for server in servers.values():
+            server.close()
 
 
 @pytest.fixture(scope="session")

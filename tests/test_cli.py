@@ -301,6 +301,7 @@ def test_export_help_speaks_in_flags_and_metavars(capsys: pytest.CaptureFixture[
         assert python_name not in text, python_name
 
 
+@pytest.mark.slow
 def test_ls_of_a_folder_holding_tiers_lists_each_tier_under_its_path(tiers: Path) -> None:
     """./checkpoints holding nvme/ and pfs/ (what examples/train_demo.py writes): every tier directory in
     it, under a heading; an empty one beside them is a tier with no version yet; other folders are not tiers."""

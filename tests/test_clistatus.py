@@ -91,6 +91,7 @@ def test_status_of_a_folder_of_tiers_has_a_line_per_tier_directory(root: Path, c
     assert status == 0 and _table(out)[1][:4] == ["nvme", "filesystem", "1", "3"]
 
 
+@pytest.mark.slow
 def test_status_of_a_config_reads_every_tier_it_names_in_its_order(root: Path) -> None:
     config = _config(root)
     config["distributed"] = {"nodes": 2}  # the peer tier below wants nodes; the config only has to load

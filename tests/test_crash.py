@@ -28,6 +28,7 @@ import torch
 
 from tierckpt import Checkpointer
 from tierckpt.format import version_dirname
+from tierckpt.testing.ranks import start_script
 
 from helpers import assert_bitwise
 
@@ -50,13 +51,8 @@ class Child:
 
     def __init__(self, root: Path, *args: str, log: Path) -> None:
         self._stderr = open(log, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(_CHILD), str(root), *args],
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            text=True,
-            bufsize=1,
-        )
+        # Forked from the suite's fork server (tierckpt.testing.forkserver) where it has one.
+        self.proc = start_script([sys.executable, str(_CHILD), str(root), *args], stdout=subprocess.PIPE, stderr=self._stderr, text=True)
         self.log = log
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.committed: int | None = None

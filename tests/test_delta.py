@@ -313,6 +313,7 @@ def test_digests_tell_equal_chunks() -> None:
     assert digest(memoryview(a).cast("B")) != digest(memoryview(b).cast("B"))
 
 
+@pytest.mark.slow
 def test_the_command_line_says_what_depends_on_what(opened: Opened, tmp_path: Path) -> None:
     root = tmp_path / "nvme"
     _save_all(opened, _config(root, every=3), range(1, 5), Training())

@@ -8,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "delta.py"
 
 
+@pytest.mark.slow
 def test_a_quick_run_prints_its_tables_and_matches_the_tiers(tmp_path: Path) -> None:
     results = sorted((ROOT / "benchmarks" / "results").glob("delta-*"))
     command = [sys.executable, str(SCRIPT), "--quick", "--dir", str(tmp_path)]

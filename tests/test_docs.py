@@ -128,3 +128,18 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     index = (tmp_path / "site" / "index.html").read_text(encoding="utf-8")
     assert "restore_latest_sync" in index and "download.pytorch.org/whl/cpu" in index  # the README's snippets
+
+
+def test_contributing_states_the_size_of_the_suite_and_of_its_quick_subset(request: pytest.FixtureRequest) -> None:
+    from conftest import SUITE_COUNTS
+
+    counts = request.config.stash.get(SUITE_COUNTS, None)
+    if counts is None:
+        pytest.skip("this run collected part of tests/: the counts are checked by a run of the whole suite or a subset of it by marker")
+    text = (ROOT / "docs" / "contributing.md").read_text()
+    found = re.search(r"the quick subset runs\s+(\d+)\s+of\s+its\s+(\d+)\s+tests", text)
+    assert found, "docs/contributing.md no longer says how many tests the quick subset runs"
+    quick, total = int(found.group(1)), int(found.group(2))
+    # Within a tenth: a test added needs no edit, a subset that grew or shrank by much does (and its times with it).
+    assert abs(total - counts["all"]) <= counts["all"] // 10, (total, counts)
+    assert abs(quick - (counts["all"] - counts["slow"])) <= counts["all"] // 10, (quick, counts)

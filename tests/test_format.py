@@ -130,6 +130,7 @@ def _rewrap(body: dict[str, Any]) -> bytes:
 # -- encode / decode ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_manifests())
 def test_manifest_round_trip(manifest: Manifest) -> None:

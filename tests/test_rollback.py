@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +36,13 @@ def _config(*, nvme_keep: dict[str, Any] | None = None, pfs: dict[str, Any] | No
 
 
 def _phase(root: Path, config: dict[str, Any], ops: list[list[Any]], *, killed: bool = False) -> list[dict[str, Any]]:
-    """Run ``ops`` in a new process; its JSON lines. ``killed``: the ops end in a SIGKILL."""
-    done = subprocess.run(
-        [sys.executable, str(CHILD), str(root), json.dumps(config), json.dumps(ops + ([["kill"]] if killed else []))],
-        capture_output=True, text=True, timeout=180,
-    )
-    assert done.returncode == (-signal.SIGKILL if killed else 0), done.stderr[-3000:]
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    """Run ``ops`` in a new process (one rank of no job: launch_ranks forks it where the suite has a
+    fork server); its JSON lines. ``killed``: the ops end in a SIGKILL."""
+    logs = root / f"phase-{uuid.uuid4().hex[:8]}"
+    argv = [sys.executable, str(CHILD), str(root), json.dumps(config), json.dumps(ops + ([["kill"]] if killed else []))]
+    (done,) = launch_ranks(argv, 0, timeout_s=180, log_dir=logs)
+    assert done.returncode == (-signal.SIGKILL if killed else 0), done.output
+    return [json.loads(line) for line in (logs / "rank-0.log").read_text().splitlines() if line.startswith("{")]
 
 
 def _saves(steps: range | tuple[int, ...], offset: int = 0) -> list[list[Any]]:

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "save_call.py"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp2"])
 def test_a_short_run_reports_the_call_and_the_launch_bound_step(tmp_path: Path, fsdp: bool) -> None:
     out = tmp_path / "results"

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "scale.py"
 
 
+@pytest.mark.slow
 def test_a_short_run_reports_the_commit_against_the_floor(tmp_path: Path) -> None:
     out = tmp_path / "results"
     command = [sys.executable, str(SCRIPT), "--ranks", "1", "2", "--saves", "3", "--kib", "16", "--timeout", "60", "--out", str(out)]
@@ -31,6 +32,7 @@ def test_a_short_run_reports_the_commit_against_the_floor(tmp_path: Path) -> Non
     assert "| 2 |" in done.stdout
 
 
+@pytest.mark.slow
 def test_the_phases_of_a_commit_come_in_the_protocols_order_on_every_save(tmp_path: Path) -> None:
     """--phases: each save's stamps on both ranks, in the order the protocol makes them happen (a rank's
     part is written before the leader has every report in, the version is committed before rank 1 adopts it)."""

@@ -496,6 +496,7 @@ def _walks_agree(state: Any) -> None:
     _same_leaves(fast.leaves(), general[1])
 
 
+@pytest.mark.slow
 @settings(deadline=None, max_examples=300)
 @given(states)
 def test_the_common_case_walk_agrees_with_the_general_one(state: Any) -> None:

@@ -118,6 +118,7 @@ def test_put_if_absent_lets_the_first_writer_win(ranks: tuple[RankGroup, RankGro
     assert asyncio.run(follower.get("round/4")) == {"flush": [5, 1]}
 
 
+@pytest.mark.slow
 def test_a_follower_whose_read_gets_no_client_looks_for_the_round_on_its_own(ranks: tuple[RankGroup, RankGroup, list[Any]]) -> None:
     """A follower's pending read of the next round needs a connection of its own; where none can be
     had (here: nothing listens where its reads connect), it looks for the round through its own

@@ -97,6 +97,7 @@ end_job()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("held", ["freed", "pinned"])
 def test_end_job_leaves_no_gloo_thread_to_race_the_exit_or_ends_the_process_at_once(tmp_path: Path, held: str) -> None:
     exits = launch_ranks([sys.executable, "-c", END_JOB, str(tmp_path), held], 2, timeout_s=120)

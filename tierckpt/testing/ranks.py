@@ -1,6 +1,7 @@
 """Ranks of one job on localhost: :func:`launch_ranks` runs a script as the ranks of one
 torch.distributed job, :class:`RankExit` is how each ended, :func:`failures` says which did not exit as
-they should, and :func:`free_port` picks the job's ``MASTER_PORT``. For tests and benchmarks of many ranks.
+they should, and :func:`free_port` picks the job's ``MASTER_PORT``. For tests and benchmarks of many ranks;
+a test suite forks them from fork servers instead (:func:`fork_ranks_from`, :mod:`tierckpt.testing.forkserver`).
 In a rank, :func:`end_job` ends its part of the job so that the process exits cleanly.
 """
 
@@ -16,10 +17,37 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Collection, Mapping, Sequence
+from typing import IO, Any, Collection, Mapping, Sequence
+
+from tierckpt.testing.forkserver import ForkServer, Forked
 
 
 TAIL_CHARS = 5000  # of a rank's output kept in its RankExit
+
+# Fork servers :func:`launch_ranks` forks Python scripts' ranks from, by script name ("*": any other
+# script), as :func:`fork_ranks_from` set them; empty: every rank starts an interpreter of its own.
+_FORK_SERVERS: dict[str, ForkServer] = {}
+
+
+def fork_ranks_from(servers: Mapping[str, ForkServer]) -> None:
+    """Have :func:`launch_ranks` fork the ranks of a Python script from a running
+    :class:`~tierckpt.testing.forkserver.ForkServer` (a test suite's, to skip importing torch per
+    rank): ``servers`` by the script's file name, ``"*"`` for any other; ``{}`` to stop. A server
+    not started yet is started at its first use; one that ended is passed over (its ranks start
+    interpreters of their own)."""
+    _FORK_SERVERS.clear()
+    _FORK_SERVERS.update(servers)
+
+
+def _fork_server(argv: Sequence[str | os.PathLike[str]]) -> ForkServer | None:
+    """The fork server for ``argv``, when it runs a script with this interpreter and one is set."""
+    if not _FORK_SERVERS or len(argv) < 2 or os.fspath(argv[0]) != sys.executable or not os.fspath(argv[1]).endswith(".py"):
+        return None
+    name = os.path.basename(os.fspath(argv[1]))
+    server = _FORK_SERVERS.get(name, _FORK_SERVERS.get("*"))
+    if server is not None and not server.started:
+        server.start()
+    return server if server is not None and server.running else None
 
 
 @dataclass(frozen=True)
@@ -29,6 +57,42 @@ class RankExit:
     rank: int
     returncode: int | None  # None: still running at the deadline, and killed; -9: died by SIGKILL
     output: str  # the last TAIL_CHARS characters of its stdout and stderr, interleaved
+
+
+def start_script(
+    argv: Sequence[str | os.PathLike[str]], *, env: Mapping[str, str] | None = None, stdout: int | IO[Any] | None = None,
+    stderr: int | IO[Any] | None = None, text: bool = False,
+) -> subprocess.Popen[Any] | Forked:
+    """Start one process of ``argv`` as :class:`subprocess.Popen` would (``stdout``: ``PIPE``, a file,
+    or None to share this process's; ``stderr`` likewise, or ``STDOUT``), forked from the fork server
+    :func:`fork_ranks_from` set for its script where there is one (:class:`~tierckpt.testing.forkserver.Forked`
+    then gives ``stdout`` as a file object when it is a pipe, as Popen does)."""
+    server = _fork_server(argv)
+    if server is None:
+        return subprocess.Popen(list(argv), env=env, stdout=stdout, stderr=stderr, text=text, bufsize=1 if text else -1)
+    ours: list[int] = []  # the child's ends of pipes, closed here once it holds them
+    reader = None
+
+    def fd_of(stream: int | IO[Any] | None, default: int) -> int:
+        nonlocal reader
+        if stream is None:
+            return default
+        if stream == subprocess.PIPE:
+            read, write = os.pipe()
+            ours.append(write)
+            reader = open(read, "r" if text else "rb", buffering=1 if text else -1)
+            return write
+        return stream if isinstance(stream, int) else stream.fileno()
+
+    out = fd_of(stdout, 1)
+    err = out if stderr == subprocess.STDOUT else fd_of(stderr, 2)
+    try:
+        forked = server.spawn(argv, dict(os.environ if env is None else env), out, stderr=err)
+    finally:
+        for fd in ours:
+            os.close(fd)
+    forked.stdout = reader
+    return forked
 
 
 def free_port() -> int:
@@ -75,13 +139,17 @@ def launch_ranks(
         if world:
             base |= {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
         paths = [logs / f"rank-{rank}.log" for rank in range(max(world, 1))]
-        procs: list[subprocess.Popen[bytes]] = []
+        procs: list[subprocess.Popen[bytes] | Forked] = []
         codes: list[int | None] = []
+        server = _fork_server(argv)
         try:
             for rank, path in enumerate(paths):
                 rank_env = base | ({"RANK": str(rank)} if world else {}) | dict(env or {})
                 with open(path, "wb") as out:  # the child holds its own copy of the descriptor
-                    procs.append(subprocess.Popen(list(argv), env=rank_env, stdout=out, stderr=subprocess.STDOUT))
+                    if server is not None:
+                        procs.append(server.spawn(argv, rank_env, out.fileno()))
+                    else:
+                        procs.append(subprocess.Popen(list(argv), env=rank_env, stdout=out, stderr=subprocess.STDOUT))
             deadline = time.monotonic() + timeout_s
             for proc in procs:
                 try:
