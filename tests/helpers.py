@@ -320,3 +320,22 @@ class Opened:
                 c.close_sync()
             except self.tolerate:
                 pass
+
+
+def mount(fstype: str, target: Path, options: str | None = None, source: Path | None = None) -> None:
+    """Mount a small real file system at ``target`` (made) for a test: skips where that needs root
+    or mount(8) this machine lacks, or the kernel refuses it; :func:`unmount` after."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip(f"mounting a {fstype} needs root and mount(8)")
+    target.mkdir(parents=True, exist_ok=True)
+    command = ["mount", "-t", fstype] + (["-o", options] if options else []) + [str(source or fstype), str(target)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a {fstype}: {result.stderr.strip()}")
+
+
+def unmount(target: Path) -> None:
+    """Unmount what :func:`mount` mounted (lazily if it is busy)."""
+    result = subprocess.run(["umount", str(target)], capture_output=True, timeout=30)
+    if result.returncode != 0:
+        subprocess.run(["umount", "-l", str(target)], capture_output=True, timeout=30)

@@ -14,6 +14,7 @@ from typing import Iterator
 
 import pytest
 
+from helpers import mount, unmount
 from tierckpt import Config, cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,18 +130,12 @@ def test_the_timeline_hint_works_as_printed(demo: ModuleType, tmp_path: Path, mo
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 20 MiB tmpfs, mounted for the test and unmounted after it (root only)."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root and mount(8)")
     target = tmp_path / "disk"
-    target.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(target)], capture_output=True, text=True, timeout=30)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
+    mount("tmpfs", target, "size=20m")
     try:
         yield target
     finally:
-        if subprocess.run(["umount", str(target)], capture_output=True, timeout=30).returncode != 0:
-            subprocess.run(["umount", "-l", str(target)], capture_output=True, timeout=30)
+        unmount(target)
 
 
 @pytest.mark.slow

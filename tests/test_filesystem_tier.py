@@ -25,7 +25,7 @@ from tierckpt.tiers.stored import write as fswrite
 from tierckpt.tiers.stored.read import version_files
 from tierckpt.storage.posix import probe_direct_io
 
-from helpers import Opened, assert_bitwise, fs_tier_of, leftovers, logged_warnings, ram_fs
+from helpers import Opened, assert_bitwise, fs_tier_of, leftovers, logged_warnings, mount, ram_fs, unmount
 
 
 CLOSE_TOLERATES = (FlushError,)  # for the opened fixture: closing raises again what a test provoked
@@ -161,30 +161,14 @@ def test_a_tier_on_dev_shm_writes_and_restores(opened: Opened, shm_dir: Path) ->
     assert_bitwise(_restore_fresh(opened, shm_dir).state, _state(2, 77_777))
 
 
-def _mount(fstype: str, target: Path, options: str | None = None, source: Path | None = None) -> None:
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip(f"mounting a {fstype} needs root and mount(8)")
-    target.mkdir(parents=True, exist_ok=True)
-    command = ["mount", "-t", fstype] + (["-o", options] if options else []) + [str(source or fstype), str(target)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=30)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a {fstype}: {result.stderr.strip()}")
-
-
-def _unmount(target: Path) -> None:
-    result = subprocess.run(["umount", str(target)], capture_output=True, timeout=30)
-    if result.returncode != 0:
-        subprocess.run(["umount", "-l", str(target)], capture_output=True, timeout=30)
-
-
 @pytest.fixture
 def ramfs(tmp_path: Path) -> Iterator[Path]:
     target = tmp_path / "ramfs"
-    _mount("ramfs", target)
+    mount("ramfs", target)
     try:
         yield target
     finally:
-        _unmount(target)
+        unmount(target)
 
 
 def test_a_file_system_refusing_o_direct_falls_back_to_buffered_io(opened: Opened, ramfs: Path) -> None:
@@ -323,11 +307,11 @@ def test_a_moved_aside_version_is_swept_once_its_replacement_is_committed(opened
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     target = tmp_path / "small"
-    _mount("tmpfs", target, "size=8m")
+    mount("tmpfs", target, "size=8m")
     try:
         yield target
     finally:
-        _unmount(target)
+        unmount(target)
 
 
 @pytest.fixture
@@ -342,11 +326,11 @@ def small_ext4(tmp_path: Path) -> Iterator[Path]:
     if made.returncode != 0:
         pytest.skip(f"mkfs.ext4 failed: {made.stderr.strip()}")
     target = tmp_path / "small"
-    _mount("ext4", target, "loop", source=image)
+    mount("ext4", target, "loop", source=image)
     try:
         yield target
     finally:
-        _unmount(target)
+        unmount(target)
 
 
 @pytest.fixture(params=["tmpfs", "ext4"])

@@ -8,7 +8,6 @@ import gc
 import logging
 import os
 import shutil
-import subprocess
 import threading
 import time
 import weakref
@@ -32,7 +31,7 @@ from tierckpt.storage.posix import preallocate, probe_direct_io, pwrite_all, rea
 from tierckpt.storage.scratch import ChunkJobs
 from tierckpt.testing import flip_bits
 
-from helpers import Opened, assert_bitwise, fs_tier_of, logged_warnings, ram_fs
+from helpers import Opened, assert_bitwise, fs_tier_of, logged_warnings, mount, ram_fs, unmount
 
 
 def _config(path: Path, **tier: Any) -> dict[str, Any]:
@@ -171,18 +170,12 @@ def test_the_buffered_path_stores_and_restores_the_same(opened: Opened, tmp_path
 @pytest.fixture
 def ramfs(tmp_path: Path) -> Iterator[Path]:
     """A file system without O_DIRECT at all (tmpfs accepts it since Linux 6.6)."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a ramfs needs root and mount(8)")
     target = tmp_path / "ramfs"
-    target.mkdir()
-    result = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(target)], capture_output=True, text=True, timeout=30)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a ramfs: {result.stderr.strip()}")
+    mount("ramfs", target)
     try:
         yield target
     finally:
-        if subprocess.run(["umount", str(target)], capture_output=True, timeout=30).returncode != 0:
-            subprocess.run(["umount", "-l", str(target)], capture_output=True, timeout=30)
+        unmount(target)
 
 
 def test_a_file_system_refusing_o_direct_says_so_once_and_works(

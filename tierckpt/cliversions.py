@@ -23,7 +23,7 @@ from tierckpt.format import MANIFEST_FILE, CommitMarker, Manifest, TensorRecord,
 from tierckpt.format.layout import where
 from tierckpt.format.lineage import Lineage, head, is_live, lineage_of
 from tierckpt.observe.progress import format_size
-from tierckpt.storage.posix import fsync_dir
+from tierckpt.storage.posix import fsync_dir, replace_durably
 from tierckpt.storage.scratch import scratch, scratch2, scratch_bytes
 from tierckpt.storage.store import TooLarge, Unreadable
 from tierckpt.tiers.base import VersionInfo
@@ -323,11 +323,5 @@ def _keep_local(directory: Path, name: str, data: bytes | None) -> None:
         os.remove(path)
         fsync_dir(directory)
         return
-    tmp = directory / f"{name}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(directory)
+    replace_durably(path, data, directory / f"{name}.{os.getpid()}.tmp")
 

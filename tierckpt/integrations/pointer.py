@@ -19,6 +19,7 @@ from typing import Any
 
 from tierckpt.errors import CorruptCheckpointError, NoCheckpointError
 from tierckpt.storage.lock import process_alive
+from tierckpt.storage.posix import replace_durably
 
 __all__ = ["FORMAT", "aside_name", "read_pointer", "remove_leftovers", "restore_named", "write_pointer"]
 
@@ -37,17 +38,7 @@ def write_pointer(path: str | os.PathLike[str], step: int, tier: str) -> None:
     body = json.dumps({"format": FORMAT, "version": 1, "step": step, "tier": tier}).encode() + b"\n"
     # Not named after the pointer: a temporary file a crash left behind must not look like one
     # (Lightning finds last.ckpt by any name containing "last").
-    tmp = path.with_name(aside_name(_TMP_PREFIX, f"{threading.get_ident()}.tmp"))
-    with open(tmp, "wb") as f:
-        f.write(body)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    replace_durably(path, body, path.with_name(aside_name(_TMP_PREFIX, f"{threading.get_ident()}.tmp")))
     remove_leftovers(path.parent, _TMP_PREFIX)
 
 

@@ -256,6 +256,17 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def replace_durably(path: Path, data: bytes, tmp: Path) -> None:
+    """Make ``path`` hold ``data``, whole or not at all, durably: written to ``tmp`` (beside it) and
+    fsynced, renamed over ``path``, and the directory fsynced."""
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
 def makedirs_durable(path: Path) -> None:
     """``mkdir -p path``, each level it creates made durable in its parent (the parent fsynced).
 
