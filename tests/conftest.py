@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
@@ -24,6 +25,36 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     whole = [Path(here, a).resolve() for a in config.args] in ([], [Path(config.rootpath, "tests").resolve()])
     if whole:
         config.stash[SUITE_COUNTS] = {"all": len(items), "slow": sum(1 for i in items if i.get_closest_marker("slow"))}
+
+
+# tierckpt/__main__.py is run (python -m tierckpt), never imported: test_cli runs it in this process.
+RUN_NOT_IMPORTED = frozenset({"tierckpt.__main__"})
+
+
+def unimported_modules() -> list[str]:
+    """The package's modules that this process has not imported (but :data:`RUN_NOT_IMPORTED`)."""
+    import tierckpt
+
+    root = Path(tierckpt.__file__).parent
+    names = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__") for p in root.rglob("*.py")}
+    return sorted(names - set(sys.modules) - RUN_NOT_IMPORTED)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The quick subset must still exercise every module of the package: a passing run of
+    ``-m "not slow"`` over all of tests/ fails when one of them was never imported by its tests, in
+    this process (what a rank or a child process imports does not count)."""
+    config = session.config
+    quick = SUITE_COUNTS in config.stash and config.getoption("markexpr") == "not slow" and not config.getoption("keyword")
+    if exitstatus != 0 or not quick or config.getoption("collectonly"):
+        return
+    missing = unimported_modules()
+    if missing:
+        config.pluginmanager.get_plugin("terminalreporter").write_line(
+            f"the quick subset (-m \"not slow\") imported none of: {', '.join(missing)}: give each a test that is not marked slow", red=True
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture

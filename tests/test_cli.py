@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import os
+import runpy
 import subprocess
 import sys
 from datetime import datetime
@@ -240,6 +241,14 @@ def test_python_dash_m_tierckpt(tiers: Path) -> None:
     usage = subprocess.run([sys.executable, "-m", "tierckpt"], capture_output=True, text=True, env=env, timeout=120)
     assert usage.returncode == 2 and "usage: python -m tierckpt" in usage.stderr
 
+
+def test_the_module_entry_point_runs_the_command_line_under_its_own_name(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """tierckpt/__main__.py in this process (the quick subset's; the subprocess test above is slow):
+    it runs main() and exits with its status, naming itself ``python -m tierckpt``."""
+    monkeypatch.setattr(sys, "argv", ["tierckpt"])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_module("tierckpt", run_name="__main__")
+    assert done.value.code == 2 and "usage: python -m tierckpt" in capsys.readouterr().err
 
 
 def test_the_version_is_written_once_and_the_console_script_prints_it() -> None:

@@ -23,6 +23,7 @@ from tierckpt.format import MANIFEST_FILE, Manifest, checksum, version_dirname
 from tierckpt.format.manifest import decode_document
 from tierckpt.storage.scratch import scratch_bytes
 from tierckpt.testing.faults import flip_bits
+from tierckpt.testing.ranks import run_script
 from tierckpt.tiers.stored import write as fswrite
 from tierckpt.tiers.stored.encoding import TierEncoding
 from tierckpt.tiers.stored.read import open_source, read_manifest
@@ -463,7 +464,6 @@ def test_an_object_tier_keeps_the_earlier_version_of_a_base_saved_again_for_the_
 
 @pytest.mark.parametrize("point", ["aside", "put"])
 def test_a_sigkill_while_an_object_tier_saves_a_base_again_loses_no_version(s3: Any, point: str) -> None:
-    import subprocess
     import sys
 
     from s3_resave_child import again
@@ -476,7 +476,7 @@ def test_a_sigkill_while_an_object_tier_saves_a_base_again_loses_no_version(s3: 
             states[step] = {"weight": training.step(step)["weight"]}
             assert ckpt.save_sync(step, states[step]).committed_sync("s3", timeout=60)
     child = Path(__file__).with_name("s3_resave_child.py")
-    done = subprocess.run([sys.executable, str(child), json.dumps(config), point], capture_output=True, text=True, timeout=120)
+    done = run_script([sys.executable, str(child), json.dumps(config), point])
     assert done.returncode == -9, f"not killed at {point}: {done.returncode}\n{done.stdout}\n{done.stderr}"
     with Checkpointer(config) as ckpt:  # opens, sweeps what the kill left, and finds every version
         assert [(v.step, v.base) for v in ckpt.versions() if v.tier == "s3"] == [(1, None), (2, 1), (3, 1)]

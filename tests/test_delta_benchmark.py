@@ -4,11 +4,12 @@ encoded in memory equals what the tiers stored (never a size or timing target)."
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tierckpt.testing.ranks import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "delta.py"
@@ -18,7 +19,7 @@ SCRIPT = ROOT / "benchmarks" / "delta.py"
 def test_a_quick_run_prints_its_tables_and_matches_the_tiers(tmp_path: Path) -> None:
     results = sorted((ROOT / "benchmarks" / "results").glob("delta-*"))
     command = [sys.executable, str(SCRIPT), "--quick", "--dir", str(tmp_path)]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = run_script(command, cwd=ROOT)
     assert done.returncode == 0, f"{' '.join(command)} exited {done.returncode}\n{done.stdout}\n{done.stderr}"
     for heading in ("| state | k | versions: whole + delta", "| state | k | saves | N = 10, against the last whole", "| goal (issue) | measured | verdict |"):
         assert heading in done.stdout

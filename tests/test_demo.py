@@ -6,7 +6,6 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -16,6 +15,7 @@ import pytest
 
 from helpers import mount, unmount
 from tierckpt import Config, cli
+from tierckpt.testing.ranks import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "train_demo.py"
@@ -36,7 +36,7 @@ def config(tmp_path: Path) -> Path:
 
 def run_demo(tmp_path: Path, config: Path, *args: str) -> str:
     command = [sys.executable, str(DEMO), "--tiny", "--config", str(config), "--dir", str(tmp_path / "ck"), *args]
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    done = run_script(command, cwd=tmp_path)  # forked from the suite's fork server: torch is imported there
     assert done.returncode == 0, f"{' '.join(command)} exited {done.returncode}\n{done.stdout}\n{done.stderr}"
     return done.stdout
 
@@ -150,7 +150,7 @@ def test_a_full_disk_ends_the_demo_with_what_to_do_and_its_exit_status(small_dis
         os.close(fd)
     ck = small_disk / "ck"
     command = [sys.executable, str(DEMO), "--tiny", "--steps", "40", "--dir", str(ck)]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = run_script(command, cwd=ROOT)
     output = done.stdout + done.stderr
     assert done.returncode == 3, output
     assert "Traceback" not in output, output

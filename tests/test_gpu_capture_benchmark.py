@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tierckpt.testing.ranks import run_script
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_capture.py"
 DCP = ("dcp.async_save+stager", "dcp.async_save")
@@ -22,7 +24,7 @@ DCP = ("dcp.async_save+stager", "dcp.async_save")
 def test_quick_run_reports_every_part(tmp_path: Path) -> None:
     out = tmp_path / "results"
     command = [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--every", "1", "2", "--out", str(out), "--dir", str(tmp_path), "--name", "quick"]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = run_script(command, cwd=ROOT, timeout_s=300)
     assert done.returncode == 0, f"{' '.join(command)} exited {done.returncode}\n{done.stdout}\n{done.stderr}"
 
     report = json.loads((out / "quick.json").read_text())

@@ -8,11 +8,12 @@ every number is there and sane and that the bitwise check passes, never a timing
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tierckpt.testing.ranks import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_restore.py"
@@ -23,7 +24,7 @@ def test_quick_run_reports_every_part(tmp_path: Path) -> None:
     out = tmp_path / "results"
     # --cache fadvise: the version's files leave the page cache, the rest of a shared machine's cache stays.
     command = [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--cache", "fadvise", "--out", str(out), "--dir", str(tmp_path), "--name", "quick"]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = run_script(command, cwd=ROOT, timeout_s=300)
     assert done.returncode == 0, f"{' '.join(command)} exited {done.returncode}\n{done.stdout}\n{done.stderr}"
 
     report = json.loads((out / "quick.json").read_text())

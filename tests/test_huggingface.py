@@ -284,12 +284,12 @@ def test_a_rank_that_dies_during_a_save_is_named_on_the_survivor_and_no_director
     collective fails, and train() ends with the RankFailureError naming rank 1 (distributed.timeout
     after the save). No checkpoint-N names a step that is not committed on both ranks, and the dead
     rank's step is not committed."""
-    config = tier_config(fs_tier("nvme", tmp_path / "nvme", keep={"last": 10}), capacity="32MiB") | {"distributed": {"timeout": "10s"}}
+    config = tier_config(fs_tier("nvme", tmp_path / "nvme", keep={"last": 10}), capacity="32MiB") | {"distributed": {"timeout": "4s"}}
     (tmp_path / "config.json").write_text(json.dumps(config))
     argv = [sys.executable, str(WORKER), str(tmp_path / "run"), str(tmp_path / "config.json"), "0", "none"]
     survivor, dead = launch_ranks(argv, 2, env={"KILL_IN_SAVE": str(at), "KILL_RANKS": "1"}, timeout_s=240)
     assert dead.returncode == -signal.SIGKILL and survivor.returncode == 1, (survivor, dead)
-    said = (re.escape("RankFailureError: rank(s) 1 did not construct their Checkpointer within 10 s") if at == EVERY
+    said = (re.escape("RankFailureError: rank(s) 1 did not construct their Checkpointer within 4 s") if at == EVERY
             else re.escape(f"RankFailureError: tier 'nvme': step {at} was abandoned: rank(s) 1 did not store their part"))
     assert re.search(said, survivor.output), survivor.output[-5000:]
     with Checkpointer(tier_config(fs_tier("nvme", tmp_path / "nvme", keep={"last": 10}))) as ckpt:

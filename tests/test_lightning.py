@@ -410,6 +410,19 @@ def test_ddp_spawn_saves_through_the_plugin_and_hands_the_weights_back(tmp_path:
 # a GPU machine, test_fsdp1_on_cuda_resumes_from_its_shards runs the strategy itself.
 
 
+def test_the_cpu_fsdp_strategy_is_accepted_on_cpu_where_lightning_refuses_its_own() -> None:
+    """What tierckpt.testing.lightning_cpu is for, in this process (the FSDP1 jobs below are slow)."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from tierckpt.testing.lightning_cpu import CpuFSDPStrategy
+
+    quiet = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
+    with pytest.raises(ValueError, match="requires a GPU accelerator"):
+        L.Trainer(accelerator="cpu", strategy=FSDPStrategy(), devices=1, **quiet)
+    trainer = L.Trainer(accelerator="cpu", strategy=CpuFSDPStrategy(), devices=1, **quiet)
+    assert type(trainer.strategy) is CpuFSDPStrategy and trainer.strategy.root_device == torch.device("cpu")
+
+
 def _whole_job(factory: pytest.TempPathFactory, strategy: str) -> Path:
     root = factory.mktemp(f"{strategy}-whole")
     _job(root, strategy, hidden=64)
@@ -513,12 +526,12 @@ def test_a_rank_that_dies_during_a_save_is_named_on_the_survivor_and_no_pointer_
     rank 0's save returned, the Trainer's barrier then fails, and its teardown raises the
     RankFailureError naming rank 1 (distributed.timeout after the save). No pointer names a step that
     is not committed, and the dead rank's step is not committed."""
-    config = tier_config(fs_tier("nvme", tmp_path / "nvme", keep={"last": 10})) | {"distributed": {"timeout": "10s"}}
+    config = tier_config(fs_tier("nvme", tmp_path / "nvme", keep={"last": 10})) | {"distributed": {"timeout": "4s"}}
     (tmp_path / "config.json").write_text(json.dumps(config))
     argv = [sys.executable, str(WORKER), str(tmp_path), str(tmp_path / "config.json"), str(STEPS), "ddp", str(at), "none"]
     survivor, dead = launch_ranks(argv, 2, env={"KILL_RANKS": "1", "KILL_IN_SAVE": "1"}, timeout_s=240)
     assert dead.returncode == -signal.SIGKILL and survivor.returncode == 1, (survivor, dead)
-    said = (re.escape("RankFailureError: rank(s) 1 did not construct their Checkpointer within 10 s") if at == EVERY
+    said = (re.escape("RankFailureError: rank(s) 1 did not construct their Checkpointer within 4 s") if at == EVERY
             else r"RankFailureError: tier 'nvme': step (8|16) was abandoned: rank\(s\) 1 did not store their part")
     assert re.search(said, survivor.output), survivor.output
     with Checkpointer(tier_config(fs_tier("nvme", tmp_path / "nvme", keep={"last": 10}))) as ckpt:

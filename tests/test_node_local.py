@@ -88,7 +88,7 @@ def test_a_replicated_value_is_stored_once_per_node(tmp_path: Path) -> None:
 
 
 def test_a_lost_node_is_restored_by_every_rank_from_pfs_and_training_goes_on(tmp_path: Path) -> None:
-    run("save", tmp_path, dead=(2, 3), STEPS="1,2,3,4,5", KILL_NODE="1", TIMEOUT="10s")
+    run("save", tmp_path, dead=(2, 3), STEPS="1,2,3,4,5", KILL_NODE="1", TIMEOUT="4s")
     shutil.rmtree(tmp_path / "local-1")
     restored = run("restore", tmp_path, RESUME="6")
     for s in restored:
@@ -117,7 +117,7 @@ def test_a_shared_tier_below_takes_each_ranks_part_from_the_node_local_tier(tmp_
 
 
 def test_a_keeper_killed_mid_commit_leaves_no_version_and_later_saves_commit(tmp_path: Path) -> None:
-    saved = run("save", tmp_path, dead=(2,), STEPS="1,2,3", DIE_MID_COMMIT="3", TIMEOUT="8s")
+    saved = run("save", tmp_path, dead=(2,), STEPS="1,2,3", DIE_MID_COMMIT="3", TIMEOUT="4s")
     for rank, s in zip((0, 1, 3), saved):
         assert s["1"] is True and s["2"] is True, s
         assert "error" in s["3"] and 2 in s["3"]["ranks"], s
@@ -159,7 +159,7 @@ def test_a_damaged_part_on_the_serving_node_makes_every_rank_fall_back_together(
 def test_a_step_saved_again_whose_commit_a_keeper_cut_short_keeps_its_committed_save(tmp_path: Path) -> None:
     run("save", tmp_path, STEPS="1,2,3")
     # The job resumes from step 2 and saves step 3 again; node 1's keeper dies in its commit.
-    saved = run("save", tmp_path, dead=(2,), STEPS="3", DIE_MID_COMMIT="3", TIMEOUT="8s")
+    saved = run("save", tmp_path, dead=(2,), STEPS="3", DIE_MID_COMMIT="3", TIMEOUT="4s")
     for s in saved:
         assert "error" in s["3"], s
     # Node 1's keeper died with the new save in place and the committed one moved aside.
@@ -172,7 +172,7 @@ def test_a_step_saved_again_whose_commit_a_keeper_cut_short_keeps_its_committed_
 
 
 def test_rank_0_killed_once_every_node_committed_leaves_the_version_whole_on_both(tmp_path: Path) -> None:
-    saved = run("save", tmp_path, dead=(0,), STEPS="1,2,3", DIE_COMMITTED="3", TIMEOUT="6s")
+    saved = run("save", tmp_path, dead=(0,), STEPS="1,2,3", DIE_COMMITTED="3", TIMEOUT="4s")
     for s in saved:
         assert s["1"] is True and s["2"] is True and "error" in s["3"], s  # no outcome came
     # Node 1's keeper heard nothing after it committed: it kept its copy rather than unmake a version
@@ -203,7 +203,7 @@ def test_with_a_peer_tier_a_lost_node_comes_back_newer_from_its_peers_copies(tmp
         pytest.skip("no /dev/shm: the RAM tiers of this test live there")
     root = Path(tempfile.mkdtemp(prefix="tierckpt-node-", dir="/dev/shm"))
     try:
-        run("save", root, dead=(2, 3), STEPS="1,2,3,4,5", KILL_NODE="1", TIMEOUT="10s", PEER="1")
+        run("save", root, dead=(2, 3), STEPS="1,2,3,4,5", KILL_NODE="1", TIMEOUT="4s", PEER="1")
         shutil.rmtree(root / "local-1")
         shutil.rmtree(root / "ram-1")  # the node is lost: its RAM and its disk
         restored = run("restore", root, RESUME="6", PEER="1")

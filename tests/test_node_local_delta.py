@@ -129,7 +129,7 @@ def test_a_base_saved_again_stays_aside_on_every_node_while_versions_written_aga
 
 
 def test_a_keeper_killed_mid_commit_of_a_differential_version_leaves_the_one_before(tmp_path: Path) -> None:
-    saved = run("save", tmp_path, dead=(2,), STEPS="1,2,3", DIE_MID_COMMIT="3", TIMEOUT="8s", DELTA="3")
+    saved = run("save", tmp_path, dead=(2,), STEPS="1,2,3", DIE_MID_COMMIT="3", TIMEOUT="4s", DELTA="3")
     for s in saved:
         assert s["1"] is True and s["2"] is True and "error" in s["3"], s
     assert steps_on(tmp_path, 0) == [1, 2] and steps_on(tmp_path, 1) == [1, 2, 3]

@@ -5,12 +5,12 @@ replicated value, new jobs restore it both ways; the report's byte counts say wh
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tierckpt.testing.ranks import run_script
 from tierckpt.testing.simrestore import simulate_restore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,7 +21,7 @@ SCRIPT = ROOT / "benchmarks" / "replicated_restore.py"
 def test_a_short_run_reads_the_replicated_value_once_between_the_ranks_against_once_a_rank(tmp_path: Path) -> None:
     out = tmp_path / "results"
     command = [sys.executable, str(SCRIPT), "--ranks", "2", "--mib", "8", "--repeats", "1", "--timeout", "60", "--out", str(out)]
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    done = run_script(command, cwd=tmp_path, timeout_s=600)
     assert done.returncode == 0, f"{' '.join(command)} exited {done.returncode}\n{done.stdout}\n{done.stderr}"
     (row,) = json.loads((out / "replicated_restore.json").read_text())["rows"]
     stored = row["stored_bytes"]

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tierckpt.testing.ranks import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "save_call.py"
@@ -24,7 +25,7 @@ def test_a_short_run_reports_the_call_and_the_launch_bound_step(tmp_path: Path, 
     out = tmp_path / "results"
     command = [sys.executable, str(SCRIPT), "--layers", "10", "--saves", "4", "--warmup", "1", "--ops", "20", "--out", str(out)]
     command += ["--fsdp"] if fsdp else []
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = run_script(command, cwd=ROOT, timeout_s=300)
     assert done.returncode == 0, f"{' '.join(command)} exited {done.returncode}\n{done.stdout}\n{done.stderr}"
     (path,) = out.glob("save_call-*.json")
     report = json.loads(path.read_text())

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tierckpt.testing.ranks import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "scale.py"
@@ -19,7 +20,7 @@ SCRIPT = ROOT / "benchmarks" / "scale.py"
 def test_a_short_run_reports_the_commit_against_the_floor(tmp_path: Path) -> None:
     out = tmp_path / "results"
     command = [sys.executable, str(SCRIPT), "--ranks", "1", "2", "--saves", "3", "--kib", "16", "--timeout", "60", "--out", str(out)]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = run_script(command, cwd=ROOT, timeout_s=600)
     assert done.returncode == 0, f"{' '.join(command)} exited {done.returncode}\n{done.stdout}\n{done.stderr}"
     report = json.loads((out / "scale.json").read_text())
     alone, two = report["rows"]
@@ -38,7 +39,7 @@ def test_the_phases_of_a_commit_come_in_the_protocols_order_on_every_save(tmp_pa
     part is written before the leader has every report in, the version is committed before rank 1 adopts it)."""
     out = tmp_path / "results"
     command = [sys.executable, str(SCRIPT), "--ranks", "1", "2", "--saves", "3", "--kib", "16", "--timeout", "60", "--phases", "--out", str(out)]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = run_script(command, cwd=ROOT, timeout_s=600)
     assert done.returncode == 0, f"{' '.join(command)} exited {done.returncode}\n{done.stdout}\n{done.stderr}"
     alone, two = json.loads((out / "scale.json").read_text())["rows"]
     assert [what for what, _ in alone["phases_by_rank"]["0"][0]] == ["save", "part write starts", "part written", "committed (renamed)", "handle resolved"]

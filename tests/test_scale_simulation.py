@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tierckpt.testing.ranks import run_script
 from tierckpt.testing.simranks import leader_seconds, simulate_saves
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +34,7 @@ def family(key: str) -> str:
 def test_a_real_job_of_4_ranks_makes_the_requests_the_simulation_counts(tmp_path: Path) -> None:
     command = [sys.executable, str(SCRIPT), "--ranks", "4", "--saves", str(SAVES), "--kib", "16", "--timeout", "60",
                "--simulate", "4", "--sim-saves", "3", "--out", str(tmp_path)]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = run_script(command, cwd=ROOT, timeout_s=600)
     assert done.returncode == 0, f"{' '.join(command)} exited {done.returncode}\n{done.stdout}\n{done.stderr}"
     report = json.loads((tmp_path / "scale.json").read_text())
     real = {family(k): v for k, v in report["rows"][0]["requests_per_save"].items()}
@@ -56,7 +56,7 @@ def test_a_real_job_of_4_ranks_on_2_relaying_nodes_makes_the_requests_the_simula
     at that commit: within one request of each rank over the job's saves."""
     command = [sys.executable, str(SCRIPT), "--ranks", "4", "--saves", str(SAVES), "--kib", "16", "--timeout", "60",
                "--simulate", "4", "--sim-saves", "3", "--per-node", "2", "--out", str(tmp_path)]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = run_script(command, cwd=ROOT, timeout_s=600)
     assert done.returncode == 0, f"{' '.join(command)} exited {done.returncode}\n{done.stdout}\n{done.stderr}"
     report = json.loads((tmp_path / "scale.json").read_text())
     row, sim = report["rows"][0], report["simulated"][0]

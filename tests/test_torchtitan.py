@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tierckpt.testing.ranks import failures, launch_ranks
 
@@ -79,3 +80,69 @@ def test_after_a_rollback_the_latest_step_is_the_new_directions(runs: dict[str, 
         assert (a["loaded"], a["start"]) == (True, 6)
         assert a["start_params"] == b["end_params"]
         assert a["losses"].keys() == {"7", "8"}
+
+
+def _one_process(tiers: Path) -> tuple[Any, Any, Any, Any, Any]:
+    """The worker's model, optimizers, LR schedulers, dataloader and train state in this process, with
+    no process group and no FSDP, and a manager saving every 2 steps to ``tiers``."""
+    from torch import nn
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
+    from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+
+    from tierckpt.integrations.torchtitan import TierckptCheckpointManager
+    from titan_worker import TOTAL, Samples, TrainState
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    group = ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})
+    optimizers = OptimizersContainer(OptimizersContainer.Config(param_groups=[group], implementation="for-loop"), model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=TOTAL)
+    dataloader = ParallelAwareDataloader(Samples(0), dp_rank=0, dp_world_size=1, batch_size=4)
+    state = TrainState()
+    manager = TierckptCheckpointManager(
+        TierckptCheckpointManager.Config(enable=True, interval=2, tiers_inline=tier_config(fs_tier("nvme", tiers)), last_save_model_only=False),
+        dataloader=dataloader, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers, states={"train_state": state},
+    )
+    return model, optimizers, schedulers, dataloader, (state, manager)
+
+
+def _train(parts: tuple[Any, Any, Any, Any, Any], steps: range, save_until: int = 0) -> list[float]:
+    """Train ``steps`` as the worker does, the lazy barrier where torchtitan's trainer has it, saving
+    the steps up to ``save_until``; the losses."""
+    from torch import nn
+
+    model, optimizers, schedulers, dataloader, (state, manager) = parts
+    losses, batches = [], iter(dataloader)
+    for step in steps:
+        x, y = next(batches)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        manager.maybe_wait_for_staging()
+        optimizers.step()
+        schedulers.step()
+        optimizers.zero_grad()
+        state.step = step
+        losses.append(loss.item())
+        if step <= save_until:
+            manager.save(step)
+    return losses
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated", "ignore:To get the last learning rate computed by the scheduler")
+def test_one_process_saves_on_its_interval_and_a_new_manager_resumes_the_newest_step_bitwise(tmp_path: Path) -> None:
+    """The manager in one process, without ranks (the quick subset's torchtitan test): it saves every
+    2 steps, and a new manager's load(-1) brings back the model, AdamW's moments, the LR schedule and
+    the data position of step 4: steps 5 and 6 give the uninterrupted run's losses, bitwise."""
+    first = _one_process(tmp_path / "nvme")
+    whole = _train(first, range(1, 7), save_until=4)
+    first[4][1].close()
+    assert sorted(p.name for p in (tmp_path / "nvme").iterdir()) == ["step-000000000002", "step-000000000004"]
+
+    again = _one_process(tmp_path / "nvme")
+    state, manager = again[4]
+    try:
+        assert manager.load(-1) is True and state.step == 4
+        assert _train(again, range(5, 7)) == whole[4:]
+    finally:
+        manager.close()

@@ -61,15 +61,16 @@ class RankExit:
 
 def start_script(
     argv: Sequence[str | os.PathLike[str]], *, env: Mapping[str, str] | None = None, stdout: int | IO[Any] | None = None,
-    stderr: int | IO[Any] | None = None, text: bool = False,
+    stderr: int | IO[Any] | None = None, text: bool = False, cwd: str | os.PathLike[str] | None = None,
 ) -> subprocess.Popen[Any] | Forked:
     """Start one process of ``argv`` as :class:`subprocess.Popen` would (``stdout``: ``PIPE``, a file,
-    or None to share this process's; ``stderr`` likewise, or ``STDOUT``), forked from the fork server
-    :func:`fork_ranks_from` set for its script where there is one (:class:`~tierckpt.testing.forkserver.Forked`
-    then gives ``stdout`` as a file object when it is a pipe, as Popen does)."""
+    or None to share this process's; ``stderr`` likewise, or ``STDOUT``; in ``cwd``, or this process's
+    directory), forked from the fork server :func:`fork_ranks_from` set for its script where there is
+    one (:class:`~tierckpt.testing.forkserver.Forked` then gives ``stdout`` as a file object when it is a
+    pipe, as Popen does)."""
     server = _fork_server(argv)
     if server is None:
-        return subprocess.Popen(list(argv), env=env, stdout=stdout, stderr=stderr, text=text, bufsize=1 if text else -1)
+        return subprocess.Popen(list(argv), env=env, stdout=stdout, stderr=stderr, text=text, bufsize=1 if text else -1, cwd=cwd)
     ours: list[int] = []  # the child's ends of pipes, closed here once it holds them
     reader = None
 
@@ -87,12 +88,33 @@ def start_script(
     out = fd_of(stdout, 1)
     err = out if stderr == subprocess.STDOUT else fd_of(stderr, 2)
     try:
-        forked = server.spawn(argv, dict(os.environ if env is None else env), out, stderr=err)
+        forked = server.spawn(argv, dict(os.environ if env is None else env), out, None if cwd is None else os.fspath(cwd), stderr=err)
     finally:
         for fd in ours:
             os.close(fd)
     forked.stdout = reader
     return forked
+
+
+def run_script(
+    argv: Sequence[str | os.PathLike[str]], *, env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
+    timeout_s: float = 120.0,
+) -> subprocess.CompletedProcess[str]:
+    """Run one process of ``argv`` to its end, as ``subprocess.run(argv, capture_output=True,
+    text=True)`` would, forked as :func:`start_script` forks it. Its stdout and stderr go to files
+    (a full pipe nobody reads would block it) and come back as text. Past ``timeout_s`` it is killed
+    and reaped, and :class:`subprocess.TimeoutExpired` raised."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        process = start_script(argv, env=env, stdout=out, stderr=err, cwd=cwd)
+        try:
+            returncode = process.wait(timeout_s)
+        except BaseException:  # the deadline, or an interrupt: nothing outlives the call
+            process.kill()
+            process.wait()
+            raise
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess([os.fspath(a) for a in argv], returncode, out.read(), err.read())
 
 
 def free_port() -> int:
