@@ -1,0 +1,164 @@
+"""A DeepSpeed ZeRO job on CPU (gloo) for tests/test_deepspeed.py, run by ``launch_ranks`` as torchrun
+starts ranks: ``python deepspeed_worker.py <root> <job.json>``.
+
+``job.json``: ``{"runs": [run, ...]}``, each run one engine after the other in this process (one
+launch covers several stages): ``name``, ``stage`` (1-3), ``bf16``, ``optimizer`` ("client":
+a torch.optim.AdamW; "config": the config's AdamW), ``accumulation`` (micro-batches a step), ``steps``
+(the step to train to), ``save_every`` (0: never), ``tiers`` (the tier config; none: DeepSpeed's own
+checkpoint engine), ``resume`` (load_checkpoint first), ``tag`` (load that tag), ``kill_at`` (SIGKILL
+every rank right after the save of that step returned), ``kill_when_latest`` (first wait until
+``save_dir/latest`` names this tag: a gate on what the background made durable).
+
+Each rank writes ``<root>/<name>-<rank>.json``: the losses by step (``float.hex``), the step it
+resumed from, what ``load_checkpoint`` returned of ``client_state``, the tierckpt warnings logged,
+and digests of every parameter's fp32 master and Adam moments (``safe_get_full_*``) at the end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
+
+# The JIT build of DeepSpeed's shared-memory allreduce takes minutes on 2 cores; gloo does without it.
+importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # type: ignore[attr-defined]
+
+WIDTH = 16
+BATCH = 4
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(8, WIDTH)
+        self.norm = torch.nn.LayerNorm(WIDTH)
+        self.out = torch.nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.norm(self.inp(x))))
+
+
+def ds_config(run: dict[str, Any]) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": run.get("accumulation", 1),
+        "zero_optimization": {"stage": run["stage"], "reduce_bucket_size": 1e6, "allgather_bucket_size": 1e6},
+        "bf16": {"enabled": bool(run.get("bf16"))},
+        "steps_per_print": 10**9,
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4}},
+    }
+    if run.get("optimizer", "client") == "config":
+        # torch_adam: torch's AdamW rather than DeepSpeed's FusedAdam, whose JIT build takes minutes
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01, "torch_adam": True}}
+    return config
+
+
+def batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    x = torch.randn(BATCH, 8, generator=g)
+    return x, x.sum(1, keepdim=True) + 0.1 * x[:, :1] ** 2
+
+
+def digests(engine: Any) -> dict[str, str]:
+    """Every parameter's fp32 master and Adam moments, whole (collective under ZeRO-3), as sha256 digests."""
+    out = {}
+    for name, param in engine.module.named_parameters():
+        for what, value in (("fp32", safe_get_full_fp32_param(param)), ("exp_avg", safe_get_full_optimizer_state(param, "exp_avg")),
+                            ("exp_avg_sq", safe_get_full_optimizer_state(param, "exp_avg_sq"))):
+            out[f"{name}.{what}"] = hashlib.sha256(value.detach().float().contiguous().numpy().tobytes()).hexdigest()
+    return out
+
+
+class Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def wait_for_latest(save_dir: Path, tag: str, deadline_s: float = 120.0) -> None:
+    """The gate before a kill: ``save_dir/latest`` names ``tag`` (its step durable on every rank)."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            if (save_dir / "latest").read_text() == tag:
+                return
+        except OSError:
+            pass
+        time.sleep(0.005)  # polling a file another thread writes: the gate itself
+    raise TimeoutError(f"{save_dir / 'latest'} did not name {tag} within {deadline_s} s")
+
+
+def train(root: Path, run: dict[str, Any]) -> None:
+    from tierckpt.integrations.deepspeed import attach
+
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    model = Net()
+    config = ds_config(run)
+    kwargs: dict[str, Any] = {"model": model, "config": config}
+    if run.get("optimizer", "client") == "client":
+        kwargs["optimizer"] = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    else:
+        kwargs["model_parameters"] = model.parameters()
+    engine, _, _, _ = deepspeed.initialize(**kwargs)
+    save_dir = root / run.get("save_dir", "ckpts")
+    if run.get("tiers") is not None:
+        attach(engine, run["tiers"])
+    warned = Warnings()
+    logging.getLogger("tierckpt").addHandler(warned)
+    result: dict[str, Any] = {"losses": {}, "resumed": None}
+    start = 0
+    if run.get("resume"):
+        path, client = engine.load_checkpoint(str(save_dir), tag=run.get("tag"))
+        if path is not None:
+            start = client["step"] + 1
+            result["resumed"] = client["step"]
+            result["client"] = {"step": client["step"], "rank": client["rank"], "note": client["note"], "t": client["t"].tolist()}
+    dtype = torch.bfloat16 if run.get("bf16") else torch.float32
+    for step in range(start, run["steps"]):
+        for micro in range(run.get("accumulation", 1)):
+            x, y = batch(step, micro, rank)
+            loss = (engine(x.to(dtype)).float() - y).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+        result["losses"][str(step)] = loss.item().hex()
+        if run.get("save_every") and (step + 1) % run["save_every"] == 0:
+            client_state = {"step": step, "rank": rank, "note": f"rank {rank} step {step}", "t": torch.full((2,), float(rank + step))}
+            engine.save_checkpoint(str(save_dir), client_state=client_state)
+            if run.get("kill_at") == step:
+                if run.get("kill_when_latest"):
+                    wait_for_latest(save_dir, run["kill_when_latest"])
+                os.kill(os.getpid(), signal.SIGKILL)
+    result["digests"] = digests(engine)
+    result["warnings"] = warned.messages
+    logging.getLogger("tierckpt").removeHandler(warned)
+    (root / f"{run['name']}-{rank}.json").write_text(json.dumps(result))
+    engine.destroy()  # waits until every save is durable and its pointers written
+
+
+def main(root: Path, job: dict[str, Any]) -> None:
+    os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])  # launch_ranks sets what torchrun does, but this
+    root.mkdir(parents=True, exist_ok=True)
+    for run in job["runs"]:
+        train(root, run)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text()))
+    torch.distributed.destroy_process_group()

@@ -1,0 +1,371 @@
+"""DeepSpeed ZeRO: ``attach(engine, "tiers.yaml")`` after ``deepspeed.initialize`` is all a user adds.
+
+DeepSpeed builds its checkpoint's state dicts itself and hands each file's to a pluggable
+``CheckpointEngine`` (``engine.checkpoint_engine``): ``create(tag)``, ``save(state_dict, path)`` per
+file, then ``commit(tag)``. :class:`TierckptCheckpointEngine` is that engine:
+
+- **Save.** ``engine.save_checkpoint(save_dir)`` runs DeepSpeed's own code, which hands this engine
+  each file's state dict (the live tensors: ZeRO's flat fp32 partitions and Adam moments are views,
+  not copies); when it returns, they are saved as one tierckpt step (``engine.global_steps``), every
+  file under its name, and the call returns without waiting for the host copy. A *decoupled* engine
+  is committed by DeepSpeed in the next ``engine.step()`` at the gradient-accumulation boundary,
+  right before the optimizer's update: there, :meth:`~TierckptCheckpointEngine.commit` waits until
+  the copy is done (the lazy barrier); the forward of modules that hold persistent buffers waits too
+  (:meth:`~tierckpt.Checkpointer.attach`). So the next step's forward and backward run beside the copy.
+- **Every rank holds the model states.** Under ZeRO-1/2 DeepSpeed writes ``mp_rank_00_model_states.pt``
+  on data-parallel rank 0 only, and every rank reads it on load. Here every rank saves it (``attach``
+  sets ``engine.save_non_zero_checkpoint``), the parameters stored once between the ranks
+  (``replicated=``: ZeRO-1/2 keeps them the same on every rank), the rest per rank, so each rank
+  restores its own: ``client_state`` comes back to each rank as that rank gave it.
+- **On disk under save_dir** (:mod:`tierckpt.integrations.deepspeed_tags`): once the step is durable
+  on every rank, ``save_dir/<tag>/`` gets a pointer at each file name DeepSpeed saved, then
+  ``save_dir/latest`` names the tag (DeepSpeed's own ``latest``, written atomically; this engine
+  tells DeepSpeed not to write it). DeepSpeed's ``zero_to_fp32.py`` copy is written as usual and
+  cannot read pointers.
+- **Load.** ``engine.load_checkpoint(save_dir)`` restores the newest step the tiers can restore
+  (falling back, with a warning, past a damaged one), then runs DeepSpeed's own load of its tag,
+  this engine handing back each file's state dict from the restored step. ``tag=`` loads that tag's
+  step or raises naming it. Non-tensor values come back without pickle
+  (:mod:`tierckpt.integrations.deepspeed_values`).
+- **Durable at the end.** ``engine.destroy()`` (and, failing that, the interpreter's exit) waits
+  until every save is durable and its pointers written, then closes the Checkpointer.
+
+Refused with a :class:`~tierckpt.errors.ConfigError` at ``attach``: ZeRO stage 0, optimizer or
+parameter offload (CPU, NVMe), pipeline parallelism, MoE, model (tensor) and sequence parallelism,
+``elastic_checkpoint``, and universal-checkpoint loading.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import os
+import weakref
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+
+from tierckpt.checkpointer import Checkpointer
+from tierckpt.config import Config
+from tierckpt.errors import ConfigError, CorruptCheckpointError, NoCheckpointError, UnsupportedStateError
+from tierckpt.integrations.deepspeed_tags import LATEST, check_tag, every_rank_names, publish, tag_step, written
+from tierckpt.integrations.deepspeed_values import from_plain, to_plain
+from tierckpt.integrations.pointer import restore_named
+from tierckpt.integrations.saves import DurableSaves
+from tierckpt.restore import Restored
+
+__all__ = ["TierckptCheckpointEngine", "attach"]
+
+log = logging.getLogger("tierckpt")
+
+WHO = "tierckpt.integrations.deepspeed"
+NO_PICKLE_HINT = (
+    "tierckpt stores checkpoints without pickle: pass save_checkpoint(client_state=...) values that are numbers, "
+    "strings, lists, tuples, dicts or tensors"
+)
+
+
+def attach(engine: Any, config: Config | dict[str, Any] | str | os.PathLike[str]) -> TierckptCheckpointEngine:
+    """Checkpoint ``engine`` (what ``deepspeed.initialize`` returned) through tierckpt's tiers: its
+    ``save_checkpoint`` and ``load_checkpoint`` keep their signatures and go through the tiers. Call it
+    on every rank, at the same point (it opens the Checkpointer: collective), before the first save or load.
+
+    ``config``: a tier config (a YAML path, a dict or a :class:`~tierckpt.config.Config`).
+
+    Returns the engine set as ``engine.checkpoint_engine``.
+
+    Raises:
+        ConfigError: a bad tier config, or a DeepSpeed setting this integration does not support
+            (names the setting and what to do instead).
+
+    Example::
+
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, config=ds_config)
+        attach(engine, "tiers.yaml")
+        engine.load_checkpoint("ckpts")          # the newest durable tag, if any
+        ...
+        engine.save_checkpoint("ckpts")          # returns at once; durable in the background
+    """
+    coerced = Config.coerce(config)
+    refuse_unsupported(engine)
+    if isinstance(getattr(engine, "checkpoint_engine", None), TierckptCheckpointEngine):
+        raise ConfigError("this DeepSpeed engine is attached to tierckpt already: call attach() once per engine")
+    ours = TierckptCheckpointEngine(engine, coerced)
+    engine.checkpoint_engine = ours
+    # Every rank saves the model states (DeepSpeed: data-parallel rank 0 only), so each restores its own.
+    engine.save_non_zero_checkpoint = True
+    engine.save_checkpoint = ours.wrap_save(engine.save_checkpoint)
+    engine.load_checkpoint = ours.wrap_load(engine.load_checkpoint)
+    ours.checkpointer  # opened now, on every rank at once (collective), not at a first save some rank skips
+    atexit.register(_close_at_exit, weakref.ref(ours))
+    return ours
+
+
+def refuse_unsupported(engine: Any) -> None:
+    """Raise :class:`ConfigError` for a DeepSpeed setup whose checkpoints this integration does not
+    store or restore faithfully, naming the setting and what to do."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    def refused(setting: str, why: str) -> ConfigError:
+        return ConfigError(f"tierckpt.integrations.deepspeed does not support {setting}: {why}")
+
+    if isinstance(engine, PipelineEngine):
+        raise refused("pipeline parallelism (a PipelineModule)", "its layers save files of their own; use DeepSpeed's own checkpoint engine for it")
+    if getattr(engine, "has_moe_layers", False):
+        raise refused("MoE layers", "their expert files are saved per expert-parallel rank; use DeepSpeed's own checkpoint engine for them")
+    stage = engine.zero_optimization_stage()
+    if not stage:
+        raise refused('"zero_optimization": {"stage": 0}', "set zero_optimization.stage to 1, 2 or 3")
+    offload = engine.zero_offload_optimizer()
+    if offload is not None and str(getattr(offload.device, "value", offload.device)) != "none":
+        raise refused(f'"zero_optimization.offload_optimizer.device": "{getattr(offload.device, "value", offload.device)}"',
+                      "its optimizer state lives in host or NVMe swap buffers; remove offload_optimizer")
+    param = engine.zero_offload_param()
+    if param is not None and str(getattr(param.device, "value", param.device)) != "none":
+        raise refused(f'"zero_optimization.offload_param.device": "{getattr(param.device, "value", param.device)}"', "remove offload_param")
+    if engine.zero_elastic_checkpoint():
+        raise refused('"zero_optimization.elastic_checkpoint": true', "every rank would read every rank's files; set it to false")
+    if engine.load_universal_checkpoint():
+        raise refused('"checkpoint.load_universal": true', "tierckpt restores its own steps; set it to false")
+    if getattr(engine, "mp_world_size", 1) > 1:
+        raise refused(f"model (tensor) parallelism ({engine.mp_world_size} model-parallel ranks)", "use data parallelism with ZeRO only")
+    if getattr(engine, "sequence_parallel_size", 1) > 1:
+        raise refused(f"sequence parallelism ({engine.sequence_parallel_size} ranks)", "use data parallelism with ZeRO only")
+
+
+def _close_at_exit(ref: weakref.ref[TierckptCheckpointEngine]) -> None:
+    ours = ref()
+    if ours is not None:
+        ours.cleanup()
+
+
+class TierckptCheckpointEngine(CheckpointEngine):
+    """DeepSpeed's checkpoint engine through tierckpt (see the module docstring); made by :func:`attach`."""
+
+    def __init__(self, engine: Any, config: Config) -> None:
+        super().__init__(config_params=None)
+        self.name = "tierckpt"
+        self._engine = engine
+        self._saves = DurableSaves(config, WHO)
+        self._info: CheckpointCommitInfo | None = None  # the save being made (create() to save_checkpoint's return)
+        self._files: dict[str, Any] = {}  # its files' state dicts, by file name
+        self._commit: CheckpointCommitInfo | None = None  # a stored save whose copy the next update waits for
+        self._loading: dict[str, Any] | None = None  # during load_checkpoint: the restored step's files
+        self._decoded: dict[str, Any] = {}
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        """The Checkpointer every save and load goes through."""
+        return self._saves.checkpointer
+
+    # -- DeepSpeed's CheckpointEngine ----------------------------------------------------------------
+
+    def create(self, info: CheckpointCommitInfo) -> None:
+        check_tag(info.tag)
+        self._info, self._files = info, {}
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        # The tag's directory is made once its step is durable (deepspeed_tags.publish), not now: until
+        # then it would name a checkpoint that is not there.
+        info = self._info
+        if info is not None and os.path.abspath(path) == os.path.abspath(os.path.join(info.save_dir, info.tag)):
+            return
+        os.makedirs(path, exist_ok=exist_ok)
+
+    def save(self, state_dict: Any, path: str) -> None:
+        if self._info is None:
+            raise RuntimeError(f"{WHO}: DeepSpeed saved {path} outside save_checkpoint(); only save_checkpoint goes through tierckpt")
+        self._files[os.path.basename(path)] = state_dict
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        if self._loading is None:
+            raise RuntimeError(f"{WHO}: DeepSpeed loaded {path} outside load_checkpoint(); only load_checkpoint goes through tierckpt")
+        name = os.path.basename(path)
+        if name not in self._decoded:
+            files, kinds = self._loading["files"], self._loading["kinds"]
+            if name not in files:
+                raise NoCheckpointError(f"{path}: the step restored for this tag holds no such file (it holds {', '.join(sorted(files))})")
+            self._decoded[name] = from_plain(files[name], kinds.get(name, []))
+        state = self._decoded[name]
+        if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type != "cpu":
+            return _to(state, torch.device(map_location))
+        return state
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        # DeepSpeed calls it in engine.step(), right before the optimizer's update: the lazy barrier.
+        self._saves.wait_captured()
+        self._commit = None
+        return True
+
+    def is_decoupled(self) -> bool:
+        return True  # committed in the next step, not in save_checkpoint
+
+    def get_commit_info(self) -> CheckpointCommitInfo | None:
+        return self._commit
+
+    def cleanup(self) -> None:
+        """Wait until every save is durable and its pointers written; close the Checkpointer (DeepSpeed
+        calls it from ``engine.destroy()``)."""
+        self._saves.close()
+
+    def preserves_storage_sharing(self) -> bool:
+        return True  # the tensors are stored by their values: no clone before save
+
+    # -- save_checkpoint and load_checkpoint ---------------------------------------------------------
+
+    def wrap_save(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """DeepSpeed's ``save_checkpoint``, then the files it handed over saved as one step."""
+
+        @functools.wraps(original)
+        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            info, files = self._info, self._files
+            self._info, self._files = None, {}
+            if info is not None:
+                self._store(info, files)
+            return result
+
+        return save_checkpoint
+
+    def wrap_load(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """DeepSpeed's ``load_checkpoint``, its files served from the step restored for the tag."""
+
+        @functools.wraps(original)
+        def load_checkpoint(load_dir: Any, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+            save_dir = Path(os.fspath(load_dir))
+            found = self._restore_newest(save_dir) if tag is None else (str(tag), self._restore_tag(save_dir, str(tag)))
+            if found is None:
+                log.warning("tierckpt: DeepSpeed load_checkpoint(%s): no checkpoint to resume from; starting from the initial state", save_dir)
+                return None, None
+            chosen, restored = found
+            if not written(save_dir, chosen):  # durable, but a crash came before its pointers were written
+                self._publish(save_dir, chosen, restored)
+            self._loading, self._decoded = restored.state, {}
+            try:
+                return original(os.fspath(load_dir), chosen, *args, **kwargs)
+            finally:
+                self._loading, self._decoded = None, {}
+
+        return load_checkpoint
+
+    def _store(self, info: CheckpointCommitInfo, files: dict[str, Any]) -> None:
+        engine = self._engine
+        step = int(engine.global_steps)
+        save_dir = Path(os.path.abspath(info.save_dir))
+        plain: dict[str, Any] = {}
+        kinds: dict[str, Any] = {}
+        for name, state_dict in files.items():
+            plain[name], kinds[name] = to_plain(state_dict)
+        meta = {"tag": info.tag, "save_dir": str(save_dir), "save_latest": bool(info.save_latest), "files": sorted(files),
+                "dp_world_size": int(engine.dp_world_size), "zero_stage": int(engine.zero_optimization_stage())}
+        world = self.checkpointer.world_size
+        names = every_rank_names(sorted(files), world)
+
+        def then(tier: str) -> None:  # rank 0, once the step is committed on every rank
+            publish(save_dir, info.tag, step, tier, names, latest=info.save_latest)
+
+        self._saves.guard(engine.module)  # the forward of modules with saved buffers waits for the copy
+        try:
+            saved = self._saves.save(str(save_dir / info.tag), step, {"files": plain, "kinds": kinds}, then,
+                                     metadata={"deepspeed": meta}, replicated=self._replicated(plain), lazy=True)
+        except UnsupportedStateError as exc:
+            raise UnsupportedStateError(f"{exc}. {NO_PICKLE_HINT}", key=exc.key) from exc
+        if saved:
+            # DeepSpeed writes save_dir/latest after a commit with save_latest: tierckpt writes it, once durable.
+            self._commit = CheckpointCommitInfo(tag=info.tag, save_dir=info.save_dir, save_latest=False)
+        else:
+            log.warning("tierckpt: DeepSpeed checkpoint %s (step %d) was skipped: the host memory was full (host.on_full)", info.tag, step)
+
+    def _replicated(self, files: dict[str, Any]) -> list[tuple[str, ...]]:
+        """The key paths of values the same on every rank: under ZeRO-1/2 the parameters in the model
+        states (all-gathered after every update); not the buffers, which DeepSpeed does not keep alike."""
+        if self._engine.zero_optimization_stage() >= 3 or self.checkpointer.world_size <= 1:
+            return []
+        params = {name for name, _ in self._engine.module.named_parameters()}
+        paths: list[tuple[str, ...]] = []
+        for name, state_dict in files.items():
+            module = state_dict.get("module") if name.endswith("model_states.pt") and isinstance(state_dict, dict) else None
+            if isinstance(module, dict):
+                paths.extend(("files", name, "module", key) for key, value in module.items() if key in params and isinstance(value, torch.Tensor))
+        return paths
+
+    def _restore_tag(self, save_dir: Path, tag: str) -> Restored:
+        """The step of ``tag`` (saved by this process and not durable yet, or named by its pointers).
+
+        Raises:
+            NoCheckpointError, CorruptCheckpointError: no such tag, or its step cannot be restored; names the tag.
+        """
+        check_tag(tag)
+        step = self._saves.pending_step(str(save_dir / tag))
+        if step is None:
+            try:
+                step = tag_step(save_dir, tag)
+            except NoCheckpointError as exc:
+                held = _tags(save_dir)
+                raise NoCheckpointError(f"{exc}; {save_dir} holds tag(s) {', '.join(held)}" if held else f"{exc}; {save_dir} holds no tag") from None
+        return restore_named(self.checkpointer, save_dir / tag, step, instead="pass load_checkpoint(tag=) another tag")
+
+    def _restore_newest(self, save_dir: Path) -> tuple[str, Restored] | None:
+        """The newest step the tiers can restore, saved with ``save_latest``, and its tag; None when there is none."""
+        ckpt = self.checkpointer
+        restored = ckpt.restore_latest_sync()
+        if restored is None:
+            return None
+        if not _meta(restored).get("save_latest", True):  # saved with save_latest=False: not what latest names
+            older = sorted({(v.serial, v.step) for v in ckpt.versions() if v.valid and not v.abandoned and v.step != restored.step}, reverse=True)
+            for _, step in older:
+                try:
+                    candidate = ckpt.restore_sync(step)
+                except (CorruptCheckpointError, NoCheckpointError) as exc:
+                    log.warning("tierckpt: DeepSpeed: step %d cannot be restored (%s); trying the one before", step, exc)
+                    continue
+                if _meta(candidate).get("save_latest", True):
+                    restored = candidate
+                    break
+            else:
+                return None
+        tag = _meta(restored).get("tag")
+        if not isinstance(tag, str):
+            raise CorruptCheckpointError(f"step {restored.step} on tier {restored.tier!r} was not saved by tierckpt.integrations.deepspeed (its metadata names no tag)", step=restored.step)
+        named = _latest(save_dir)
+        if named is not None and named != tag:
+            log.warning("tierckpt: DeepSpeed: %s names tag %r, but the newest tag the tiers can restore is %r (step %d): loading %r",
+                        save_dir / LATEST, named, tag, restored.step, tag)
+        return tag, restored
+
+    def _publish(self, save_dir: Path, tag: str, restored: Restored) -> None:
+        """Write ``tag``'s pointers (and ``latest``, for a save that asked for it) from a restored step,
+        on every rank at once: its own glob must find them, and each file is written atomically."""
+        meta = _meta(restored)
+        names = every_rank_names(meta.get("files", sorted(restored.state["files"])), int(meta.get("dp_world_size", 1)))
+        publish(save_dir, tag, restored.step, restored.tier, names, latest=bool(meta.get("save_latest", True)))
+
+
+def _meta(restored: Restored) -> dict[str, Any]:
+    meta = restored.metadata.get("deepspeed")
+    return meta if isinstance(meta, dict) else {}
+
+
+def _latest(save_dir: Path) -> str | None:
+    try:
+        return (save_dir / LATEST).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _tags(save_dir: Path) -> list[str]:
+    """The tag directories under ``save_dir`` that hold pointers, for an error message."""
+    return sorted(p.name for p in save_dir.iterdir() if written(save_dir, p.name)) if save_dir.is_dir() else []
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return type(value)((k, _to(v, device)) for k, v in value.items())
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_to(v, device) for v in value)
+    return value
