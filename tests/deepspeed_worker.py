@@ -124,6 +124,15 @@ def train(root: Path, run: dict[str, Any]) -> None:
     logging.getLogger("tierckpt").addHandler(warned)
     result: dict[str, Any] = {"losses": {}, "resumed": None}
     start = 0
+    if run.get("expect_error"):  # a load that must fail: what it raised, on this rank
+        try:
+            engine.load_checkpoint(str(save_dir), tag=run.get("tag"))
+            result["error"] = None
+        except Exception as exc:
+            result["error"] = f"{type(exc).__name__}: {exc}"
+        (root / f"{run['name']}-{rank}.json").write_text(json.dumps(result))
+        engine.destroy()
+        return
     if run.get("resume"):
         path, client = engine.load_checkpoint(str(save_dir), tag=run.get("tag"))
         if path is not None:
@@ -152,11 +161,54 @@ def train(root: Path, run: dict[str, Any]) -> None:
     engine.destroy()  # waits until every save is durable and its pointers written
 
 
+def refused(root: Path, run: dict[str, Any]) -> None:
+    """Each DeepSpeed setup of ``run["refusals"]`` built for real, and what ``attach`` raised for it."""
+    from tierckpt.errors import ConfigError
+    from tierckpt.integrations.deepspeed import attach
+
+    def engine(model: torch.nn.Module, stage: int, params: Any = None, **zero: Any) -> Any:
+        config = {"train_micro_batch_size_per_gpu": BATCH, "zero_optimization": {"stage": stage, **zero},
+                  "zero_force_ds_cpu_optimizer": False}  # offload with a client torch optimizer: no JIT build of DeepSpeed's CPU Adam
+        optimizer = torch.optim.AdamW(model.parameters() if params is None else params, lr=0.01)
+        return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
+
+    def pipeline() -> Any:
+        from deepspeed.pipe import PipelineModule
+
+        return engine(PipelineModule(layers=[torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)], num_stages=1, loss_fn=torch.nn.MSELoss()), 1)
+
+    def moe() -> Any:
+        from deepspeed.moe.layer import MoE
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        model = torch.nn.Sequential(MoE(hidden_size=8, expert=torch.nn.Linear(8, 8), num_experts=1, ep_size=1, k=1))
+        return engine(model, 1, split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "all"}))
+
+    cases = {
+        "stage0": lambda: engine(Net(), 0),
+        "offload_optimizer": lambda: engine(Net(), 2, offload_optimizer={"device": "cpu"}),
+        "offload_param": lambda: engine(Net(), 3, offload_param={"device": "cpu"}),
+        "elastic_checkpoint": lambda: engine(Net(), 2, elastic_checkpoint=True),
+        "pipeline": pipeline,
+        "moe": moe,
+    }
+    said: dict[str, str] = {}
+    for case in run["refusals"]:
+        built = cases[case]()
+        try:
+            attach(built, run["tiers"])
+            said[case] = "attached"
+        except ConfigError as exc:
+            said[case] = str(exc)
+        built.destroy()
+    (root / f"{run['name']}-{os.environ['RANK']}.json").write_text(json.dumps(said))
+
+
 def main(root: Path, job: dict[str, Any]) -> None:
     os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])  # launch_ranks sets what torchrun does, but this
     root.mkdir(parents=True, exist_ok=True)
     for run in job["runs"]:
-        train(root, run)
+        (refused if "refusals" in run else train)(root, run)
 
 
 if __name__ == "__main__":

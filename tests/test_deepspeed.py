@@ -1,0 +1,266 @@
+"""DeepSpeed ZeRO through tierckpt.integrations.deepspeed: real DeepSpeed engines on CPU, 2 ranks on
+gloo (tests/deepspeed_worker.py), saved every step, SIGKILLed on every rank, resumed; compared with
+uninterrupted runs of DeepSpeed's own checkpoint engine, bitwise (losses as float.hex, every
+parameter's fp32 master and Adam moments)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+
+from tierckpt.errors import CorruptCheckpointError, NoCheckpointError  # noqa: E402
+from tierckpt.integrations.deepspeed_tags import check_tag, every_rank_names, publish, tag_step, written  # noqa: E402
+from tierckpt.integrations.deepspeed_values import from_plain, to_plain  # noqa: E402
+from tierckpt.state import flatten, unflatten  # noqa: E402
+from tierckpt.testing.ranks import failures, launch_ranks  # noqa: E402
+
+from helpers import fs_tier, tier_config  # noqa: E402
+
+WORKER = Path(__file__).with_name("deepspeed_worker.py")
+STEPS = 8
+
+# The three setups: ZeRO-2 fp32 with a client torch.optim.AdamW; ZeRO-3 bf16 with the config's
+# optimizer and 2 micro-batches a step; ZeRO-1 fp32 with the config's optimizer.
+ZERO2 = {"stage": 2}
+ZERO3 = {"stage": 3, "bf16": True, "optimizer": "config", "accumulation": 2}
+ZERO1 = {"stage": 1, "optimizer": "config"}
+
+
+def _tiers(root: Path, name: str, **nvme: Any) -> dict[str, Any]:
+    return tier_config(fs_tier("nvme", root / f"nvme-{name}", keep={"last": 10}, **nvme), capacity="4MiB")
+
+
+def _launch(root: Path, runs: list[dict[str, Any]], world: int = 2, killed: bool = False) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    job = root / f"job-{runs[0]['name']}.json"
+    job.write_text(json.dumps({"runs": runs}))
+    exits = launch_ranks([sys.executable, str(WORKER), str(root), str(job)], world, timeout_s=240,
+                         env={"AWS_EC2_METADATA_DISABLED": "true"})
+    failed = failures(exits, expect_dead=tuple(range(world)) if killed else ())
+    assert not failed, failed
+
+
+def _result(root: Path, name: str, rank: int) -> dict[str, Any]:
+    return json.loads((root / f"{name}-{rank}.json").read_text())
+
+
+def _tags(save_dir: Path) -> set[str]:
+    return {p.name for p in save_dir.iterdir() if p.is_dir()}
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every launch the slow tests look at, in four launches of 2 ranks:
+
+    1. uninterrupted runs of DeepSpeed's own engine (ZeRO-2, ZeRO-3, ZeRO-1), and a ZeRO-1 run
+       through tierckpt saved every step to step 6 (``saved1``);
+    2. ZeRO-2 saved every step, its file tier taking every 2nd step, SIGKILLed right after the save
+       of global_step5 returned, once global_step4 was durable (``latest`` named it);
+    3. ZeRO-3 saved every step, SIGKILLed right after the save of global_step4, once it was durable;
+    4. resumes of both from ``load_checkpoint(save_dir)``, of ``saved1`` from its latest tag and
+       from tag global_step3, a tag that is not there, and a copy of ``saved1`` whose newest step's
+       data file is damaged.
+    """
+    root = tmp_path_factory.mktemp("deepspeed")
+    _launch(root, [
+        {"name": "ref2", **ZERO2, "steps": STEPS},
+        {"name": "ref3", **ZERO3, "steps": STEPS},
+        {"name": "ref1", **ZERO1, "steps": STEPS},
+        {"name": "saved1", **ZERO1, "steps": 6, "save_every": 1, "save_dir": "ckpts1", "tiers": _tiers(root, "1")},
+    ])
+    _launch(root, [{"name": "kill2", **ZERO2, "steps": STEPS, "save_every": 1, "save_dir": "ckpts2", "tiers": _tiers(root, "2", flush={"every_steps": 2}),
+                    "kill_at": 4, "kill_when_latest": "global_step4"}], killed=True)
+    _launch(root, [{"name": "kill3", **ZERO3, "steps": STEPS, "save_every": 1, "save_dir": "ckpts3", "tiers": _tiers(root, "3"),
+                    "kill_at": 3, "kill_when_latest": "global_step4"}], killed=True)
+    (root / "killed.json").write_text(json.dumps({n: {"latest": (root / n / "latest").read_text(), "tags": sorted(_tags(root / n))}
+                                                  for n in ("ckpts2", "ckpts3")}))
+    damaged = root / "damaged"
+    shutil.copytree(root / "ckpts1", damaged / "ckpts1")
+    shutil.copytree(root / "nvme-1", damaged / "nvme-1")
+    data = damaged / "nvme-1" / "step-000000000006" / "data-r00001.bin"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    _launch(root, [
+        {"name": "resume2", **ZERO2, "steps": STEPS, "resume": True, "save_dir": "ckpts2", "tiers": _tiers(root, "2", flush={"every_steps": 2})},
+        {"name": "resume3", **ZERO3, "steps": STEPS, "resume": True, "save_dir": "ckpts3", "tiers": _tiers(root, "3")},
+        {"name": "resume1", **ZERO1, "steps": STEPS, "resume": True, "save_dir": "ckpts1", "tiers": _tiers(root, "1")},
+        {"name": "tag1", **ZERO1, "steps": STEPS, "resume": True, "tag": "global_step3", "save_dir": "ckpts1", "tiers": _tiers(root, "1")},
+        {"name": "missing1", **ZERO1, "steps": STEPS, "expect_error": True, "tag": "global_step99", "save_dir": "ckpts1", "tiers": _tiers(root, "1")},
+        {"name": "damaged1", **ZERO1, "steps": STEPS, "resume": True, "save_dir": "damaged/ckpts1", "tiers": _tiers(damaged, "1")},
+    ])
+    return root
+
+
+def _assert_resumed_bitwise(root: Path, name: str, reference: str, resumed_at: int) -> None:
+    """Each rank resumed after step index ``resumed_at`` (tag global_step{resumed_at + 1}), with its own
+    client_state, and trained on bitwise as the uninterrupted run: the losses of every step after,
+    and every parameter's fp32 master and Adam moments at the end."""
+    for rank in (0, 1):
+        got, want = _result(root, name, rank), _result(root, reference, rank)
+        assert got["resumed"] == resumed_at, got["resumed"]
+        assert got["client"] == {"step": resumed_at, "rank": rank, "note": f"rank {rank} step {resumed_at}", "t": [float(rank + resumed_at)] * 2}
+        assert got["losses"] == {str(s): want["losses"][str(s)] for s in range(resumed_at + 1, STEPS)}
+        assert got["digests"] == want["digests"]
+
+
+@pytest.mark.slow
+def test_zero2_killed_right_after_a_save_resumes_the_durable_tag_before_it_bitwise(jobs: Path) -> None:
+    """The kill came right after save_checkpoint of global_step5 returned; its file tier takes every
+    2nd step, so global_step4 was the newest durable: latest names it, no directory names a step
+    that was not durable, and load_checkpoint(save_dir) resumes it."""
+    killed = json.loads((jobs / "killed.json").read_text())["ckpts2"]
+    assert killed["latest"] == "global_step4"
+    assert killed["tags"] == ["global_step2", "global_step4"], killed
+    assert sorted(p.name for p in (jobs / "ckpts2" / "global_step4").iterdir()) == [
+        "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    _assert_resumed_bitwise(jobs, "resume2", "ref2", resumed_at=3)
+
+
+@pytest.mark.slow
+def test_zero3_bf16_with_accumulation_killed_after_a_durable_save_resumes_it_bitwise(jobs: Path) -> None:
+    killed = json.loads((jobs / "killed.json").read_text())["ckpts3"]
+    assert killed["latest"] == "global_step4"
+    assert {"global_step1", "global_step4"} <= set(killed["tags"]) <= {f"global_step{s}" for s in range(1, 5)}, killed
+    assert sorted(p.name for p in (jobs / "ckpts3" / "global_step4").iterdir()) == [
+        "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"]
+    _assert_resumed_bitwise(jobs, "resume3", "ref3", resumed_at=3)
+
+
+@pytest.mark.slow
+def test_zero1_resumes_its_latest_tag_or_a_named_one_and_a_missing_tag_is_named(jobs: Path) -> None:
+    assert (jobs / "ckpts1" / "latest").read_text() == "global_step6"  # destroy() waited for the last save
+    pointer = json.loads((jobs / "ckpts1" / "global_step6" / "mp_rank_00_model_states.pt").read_text())
+    assert pointer == {"format": "tierckpt-pointer", "version": 1, "step": 6, "tier": "nvme"}
+    _assert_resumed_bitwise(jobs, "resume1", "ref1", resumed_at=5)
+    _assert_resumed_bitwise(jobs, "tag1", "ref1", resumed_at=2)
+    for rank in (0, 1):
+        error = _result(jobs, "missing1", rank)["error"]
+        assert error.startswith("NoCheckpointError: ") and "no checkpoint of tag 'global_step99' here" in error, error
+        assert "holds tag(s) global_step1, global_step2, global_step3, global_step4, global_step5, global_step6" in error, error
+
+
+@pytest.mark.slow
+def test_a_damaged_data_file_falls_back_to_the_tag_before_with_a_warning(jobs: Path) -> None:
+    """Rank 1's data file of global_step6 has a flipped byte: both ranks pass over the step (tierckpt
+    warns, naming the file), load global_step5, warn that latest names another tag, and train on bitwise."""
+    _assert_resumed_bitwise(jobs, "damaged1", "ref1", resumed_at=4)
+    for rank in (0, 1):
+        said = _result(jobs, "damaged1", rank)["warnings"]
+        assert any("data-r00001.bin" in m for m in said), said
+        assert any("names tag 'global_step6', but the newest tag the tiers can restore is 'global_step5'" in m for m in said), said
+
+
+@pytest.mark.slow
+def test_setups_it_cannot_checkpoint_faithfully_are_refused_naming_the_setting(tmp_path: Path) -> None:
+    cases = ["stage0", "offload_optimizer", "offload_param", "elastic_checkpoint", "pipeline", "moe"]
+    _launch(tmp_path, [{"name": "refusals", "refusals": cases, "tiers": _tiers(tmp_path, "r")}], world=1)
+    said = _result(tmp_path, "refusals", 0)
+    wanted = {
+        "stage0": '"zero_optimization": {"stage": 0}: set zero_optimization.stage to 1, 2 or 3',
+        "offload_optimizer": '"zero_optimization.offload_optimizer.device": "cpu"',
+        "offload_param": '"zero_optimization.offload_param.device": "cpu"',
+        "elastic_checkpoint": '"zero_optimization.elastic_checkpoint": true',
+        "pipeline": "pipeline parallelism",
+        "moe": "MoE layers",
+    }
+    for case, words in wanted.items():
+        assert said[case].startswith("tierckpt.integrations.deepspeed does not support ") and words in said[case], (case, said[case])
+    assert not (tmp_path / "nvme-r").exists()  # refused before any Checkpointer was opened
+
+
+# -- without DeepSpeed engines: its values stored without pickle, and save_dir's files ---------------
+
+
+def _deepspeed_values() -> dict[str, Any]:
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return {
+        "param_shapes": [OrderedDict([("w", torch.Size([16, 8])), ("b", torch.Size([16]))])],
+        "optimizer_state_dict": {
+            "loss_scaler": LossScaler(4.0), "dynamic": DynamicLossScaler(init_scale=2.0**8, scale_window=10, min_scale=1, delayed_shift=2, consecutive_hysteresis=False, dtype=torch.bfloat16),
+            "zero_stage": ZeroStageEnum.gradients, "partition": torch.arange(4.0),
+            "param_slice_mappings": [OrderedDict([("w", fragment_address(numel=46, start=0)), ("b", fragment_address(numel=16, start=46))])],
+        },
+        "pair": (torch.Size([2]), 3),
+        "client": {"kind": "Size", "v": [1, 2]},  # a user's value shaped like one of the kinds: stays as it is
+    }
+
+
+def test_deepspeed_values_round_trip_through_a_stored_skeleton_without_pickle() -> None:
+    state = _deepspeed_values()
+    plain, kinds = to_plain(state)
+    skeleton, leaves = flatten({"state": plain, "kinds": kinds})  # raises for anything tierckpt cannot store
+    back = unflatten(skeleton, [leaf.value for leaf in leaves])
+    rebuilt = from_plain(back["state"], back["kinds"])
+    assert rebuilt["param_shapes"] == state["param_shapes"] and type(rebuilt["param_shapes"][0]["w"]) is torch.Size
+    sd = rebuilt["optimizer_state_dict"]
+    assert sd["param_slice_mappings"] == state["optimizer_state_dict"]["param_slice_mappings"]
+    assert type(sd["loss_scaler"]).__name__ == "LossScaler" and vars(sd["loss_scaler"]) == vars(state["optimizer_state_dict"]["loss_scaler"])
+    assert vars(sd["dynamic"]) == vars(state["optimizer_state_dict"]["dynamic"]) and sd["dynamic"].dtype is torch.bfloat16
+    assert sd["zero_stage"] is state["optimizer_state_dict"]["zero_stage"]
+    assert torch.equal(sd["partition"], state["optimizer_state_dict"]["partition"])
+    assert rebuilt["pair"] == (torch.Size([2]), 3) and type(rebuilt["pair"][0]) is torch.Size
+    assert rebuilt["client"] == {"kind": "Size", "v": [1, 2]}
+    assert plain["optimizer_state_dict"]["partition"] is state["optimizer_state_dict"]["partition"]  # the live tensor, not a copy
+
+
+@pytest.mark.parametrize("kinds", [
+    [[["x"], "builtins.eval"]],                        # a kind not on the list
+    [[["x"], "LossScaler"]],                           # its fields not a dict
+    [[["missing"], "Size"]],                           # a path that is not in the state
+    [[["x"], "ZeroStageEnum"]],
+    "not a list",
+], ids=["unknown-kind", "scaler-not-fields", "no-such-path", "stage-not-int", "not-a-list"])
+def test_stored_kinds_that_do_not_fit_are_corrupt_never_constructed(kinds: Any) -> None:
+    with pytest.raises(CorruptCheckpointError):
+        from_plain({"x": "print('ran')"}, kinds)
+
+
+def test_a_scaler_field_that_is_not_a_plain_value_is_corrupt() -> None:
+    with pytest.raises(CorruptCheckpointError, match="field 'cur_scale' is not a plain value"):
+        from_plain({"s": {"cur_scale": [1.0]}}, [[["s"], "LossScaler"]])
+
+
+def test_every_ranks_file_names_come_from_rank_0s() -> None:
+    assert every_rank_names(["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"], 3) == [
+        "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_2_mp_rank_00_optim_states.pt"]
+    assert every_rank_names(["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"], 2) == [
+        "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"]
+
+
+def test_a_published_tag_names_its_step_and_latest_names_the_tag(tmp_path: Path) -> None:
+    names = ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    assert not written(tmp_path, "global_step4")
+    publish(tmp_path, "global_step4", 4, "nvme", names, latest=True)
+    publish(tmp_path, "best", 4, "nvme", names, latest=False)
+    assert written(tmp_path, "global_step4") and tag_step(tmp_path, "global_step4") == 4
+    assert (tmp_path / "latest").read_text() == "global_step4"  # the save without save_latest left it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "global_step4", "latest"]  # no temporary file left
+    publish(tmp_path, "global_step4", 5, "nvme", names, latest=True)  # the same tag saved again
+    assert tag_step(tmp_path, "global_step4") == 5
+    with pytest.raises(NoCheckpointError, match="no checkpoint of tag 'nope' here"):
+        tag_step(tmp_path, "nope")
+    torch.save({"module": {}}, tmp_path / "best" / "mp_rank_00_model_states.pt")  # DeepSpeed's own engine's file
+    with pytest.raises(CorruptCheckpointError, match="without tierckpt.integrations.deepspeed.attach"):
+        tag_step(tmp_path, "best")
+
+
+@pytest.mark.parametrize("tag", ["", ".", "..", "a/b", ".hidden"])
+def test_a_tag_that_is_not_one_directory_name_is_refused(tag: str) -> None:
+    with pytest.raises(ValueError, match="one directory name"):
+        check_tag(tag)
