@@ -7,7 +7,9 @@ a torch.optim.AdamW; "config": the config's AdamW), ``accumulation`` (micro-batc
 (the step to train to), ``save_every`` (0: never), ``tiers`` (the tier config; none: DeepSpeed's own
 checkpoint engine), ``resume`` (load_checkpoint first), ``tag`` (load that tag), ``kill_at`` (SIGKILL
 every rank right after the save of that step returned), ``kill_when_latest`` (first wait until
-``save_dir/latest`` names this tag: a gate on what the background made durable).
+``save_dir/latest`` names this tag: a gate on what the background made durable), ``hold_at`` (hold
+the copy threads through the save of that step; a watcher notes what ran until the training thread
+parked in the lazy barrier, then lets the copy go: ZeRO-1/2).
 
 Each rank writes ``<root>/<name>-<rank>.json``: the losses by step (``float.hex``), the step it
 resumed from, what ``load_checkpoint`` returned of ``client_state``, the tierckpt warnings logged,
@@ -23,6 +25,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -104,6 +107,36 @@ def wait_for_latest(save_dir: Path, tag: str, deadline_s: float = 120.0) -> None
     raise TimeoutError(f"{save_dir / 'latest'} did not name {tag} within {deadline_s} s")
 
 
+def fp32_partitions(engine: Any) -> list[str]:
+    """This rank's flat fp32 partitions (ZeRO-1/2), as hex digests: what the optimizer's update overwrites."""
+    return [hashlib.sha256(p.detach().numpy().tobytes()).hexdigest() for p in engine.optimizer.single_partition_of_fp32_groups]
+
+
+def held_save(engine: Any, save_dir: Path, client_state: dict[str, Any], forwards: list[int], result: dict[str, Any]) -> threading.Thread:
+    """``save_checkpoint`` with the copy threads held; a watcher thread waits until the training thread
+    parks in the lazy barrier, notes how many forwards ran by then and whether the fp32 partitions are
+    still those saved, and releases the copy."""
+    from helpers import in_barrier, until
+    from tierckpt.testing.copies import HeldCopies
+
+    ckpt = engine.checkpoint_engine.checkpointer
+    at_save, forwards_at_save, main = fp32_partitions(engine), forwards[0], threading.current_thread()
+    held = HeldCopies(ckpt, deadline_s=60)
+    engine.save_checkpoint(str(save_dir), client_state=client_state)
+    seen = result.setdefault("held", {})
+    seen["returned_before_the_copy"] = ckpt.wait_captured(timeout=0) is False
+
+    def watch() -> None:
+        seen["parked"] = until(lambda: in_barrier(main), 60)
+        seen["forwards_by_then"] = forwards[0] - forwards_at_save
+        seen["unchanged_by_then"] = fp32_partitions(engine) == at_save
+        held.release()
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    return watcher
+
+
 def train(root: Path, run: dict[str, Any]) -> None:
     from tierckpt.integrations.deepspeed import attach
 
@@ -140,6 +173,9 @@ def train(root: Path, run: dict[str, Any]) -> None:
             result["resumed"] = client["step"]
             result["client"] = {"step": client["step"], "rank": client["rank"], "note": client["note"], "t": client["t"].tolist()}
     dtype = torch.bfloat16 if run.get("bf16") else torch.float32
+    forwards = [0]
+    engine.module.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    watcher: threading.Thread | None = None
     for step in range(start, run["steps"]):
         for micro in range(run.get("accumulation", 1)):
             x, y = batch(step, micro, rank)
@@ -149,11 +185,16 @@ def train(root: Path, run: dict[str, Any]) -> None:
         result["losses"][str(step)] = loss.item().hex()
         if run.get("save_every") and (step + 1) % run["save_every"] == 0:
             client_state = {"step": step, "rank": rank, "note": f"rank {rank} step {step}", "t": torch.full((2,), float(rank + step))}
-            engine.save_checkpoint(str(save_dir), client_state=client_state)
+            if run.get("hold_at") == step:
+                watcher = held_save(engine, save_dir, client_state, forwards, result)
+            else:
+                engine.save_checkpoint(str(save_dir), client_state=client_state)
             if run.get("kill_at") == step:
                 if run.get("kill_when_latest"):
                     wait_for_latest(save_dir, run["kill_when_latest"])
                 os.kill(os.getpid(), signal.SIGKILL)
+    if watcher is not None:
+        watcher.join(60)
     result["digests"] = digests(engine)
     result["warnings"] = warned.messages
     logging.getLogger("tierckpt").removeHandler(warned)

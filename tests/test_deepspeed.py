@@ -61,8 +61,9 @@ def _tags(save_dir: Path) -> set[str]:
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every launch the slow tests look at, in four launches of 2 ranks:
 
-    1. uninterrupted runs of DeepSpeed's own engine (ZeRO-2, ZeRO-3, ZeRO-1), and a ZeRO-1 run
-       through tierckpt saved every step to step 6 (``saved1``);
+    1. uninterrupted runs of DeepSpeed's own engine (ZeRO-2, ZeRO-3, ZeRO-1), a ZeRO-2 run whose
+       copy of global_step2 is held (``held2``), and a ZeRO-1 run through tierckpt saved every step
+       to step 6 (``saved1``);
     2. ZeRO-2 saved every step, its file tier taking every 2nd step, SIGKILLed right after the save
        of global_step5 returned, once global_step4 was durable (``latest`` named it);
     3. ZeRO-3 saved every step, SIGKILLed right after the save of global_step4, once it was durable;
@@ -75,6 +76,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {"name": "ref2", **ZERO2, "steps": STEPS},
         {"name": "ref3", **ZERO3, "steps": STEPS},
         {"name": "ref1", **ZERO1, "steps": STEPS},
+        {"name": "held2", **ZERO2, "steps": 4, "save_every": 1, "hold_at": 1, "save_dir": "held2", "tiers": _tiers(root, "held2")},
         {"name": "saved1", **ZERO1, "steps": 6, "save_every": 1, "save_dir": "ckpts1", "tiers": _tiers(root, "1")},
     ])
     _launch(root, [{"name": "kill2", **ZERO2, "steps": STEPS, "save_every": 1, "save_dir": "ckpts2", "tiers": _tiers(root, "2", flush={"every_steps": 2}),
@@ -111,6 +113,20 @@ def _assert_resumed_bitwise(root: Path, name: str, reference: str, resumed_at: i
         assert got["client"] == {"step": resumed_at, "rank": rank, "note": f"rank {rank} step {resumed_at}", "t": [float(rank + resumed_at)] * 2}
         assert got["losses"] == {str(s): want["losses"][str(s)] for s in range(resumed_at + 1, STEPS)}
         assert got["digests"] == want["digests"]
+
+
+@pytest.mark.slow
+def test_a_save_returns_before_its_copy_and_only_the_optimizer_update_waits(jobs: Path) -> None:
+    """global_step2's copy held on each rank: save_checkpoint returned, the next step's forward and
+    backward ran, and engine.step() parked in the lazy barrier before the update (the fp32 partitions
+    still those saved) until the copy was let go. The run's losses and final state are those of
+    DeepSpeed's own engine."""
+    for rank in (0, 1):
+        got, want = _result(jobs, "held2", rank), _result(jobs, "ref2", rank)
+        held = got["held"]
+        assert held["returned_before_the_copy"] and held["parked"], held
+        assert held["forwards_by_then"] == 1 and held["unchanged_by_then"], held
+        assert got["losses"] == {str(s): want["losses"][str(s)] for s in range(4)}
 
 
 @pytest.mark.slow
