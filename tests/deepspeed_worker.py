@@ -78,6 +78,9 @@ def batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]
 def digests(engine: Any) -> dict[str, str]:
     """Every parameter's fp32 master and Adam moments, whole (collective under ZeRO-3), as sha256 digests."""
     out = {}
+    link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    if link is not None:  # ZeRO-1/2 link each parameter to its moments at the first step; before it, now
+        link()
     for name, param in engine.module.named_parameters():
         for what, value in (("fp32", safe_get_full_fp32_param(param)), ("exp_avg", safe_get_full_optimizer_state(param, "exp_avg")),
                             ("exp_avg_sq", safe_get_full_optimizer_state(param, "exp_avg_sq"))):
@@ -141,6 +144,7 @@ def train(root: Path, run: dict[str, Any]) -> None:
     from tierckpt.integrations.deepspeed import attach
 
     rank = int(os.environ["RANK"])
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     torch.manual_seed(0)
     model = Net()
     config = ds_config(run)
@@ -155,7 +159,7 @@ def train(root: Path, run: dict[str, Any]) -> None:
         attach(engine, run["tiers"])
     warned = Warnings()
     logging.getLogger("tierckpt").addHandler(warned)
-    result: dict[str, Any] = {"losses": {}, "resumed": None}
+    result: dict[str, Any] = {"losses": {}, "resumed": None, "world": world}
     start = 0
     if run.get("expect_error"):  # a load that must fail: what it raised, on this rank
         try:
@@ -172,6 +176,7 @@ def train(root: Path, run: dict[str, Any]) -> None:
             start = client["step"] + 1
             result["resumed"] = client["step"]
             result["client"] = {"step": client["step"], "rank": client["rank"], "note": client["note"], "t": client["t"].tolist()}
+        result["loaded"] = digests(engine)  # what the load put in place, before any step
     dtype = torch.bfloat16 if run.get("bf16") else torch.float32
     forwards = [0]
     engine.module.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))

@@ -62,8 +62,8 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every launch the slow tests look at, in four launches of 2 ranks:
 
     1. uninterrupted runs of DeepSpeed's own engine (ZeRO-2, ZeRO-3, ZeRO-1), a ZeRO-2 run whose
-       copy of global_step2 is held (``held2``), and a ZeRO-1 run through tierckpt saved every step
-       to step 6 (``saved1``);
+       copy of global_step2 is held (``held2``), a ZeRO-1 run through tierckpt saved every step
+       to step 6 (``saved1``), and a ZeRO-2 and a ZeRO-3 run saved to step 4 (``saved2``, ``saved3``);
     2. ZeRO-2 saved every step, its file tier taking every 2nd step, SIGKILLed right after the save
        of global_step5 returned, once global_step4 was durable (``latest`` named it);
     3. ZeRO-3 saved every step, SIGKILLed right after the save of global_step4, once it was durable;
@@ -78,6 +78,8 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {"name": "ref1", **ZERO1, "steps": STEPS},
         {"name": "held2", **ZERO2, "steps": 4, "save_every": 1, "hold_at": 1, "save_dir": "held2", "tiers": _tiers(root, "held2")},
         {"name": "saved1", **ZERO1, "steps": 6, "save_every": 1, "save_dir": "ckpts1", "tiers": _tiers(root, "1")},
+        {"name": "saved2", **ZERO2, "steps": 4, "save_every": 2, "save_dir": "saved2", "tiers": _tiers(root, "saved2")},
+        {"name": "saved3", **ZERO3, "steps": 4, "save_every": 2, "save_dir": "saved3", "tiers": _tiers(root, "saved3")},
     ])
     _launch(root, [{"name": "kill2", **ZERO2, "steps": STEPS, "save_every": 1, "save_dir": "ckpts2", "tiers": _tiers(root, "2", flush={"every_steps": 2}),
                     "kill_at": 4, "kill_when_latest": "global_step4"}], killed=True)
@@ -193,6 +195,32 @@ def test_setups_it_cannot_checkpoint_faithfully_are_refused_naming_the_setting(t
     for case, words in wanted.items():
         assert said[case].startswith("tierckpt.integrations.deepspeed does not support ") and words in said[case], (case, said[case])
     assert not (tmp_path / "nvme-r").exists()  # refused before any Checkpointer was opened
+
+
+@pytest.fixture(scope="module")
+def resharded(jobs: Path) -> Path:
+    """``saved2`` and ``saved3`` (2 ranks) loaded by a job of 1 rank and by one of 3, each with the same
+    ``load_checkpoint(save_dir)``, then trained on for 2 steps."""
+    for world in (1, 3):
+        _launch(jobs, [{"name": f"onto{world}-{n}", **setup, "steps": 6, "resume": True, "save_dir": f"saved{n}", "tiers": _tiers(jobs, f"saved{n}")}
+                       for n, setup in (("2", ZERO2), ("3", ZERO3))], world=world)
+    return jobs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_a_two_rank_save_loads_onto_another_number_of_ranks_bitwise(resharded: Path, stage: str, world: int) -> None:
+    """Every rank of the new job has each parameter's fp32 master and Adam moments exactly as the
+    2-rank job saved them (its state at its last save, global_step4), with no offline step; the tag
+    directory still names the 2 ranks that saved it, and training goes on."""
+    saved = _result(resharded, f"saved{stage}", 0)
+    for rank in range(world):
+        got = _result(resharded, f"onto{world}-{stage}", rank)
+        assert got["world"] == world and got["resumed"] == 3
+        assert got["loaded"] == saved["digests"]
+        assert sorted(map(int, got["losses"])) == [4, 5] and all(float.fromhex(v) < 1e3 for v in got["losses"].values())
+    assert len([p for p in (resharded / f"saved{stage}" / "global_step4").iterdir() if p.name.endswith("model_states.pt")]) == (1 if stage == "2" else 2)
 
 
 # -- without DeepSpeed engines: its values stored without pickle, and save_dir's files ---------------

@@ -41,6 +41,7 @@ import atexit
 import functools
 import logging
 import os
+import threading
 import weakref
 from pathlib import Path
 from typing import Any, Callable
@@ -100,7 +101,7 @@ def attach(engine: Any, config: Config | dict[str, Any] | str | os.PathLike[str]
     engine.save_checkpoint = ours.wrap_save(engine.save_checkpoint)
     engine.load_checkpoint = ours.wrap_load(engine.load_checkpoint)
     ours.checkpointer  # opened now, on every rank at once (collective), not at a first save some rank skips
-    atexit.register(_close_at_exit, weakref.ref(ours))
+    _at_exit(functools.partial(_close_at_exit, weakref.ref(ours)))
     return ours
 
 
@@ -136,10 +137,28 @@ def refuse_unsupported(engine: Any) -> None:
         raise refused(f"sequence parallelism ({engine.sequence_parallel_size} ranks)", "use data parallelism with ZeRO only")
 
 
+def _at_exit(hook: Callable[[], None]) -> None:
+    """Run ``hook`` at interpreter exit before the Checkpointer's own exit hook (it closes the
+    Checkpointer, and the pointers of the last saves are written before that): in threading's exit
+    hooks, which run newest first and before ``atexit``, where it has them (tierckpt.runtime registers there)."""
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is not None:
+            register(hook)
+            return
+    except RuntimeError:  # already shutting down
+        return
+    atexit.register(hook)
+
+
 def _close_at_exit(ref: weakref.ref[TierckptCheckpointEngine]) -> None:
     ours = ref()
-    if ours is not None:
+    if ours is None:
+        return
+    try:
         ours.cleanup()
+    except Exception as exc:  # at interpreter exit there is nobody left to raise to
+        log.error("tierckpt: DeepSpeed: closing at exit failed: %s", exc)
 
 
 class TierckptCheckpointEngine(CheckpointEngine):
@@ -155,6 +174,7 @@ class TierckptCheckpointEngine(CheckpointEngine):
         self._commit: CheckpointCommitInfo | None = None  # a stored save whose copy the next update waits for
         self._loading: dict[str, Any] | None = None  # during load_checkpoint: the restored step's files
         self._decoded: dict[str, Any] = {}
+        self._resharded: tuple[Any, Any] | None = None  # resharding: the model states and this rank's optimizer file to serve
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -184,12 +204,15 @@ class TierckptCheckpointEngine(CheckpointEngine):
         if self._loading is None:
             raise RuntimeError(f"{WHO}: DeepSpeed loaded {path} outside load_checkpoint(); only load_checkpoint goes through tierckpt")
         name = os.path.basename(path)
-        if name not in self._decoded:
+        if self._resharded is not None:  # every rank asks for its own names, saved or not: serve by kind
+            state = self._resharded[0] if name.endswith("model_states.pt") else self._resharded[1]
+        elif name not in self._decoded:
             files, kinds = self._loading["files"], self._loading["kinds"]
             if name not in files:
                 raise NoCheckpointError(f"{path}: the step restored for this tag holds no such file (it holds {', '.join(sorted(files))})")
-            self._decoded[name] = from_plain(files[name], kinds.get(name, []))
-        state = self._decoded[name]
+            self._decoded[name] = state = from_plain(files[name], kinds.get(name, []))
+        else:
+            state = self._decoded[name]
         if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type != "cpu":
             return _to(state, torch.device(map_location))
         return state
@@ -244,10 +267,13 @@ class TierckptCheckpointEngine(CheckpointEngine):
             if not written(save_dir, chosen):  # durable, but a crash came before its pointers were written
                 self._publish(save_dir, chosen, restored)
             self._loading, self._decoded = restored.state, {}
+            saved_world = int(_meta(restored).get("dp_world_size", self._engine.dp_world_size))
             try:
-                return original(os.fspath(load_dir), chosen, *args, **kwargs)
+                if saved_world == self._engine.dp_world_size:
+                    return original(os.fspath(load_dir), chosen, *args, **kwargs)
+                return self._load_resharded(original, save_dir, chosen, restored, saved_world, *args, **kwargs)
             finally:
-                self._loading, self._decoded = None, {}
+                self._loading, self._decoded, self._resharded = None, {}, None
 
         return load_checkpoint
 
@@ -291,6 +317,49 @@ class TierckptCheckpointEngine(CheckpointEngine):
             if isinstance(module, dict):
                 paths.extend(("files", name, "module", key) for key, value in module.items() if key in params and isinstance(value, torch.Tensor))
         return paths
+
+    def _load_resharded(self, original: Callable[..., Any], save_dir: Path, tag: str, restored: Restored, saved_world: int,
+                        *args: Any, **kwargs: Any) -> Any:
+        """DeepSpeed's load of ``tag`` saved by ``saved_world`` data-parallel ranks, into this engine's
+        layout (:mod:`tierckpt.integrations.deepspeed_reshard`): every saved rank's optimizer file is
+        read from a filesystem tier, this rank's new one cut from them, and DeepSpeed loads that."""
+        from tierckpt.export.part import read_part
+        from tierckpt.integrations.deepspeed_reshard import resharded
+
+        engine = self._engine
+        files, kinds = restored.state["files"], restored.state["kinds"]
+        model_name = next((n for n in sorted(files) if n.endswith("model_states.pt")), None)
+        if model_name is None:
+            raise CorruptCheckpointError(f"tag {tag!r} (step {restored.step}) holds no DeepSpeed model states", step=restored.step)
+        version = self._version_dir(restored)
+
+        def optimizer_file(rank: int) -> Any:
+            part = read_part(version, rank, keep=lambda key: "optim_states.pt'" in key)
+            name = next((n for n in part["files"] if "optim_states" in n), None)
+            if name is None:
+                raise CorruptCheckpointError(f"{version}: rank {rank}'s part holds no DeepSpeed optimizer file", step=restored.step)
+            return from_plain(part["files"][name], part["kinds"].get(name, []))
+
+        model_states = from_plain(files[model_name], kinds.get(model_name, []))
+        self._resharded = resharded(engine, model_states, [optimizer_file(q) for q in range(saved_world)])
+        log.info("tierckpt: DeepSpeed tag %r (step %d) saved by %d data-parallel ranks, resharded onto %d", tag, restored.step, saved_world, engine.dp_world_size)
+        # DeepSpeed globs this rank's model-states file, which a rank the saving job did not have has
+        # no pointer for: for this load, it finds the one the saved rank this rank restored has.
+        engine._get_all_ckpt_names = lambda path, tag_: [os.path.join(path, str(tag_), model_name)]
+        try:
+            return original(os.fspath(save_dir), tag, *args, **kwargs)
+        finally:
+            del engine._get_all_ckpt_names
+
+    def _version_dir(self, restored: Restored) -> Path:
+        """A filesystem tier's directory of the restored step, which resharding reads every rank's part from."""
+        held = [v for v in self.checkpointer.versions() if v.step == restored.step and v.path is not None and v.valid and not v.abandoned]
+        held.sort(key=lambda v: v.tier != restored.tier)
+        if not held:
+            raise NoCheckpointError(
+                f"step {restored.step} was saved by another number of data-parallel ranks: resharding it reads every rank's part "
+                "from a filesystem tier, and none holds it", step=restored.step)
+        return Path(held[0].path)  # type: ignore[arg-type]
 
     def _restore_tag(self, save_dir: Path, tag: str) -> Restored:
         """The step of ``tag`` (saved by this process and not durable yet, or named by its pointers).

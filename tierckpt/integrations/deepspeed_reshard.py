@@ -1,0 +1,171 @@
+"""A DeepSpeed ZeRO save of N data-parallel ranks loaded by a job of M, with no offline step.
+
+DeepSpeed's own load refuses another data-parallel size (only its offline ``ds_to_universal.py`` and
+a universal-checkpoint load change it). A ZeRO optimizer file holds one rank's flat partitions of
+each parameter group: ZeRO-1/2 one contiguous slice of the group's parameters laid end to end
+(``single_partition_of_fp32_groups``, the padding at the end of the last rank's), ZeRO-3 a slice of
+every parameter of the group (``fp32_flat_groups``, ``ceil(numel / N)`` elements of each). So, as
+``zero_to_fp32.py`` does with the files:
+
+1. every saved rank's optimizer file is read (:func:`tierckpt.export.part.read_part`: each rank
+   reads all N, every chunk verified), and each parameter's whole fp32 master and optimizer moments
+   are put together from them, in the order the model states' ``param_shapes`` give;
+2. this rank's partitions in the new layout are cut from those, in the order and sizes the live
+   optimizer has them (its groups, its padding), into an optimizer file of the new layout;
+3. DeepSpeed loads that file, and the model states with ``dp_world_size`` set to M, through its
+   own code, as a save of M ranks: the fp32 masters, the moments and the step count are the saved ones,
+   bitwise.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from tierckpt.errors import ConfigError, CorruptCheckpointError
+
+__all__ = ["resharded"]
+
+_OPTIM = "optimizer_state_dict"
+
+
+def resharded(engine: Any, model_states: dict[str, Any], saved: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model states and this rank's optimizer file for ``engine``'s data-parallel layout, from
+    the ``model_states`` of the saved job's rank this rank restored and every saved rank's
+    optimizer file (``saved[q]``: rank q's, decoded).
+
+    Raises:
+        ConfigError: a layout this cannot reshard (parameter alignment padding, round-robin gradients).
+        CorruptCheckpointError: the files do not add up (a group or parameter count that differs).
+    """
+    optimizer = engine.optimizer
+    if getattr(optimizer, "round_robin_gradients", False):
+        raise ConfigError("resharding a DeepSpeed ZeRO checkpoint onto another number of ranks needs zero_optimization.round_robin_gradients: false")
+    shapes = model_states.get("param_shapes")
+    if not isinstance(shapes, list) or not all(isinstance(g, Mapping) for g in shapes):
+        raise CorruptCheckpointError("the DeepSpeed model states hold no param_shapes to reshard the optimizer state by")
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    osds = [sd[_OPTIM] for sd in saved]
+    stage3 = engine.zero_optimization_stage() >= 3
+    full = _whole_stage3(shapes, osds) if stage3 else _whole_stage12(shapes, osds)
+    home = saved[0][_OPTIM] if len(saved) else {}
+    new = dict(saved[0])
+    new[_OPTIM] = _partitions_stage3(optimizer, names, full, home) if stage3 else _partitions_stage12(optimizer, names, full, home)
+    states = dict(model_states)
+    states["dp_world_size"] = int(engine.dp_world_size)
+    return states, new
+
+
+# -- whole parameters from the saved partitions -------------------------------------------------------
+
+Whole = dict[str, dict[str, torch.Tensor]]  # parameter name -> "fp32" and each optimizer moment, whole
+
+
+def _moments(state: Mapping[Any, Any], group: int) -> dict[str, torch.Tensor]:
+    """The partition-shaped tensors of a base optimizer's state of ``group`` (Adam's exp_avg, exp_avg_sq)."""
+    found = state.get(group, {}) if isinstance(state, Mapping) else {}
+    return {k: v for k, v in found.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+
+
+def _whole_stage12(shapes: list[Mapping[str, Any]], osds: Sequence[Mapping[str, Any]]) -> Whole:
+    full: Whole = {}
+    for osd in osds:
+        if any(any(p) for p in osd.get("param_alignment_paddings", [])):
+            raise ConfigError("resharding a DeepSpeed ZeRO-1/2 checkpoint saved with zero_optimization.parameter_alignment is not supported")
+    for g, params in enumerate(shapes):
+        flats = {"fp32": torch.cat([osd["single_partition_of_fp32_groups"][g] for osd in osds])}
+        moments = [_moments(osd["base_optimizer_state"]["state"], g) for osd in osds]
+        for key in moments[0]:
+            flats[key] = torch.cat([m[key] for m in moments])
+        offset = 0
+        for name, shape in params.items():
+            numel = math.prod(shape)
+            full[name] = {key: flat.narrow(0, offset, numel).view(shape) for key, flat in flats.items()}
+            offset += numel
+    return full
+
+
+def _whole_stage3(shapes: list[Mapping[str, Any]], osds: Sequence[Mapping[str, Any]]) -> Whole:
+    world, full = len(osds), {}
+    for g, params in enumerate(shapes):
+        per_rank = [{"fp32": osd["fp32_flat_groups"][g], **_moments(osd[_OPTIM]["state"], g)} for osd in osds]
+        offset = 0
+        for name, shape in params.items():
+            numel = math.prod(shape)
+            part = math.ceil(numel / world)
+            full[name] = {key: torch.cat([r[key].narrow(0, offset, part) for r in per_rank])[:numel].view(shape) for key in per_rank[0]}
+            offset += part
+    return full
+
+
+# -- this rank's partitions in the live layout ----------------------------------------------------------
+
+
+def _param(full: Whole, names: Mapping[int, str], param: Any) -> dict[str, torch.Tensor]:
+    name = names.get(id(param))
+    if name is None or name not in full:
+        raise CorruptCheckpointError(f"parameter {name or '<unnamed>'} is in the optimizer but not in the saved DeepSpeed checkpoint")
+    return full[name]
+
+
+def _base_state(home: Mapping[str, Any], key: str, groups: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """The base optimizer's state dict: the saved one's scalars (the step count) and param groups
+    (learning rate, betas) with this rank's new partitions of each moment."""
+    saved = home[key]
+    state = {}
+    for g, partitions in enumerate(groups):
+        kept = {k: v for k, v in saved["state"].get(g, {}).items() if not (isinstance(v, torch.Tensor) and v.dim() > 0)}
+        if partitions or kept:
+            state[g] = {**copy.deepcopy(kept), **partitions}
+    return {"state": state, "param_groups": copy.deepcopy(saved["param_groups"])}
+
+
+def _partitions_stage12(optimizer: Any, names: Mapping[int, str], full: Whole, home: Mapping[str, Any]) -> dict[str, Any]:
+    rank = torch.distributed.get_rank(group=optimizer.dp_process_group)
+    fp32, moments = [], []
+    for g, params in enumerate(optimizer.round_robin_bit16_groups):
+        size = optimizer.single_partition_of_fp32_groups[g].numel()
+        count = optimizer.partition_count[g]
+        keys = _param(full, names, params[0]).keys() if params else ()
+        parts = {}
+        for key in keys:
+            flat = torch.cat([_param(full, names, p)[key].reshape(-1) for p in params])
+            if flat.numel() > size * count:
+                raise CorruptCheckpointError(f"group {g}: the saved parameters hold {flat.numel()} elements, more than {size * count} partitions")
+            flat = torch.nn.functional.pad(flat, (0, size * count - flat.numel()))
+            parts[key] = flat[rank * size:(rank + 1) * size].clone()
+        fp32.append(parts.pop("fp32")[: size - optimizer.groups_padding[g]])
+        moments.append(parts)
+    new = {k: v for k, v in home.items() if k not in ("single_partition_of_fp32_groups", "base_optimizer_state")}
+    new.update(single_partition_of_fp32_groups=fp32, base_optimizer_state=_base_state(home, "base_optimizer_state", moments),
+               group_paddings=list(optimizer.groups_padding), param_alignment_paddings=copy.deepcopy(optimizer.round_robin_bit16_padding),
+               partition_count=list(optimizer.partition_count), param_slice_mappings=optimizer._param_slice_mappings)
+    return new
+
+
+def _partitions_stage3(optimizer: Any, names: Mapping[int, str], full: Whole, home: Mapping[str, Any]) -> dict[str, Any]:
+    rank = torch.distributed.get_rank(group=optimizer.dp_process_group)
+    world = torch.distributed.get_world_size(group=optimizer.dp_process_group)
+    fp32, moments = [], []
+    for g, params in enumerate(optimizer.fp16_groups):
+        keys = _param(full, names, params[0]).keys() if params else ()
+        parts: dict[str, list[torch.Tensor]] = {key: [] for key in keys}
+        for p in params:
+            size = p.partition_numel()
+            for key, value in _param(full, names, p).items():
+                flat = torch.nn.functional.pad(value.reshape(-1), (0, size * world - value.numel()))
+                parts[key].append(flat[rank * size:(rank + 1) * size])
+        joined = {key: torch.cat(chunks) for key, chunks in parts.items()}
+        live = optimizer.fp32_partitioned_groups_flat[g].numel()
+        if joined and joined["fp32"].numel() != live:
+            raise CorruptCheckpointError(f"sub-group {g}: the saved parameters make a partition of {joined['fp32'].numel()} elements, the live one has {live}")
+        fp32.append(joined.pop("fp32"))
+        moments.append(joined)
+    new = {k: v for k, v in home.items() if k not in ("fp32_flat_groups", _OPTIM)}
+    new.update(fp32_flat_groups=fp32, partition_count=world)
+    new[_OPTIM] = _base_state(home, _OPTIM, moments)
+    return new
