@@ -181,8 +181,18 @@ def test_a_damaged_data_file_falls_back_to_the_tag_before_with_a_warning(jobs: P
 
 @pytest.mark.slow
 def test_setups_it_cannot_checkpoint_faithfully_are_refused_naming_the_setting(tmp_path: Path) -> None:
+    """Each refused setup built for real on 1 rank; and a save_dir of DeepSpeed's own checkpoints,
+    which the tiers know nothing of, is an error rather than a fresh start."""
     cases = ["stage0", "offload_optimizer", "offload_param", "elastic_checkpoint", "pipeline", "moe"]
-    _launch(tmp_path, [{"name": "refusals", "refusals": cases, "tiers": _tiers(tmp_path, "r")}], world=1)
+    _launch(tmp_path, [
+        {"name": "refusals", "refusals": cases, "tiers": _tiers(tmp_path, "r")},
+        {"name": "own", **ZERO2, "steps": 1, "save_every": 1, "save_dir": "own"},  # DeepSpeed's own engine
+        {"name": "own-load", **ZERO2, "steps": 1, "expect_error": True, "save_dir": "own", "tiers": _tiers(tmp_path, "own")},
+    ], world=1)
+    # Tiers that hold nothing while save_dir/latest names a tag of DeepSpeed's own: not a silent start over.
+    error = _result(tmp_path, "own-load", 0)["error"]
+    assert error.startswith("NoCheckpointError: ") and "names tag 'global_step1', saved by DeepSpeed's own checkpoint engine" in error, error
+    assert "Load it once without attach()" in error
     said = _result(tmp_path, "refusals", 0)
     wanted = {
         "stage0": '"zero_optimization": {"stage": 0}: set zero_optimization.stage to 1, 2 or 3',

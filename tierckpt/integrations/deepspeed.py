@@ -261,6 +261,7 @@ class TierckptCheckpointEngine(CheckpointEngine):
             save_dir = Path(os.fspath(load_dir))
             found = self._restore_newest(save_dir) if tag is None else (str(tag), self._restore_tag(save_dir, str(tag)))
             if found is None:
+                _refuse_own_checkpoints(save_dir)
                 log.warning("tierckpt: DeepSpeed load_checkpoint(%s): no checkpoint to resume from; starting from the initial state", save_dir)
                 return None, None
             chosen, restored = found
@@ -411,6 +412,31 @@ class TierckptCheckpointEngine(CheckpointEngine):
         meta = _meta(restored)
         names = every_rank_names(meta.get("files", sorted(restored.state["files"])), int(meta.get("dp_world_size", 1)))
         publish(save_dir, tag, restored.step, restored.tier, names, latest=bool(meta.get("save_latest", True)))
+
+
+def _refuse_own_checkpoints(save_dir: Path) -> None:
+    """Raise when the tiers hold nothing but ``save_dir/latest`` names a tag: starting over would throw
+    that training away without a word.
+
+    Raises:
+        NoCheckpointError: naming the tag, and what to do (a tag DeepSpeed's own engine saved is
+            loaded once without tierckpt; a tag of tierckpt's, with the tier config that saved it).
+    """
+    tag = _latest(save_dir)
+    if tag is None:
+        return
+    try:
+        step = tag_step(save_dir, tag)
+    except CorruptCheckpointError:
+        raise NoCheckpointError(
+            f"{save_dir / LATEST} names tag {tag!r}, saved by DeepSpeed's own checkpoint engine (torch.save files), and the "
+            "tiers hold no checkpoint: tierckpt does not unpickle those files. Load it once without attach(), then save through tierckpt"
+        ) from None
+    except NoCheckpointError:
+        step = None
+    raise NoCheckpointError(
+        f"{save_dir / LATEST} names tag {tag!r}{'' if step is None else f' (step {step})'}, but no tier holds a checkpoint: "
+        "attach() the tier config that saved it, or remove the latest file to start over", step=step)
 
 
 def _meta(restored: Restored) -> dict[str, Any]:
