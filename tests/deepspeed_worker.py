@@ -201,6 +201,8 @@ def train(root: Path, run: dict[str, Any]) -> None:
     if watcher is not None:
         watcher.join(60)
     result["digests"] = digests(engine)
+    if run.get("save_16bit"):  # an inference weights file, not a training checkpoint: DeepSpeed's torch.save
+        engine.save_16bit_model(str(root / f"{run['name']}-weights"))
     result["warnings"] = warned.messages
     logging.getLogger("tierckpt").removeHandler(warned)
     (root / f"{run['name']}-{rank}.json").write_text(json.dumps(result))

@@ -77,7 +77,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {"name": "ref3", **ZERO3, "steps": STEPS},
         {"name": "ref1", **ZERO1, "steps": STEPS},
         {"name": "held2", **ZERO2, "steps": 4, "save_every": 1, "hold_at": 1, "save_dir": "held2", "tiers": _tiers(root, "held2")},
-        {"name": "saved1", **ZERO1, "steps": 6, "save_every": 1, "save_dir": "ckpts1", "tiers": _tiers(root, "1")},
+        {"name": "saved1", **ZERO1, "steps": 6, "save_every": 1, "save_dir": "ckpts1", "tiers": _tiers(root, "1"), "save_16bit": True},
         {"name": "saved2", **ZERO2, "steps": 4, "save_every": 2, "save_dir": "saved2", "tiers": _tiers(root, "saved2")},
         {"name": "saved3", **ZERO3, "steps": 4, "save_every": 2, "save_dir": "saved3", "tiers": _tiers(root, "saved3")},
     ])
@@ -161,6 +161,9 @@ def test_zero1_resumes_its_latest_tag_or_a_named_one_and_a_missing_tag_is_named(
     pointer = json.loads((jobs / "ckpts1" / "global_step6" / "mp_rank_00_model_states.pt").read_text())
     assert pointer == {"format": "tierckpt-pointer", "version": 1, "step": 6, "tier": "nvme"}
     _assert_resumed_bitwise(jobs, "resume1", "ref1", resumed_at=5)
+    # save_16bit_model is an inference weights file, written by DeepSpeed's own torch.save where asked
+    weights = torch.load(jobs / "saved1-weights" / "pytorch_model.bin", weights_only=True)
+    assert sorted(weights) == ["inp.bias", "inp.weight", "norm.bias", "norm.weight", "out.bias", "out.weight"]
     _assert_resumed_bitwise(jobs, "tag1", "ref1", resumed_at=2)
     for rank in (0, 1):
         error = _result(jobs, "missing1", rank)["error"]

@@ -169,6 +169,7 @@ class TierckptCheckpointEngine(CheckpointEngine):
         self.name = "tierckpt"
         self._engine = engine
         self._saves = DurableSaves(config, WHO)
+        self._saving = False  # inside save_checkpoint (not save_16bit_model, which saves through this engine too)
         self._info: CheckpointCommitInfo | None = None  # the save being made (create() to save_checkpoint's return)
         self._files: dict[str, Any] = {}  # its files' state dicts, by file name
         self._commit: CheckpointCommitInfo | None = None  # a stored save whose copy the next update waits for
@@ -184,20 +185,26 @@ class TierckptCheckpointEngine(CheckpointEngine):
     # -- DeepSpeed's CheckpointEngine ----------------------------------------------------------------
 
     def create(self, info: CheckpointCommitInfo) -> None:
-        check_tag(info.tag)
-        self._info, self._files = info, {}
+        if self._saving:  # save_checkpoint's; save_16bit_model's goes to DeepSpeed's own engine (save())
+            check_tag(info.tag)
+            self._info, self._files = info, {}
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         # The tag's directory is made once its step is durable (deepspeed_tags.publish), not now: until
         # then it would name a checkpoint that is not there.
         info = self._info
-        if info is not None and os.path.abspath(path) == os.path.abspath(os.path.join(info.save_dir, info.tag)):
+        if self._saving and info is not None and os.path.abspath(path) == os.path.abspath(os.path.join(info.save_dir, info.tag)):
             return
         os.makedirs(path, exist_ok=exist_ok)
 
     def save(self, state_dict: Any, path: str) -> None:
-        if self._info is None:
-            raise RuntimeError(f"{WHO}: DeepSpeed saved {path} outside save_checkpoint(); only save_checkpoint goes through tierckpt")
+        if not self._saving or self._info is None:
+            # Not a training checkpoint: save_16bit_model's weights file, for inference, written as
+            # DeepSpeed's own engine writes it (torch.save), where the caller put it.
+            from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+            TorchCheckpointEngine().save(state_dict, path)
+            return
         self._files[os.path.basename(path)] = state_dict
 
     def load(self, path: str, map_location: Any = None) -> Any:
@@ -244,9 +251,13 @@ class TierckptCheckpointEngine(CheckpointEngine):
 
         @functools.wraps(original)
         def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
-            result = original(*args, **kwargs)
-            info, files = self._info, self._files
-            self._info, self._files = None, {}
+            self._saving = True
+            try:
+                result = original(*args, **kwargs)
+            finally:
+                self._saving = False
+                info, files = self._info, self._files
+                self._info, self._files = None, {}
             if info is not None:
                 self._store(info, files)
             return result
