@@ -113,6 +113,10 @@ def refuse_unsupported(engine: Any) -> None:
     def refused(setting: str, why: str) -> ConfigError:
         return ConfigError(f"tierckpt.integrations.deepspeed does not support {setting}: {why}")
 
+    if not hasattr(engine, "_commit_decoupled_checkpoint"):
+        import deepspeed
+
+        raise ConfigError(f"tierckpt.integrations.deepspeed needs DeepSpeed 0.19 or newer (its decoupled checkpoint commit); this is {deepspeed.__version__}: pip install 'deepspeed>=0.19'")
     if isinstance(engine, PipelineEngine):
         raise refused("pipeline parallelism (a PipelineModule)", "its layers save files of their own; use DeepSpeed's own checkpoint engine for it")
     if getattr(engine, "has_moe_layers", False):

@@ -142,8 +142,11 @@ def _partitions_stage12(optimizer: Any, names: Mapping[int, str], full: Whole, h
         moments.append(parts)
     new = {k: v for k, v in home.items() if k not in ("single_partition_of_fp32_groups", "base_optimizer_state")}
     new.update(single_partition_of_fp32_groups=fp32, base_optimizer_state=_base_state(home, "base_optimizer_state", moments),
-               group_paddings=list(optimizer.groups_padding), param_alignment_paddings=copy.deepcopy(optimizer.round_robin_bit16_padding),
-               partition_count=list(optimizer.partition_count), param_slice_mappings=optimizer._param_slice_mappings)
+               group_paddings=list(optimizer.groups_padding), partition_count=list(optimizer.partition_count))
+    # The live layout's, where this DeepSpeed keeps them (its load checks the alignment paddings against its own).
+    for key, attribute in (("param_alignment_paddings", "round_robin_bit16_padding"), ("param_slice_mappings", "_param_slice_mappings")):
+        if key in home and hasattr(optimizer, attribute):
+            new[key] = copy.deepcopy(getattr(optimizer, attribute))
     return new
 
 
