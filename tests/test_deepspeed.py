@@ -68,8 +68,8 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
        of global_step5 returned, once global_step4 was durable (``latest`` named it);
     3. ZeRO-3 saved every step, SIGKILLed right after the save of global_step4, once it was durable;
     4. resumes of both from ``load_checkpoint(save_dir)``, of ``saved1`` from its latest tag and
-       from tag global_step3, a tag that is not there, and a copy of ``saved1`` whose newest step's
-       data file is damaged.
+       from tag global_step3, a tag that is not there, a copy of ``saved1`` whose newest step's
+       data file is damaged, and one as a kill after the newest step's commit, before its pointers, left it.
     """
     root = tmp_path_factory.mktemp("deepspeed")
     _launch(root, [
@@ -90,6 +90,12 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     damaged = root / "damaged"
     shutil.copytree(root / "ckpts1", damaged / "ckpts1")
     shutil.copytree(root / "nvme-1", damaged / "nvme-1")
+    # As a kill between global_step6's commit and its pointers leaves save_dir: latest names the tag before.
+    unwritten = root / "unwritten"
+    shutil.copytree(root / "ckpts1", unwritten / "ckpts1")
+    shutil.copytree(root / "nvme-1", unwritten / "nvme-1")
+    shutil.rmtree(unwritten / "ckpts1" / "global_step6")
+    (unwritten / "ckpts1" / "latest").write_text("global_step5")
     data = damaged / "nvme-1" / "step-000000000006" / "data-r00001.bin"
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
@@ -101,6 +107,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {"name": "tag1", **ZERO1, "steps": STEPS, "resume": True, "tag": "global_step3", "save_dir": "ckpts1", "tiers": _tiers(root, "1")},
         {"name": "missing1", **ZERO1, "steps": STEPS, "expect_error": True, "tag": "global_step99", "save_dir": "ckpts1", "tiers": _tiers(root, "1")},
         {"name": "damaged1", **ZERO1, "steps": STEPS, "resume": True, "save_dir": "damaged/ckpts1", "tiers": _tiers(damaged, "1")},
+        {"name": "unwritten1", **ZERO1, "steps": STEPS, "resume": True, "save_dir": "unwritten/ckpts1", "tiers": _tiers(unwritten, "1")},
     ])
     return root
 
@@ -180,6 +187,19 @@ def test_a_damaged_data_file_falls_back_to_the_tag_before_with_a_warning(jobs: P
         said = _result(jobs, "damaged1", rank)["warnings"]
         assert any("data-r00001.bin" in m for m in said), said
         assert any("names tag 'global_step6', but the newest tag the tiers can restore is 'global_step5'" in m for m in said), said
+
+
+@pytest.mark.slow
+def test_a_step_durable_before_its_pointers_were_written_resumes_and_gets_them(jobs: Path) -> None:
+    """global_step6 committed, its directory not written and latest still naming global_step5: the
+    load resumes global_step6 (the newest the tiers can restore), warning that latest named another
+    tag, and writes the directory and latest it lacked."""
+    _assert_resumed_bitwise(jobs, "unwritten1", "ref1", resumed_at=5)
+    said = _result(jobs, "unwritten1", 0)["warnings"]
+    assert any("names tag 'global_step5', but the newest tag the tiers can restore is 'global_step6'" in m for m in said), said
+    save_dir = jobs / "unwritten" / "ckpts1"
+    assert (save_dir / "latest").read_text() == "global_step6"
+    assert tag_step(save_dir, "global_step6") == 6
 
 
 @pytest.mark.slow
