@@ -163,7 +163,7 @@ def train(root: Path, run: dict[str, Any]) -> None:
     start = 0
     if run.get("expect_error"):  # a load that must fail: what it raised, on this rank
         try:
-            engine.load_checkpoint(str(save_dir), tag=run.get("tag"))
+            engine.load_checkpoint(str(save_dir), tag=run.get("tag"), **run.get("load_kwargs", {}))
             result["error"] = None
         except Exception as exc:
             result["error"] = f"{type(exc).__name__}: {exc}"

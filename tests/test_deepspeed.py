@@ -107,6 +107,8 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {"name": "tag1", **ZERO1, "steps": STEPS, "resume": True, "tag": "global_step3", "save_dir": "ckpts1", "tiers": _tiers(root, "1")},
         {"name": "missing1", **ZERO1, "steps": STEPS, "expect_error": True, "tag": "global_step99", "save_dir": "ckpts1", "tiers": _tiers(root, "1")},
         {"name": "damaged1", **ZERO1, "steps": STEPS, "resume": True, "save_dir": "damaged/ckpts1", "tiers": _tiers(damaged, "1")},
+        {"name": "nooptim3", **ZERO3, "steps": STEPS, "expect_error": True, "load_kwargs": {"load_optimizer_states": False},
+         "save_dir": "ckpts3", "tiers": _tiers(root, "3")},
         {"name": "unwritten1", **ZERO1, "steps": STEPS, "resume": True, "save_dir": "unwritten/ckpts1", "tiers": _tiers(unwritten, "1")},
     ])
     return root
@@ -160,6 +162,10 @@ def test_zero3_bf16_with_accumulation_killed_after_a_durable_save_resumes_it_bit
         "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
         "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"]
     _assert_resumed_bitwise(jobs, "resume3", "ref3", resumed_at=3)
+    # Without the optimizer states DeepSpeed would gather ZeRO-3's weights from the files itself (torch.load): refused.
+    for rank in (0, 1):
+        error = _result(jobs, "nooptim3", rank)["error"]
+        assert error.startswith("ConfigError: ") and "load_optimizer_states=True (the default) only" in error, error
 
 
 @pytest.mark.slow

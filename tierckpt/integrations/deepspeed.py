@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import inspect
 import logging
 import os
 import threading
@@ -271,17 +272,24 @@ class TierckptCheckpointEngine(CheckpointEngine):
     def wrap_load(self, original: Callable[..., Any]) -> Callable[..., Any]:
         """DeepSpeed's ``load_checkpoint``, its files served from the step restored for the tag."""
 
+        signature = inspect.signature(original)
+
         @functools.wraps(original)
         def load_checkpoint(load_dir: Any, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
             save_dir = Path(os.fspath(load_dir))
+            bound = signature.bind_partial(load_dir, tag, *args, **kwargs).arguments
+            if self._engine.zero_optimization_stage() >= 3 and not bound.get("load_optimizer_states", True):
+                # DeepSpeed then gathers the weights from the files with its zero_to_fp32 code (torch.load), not through this engine.
+                raise ConfigError("tierckpt.integrations.deepspeed under ZeRO-3 loads with load_optimizer_states=True (the default) only: "
+                                  "without it DeepSpeed reads the weights from the files with torch.load, which hold pointers")
             found = self._restore_newest(save_dir) if tag is None else (str(tag), self._restore_tag(save_dir, str(tag)))
             if found is None:
                 _refuse_own_checkpoints(save_dir)
                 log.warning("tierckpt: DeepSpeed load_checkpoint(%s): no checkpoint to resume from; starting from the initial state", save_dir)
                 return None, None
             chosen, restored = found
-            if not written(save_dir, chosen):  # durable, but a crash came before its pointers were written
-                self._publish(save_dir, chosen, restored)
+            if not written(save_dir, chosen) and restored.tier in self._saves.durable_tiers:
+                self._publish(save_dir, chosen, restored)  # durable, but a crash came before its pointers were written
             self._loading, self._decoded = restored.state, {}
             saved_world = int(_meta(restored).get("dp_world_size", self._engine.dp_world_size))
             try:
