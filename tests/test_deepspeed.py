@@ -265,6 +265,22 @@ def test_a_two_rank_save_loads_onto_another_number_of_ranks_bitwise(resharded: P
 # -- without DeepSpeed engines: its values stored without pickle, and save_dir's files ---------------
 
 
+def test_lightnings_deepspeed_strategy_is_still_refused_pointing_at_attach() -> None:
+    """Lightning's DeepSpeedStrategy saves through DeepSpeed's engine behind Lightning's back:
+    TierckptCheckpointIO refuses it and names what covers DeepSpeed outside Lightning."""
+    pytest.importorskip("lightning")
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from tierckpt.errors import ConfigError
+    from tierckpt.integrations.lightning import TierckptCheckpointIO
+
+    env = LightningEnvironment()
+    env.set_world_size(2)
+    with pytest.raises(ConfigError, match=r"DeepSpeedStrategy saves sharded states in a format of its own.*tierckpt\.integrations\.deepspeed\.attach"):
+        TierckptCheckpointIO({"tiers": [{"name": "ram", "type": "memory"}]}).attach(DeepSpeedStrategy(stage=2, cluster_environment=env))
+
+
 def _deepspeed_values() -> dict[str, Any]:
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
