@@ -21,7 +21,7 @@ from tierckpt.errors import CorruptCheckpointError, NoCheckpointError  # noqa: E
 from tierckpt.integrations.deepspeed_tags import check_tag, every_rank_names, publish, tag_step, written  # noqa: E402
 from tierckpt.integrations.deepspeed_values import from_plain, to_plain  # noqa: E402
 from tierckpt.state import flatten, unflatten  # noqa: E402
-from tierckpt.testing.ranks import failures, launch_ranks  # noqa: E402
+from tierckpt.testing.ranks import failures, free_port, launch_ranks  # noqa: E402
 
 from helpers import fs_tier, tier_config  # noqa: E402
 
@@ -260,6 +260,28 @@ def test_a_two_rank_save_loads_onto_another_number_of_ranks_bitwise(resharded: P
         assert got["loaded"] == saved["digests"]
         assert sorted(map(int, got["losses"])) == [4, 5] and all(float.fromhex(v) < 1e3 for v in got["losses"].values())
     assert len([p for p in (resharded / f"saved{stage}" / "global_step4").iterdir() if p.name.endswith("model_states.pt")]) == (1 if stage == "2" else 2)
+
+
+@pytest.mark.slow
+def test_the_hugging_face_trainers_deepspeed_is_still_refused_pointing_at_attach(tmp_path: Path) -> None:
+    """TrainingArguments(deepspeed=...) makes accelerate save through DeepSpeed's engine: TierckptTrainer
+    refuses it when built. In a process of its own: accelerate's DeepSpeed set-up starts torch.distributed."""
+    pytest.importorskip("transformers")
+    script = (
+        "import torch\n"
+        "from transformers import TrainingArguments\n"
+        "from tierckpt.integrations.huggingface import TierckptTrainer\n"
+        f"args = TrainingArguments(output_dir={str(tmp_path / 'out')!r}, use_cpu=True, report_to=[],\n"
+        "                         deepspeed={'train_micro_batch_size_per_gpu': 'auto', 'zero_optimization': {'stage': 2}})\n"
+        "try:\n"
+        "    TierckptTrainer(model=torch.nn.Linear(2, 2), args=args, tierckpt={'tiers': [{'name': 'ram', 'type': 'memory'}]})\n"
+        "except Exception as exc:\n"
+        "    print(f'{type(exc).__name__}: {exc}')\n"
+    )
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "AWS_EC2_METADATA_DISABLED": "true"}
+    exits = launch_ranks([sys.executable, "-c", script], 0, env=env | {"MASTER_PORT": str(free_port())}, timeout_s=120)
+    assert exits[0].returncode == 0, exits[0].output
+    assert "ConfigError: TierckptTrainer supports DDP" in exits[0].output and "tierckpt.integrations.deepspeed.attach" in exits[0].output, exits[0].output
 
 
 # -- without DeepSpeed engines: its values stored without pickle, and save_dir's files ---------------
