@@ -263,6 +263,30 @@ def test_a_two_rank_save_loads_onto_another_number_of_ranks_bitwise(resharded: P
 
 
 @pytest.mark.slow
+def test_a_rank_killed_after_a_save_leaves_no_tag_that_is_not_durable_on_every_rank(tmp_path: Path) -> None:
+    """Rank 1 SIGKILLed right after its save of global_step3 returned, rank 0 training on: the next
+    backward's all-reduce fails on rank 0 (gloo), whose exit then waits for what it saved (at most
+    distributed.timeout). Every tag directory, and latest, names a step committed on every rank."""
+    tiers = _tiers(tmp_path, "k") | {"distributed": {"timeout": "10s"}}
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"runs": [{"name": "kill1", **ZERO2, "steps": STEPS, "save_every": 1, "save_dir": "ckpts",
+                                         "tiers": tiers, "kill_at": 2, "kill_ranks": [1]}]}))
+    survivor, dead = launch_ranks([sys.executable, str(WORKER), str(tmp_path), str(job)], 2, timeout_s=240,
+                                  env={"AWS_EC2_METADATA_DISABLED": "true"})
+    assert dead.returncode == -9 and survivor.returncode not in (0, None), (survivor, dead)
+    from tierckpt import Checkpointer
+
+    with Checkpointer(_tiers(tmp_path, "k")) as ckpt:
+        durable = {v.step for v in ckpt.versions() if v.tier == "nvme"}
+    save_dir = tmp_path / "ckpts"
+    tags = {tag_step(save_dir, p.name) for p in save_dir.iterdir() if p.is_dir()} if save_dir.is_dir() else set()
+    assert tags <= durable <= {1, 2, 3}, (tags, durable)
+    if (save_dir / "latest").exists():
+        assert tag_step(save_dir, (save_dir / "latest").read_text()) in durable
+
+
+@pytest.mark.slow
 def test_the_hugging_face_trainers_deepspeed_is_still_refused_pointing_at_attach(tmp_path: Path) -> None:
     """TrainingArguments(deepspeed=...) makes accelerate save through DeepSpeed's engine: TierckptTrainer
     refuses it when built. In a process of its own: accelerate's DeepSpeed set-up starts torch.distributed."""
