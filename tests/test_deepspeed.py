@@ -267,7 +267,7 @@ def test_a_rank_killed_after_a_save_leaves_no_tag_that_is_not_durable_on_every_r
     """Rank 1 SIGKILLed right after its save of global_step3 returned, rank 0 training on: the next
     backward's all-reduce fails on rank 0 (gloo), whose exit then waits for what it saved (at most
     distributed.timeout). Every tag directory, and latest, names a step committed on every rank."""
-    tiers = _tiers(tmp_path, "k") | {"distributed": {"timeout": "10s"}}
+    tiers = _tiers(tmp_path, "k") | {"distributed": {"timeout": "3s"}}
     tmp_path.mkdir(parents=True, exist_ok=True)
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"runs": [{"name": "kill1", **ZERO2, "steps": STEPS, "save_every": 1, "save_dir": "ckpts",
