@@ -30,7 +30,7 @@ file, then ``commit(tag)``. :class:`TierckptCheckpointEngine` is that engine:
 - **Durable at the end.** ``engine.destroy()`` (and, failing that, the interpreter's exit) waits
   until every save is durable and its pointers written, then closes the Checkpointer.
 
-Refused with a :class:`~tierckpt.errors.ConfigError` at ``attach``: ZeRO stage 0, optimizer or
+Refused with a :class:`~tierckpt.errors.ConfigError` at ``attach`` (:mod:`~tierckpt.integrations.deepspeed_refusals`): ZeRO stage 0, optimizer or
 parameter offload (CPU, NVMe), pipeline parallelism, MoE, model (tensor) and sequence parallelism,
 ``elastic_checkpoint``, and universal-checkpoint loading.
 """
@@ -53,7 +53,8 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from tierckpt.checkpointer import Checkpointer
 from tierckpt.config import Config
 from tierckpt.errors import ConfigError, CorruptCheckpointError, NoCheckpointError, UnsupportedStateError
-from tierckpt.integrations.deepspeed_tags import LATEST, check_tag, every_rank_names, publish, tag_step, written
+from tierckpt.integrations.deepspeed_refusals import refuse_unsupported
+from tierckpt.integrations.deepspeed_tags import LATEST, check_tag, every_rank_names, latest, publish, refuse_unknown_latest, tag_step, tags, written
 from tierckpt.integrations.deepspeed_values import from_plain, to_plain
 from tierckpt.integrations.pointer import restore_named
 from tierckpt.integrations.saves import DurableSaves
@@ -104,42 +105,6 @@ def attach(engine: Any, config: Config | dict[str, Any] | str | os.PathLike[str]
     ours.checkpointer  # opened now, on every rank at once (collective), not at a first save some rank skips
     _at_exit(functools.partial(_close_at_exit, weakref.ref(ours)))
     return ours
-
-
-def refuse_unsupported(engine: Any) -> None:
-    """Raise :class:`ConfigError` for a DeepSpeed setup whose checkpoints this integration does not
-    store or restore faithfully, naming the setting and what to do."""
-    from deepspeed.runtime.pipe.engine import PipelineEngine
-
-    def refused(setting: str, why: str) -> ConfigError:
-        return ConfigError(f"tierckpt.integrations.deepspeed does not support {setting}: {why}")
-
-    if not hasattr(engine, "_commit_decoupled_checkpoint"):
-        import deepspeed
-
-        raise ConfigError(f"tierckpt.integrations.deepspeed needs DeepSpeed 0.19 or newer (its decoupled checkpoint commit); this is {deepspeed.__version__}: pip install 'deepspeed>=0.19'")
-    if isinstance(engine, PipelineEngine):
-        raise refused("pipeline parallelism (a PipelineModule)", "its layers save files of their own; use DeepSpeed's own checkpoint engine for it")
-    if getattr(engine, "has_moe_layers", False):
-        raise refused("MoE layers", "their expert files are saved per expert-parallel rank; use DeepSpeed's own checkpoint engine for them")
-    stage = engine.zero_optimization_stage()
-    if not stage:
-        raise refused('"zero_optimization": {"stage": 0}', "set zero_optimization.stage to 1, 2 or 3")
-    offload = engine.zero_offload_optimizer()
-    if offload is not None and str(getattr(offload.device, "value", offload.device)) != "none":
-        raise refused(f'"zero_optimization.offload_optimizer.device": "{getattr(offload.device, "value", offload.device)}"',
-                      "its optimizer state lives in host or NVMe swap buffers; remove offload_optimizer")
-    param = engine.zero_offload_param()
-    if param is not None and str(getattr(param.device, "value", param.device)) != "none":
-        raise refused(f'"zero_optimization.offload_param.device": "{getattr(param.device, "value", param.device)}"', "remove offload_param")
-    if engine.zero_elastic_checkpoint():
-        raise refused('"zero_optimization.elastic_checkpoint": true', "every rank would read every rank's files; set it to false")
-    if engine.load_universal_checkpoint():
-        raise refused('"checkpoint.load_universal": true', "tierckpt restores its own steps; set it to false")
-    if getattr(engine, "mp_world_size", 1) > 1:
-        raise refused(f"model (tensor) parallelism ({engine.mp_world_size} model-parallel ranks)", "use data parallelism with ZeRO only")
-    if getattr(engine, "sequence_parallel_size", 1) > 1:
-        raise refused(f"sequence parallelism ({engine.sequence_parallel_size} ranks)", "use data parallelism with ZeRO only")
 
 
 def _at_exit(hook: Callable[[], None]) -> None:
@@ -284,7 +249,7 @@ class TierckptCheckpointEngine(CheckpointEngine):
                                   "without it DeepSpeed reads the weights from the files with torch.load, which hold pointers")
             found = self._restore_newest(save_dir) if tag is None else (str(tag), self._restore_tag(save_dir, str(tag)))
             if found is None:
-                _refuse_own_checkpoints(save_dir)
+                refuse_unknown_latest(save_dir)
                 log.warning("tierckpt: DeepSpeed load_checkpoint(%s): no checkpoint to resume from; starting from the initial state", save_dir)
                 return None, None
             chosen, restored = found
@@ -397,7 +362,7 @@ class TierckptCheckpointEngine(CheckpointEngine):
             try:
                 step = tag_step(save_dir, tag)
             except NoCheckpointError as exc:
-                held = _tags(save_dir)
+                held = tags(save_dir)
                 raise NoCheckpointError(f"{exc}; {save_dir} holds tag(s) {', '.join(held)}" if held else f"{exc}; {save_dir} holds no tag") from None
         return restore_named(self.checkpointer, save_dir / tag, step, instead="pass load_checkpoint(tag=) another tag")
 
@@ -423,7 +388,7 @@ class TierckptCheckpointEngine(CheckpointEngine):
         tag = _meta(restored).get("tag")
         if not isinstance(tag, str):
             raise CorruptCheckpointError(f"step {restored.step} on tier {restored.tier!r} was not saved by tierckpt.integrations.deepspeed (its metadata names no tag)", step=restored.step)
-        named = _latest(save_dir)
+        named = latest(save_dir)
         if named is not None and named != tag:
             log.warning("tierckpt: DeepSpeed: %s names tag %r, but the newest tag the tiers can restore is %r (step %d): loading %r",
                         save_dir / LATEST, named, tag, restored.step, tag)
@@ -437,46 +402,9 @@ class TierckptCheckpointEngine(CheckpointEngine):
         publish(save_dir, tag, restored.step, restored.tier, names, latest=bool(meta.get("save_latest", True)))
 
 
-def _refuse_own_checkpoints(save_dir: Path) -> None:
-    """Raise when the tiers hold nothing but ``save_dir/latest`` names a tag: starting over would throw
-    that training away without a word.
-
-    Raises:
-        NoCheckpointError: naming the tag, and what to do (a tag DeepSpeed's own engine saved is
-            loaded once without tierckpt; a tag of tierckpt's, with the tier config that saved it).
-    """
-    tag = _latest(save_dir)
-    if tag is None:
-        return
-    try:
-        step = tag_step(save_dir, tag)
-    except CorruptCheckpointError:
-        raise NoCheckpointError(
-            f"{save_dir / LATEST} names tag {tag!r}, saved by DeepSpeed's own checkpoint engine (torch.save files), and the "
-            "tiers hold no checkpoint: tierckpt does not unpickle those files. Load it once without attach(), then save through tierckpt"
-        ) from None
-    except NoCheckpointError:
-        step = None
-    raise NoCheckpointError(
-        f"{save_dir / LATEST} names tag {tag!r}{'' if step is None else f' (step {step})'}, but no tier holds a checkpoint: "
-        "attach() the tier config that saved it, or remove the latest file to start over", step=step)
-
-
 def _meta(restored: Restored) -> dict[str, Any]:
     meta = restored.metadata.get("deepspeed")
     return meta if isinstance(meta, dict) else {}
-
-
-def _latest(save_dir: Path) -> str | None:
-    try:
-        return (save_dir / LATEST).read_text().strip() or None
-    except OSError:
-        return None
-
-
-def _tags(save_dir: Path) -> list[str]:
-    """The tag directories under ``save_dir`` that hold pointers, for an error message."""
-    return sorted(p.name for p in save_dir.iterdir() if written(save_dir, p.name)) if save_dir.is_dir() else []
 
 
 def _to(value: Any, device: torch.device) -> Any:

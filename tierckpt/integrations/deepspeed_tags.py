@@ -21,7 +21,7 @@ from tierckpt.errors import CorruptCheckpointError, NoCheckpointError
 from tierckpt.integrations.pointer import aside_name, read_pointer, remove_leftovers, write_pointer
 from tierckpt.storage.posix import fsync_dir, replace_durably
 
-__all__ = ["LATEST", "check_tag", "every_rank_names", "publish", "tag_step", "written"]
+__all__ = ["LATEST", "check_tag", "every_rank_names", "latest", "publish", "refuse_unknown_latest", "tag_step", "tags", "written"]
 
 LATEST = "latest"  # DeepSpeed's name for the file naming the newest tag
 _TMP_PREFIX = ".tierckpt-latest-"
@@ -85,3 +85,41 @@ def tag_step(save_dir: Path, tag: str) -> int:
         raise CorruptCheckpointError(
             f"{exc}; a tag saved by DeepSpeed's own checkpoint engine loads without tierckpt.integrations.deepspeed.attach"
         ) from None
+
+
+def latest(save_dir: Path) -> str | None:
+    """The tag ``save_dir/latest`` names, or None where there is none."""
+    try:
+        return (save_dir / LATEST).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def tags(save_dir: Path) -> list[str]:
+    """The tag directories under ``save_dir`` that hold pointers, for an error message."""
+    return sorted(p.name for p in save_dir.iterdir() if written(save_dir, p.name)) if save_dir.is_dir() else []
+
+
+def refuse_unknown_latest(save_dir: Path) -> None:
+    """Raise when the tiers hold nothing but ``save_dir/latest`` names a tag: starting over would throw
+    that training away without a word.
+
+    Raises:
+        NoCheckpointError: naming the tag, and what to do (a tag DeepSpeed's own engine saved is
+            loaded once without tierckpt; a tag of tierckpt's, with the tier config that saved it).
+    """
+    tag = latest(save_dir)
+    if tag is None:
+        return
+    try:
+        step = tag_step(save_dir, tag)
+    except CorruptCheckpointError:
+        raise NoCheckpointError(
+            f"{save_dir / LATEST} names tag {tag!r}, saved by DeepSpeed's own checkpoint engine (torch.save files), and the "
+            "tiers hold no checkpoint: tierckpt does not unpickle those files. Load it once without attach(), then save through tierckpt"
+        ) from None
+    except NoCheckpointError:
+        step = None
+    raise NoCheckpointError(
+        f"{save_dir / LATEST} names tag {tag!r}{'' if step is None else f' (step {step})'}, but no tier holds a checkpoint: "
+        "attach() the tier config that saved it, or remove the latest file to start over", step=step)
