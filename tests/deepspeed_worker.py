@@ -214,9 +214,9 @@ def refused(root: Path, run: dict[str, Any]) -> None:
     from tierckpt.errors import ConfigError
     from tierckpt.integrations.deepspeed import attach
 
-    def engine(model: torch.nn.Module, stage: int, params: Any = None, **zero: Any) -> Any:
+    def engine(model: torch.nn.Module, stage: int, params: Any = None, extra: Any = None, **zero: Any) -> Any:
         config = {"train_micro_batch_size_per_gpu": BATCH, "zero_optimization": {"stage": stage, **zero},
-                  "zero_force_ds_cpu_optimizer": False}  # offload with a client torch optimizer: no JIT build of DeepSpeed's CPU Adam
+                  "zero_force_ds_cpu_optimizer": False, **(extra or {})}  # offload with a client torch optimizer: no JIT build of DeepSpeed's CPU Adam
         optimizer = torch.optim.AdamW(model.parameters() if params is None else params, lr=0.01)
         return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
 
@@ -237,6 +237,7 @@ def refused(root: Path, run: dict[str, Any]) -> None:
         "offload_optimizer": lambda: engine(Net(), 2, offload_optimizer={"device": "cpu"}),
         "offload_param": lambda: engine(Net(), 3, offload_param={"device": "cpu"}),
         "elastic_checkpoint": lambda: engine(Net(), 2, elastic_checkpoint=True),
+        "node_local_storage": lambda: engine(Net(), 2, extra={"checkpoint": {"use_node_local_storage": True}}),
         "pipeline": pipeline,
         "moe": moe,
     }

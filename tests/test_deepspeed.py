@@ -212,7 +212,7 @@ def test_a_step_durable_before_its_pointers_were_written_resumes_and_gets_them(j
 def test_setups_it_cannot_checkpoint_faithfully_are_refused_naming_the_setting(tmp_path: Path) -> None:
     """Each refused setup built for real on 1 rank; and a save_dir of DeepSpeed's own checkpoints,
     which the tiers know nothing of, is an error rather than a fresh start."""
-    cases = ["stage0", "offload_optimizer", "offload_param", "elastic_checkpoint", "pipeline", "moe"]
+    cases = ["stage0", "offload_optimizer", "offload_param", "elastic_checkpoint", "node_local_storage", "pipeline", "moe"]
     _launch(tmp_path, [
         {"name": "refusals", "refusals": cases, "tiers": _tiers(tmp_path, "r")},
         {"name": "own", **ZERO2, "steps": 1, "save_every": 1, "save_dir": "own"},  # DeepSpeed's own engine
@@ -228,6 +228,7 @@ def test_setups_it_cannot_checkpoint_faithfully_are_refused_naming_the_setting(t
         "offload_optimizer": '"zero_optimization.offload_optimizer.device": "cpu"',
         "offload_param": '"zero_optimization.offload_param.device": "cpu"',
         "elastic_checkpoint": '"zero_optimization.elastic_checkpoint": true',
+        "node_local_storage": '"checkpoint.use_node_local_storage": true',
         "pipeline": "pipeline parallelism",
         "moe": "MoE layers",
     }

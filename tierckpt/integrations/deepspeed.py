@@ -32,7 +32,7 @@ file, then ``commit(tag)``. :class:`TierckptCheckpointEngine` is that engine:
 
 Refused with a :class:`~tierckpt.errors.ConfigError` at ``attach`` (:mod:`~tierckpt.integrations.deepspeed_refusals`): ZeRO stage 0, optimizer or
 parameter offload (CPU, NVMe), pipeline parallelism, MoE, model (tensor) and sequence parallelism,
-``elastic_checkpoint``, and universal-checkpoint loading.
+``elastic_checkpoint``, node-local checkpoint storage, and universal-checkpoint loading.
 """
 
 from __future__ import annotations

@@ -42,6 +42,9 @@ def refuse_unsupported(engine: Any) -> None:
         raise refused(f'"zero_optimization.offload_param.device": "{getattr(param.device, "value", param.device)}"', "remove offload_param")
     if engine.zero_elastic_checkpoint():
         raise refused('"zero_optimization.elastic_checkpoint": true', "every rank would read every rank's files; set it to false")
+    if engine.use_node_local_storage():
+        raise refused('"checkpoint.use_node_local_storage": true', "save_dir must be one directory every rank sees (a node's own disk is a tier: "
+                      "scope: node in the tier config); set it to false")
     if engine.load_universal_checkpoint():
         raise refused('"checkpoint.load_universal": true', "tierckpt restores its own steps; set it to false")
     if getattr(engine, "mp_world_size", 1) > 1:
