@@ -79,7 +79,8 @@ def digests(engine: Any) -> dict[str, str]:
     """Every parameter's fp32 master and Adam moments, whole (collective under ZeRO-3), as sha256 digests."""
     out = {}
     link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
-    if link is not None:  # ZeRO-1/2 link each parameter to its moments at the first step; before it, now
+    if link is not None:  # ZeRO-1/2 link each parameter to its moments at the first step (again after a load: now)
+        engine.optimizer._hp_optimizer_states_linked = False
         link()
     for name, param in engine.module.named_parameters():
         for what, value in (("fp32", safe_get_full_fp32_param(param)), ("exp_avg", safe_get_full_optimizer_state(param, "exp_avg")),
@@ -201,6 +202,9 @@ def train(root: Path, run: dict[str, Any]) -> None:
     if watcher is not None:
         watcher.join(60)
     result["digests"] = digests(engine)
+    if run.get("load_back"):  # the last save, loaded by this process at once (not durable yet, maybe), by a relative path
+        path, client = engine.load_checkpoint(os.path.relpath(save_dir), tag=f"global_step{run['steps']}")
+        result["loaded_back"] = {"path": os.path.basename(path), "step": client["step"], "digests": digests(engine)}
     if run.get("save_16bit"):  # an inference weights file, not a training checkpoint: DeepSpeed's torch.save
         engine.save_16bit_model(str(root / f"{run['name']}-weights"))
     result["warnings"] = warned.messages

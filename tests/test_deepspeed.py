@@ -78,7 +78,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {"name": "ref1", **ZERO1, "steps": STEPS},
         {"name": "held2", **ZERO2, "steps": 4, "save_every": 1, "hold_at": 1, "save_dir": "held2", "tiers": _tiers(root, "held2")},
         {"name": "saved1", **ZERO1, "steps": 6, "save_every": 1, "save_dir": "ckpts1", "tiers": _tiers(root, "1"), "save_16bit": True},
-        {"name": "saved2", **ZERO2, "steps": 4, "save_every": 2, "save_dir": "saved2", "tiers": _tiers(root, "saved2")},
+        {"name": "saved2", **ZERO2, "steps": 4, "save_every": 2, "save_dir": "saved2", "tiers": _tiers(root, "saved2"), "load_back": True},
         {"name": "saved3", **ZERO3, "steps": 4, "save_every": 2, "save_dir": "saved3", "tiers": _tiers(root, "saved3")},
     ])
     _launch(root, [{"name": "kill2", **ZERO2, "steps": STEPS, "save_every": 1, "save_dir": "ckpts2", "tiers": _tiers(root, "2", flush={"every_steps": 2}),
@@ -138,6 +138,15 @@ def test_a_save_returns_before_its_copy_and_only_the_optimizer_update_waits(jobs
         assert held["returned_before_the_copy"] and held["parked"], held
         assert held["forwards_by_then"] == 1 and held["unchanged_by_then"], held
         assert got["losses"] == {str(s): want["losses"][str(s)] for s in range(4)}
+
+
+@pytest.mark.slow
+def test_a_tag_just_saved_loads_back_in_the_same_process_by_a_relative_path(jobs: Path) -> None:
+    """saved2's last tag, loaded right after its save (durable or not yet) with save_dir given
+    relative to the working directory: the state saved, its client_state."""
+    for rank in (0, 1):
+        got = _result(jobs, "saved2", rank)
+        assert got["loaded_back"] == {"path": "mp_rank_00_model_states.pt", "step": 3, "digests": got["digests"]}
 
 
 @pytest.mark.slow

@@ -241,7 +241,7 @@ class TierckptCheckpointEngine(CheckpointEngine):
 
         @functools.wraps(original)
         def load_checkpoint(load_dir: Any, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
-            save_dir = Path(os.fspath(load_dir))
+            save_dir = Path(os.path.abspath(os.fspath(load_dir)))  # as saves key their tags
             bound = signature.bind_partial(load_dir, tag, *args, **kwargs).arguments
             if self._engine.zero_optimization_stage() >= 3 and not bound.get("load_optimizer_states", True):
                 # DeepSpeed then gathers the weights from the files with its zero_to_fp32 code (torch.load), not through this engine.
