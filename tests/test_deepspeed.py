@@ -248,28 +248,31 @@ def test_setups_it_cannot_checkpoint_faithfully_are_refused_naming_the_setting(t
 
 @pytest.fixture(scope="module")
 def resharded(jobs: Path) -> Path:
-    """``saved2`` and ``saved3`` (2 ranks) loaded by a job of 1 rank and by one of 3, each with the same
-    ``load_checkpoint(save_dir)``, then trained on for 2 steps."""
+    """``saved2``, ``saved3`` and ``saved1`` (2 ranks) loaded by a job of 1 rank and by one of 3, each
+    with the same ``load_checkpoint(save_dir)``, then trained on to step 8."""
     for world in (1, 3):
-        _launch(jobs, [{"name": f"onto{world}-{n}", **setup, "steps": 6, "resume": True, "save_dir": f"saved{n}", "tiers": _tiers(jobs, f"saved{n}")}
-                       for n, setup in (("2", ZERO2), ("3", ZERO3))], world=world)
+        _launch(jobs, [{"name": f"onto{world}-{n}", **setup, "steps": 8, "resume": True, "save_dir": save_dir, "tiers": _tiers(jobs, tiers)}
+                       for n, setup, save_dir, tiers in (("2", ZERO2, "saved2", "saved2"), ("3", ZERO3, "saved3", "saved3"), ("1", ZERO1, "ckpts1", "1"))],
+                world=world)
     return jobs
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 3])
-@pytest.mark.parametrize("stage", ["2", "3"])
+@pytest.mark.parametrize("stage", ["1", "2", "3"])
 def test_a_two_rank_save_loads_onto_another_number_of_ranks_bitwise(resharded: Path, stage: str, world: int) -> None:
     """Every rank of the new job has each parameter's fp32 master and Adam moments exactly as the
-    2-rank job saved them (its state at its last save, global_step4), with no offline step; the tag
-    directory still names the 2 ranks that saved it, and training goes on."""
-    saved = _result(resharded, f"saved{stage}", 0)
+    2-rank job saved them (its state at its last save: global_step4, or global_step6 for ZeRO-1),
+    with no offline step; the tag directory still names the 2 ranks that saved it, and training goes on."""
+    saved = _result(resharded, "saved1" if stage == "1" else f"saved{stage}", 0)
+    last = 6 if stage == "1" else 4
     for rank in range(world):
         got = _result(resharded, f"onto{world}-{stage}", rank)
-        assert got["world"] == world and got["resumed"] == 3
+        assert got["world"] == world and got["resumed"] == last - 1
         assert got["loaded"] == saved["digests"]
-        assert sorted(map(int, got["losses"])) == [4, 5] and all(float.fromhex(v) < 1e3 for v in got["losses"].values())
-    assert len([p for p in (resharded / f"saved{stage}" / "global_step4").iterdir() if p.name.endswith("model_states.pt")]) == (1 if stage == "2" else 2)
+        assert sorted(map(int, got["losses"])) == list(range(last, STEPS)) and all(float.fromhex(v) < 1e3 for v in got["losses"].values())
+    tag = resharded / ("ckpts1" if stage == "1" else f"saved{stage}") / f"global_step{last}"
+    assert len([p for p in tag.iterdir() if p.name.endswith("model_states.pt")]) == (2 if stage == "3" else 1)
 
 
 @pytest.mark.slow
