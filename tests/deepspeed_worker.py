@@ -6,7 +6,7 @@ launch covers several stages): ``name``, ``stage`` (1-3), ``bf16``, ``optimizer`
 a torch.optim.AdamW; "config": the config's AdamW), ``accumulation`` (micro-batches a step), ``steps``
 (the step to train to), ``save_every`` (0: never), ``tiers`` (the tier config; none: DeepSpeed's own
 checkpoint engine), ``resume`` (load_checkpoint first), ``tag`` (load that tag), ``kill_at`` (SIGKILL
-every rank right after the save of that step returned), ``kill_ranks`` (the ranks that kill does; all), ``kill_when_latest`` (first wait until
+every rank right after the save of that step returned), ``save_latest_from`` (the first step saved with ``save_latest=False``), ``kill_ranks`` (the ranks that kill does; all), ``kill_when_latest`` (first wait until
 ``save_dir/latest`` names this tag: a gate on what the background made durable), ``hold_at`` (hold
 the copy threads through the save of that step; a watcher notes what ran until the training thread
 parked in the lazy barrier, then lets the copy go: ZeRO-1/2).
@@ -194,7 +194,8 @@ def train(root: Path, run: dict[str, Any]) -> None:
             if run.get("hold_at") == step:
                 watcher = held_save(engine, save_dir, client_state, forwards, result)
             else:
-                engine.save_checkpoint(str(save_dir), client_state=client_state)
+                # save_latest_from: from this step on, saves leave save_dir/latest as it is
+                engine.save_checkpoint(str(save_dir), client_state=client_state, save_latest=step < run.get("save_latest_from", run["steps"]))
             if run.get("kill_at") == step and rank in run.get("kill_ranks", [rank]):
                 if run.get("kill_when_latest"):
                     wait_for_latest(save_dir, run["kill_when_latest"])

@@ -78,6 +78,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {"name": "ref1", **ZERO1, "steps": STEPS},
         {"name": "held2", **ZERO2, "steps": 4, "save_every": 1, "hold_at": 1, "save_dir": "held2", "tiers": _tiers(root, "held2")},
         {"name": "saved1", **ZERO1, "steps": 6, "save_every": 1, "save_dir": "ckpts1", "tiers": _tiers(root, "1"), "save_16bit": True},
+        {"name": "nolatest1", **ZERO1, "steps": 4, "save_every": 1, "save_latest_from": 3, "save_dir": "nolatest1", "tiers": _tiers(root, "nolatest1")},
         {"name": "saved2", **ZERO2, "steps": 4, "save_every": 2, "save_dir": "saved2", "tiers": _tiers(root, "saved2"), "load_back": True},
         {"name": "saved3", **ZERO3, "steps": 4, "save_every": 2, "save_dir": "saved3", "tiers": _tiers(root, "saved3")},
     ])
@@ -107,6 +108,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {"name": "tag1", **ZERO1, "steps": STEPS, "resume": True, "tag": "global_step3", "save_dir": "ckpts1", "tiers": _tiers(root, "1")},
         {"name": "missing1", **ZERO1, "steps": STEPS, "expect_error": True, "tag": "global_step99", "save_dir": "ckpts1", "tiers": _tiers(root, "1")},
         {"name": "damaged1", **ZERO1, "steps": STEPS, "resume": True, "save_dir": "damaged/ckpts1", "tiers": _tiers(damaged, "1")},
+        {"name": "resume-nolatest1", **ZERO1, "steps": STEPS, "resume": True, "save_dir": "nolatest1", "tiers": _tiers(root, "nolatest1")},
         {"name": "nooptim3", **ZERO3, "steps": STEPS, "expect_error": True, "load_kwargs": {"load_optimizer_states": False},
          "save_dir": "ckpts3", "tiers": _tiers(root, "3")},
         {"name": "unwritten1", **ZERO1, "steps": STEPS, "resume": True, "save_dir": "unwritten/ckpts1", "tiers": _tiers(unwritten, "1")},
@@ -191,6 +193,15 @@ def test_zero1_resumes_its_latest_tag_or_a_named_one_and_a_missing_tag_is_named(
         error = _result(jobs, "missing1", rank)["error"]
         assert error.startswith("NoCheckpointError: ") and "no checkpoint of tag 'global_step99' here" in error, error
         assert "holds tag(s) global_step1, global_step2, global_step3, global_step4, global_step5, global_step6" in error, error
+
+
+@pytest.mark.slow
+def test_a_save_without_save_latest_is_not_what_a_load_of_latest_resumes(jobs: Path) -> None:
+    """global_step4 saved with save_latest=False: its tag directory is written, latest stays at
+    global_step3, and load_checkpoint(save_dir) resumes global_step3 (DeepSpeed's meaning), bitwise."""
+    save_dir = jobs / "nolatest1"
+    assert (save_dir / "latest").read_text() == "global_step3" and tag_step(save_dir, "global_step4") == 4
+    _assert_resumed_bitwise(jobs, "resume-nolatest1", "ref1", resumed_at=2)
 
 
 @pytest.mark.slow
