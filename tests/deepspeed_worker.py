@@ -3,7 +3,7 @@ starts ranks: ``python deepspeed_worker.py <root> <job.json>``.
 
 ``job.json``: ``{"runs": [run, ...]}``, each run one engine after the other in this process (one
 launch covers several stages): ``name``, ``stage`` (1-3), ``bf16``, ``optimizer`` ("client":
-a torch.optim.AdamW; "config": the config's AdamW), ``accumulation`` (micro-batches a step), ``steps``
+a torch.optim.AdamW of two parameter groups; "config": the config's AdamW), ``accumulation`` (micro-batches a step), ``steps``
 (the step to train to), ``save_every`` (0: never), ``tiers`` (the tier config; none: DeepSpeed's own
 checkpoint engine), ``resume`` (load_checkpoint first), ``tag`` (load that tag), ``kill_at`` (SIGKILL
 every rank right after the save of that step returned), ``save_latest_from`` (the first step saved with ``save_latest=False``), ``kill_ranks`` (the ranks that kill does; all), ``kill_when_latest`` (first wait until
@@ -151,7 +151,10 @@ def train(root: Path, run: dict[str, Any]) -> None:
     config = ds_config(run)
     kwargs: dict[str, Any] = {"model": model, "config": config}
     if run.get("optimizer", "client") == "client":
-        kwargs["optimizer"] = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+        # Two parameter groups, as training scripts make them: weight decay on the matrices only.
+        matrices = [p for p in model.parameters() if p.dim() > 1]
+        others = [p for p in model.parameters() if p.dim() <= 1]
+        kwargs["optimizer"] = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1}, {"params": others, "weight_decay": 0.0}], lr=0.01)
     else:
         kwargs["model_parameters"] = model.parameters()
     engine, _, _, _ = deepspeed.initialize(**kwargs)
