@@ -3,7 +3,7 @@ starts ranks: ``python deepspeed_worker.py <root> <job.json>``.
 
 ``job.json``: ``{"runs": [run, ...]}``, each run one engine after the other in this process (one
 launch covers several stages): ``name``, ``stage`` (1-3), ``bf16``, ``optimizer`` ("client":
-a torch.optim.AdamW of two parameter groups; "config": the config's AdamW), ``accumulation`` (micro-batches a step), ``steps``
+a torch.optim.AdamW of two parameter groups; "config": the config's AdamW), ``accumulation`` (micro-batches a step), ``zero`` (more zero_optimization settings), ``steps``
 (the step to train to), ``save_every`` (0: never), ``tiers`` (the tier config; none: DeepSpeed's own
 checkpoint engine), ``resume`` (load_checkpoint first), ``tag`` (load that tag), ``kill_at`` (SIGKILL
 every rank right after the save of that step returned), ``save_latest_from`` (the first step saved with ``save_latest=False``), ``kill_ranks`` (the ranks that kill does; all), ``kill_when_latest`` (first wait until
@@ -58,7 +58,7 @@ def ds_config(run: dict[str, Any]) -> dict[str, Any]:
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": BATCH,
         "gradient_accumulation_steps": run.get("accumulation", 1),
-        "zero_optimization": {"stage": run["stage"], "reduce_bucket_size": 1e6, "allgather_bucket_size": 1e6},
+        "zero_optimization": {"stage": run["stage"], "reduce_bucket_size": 1e6, "allgather_bucket_size": 1e6, **run.get("zero", {})},
         "bf16": {"enabled": bool(run.get("bf16"))},
         "steps_per_print": 10**9,
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4}},

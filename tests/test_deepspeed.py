@@ -29,9 +29,9 @@ WORKER = Path(__file__).with_name("deepspeed_worker.py")
 STEPS = 8
 
 # The three setups: ZeRO-2 fp32 with a client torch.optim.AdamW (two parameter groups); ZeRO-3 bf16 with the config's
-# optimizer and 2 micro-batches a step; ZeRO-1 fp32 with the config's optimizer.
+# optimizer, 2 micro-batches a step and sub-groups of 100 elements; ZeRO-1 fp32 with the config's optimizer.
 ZERO2 = {"stage": 2}
-ZERO3 = {"stage": 3, "bf16": True, "optimizer": "config", "accumulation": 2}
+ZERO3 = {"stage": 3, "bf16": True, "optimizer": "config", "accumulation": 2, "zero": {"sub_group_size": 100}}  # several sub-groups
 ZERO1 = {"stage": 1, "optimizer": "config"}
 
 

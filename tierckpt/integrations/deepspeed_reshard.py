@@ -113,8 +113,9 @@ def _param(full: Whole, names: Mapping[int, str], param: Any) -> dict[str, torch
 
 
 def _base_state(home: Mapping[str, Any], key: str, groups: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
-    """The base optimizer's state dict: the saved one's scalars (the step count) and param groups
-    (learning rate, betas) with this rank's new partitions of each moment."""
+    """ZeRO-1/2's base optimizer state dict (one flat partition a parameter group, whatever the number
+    of ranks): the saved one's scalars (the step count) and param groups (learning rate, betas) with
+    this rank's new partitions of each moment."""
     saved = home[key]
     state = {}
     for g, partitions in enumerate(groups):
@@ -170,5 +171,23 @@ def _partitions_stage3(optimizer: Any, names: Mapping[int, str], full: Whole, ho
         moments.append(joined)
     new = {k: v for k, v in home.items() if k not in ("fp32_flat_groups", _OPTIM)}
     new.update(fp32_flat_groups=fp32, partition_count=world)
-    new[_OPTIM] = _base_state(home, _OPTIM, moments)
+    new[_OPTIM] = _base_state_stage3(optimizer, home[_OPTIM], moments)
     return new
+
+
+def _base_state_stage3(optimizer: Any, saved: Mapping[str, Any], moments: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """ZeRO-3's base optimizer state for the live sub-groups. Its optimizer sees each parameter group
+    as that group's sub-groups' flat partitions, state keyed by sub-group, and how many sub-groups a
+    group has depends on the partition sizes, so on the number of ranks: each live sub-group takes
+    the scalars (the step count) of its group's first saved sub-group, and the groups list the live ones."""
+    groups = copy.deepcopy(saved["param_groups"])
+    live = {j: [i for i in range(len(moments)) if optimizer.sub_group_to_group_id[i] == j] for j in range(len(groups))}
+    state = {}
+    for j, group in enumerate(groups):
+        first = group["params"][0] if group["params"] else None
+        kept = {k: v for k, v in saved["state"].get(first, {}).items() if not (isinstance(v, torch.Tensor) and v.dim() > 0)}
+        for i in live[j]:
+            if moments[i] or kept:
+                state[i] = {**copy.deepcopy(kept), **moments[i]}
+        group["params"] = live[j]
+    return {"state": state, "param_groups": groups}
