@@ -330,7 +330,9 @@ class TierckptCheckpointEngine(CheckpointEngine):
             return from_plain(part["files"][name], part["kinds"].get(name, []))
 
         model_states = from_plain(files[model_name], kinds.get(model_name, []))
-        self._resharded = resharded(engine, model_states, [optimizer_file(q) for q in range(saved_world)])
+        read: dict[int, Any] = {}  # each saved rank's optimizer file, read once, only if needed
+        self._resharded = resharded(engine, model_states, lambda q: read[q] if q in read else read.setdefault(q, optimizer_file(q)), saved_world)
+        log.info("tierckpt: DeepSpeed: resharding read the optimizer files of saved rank(s) %s", sorted(read))
         log.info("tierckpt: DeepSpeed tag %r (step %d) saved by %d data-parallel ranks, resharded onto %d", tag, restored.step, saved_world, engine.dp_world_size)
         # DeepSpeed globs this rank's model-states file, which a rank the saving job did not have has
         # no pointer for: for this load, it finds the one the saved rank this rank restored has.

@@ -4,24 +4,27 @@ DeepSpeed's own load refuses another data-parallel size (only its offline ``ds_t
 a universal-checkpoint load change it). A ZeRO optimizer file holds one rank's flat partitions of
 each parameter group: ZeRO-1/2 one contiguous slice of the group's parameters laid end to end
 (``single_partition_of_fp32_groups``, the padding at the end of the last rank's), ZeRO-3 a slice of
-every parameter of the group (``fp32_flat_groups``, ``ceil(numel / N)`` elements of each). So, as
-``zero_to_fp32.py`` does with the files:
+every parameter of the group (``fp32_flat_groups``, ``ceil(numel / N)`` elements of each). So:
 
-1. every saved rank's optimizer file is read (:func:`tierckpt.export.part.read_part`: each rank
-   reads all N, every chunk verified), and each parameter's whole fp32 master and optimizer moments
-   are put together from them, in the order the model states' ``param_shapes`` give;
-2. this rank's partitions in the new layout are cut from those, in the order and sizes the live
-   optimizer has them (its groups, its padding), into an optimizer file of the new layout;
-3. DeepSpeed loads that file, and the model states with ``dp_world_size`` set to M, through its
-   own code, as a save of M ranks: the fp32 masters, the moments and the step count are the saved ones,
-   bitwise.
+1. ZeRO-1/2: the group's parameters lie in the same order in any number of ranks' partitions, end
+   to end, the padding at the end, so this rank's new partition of each group (its size and padding
+   the live optimizer's) is a slice of the saved partitions laid end to end: it reads the saved
+   ranks whose partitions overlap it (:func:`tierckpt.export.part.read_part`, every chunk verified),
+   and rank 0, whose partition gives their size.
+2. ZeRO-3: every saved rank's optimizer file is read, each parameter's whole fp32 master and
+   moments are put together from them in the order of the model states' ``param_shapes`` (as
+   ``zero_to_fp32.py`` does), and this rank's slice of each is cut in the live sub-groups' order and
+   sizes (ZeRO-3 forms its sub-groups from partition sizes: another number of ranks has others).
+3. DeepSpeed loads the optimizer file so made, and the model states with ``dp_world_size`` set to
+   M, through its own code, as a save of M ranks: the fp32 masters, the moments and the step count
+   are the saved ones, bitwise.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -33,10 +36,15 @@ __all__ = ["resharded"]
 _OPTIM = "optimizer_state_dict"
 
 
-def resharded(engine: Any, model_states: dict[str, Any], saved: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+def resharded(engine: Any, model_states: dict[str, Any], read: Callable[[int], Mapping[str, Any]], world: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """The model states and this rank's optimizer file for ``engine``'s data-parallel layout, from
-    the ``model_states`` of the saved job's rank this rank restored and every saved rank's
-    optimizer file (``saved[q]``: rank q's, decoded).
+    the ``model_states`` of the saved job's rank this rank restored and the optimizer files of the
+    ``world`` saved ranks (``read(q)``: rank q's, decoded; called only for the ranks needed).
+
+    Under ZeRO-1/2 the new partition is a slice of the saved ranks' partitions laid end to end (the
+    same parameters in the same order, the padding at the end), so only the saved ranks whose
+    partitions overlap it (and rank 0, whose partition gives their size) are read; under ZeRO-3
+    every rank holds a slice of every parameter, and all are read.
 
     Raises:
         ConfigError: a layout this cannot reshard (parameter alignment padding, round-robin gradients).
@@ -49,12 +57,16 @@ def resharded(engine: Any, model_states: dict[str, Any], saved: Sequence[Mapping
     if not isinstance(shapes, list) or not all(isinstance(g, Mapping) for g in shapes):
         raise CorruptCheckpointError("the DeepSpeed model states hold no param_shapes to reshard the optimizer state by")
     names = {id(p): n for n, p in engine.module.named_parameters()}
-    osds = [sd[_OPTIM] for sd in saved]
-    stage3 = engine.zero_optimization_stage() >= 3
-    full = _whole_stage3(shapes, osds) if stage3 else _whole_stage12(shapes, osds)
-    home = saved[0][_OPTIM] if len(saved) else {}
-    new = dict(saved[0])
-    new[_OPTIM] = _partitions_stage3(optimizer, names, full, home) if stage3 else _partitions_stage12(optimizer, names, full, home)
+    first = read(0)
+    home = first[_OPTIM]
+    if any(any(p) for p in home.get("param_alignment_paddings", [])):
+        raise ConfigError("resharding a DeepSpeed ZeRO-1/2 checkpoint saved with zero_optimization.parameter_alignment is not supported")
+    new = dict(first)
+    if engine.zero_optimization_stage() >= 3:
+        full = _whole_stage3(shapes, [read(q)[_OPTIM] for q in range(world)])
+        new[_OPTIM] = _partitions_stage3(optimizer, names, full, home)
+    else:
+        new[_OPTIM] = _file_stage12(optimizer, home, *_sliced_stage12(optimizer, names, shapes, read, world))
     states = dict(model_states)
     states["dp_world_size"] = int(engine.dp_world_size)
     return states, new
@@ -69,24 +81,6 @@ def _moments(state: Mapping[Any, Any], group: int) -> dict[str, torch.Tensor]:
     """The partition-shaped tensors of a base optimizer's state of ``group`` (Adam's exp_avg, exp_avg_sq)."""
     found = state.get(group, {}) if isinstance(state, Mapping) else {}
     return {k: v for k, v in found.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
-
-
-def _whole_stage12(shapes: list[Mapping[str, Any]], osds: Sequence[Mapping[str, Any]]) -> Whole:
-    full: Whole = {}
-    for osd in osds:
-        if any(any(p) for p in osd.get("param_alignment_paddings", [])):
-            raise ConfigError("resharding a DeepSpeed ZeRO-1/2 checkpoint saved with zero_optimization.parameter_alignment is not supported")
-    for g, params in enumerate(shapes):
-        flats = {"fp32": torch.cat([osd["single_partition_of_fp32_groups"][g] for osd in osds])}
-        moments = [_moments(osd["base_optimizer_state"]["state"], g) for osd in osds]
-        for key in moments[0]:
-            flats[key] = torch.cat([m[key] for m in moments])
-        offset = 0
-        for name, shape in params.items():
-            numel = math.prod(shape)
-            full[name] = {key: flat.narrow(0, offset, numel).view(shape) for key, flat in flats.items()}
-            offset += numel
-    return full
 
 
 def _whole_stage3(shapes: list[Mapping[str, Any]], osds: Sequence[Mapping[str, Any]]) -> Whole:
@@ -125,22 +119,45 @@ def _base_state(home: Mapping[str, Any], key: str, groups: list[dict[str, torch.
     return {"state": state, "param_groups": copy.deepcopy(saved["param_groups"])}
 
 
-def _partitions_stage12(optimizer: Any, names: Mapping[int, str], full: Whole, home: Mapping[str, Any]) -> dict[str, Any]:
+Partitions = tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]  # per group: the lean fp32 partition, the moments'
+
+
+def _sliced_stage12(optimizer: Any, names: Mapping[int, str], shapes: list[Mapping[str, Any]],
+                    read: Callable[[int], Mapping[str, Any]], world: int) -> Partitions:
+    """This rank's partitions cut straight from the overlapping saved partitions.
+
+    Raises:
+        CorruptCheckpointError: a live group holds other parameters, or in another order, than the saved ``param_shapes``.
+    """
     rank = torch.distributed.get_rank(group=optimizer.dp_process_group)
+    first = read(0)[_OPTIM]
     fp32, moments = [], []
     for g, params in enumerate(optimizer.round_robin_bit16_groups):
+        if g >= len(shapes) or [names.get(id(p)) for p in params] != list(shapes[g]):
+            raise CorruptCheckpointError(f"parameter group {g} holds other parameters, or in another order, than the saved DeepSpeed checkpoint's")
+        total = sum(math.prod(shape) for shape in shapes[g].values())
         size = optimizer.single_partition_of_fp32_groups[g].numel()
-        count = optimizer.partition_count[g]
-        keys = _param(full, names, params[0]).keys() if params else ()
+        saved = first["single_partition_of_fp32_groups"][g].numel() if world > 1 else max(total, 1)  # rank 0's is never short
+        begin, end = rank * size, min((rank + 1) * size, total)
+        keys = ["fp32", *_moments(first["base_optimizer_state"]["state"], g)]
+        chunks: dict[str, list[torch.Tensor]] = {key: [] for key in keys}
+        for q in range(begin // saved, (end - 1) // saved + 1) if end > begin else ():
+            osd = read(q)[_OPTIM]
+            held = {"fp32": osd["single_partition_of_fp32_groups"][g], **_moments(osd["base_optimizer_state"]["state"], g)}
+            lo, hi = max(begin - q * saved, 0), end - q * saved
+            for key in keys:
+                chunks[key].append(held[key][lo:hi])
         parts = {}
-        for key in keys:
-            flat = torch.cat([_param(full, names, p)[key].reshape(-1) for p in params])
-            if flat.numel() > size * count:
-                raise CorruptCheckpointError(f"group {g}: the saved parameters hold {flat.numel()} elements, more than {size * count} partitions")
-            flat = torch.nn.functional.pad(flat, (0, size * count - flat.numel()))
-            parts[key] = flat[rank * size:(rank + 1) * size].clone()
+        for key, pieces in chunks.items():
+            flat = torch.cat(pieces) if pieces else torch.zeros(0)
+            parts[key] = torch.nn.functional.pad(flat, (0, size - flat.numel())).clone()
         fp32.append(parts.pop("fp32")[: size - optimizer.groups_padding[g]])
         moments.append(parts)
+    return fp32, moments
+
+
+def _file_stage12(optimizer: Any, home: Mapping[str, Any], fp32: list[torch.Tensor], moments: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """A ZeRO-1/2 optimizer file of the live layout holding these partitions."""
     new = {k: v for k, v in home.items() if k not in ("single_partition_of_fp32_groups", "base_optimizer_state")}
     new.update(single_partition_of_fp32_groups=fp32, base_optimizer_state=_base_state(home, "base_optimizer_state", moments),
                group_paddings=list(optimizer.groups_padding), partition_count=list(optimizer.partition_count))
