@@ -90,12 +90,19 @@ def digests(engine: Any) -> dict[str, str]:
 
 
 class Warnings(logging.Handler):
+    """What the tierckpt logger says at WARNING and above, and which saved ranks a resharding read (INFO)."""
+
     def __init__(self) -> None:
-        super().__init__(logging.WARNING)
+        super().__init__(logging.INFO)
         self.messages: list[str] = []
+        self.reads: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
+        message = record.getMessage()
+        if record.levelno >= logging.WARNING:
+            self.messages.append(message)
+        elif "resharding read" in message:
+            self.reads.append(message)
 
 
 def wait_for_latest(save_dir: Path, tag: str, deadline_s: float = 120.0) -> None:
@@ -162,7 +169,9 @@ def train(root: Path, run: dict[str, Any]) -> None:
     if run.get("tiers") is not None:
         attach(engine, run["tiers"])
     warned = Warnings()
-    logging.getLogger("tierckpt").addHandler(warned)
+    logger = logging.getLogger("tierckpt")
+    logger.addHandler(warned)
+    logger.setLevel(logging.INFO)
     result: dict[str, Any] = {"losses": {}, "resumed": None, "world": world}
     start = 0
     if run.get("expect_error"):  # a load that must fail: what it raised, on this rank
@@ -211,7 +220,7 @@ def train(root: Path, run: dict[str, Any]) -> None:
         result["loaded_back"] = {"path": os.path.basename(path), "step": client["step"], "digests": digests(engine)}
     if run.get("save_16bit"):  # an inference weights file, not a training checkpoint: DeepSpeed's torch.save
         engine.save_16bit_model(str(root / f"{run['name']}-weights"))
-    result["warnings"] = warned.messages
+    result["warnings"], result["reads"] = warned.messages, warned.reads
     logging.getLogger("tierckpt").removeHandler(warned)
     (root / f"{run['name']}-{rank}.json").write_text(json.dumps(result))
     engine.destroy()  # waits until every save is durable and its pointers written

@@ -332,6 +332,22 @@ def test_the_hugging_face_trainers_deepspeed_is_still_refused_pointing_at_attach
     assert "ConfigError: TierckptTrainer supports DDP" in exits[0].output and "tierckpt.integrations.deepspeed.attach" in exits[0].output, exits[0].output
 
 
+@pytest.mark.slow
+def test_zero1_resharding_reads_only_the_saved_ranks_it_overlaps(tmp_path: Path) -> None:
+    """A ZeRO-1 save of 4 ranks (one group of 209 elements: partitions of 54) loaded by 3 (partitions
+    of 70): new rank 1 overlaps saved ranks 1 and 2, new rank 2 saved ranks 2 and 3, and each reads
+    those and rank 0 (whose partition gives their size), no other; the fp32 masters and moments are
+    those saved."""
+    tiers = _tiers(tmp_path, "x4")
+    _launch(tmp_path, [{"name": "saved", **ZERO1, "steps": 2, "save_every": 2, "tiers": tiers}], world=4)
+    _launch(tmp_path, [{"name": "onto3", **ZERO1, "steps": 3, "resume": True, "tiers": tiers}], world=3)
+    saved = _result(tmp_path, "saved", 0)
+    for rank, read in ((0, "[0, 1]"), (1, "[0, 1, 2]"), (2, "[0, 2, 3]")):
+        got = _result(tmp_path, "onto3", rank)
+        assert got["loaded"] == saved["digests"] and got["resumed"] == 1
+        assert got["reads"] == [f"tierckpt: DeepSpeed: resharding read the optimizer files of saved rank(s) {read}"], got["reads"]
+
+
 # -- without DeepSpeed engines: its values stored without pickle, and save_dir's files ---------------
 
 
