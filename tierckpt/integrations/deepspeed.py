@@ -310,8 +310,8 @@ class TierckptCheckpointEngine(CheckpointEngine):
     def _load_resharded(self, original: Callable[..., Any], save_dir: Path, tag: str, restored: Restored, saved_world: int,
                         *args: Any, **kwargs: Any) -> Any:
         """DeepSpeed's load of ``tag`` saved by ``saved_world`` data-parallel ranks, into this engine's
-        layout (:mod:`tierckpt.integrations.deepspeed_reshard`): every saved rank's optimizer file is
-        read from a filesystem tier, this rank's new one cut from them, and DeepSpeed loads that."""
+        layout (:mod:`tierckpt.integrations.deepspeed_reshard`): the saved ranks' optimizer files it
+        needs are read from a filesystem tier, this rank's new one cut from them, and DeepSpeed loads that."""
         from tierckpt.export.part import read_part
         from tierckpt.integrations.deepspeed_reshard import resharded
 
