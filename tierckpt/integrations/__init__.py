@@ -7,6 +7,8 @@ One module per framework, each importing that framework: ``import tierckpt`` imp
   ``transformers.Trainer`` (or :class:`TierckptMixin` before a Trainer subclass);
 - :mod:`tierckpt.integrations.torchtitan`: ``TierckptCheckpointManager.Config(...)`` as the trainer's
   ``checkpoint`` config;
+- :mod:`tierckpt.integrations.deepspeed`: ``attach(engine, "tiers.yaml")`` after ``deepspeed.initialize``
+  (DeepSpeed ZeRO's checkpoint engine);
 - :mod:`tierckpt.integrations.saves`: what both share: one Checkpointer, and each checkpoint's path
   written once its step is durable; :mod:`tierckpt.integrations.pointer`: the file at that path.
 """

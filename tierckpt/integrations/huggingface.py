@@ -100,7 +100,8 @@ class TierckptMixin:
             raise ConfigError(
                 "TierckptTrainer supports DDP (torchrun, accelerate launch) and FSDP across processes; DeepSpeed saves sharded "
                 "states through accelerate's own code, which tierckpt does not replace. Use FSDP (fsdp=True) or DDP, or "
-                "tierckpt's Checkpointer directly (it stores DTensor shards and reshards on load)"
+                "tierckpt's Checkpointer directly (it stores DTensor shards and reshards on load), or, for DeepSpeed outside the "
+                "Trainer, tierckpt.integrations.deepspeed.attach on the engine deepspeed.initialize returns"
             )
         self.tierckpt_config = Config.coerce(tierckpt)
         self._tierckpt = DurableSaves(self.tierckpt_config, "TierckptTrainer")

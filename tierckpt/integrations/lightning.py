@@ -155,10 +155,12 @@ class TierckptCheckpointIO(CheckpointIO):
         elif isinstance(strategy, SingleDeviceStrategy) or getattr(strategy, "world_size", 1) <= 1:
             return
         elif not isinstance(strategy, DDPStrategy) or isinstance(strategy, DeepSpeedStrategy) or type(strategy).save_checkpoint is not Strategy.save_checkpoint:
+            outside = (" (or, for DeepSpeed outside Lightning, tierckpt.integrations.deepspeed.attach on the engine deepspeed.initialize returns)"
+                       if isinstance(strategy, DeepSpeedStrategy) else "")
             raise ConfigError(
                 f"TierckptCheckpointIO supports Lightning's DDP strategies (ddp, ddp_spawn, ddp_fork), FSDPStrategy and "
                 f"ModelParallelStrategy (FSDP2, tensor parallelism) across processes; {type(strategy).__name__} saves sharded "
-                "states in a format of its own, which tierckpt does not replace. Use FSDPStrategy or ModelParallelStrategy, or strategy='ddp'"
+                f"states in a format of its own, which tierckpt does not replace. Use FSDPStrategy or ModelParallelStrategy, or strategy='ddp'{outside}"
             )
         else:
             self._replicated = ("state_dict", "optimizer_states")
