@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Sets up .venv, type-checks the package (mypy, configured in pyproject.toml), and runs the test
-# suite. Extra arguments go to pytest. The whole suite takes about 24 minutes of pytest on 2 cores; the
-# quick subset (about 6 minutes) leaves out the tests marked slow (docs/contributing.md: measured times):
+# suite. Extra arguments go to pytest. The whole suite takes about 15 minutes of pytest on 2 cores; the
+# quick subset (about 3 minutes) leaves out the tests marked slow (docs/contributing.md: measured times):
 #   bash scripts/test.sh -m "not slow"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
-echo "test: mypy, then pytest ${*:-(the whole suite: about 24 minutes on 2 cores; -m \"not slow\" for the 6-minute subset)}" >&2
+echo "test: mypy, then pytest ${*:-(the whole suite: about 15 minutes on 2 cores; -m \"not slow\" for the 3-minute subset)}" >&2
 .venv/bin/python -m mypy
 set +e
 .venv/bin/python -m pytest -q "$@"

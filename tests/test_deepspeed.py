@@ -5,6 +5,7 @@ parameter's fp32 master and Adam moments)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import sys
@@ -18,12 +19,13 @@ import torch
 pytest.importorskip("deepspeed")
 
 from tierckpt.errors import CorruptCheckpointError, NoCheckpointError  # noqa: E402
+from tierckpt.format import version_dirname  # noqa: E402
 from tierckpt.integrations.deepspeed_tags import check_tag, every_rank_names, publish, tag_step, written  # noqa: E402
 from tierckpt.integrations.deepspeed_values import from_plain, to_plain  # noqa: E402
 from tierckpt.state import flatten, unflatten  # noqa: E402
 from tierckpt.testing.ranks import failures, free_port, launch_ranks  # noqa: E402
 
-from helpers import fs_tier, tier_config  # noqa: E402
+from helpers import fs_tier, tier_config, tierckpt_cli  # noqa: E402
 
 WORKER = Path(__file__).with_name("deepspeed_worker.py")
 STEPS = 8
@@ -59,7 +61,7 @@ def _tags(save_dir: Path) -> set[str]:
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Every launch the slow tests look at, in four launches of 2 ranks:
+    """Every launch the slow tests look at, in five launches of 2 ranks:
 
     1. uninterrupted runs of DeepSpeed's own engine (ZeRO-2, ZeRO-3, ZeRO-1), a ZeRO-2 run whose
        copy of global_step2 is held (``held2``), a ZeRO-1 run through tierckpt saved every step
@@ -69,7 +71,9 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     3. ZeRO-3 saved every step, SIGKILLed right after the save of global_step4, once it was durable;
     4. resumes of both from ``load_checkpoint(save_dir)``, of ``saved1`` from its latest tag and
        from tag global_step3, a tag that is not there, a copy of ``saved1`` whose newest step's
-       data file is damaged, and one as a kill after the newest step's commit, before its pointers, left it.
+       data file is damaged, one as a kill after the newest step's commit, before its pointers, left it,
+       and a rollback of a copy of ``saved1`` to global_step3, saving on (``back1``);
+    5. the resume of the rollback's copy from ``load_checkpoint(save_dir)`` (``again1``).
     """
     root = tmp_path_factory.mktemp("deepspeed")
     _launch(root, [
@@ -97,6 +101,10 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shutil.copytree(root / "nvme-1", unwritten / "nvme-1")
     shutil.rmtree(unwritten / "ckpts1" / "global_step6")
     (unwritten / "ckpts1" / "latest").write_text("global_step5")
+    # A rollback: back to global_step3, saving global_step4 and 5 again (the abandoned direction holds 6).
+    rollback = root / "rollback"
+    shutil.copytree(root / "ckpts1", rollback / "ckpts1")
+    shutil.copytree(root / "nvme-1", rollback / "nvme-1")
     data = damaged / "nvme-1" / "step-000000000006" / "data-r00001.bin"
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
@@ -112,7 +120,10 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {"name": "nooptim3", **ZERO3, "steps": STEPS, "expect_error": True, "load_kwargs": {"load_optimizer_states": False},
          "save_dir": "ckpts3", "tiers": _tiers(root, "3")},
         {"name": "unwritten1", **ZERO1, "steps": STEPS, "resume": True, "save_dir": "unwritten/ckpts1", "tiers": _tiers(unwritten, "1")},
+        {"name": "back1", **ZERO1, "steps": 5, "resume": True, "tag": "global_step3", "save_every": 1, "save_dir": "rollback/ckpts1",
+         "tiers": _tiers(rollback, "1")},
     ])
+    _launch(root, [{"name": "again1", **ZERO1, "steps": STEPS, "resume": True, "save_dir": "rollback/ckpts1", "tiers": _tiers(rollback, "1")}])
     return root
 
 
@@ -140,6 +151,25 @@ def test_a_save_returns_before_its_copy_and_only_the_optimizer_update_waits(jobs
         assert held["returned_before_the_copy"] and held["parked"], held
         assert held["forwards_by_then"] == 1 and held["unchanged_by_then"], held
         assert got["losses"] == {str(s): want["losses"][str(s)] for s in range(4)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["saved2", "saved3"], ids=["zero2", "zero3-bf16"])
+def test_export_of_a_deepspeed_version_gives_each_parameters_fp32_master_whole(jobs: Path, tmp_path: Path, name: str) -> None:
+    """``tierckpt export`` of a DeepSpeed version gives what zero_to_fp32.py gives from DeepSpeed's own
+    files: each parameter's fp32 master whole, by its name, put together from every rank's partitions
+    (ZeRO-2 fp32; ZeRO-3 bf16, whose masters are fp32), bitwise the masters at that step."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "weights.safetensors"
+    done = tierckpt_cli("export", str(jobs / f"nvme-{name}" / version_dirname(4)), str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    weights = load_file(out)
+    masters = {key.removesuffix(".fp32"): digest for key, digest in _result(jobs, name, 0)["digests"].items() if key.endswith(".fp32")}
+    assert masters and set(masters) <= set(weights), (sorted(masters), sorted(weights))
+    for key, digest in masters.items():
+        assert weights[key].dtype == torch.float32 and hashlib.sha256(weights[key].numpy().tobytes()).hexdigest() == digest, key
+    assert masters == {key.removesuffix(".fp32"): d for key, d in _result(jobs, name, 1)["digests"].items() if key.endswith(".fp32")}
 
 
 @pytest.mark.slow
@@ -193,6 +223,19 @@ def test_zero1_resumes_its_latest_tag_or_a_named_one_and_a_missing_tag_is_named(
         error = _result(jobs, "missing1", rank)["error"]
         assert error.startswith("NoCheckpointError: ") and "no checkpoint of tag 'global_step99' here" in error, error
         assert "holds tag(s) global_step1, global_step2, global_step3, global_step4, global_step5, global_step6" in error, error
+
+
+@pytest.mark.slow
+def test_after_a_rollback_load_checkpoint_resumes_the_new_direction(jobs: Path) -> None:
+    """Back to global_step3 and on, saving global_step4 and 5 again: the next load_checkpoint(save_dir)
+    resumes the new direction's global_step5, not the abandoned direction's global_step6, and latest
+    names it."""
+    assert (jobs / "rollback" / "ckpts1" / "latest").read_text() == "global_step5"
+    for rank in (0, 1):
+        back, again = _result(jobs, "back1", rank), _result(jobs, "again1", rank)
+        assert back["resumed"] == 2 and again["resumed"] == 4, (back["resumed"], again["resumed"])
+        assert again["loaded"] == back["digests"]  # the new direction's weights and moments, not the abandoned ones
+        assert again["client"]["note"] == f"rank {rank} step 4"
 
 
 @pytest.mark.slow
@@ -449,3 +492,51 @@ def test_a_published_tag_names_its_step_and_latest_names_the_tag(tmp_path: Path)
 def test_a_tag_that_is_not_one_directory_name_is_refused(tag: str) -> None:
     with pytest.raises(ValueError, match="one directory name"):
         check_tag(tag)
+
+
+def test_attach_refuses_what_is_not_a_deepspeed_engine_before_opening_anything(tmp_path: Path) -> None:
+    from tierckpt.errors import ConfigError
+    from tierckpt.integrations.deepspeed import attach
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match=r"takes the engine deepspeed.initialize returned \(a DeepSpeedEngine\), not a Linear"):
+        attach(model, _tiers(tmp_path, "refused"))
+    assert not (tmp_path / "nvme-refused").exists()  # no Checkpointer was opened
+
+
+def _partitioned(params: dict[str, torch.Tensor], world: int, stage: int) -> list[list[torch.Tensor]]:
+    """Each rank's flat fp32 partitions of one parameter group, as DeepSpeed lays them out: ZeRO-1/2
+    the parameters end to end cut into ``world`` equal parts (the padding at the end, stripped), ZeRO-3
+    ``ceil(numel / world)`` elements of each parameter a rank."""
+    if stage == 3:
+        pieces: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        for value in params.values():
+            part = -(-value.numel() // world)
+            padded = torch.nn.functional.pad(value.reshape(-1), (0, part * world - value.numel()))
+            for q in range(world):
+                pieces[q].append(padded[q * part:(q + 1) * part])
+        return [[torch.cat(p)] for p in pieces]
+    flat = torch.cat([v.reshape(-1) for v in params.values()])
+    size = -(-flat.numel() // world)
+    return [[flat[q * size:(q + 1) * size]] for q in range(world)]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_partitions_of_three_ranks_are_put_together_into_each_whole_parameter(stage: int) -> None:
+    """The arithmetic of the export (tierckpt.export.zero) and of a ZeRO-3 resharding
+    (integrations.deepspeed_reshard): parameters of uneven sizes cut as DeepSpeed cuts them come back whole."""
+    from tierckpt.export import zero
+    from tierckpt.integrations.deepspeed_reshard import _whole_stage3
+
+    g = torch.Generator().manual_seed(stage)
+    params = {"a.weight": torch.randn(3, 5, generator=g), "a.bias": torch.randn(7, generator=g), "b": torch.randn(1, generator=g)}
+    shapes = [OrderedDict((name, tuple(value.shape)) for name, value in params.items())]
+    partitions = _partitioned(params, 3, stage)
+    put = zero._stage3(shapes, partitions, Path("v")) if stage == 3 else zero._stage12(shapes, partitions, Path("v"))
+    assert put.keys() == params.keys() and all(torch.equal(put[k], params[k]) for k in params)
+    if stage == 3:  # resharding puts the fp32 masters and each moment together the same way
+        osds = [{"fp32_flat_groups": p, "optimizer_state_dict": {"state": {0: {"exp_avg": p[0] * 2, "step": 4}}}} for p in partitions]
+        whole = _whole_stage3(shapes, osds)
+        assert all(torch.equal(whole[k]["fp32"], params[k]) and torch.equal(whole[k]["exp_avg"], params[k] * 2) for k in params)
+    with pytest.raises(CorruptCheckpointError, match="needs"):
+        (zero._stage3 if stage == 3 else zero._stage12)(shapes, [[p[0][:-1]] for p in partitions], Path("v"))

@@ -13,11 +13,15 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable
+
+import torch
 
 from tierckpt.export.reader import _object_layout, _layout, _nbytes, _Reader, _Writer
-from tierckpt.export.safetensors_writer import _SafetensorsWriter
+from tierckpt.export.safetensors_writer import _SafetensorsWriter, write_tensors
 from tierckpt.export.torch_writer import _TorchWriter
+from tierckpt.export.zero import is_deepspeed, zero_fp32_weights
+from tierckpt.format.saved_layout import SavedLayout
 from tierckpt.storage.posix import fsync_dir
 
 __all__ = ["FORMATS", "ExportProgress", "ExportSummary", "OutputExistsError", "export", "format_for"]
@@ -111,13 +115,13 @@ def export(
         raise OutputExistsError(out)
     if not out.parent.is_dir():
         raise FileNotFoundError(f"{out.parent}: no such directory to write {out.name} in")
+    if is_deepspeed(layout.metadata):
+        return _export_zero(version, url, layout, out, to, progress)
     writer: _Writer = _SafetensorsWriter(layout) if to == "safetensors" else _TorchWriter(layout)
     total = sum(_nbytes(r) for r in layout.records)
-    tmp = out.with_name(f"{out.name}.tmp-{secrets.token_hex(4)}")
-    # os.open with 0o666 lets the umask decide the mode, as for any new file (mkstemp would give 0600).
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f, concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tierckpt-export") as pool:
+
+    def write(f: BinaryIO) -> None:
+        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tierckpt-export") as pool:
             reader = _Reader(layout, pool, threads)
             try:
                 writer.begin(f, out)
@@ -131,6 +135,38 @@ def export(
             finally:
                 writer.close()
                 reader.close()
+
+    _write_atomically(out, write)
+    return ExportSummary(layout.step, len(layout.records), total, out, to)
+
+
+def _export_zero(version: Path, url: str | None, layout: SavedLayout, out: Path, to: str, progress: Callable[[ExportProgress], None] | None) -> ExportSummary:
+    """A DeepSpeed ZeRO version: its consolidated fp32 weights by parameter name (:mod:`tierckpt.export.zero`)."""
+    if url is not None:
+        raise ValueError(f"{url}: a DeepSpeed version is exported from a filesystem tier (its fp32 partitions are put together from every rank's part)")
+    weights = zero_fp32_weights(version, layout.metadata)
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+
+    def write(f: BinaryIO) -> None:
+        if to == "safetensors":
+            write_tensors(f, weights, {"format": "pt", "tierckpt.step": str(layout.step), "tierckpt.deepspeed": "fp32 weights"})
+        else:
+            torch.save(weights, f)
+
+    _write_atomically(out, write)
+    if progress is not None:
+        progress(ExportProgress(layout.step, len(weights), len(weights), total, total))
+    return ExportSummary(layout.step, len(weights), total, out, to)
+
+
+def _write_atomically(out: Path, write: Callable[[BinaryIO], None]) -> None:
+    """``write`` into ``<out>.tmp-<random>``, fsync it, rename it to ``out``; nothing is left at ``out`` if it fails."""
+    tmp = out.with_name(f"{out.name}.tmp-{secrets.token_hex(4)}")
+    # os.open with 0o666 lets the umask decide the mode, as for any new file (mkstemp would give 0600).
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out)
@@ -139,4 +175,3 @@ def export(
         raise
     with contextlib.suppress(OSError):  # best effort: not every file system can sync a directory
         fsync_dir(out.parent)
-    return ExportSummary(layout.step, len(layout.records), total, out, to)

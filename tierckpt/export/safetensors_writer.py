@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Mapping
+
+import torch
 
 from tierckpt.format.lineage import user_metadata
 from tierckpt.errors import UnsupportedStateError
@@ -70,6 +72,30 @@ class _SafetensorsWriter(_Writer):
         if record.kind == "numpy":
             _little_endian(target.value)  # in place: target.out is its bytes
         f.write(target.out)
+
+
+def write_tensors(f: BinaryIO, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
+    """A safetensors file of whole tensors held in memory, by name, in order (an export that puts
+    tensors together rather than streaming stored ones: :mod:`tierckpt.export.zero`).
+
+    Raises:
+        UnsupportedStateError: a dtype safetensors has no name for; nothing is written.
+    """
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for name, tensor in tensors.items():
+        dtype = _SAFETENSORS_TORCH.get(str(tensor.dtype).removeprefix("torch."))
+        if dtype is None or dtype == "F4":
+            raise UnsupportedStateError(f"{name} is {tensor.dtype}, which this export cannot write to safetensors", key=name)
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    f.write(struct.pack("<Q", len(text)) + text)
+    for tensor in tensors.values():
+        # safetensors is little-endian: like the streamed writer, this takes the host to be (every platform torch ships for is)
+        f.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
 def _safetensors_dtype(record: TensorRecord) -> str:

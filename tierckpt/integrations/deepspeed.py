@@ -92,6 +92,11 @@ def attach(engine: Any, config: Config | dict[str, Any] | str | os.PathLike[str]
         ...
         engine.save_checkpoint("ckpts")          # returns at once; durable in the background
     """
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    if not isinstance(engine, DeepSpeedEngine):
+        raise ConfigError(f"attach() takes the engine deepspeed.initialize returned (a DeepSpeedEngine), not a {type(engine).__name__}: "
+                          "engine, optimizer, _, _ = deepspeed.initialize(...); attach(engine, config)")
     coerced = Config.coerce(config)
     refuse_unsupported(engine)
     if isinstance(getattr(engine, "checkpoint_engine", None), TierckptCheckpointEngine):

@@ -152,10 +152,6 @@ class Pipeline:
     async def save(self, request: SaveRequest) -> SaveTracker:
         step = request.step
         self.raise_pending(flushes=False)  # a failed flush never fails a later save: see the module docstring
-        # Every call takes its serial, a skipped save's too: ranks that skip different saves still
-        # number each save alike.
-        lineage = self.direction.next(step)
-        request.metadata[LINEAGE] = lineage.encode()
         pool = self.memory.pool
         # Without host.capacity the pool is sized to the state: mapped at the first save, and again,
         # larger, for a save that does not fit (tierckpt.capture.pool); CapacityError past its limit.
@@ -174,6 +170,11 @@ class Pipeline:
             except BaseException:
                 self.memory.give_back(slot)
                 raise
+        # Every call takes its serial, a skipped save's too: ranks that skip different saves still
+        # number each save alike. Taken here, with no await before its seq: saves from several threads
+        # at once (each waiting for its own slot above) get serials in the order of their seqs.
+        lineage = self.direction.next(step)
+        request.metadata[LINEAGE] = lineage.encode()
         self.counters.saves += 1
         if slot is None:
             self.counters.skipped_saves += 1
