@@ -46,17 +46,13 @@ class _SafetensorsWriter(_Writer):
         self.names, self.extra = _names(layout)
 
     def begin(self, f: BinaryIO, out: Path) -> None:
-        header: dict[str, Any] = {"__metadata__": self._metadata()}
-        offset = 0
+        entries = []
         for r, dtype in zip(self.layout.records, self.dtypes):
             shape = list(global_shape(r))
             if dtype == "F4":  # safetensors counts 4-bit values; torch's float4_e2m1fn_x2 holds two
                 shape[-1] *= 2
-            header[self.names[r.index]] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + _nbytes(r)]}
-            offset += _nbytes(r)
-        text = json.dumps(header, separators=(",", ":")).encode()
-        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-        f.write(struct.pack("<Q", len(text)) + text)
+            entries.append((self.names[r.index], dtype, shape, _nbytes(r)))
+        _write_header(f, self._metadata(), entries)
 
     def _metadata(self) -> dict[str, str]:
         meta = {k: v for k, v in user_metadata(self.layout.metadata).items() if type(k) is str and _json(v) is not None}
@@ -81,21 +77,29 @@ def write_tensors(f: BinaryIO, tensors: Mapping[str, torch.Tensor], metadata: Ma
     Raises:
         UnsupportedStateError: a dtype safetensors has no name for; nothing is written.
     """
-    header: dict[str, Any] = {"__metadata__": dict(metadata)}
-    offset = 0
+    entries = []
     for name, tensor in tensors.items():
         dtype = _SAFETENSORS_TORCH.get(str(tensor.dtype).removeprefix("torch."))
         if dtype is None or dtype == "F4":
             raise UnsupportedStateError(f"{name} is {tensor.dtype}, which this export cannot write to safetensors", key=name)
-        nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
+        entries.append((name, dtype, list(tensor.shape), tensor.numel() * tensor.element_size()))
+    _write_header(f, dict(metadata), entries)
+    for tensor in tensors.values():
+        # safetensors is little-endian: like the streamed writer, this takes the host to be (every platform torch ships for is)
+        f.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def _write_header(f: BinaryIO, metadata: dict[str, str], entries: list[tuple[str, str, list[int], int]]) -> None:
+    """safetensors' header: its length, then the JSON of ``metadata`` and each ``(name, dtype, shape,
+    nbytes)``, whose bytes follow in that order."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
     f.write(struct.pack("<Q", len(text)) + text)
-    for tensor in tensors.values():
-        # safetensors is little-endian: like the streamed writer, this takes the host to be (every platform torch ships for is)
-        f.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
 def _safetensors_dtype(record: TensorRecord) -> str:

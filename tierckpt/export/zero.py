@@ -9,8 +9,8 @@ from every rank's partition, in the order of ``param_shapes``:
 
 - ZeRO-1/2: a parameter group's partitions, laid end to end in rank order, are the group's
   parameters end to end (the padding at the end);
-- ZeRO-3: every rank holds ``ceil(numel / ranks)`` elements of each parameter, the parameters end
-  to end across the rank's flat groups.
+- ZeRO-3: every rank holds ``ceil(numel / ranks)`` elements of each parameter of a sub-group, end
+  to end in the rank's flat partition of that sub-group (:func:`stage3_whole`).
 
 Buffers come from rank 0's model states (as float32, as ``zero_to_fp32.py`` gives them), and a tied
 parameter (``shared_params``) under both its names. Every rank's part is read from a filesystem tier
@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from tierckpt.errors import CorruptCheckpointError, UnsupportedStateError
 from tierckpt.export.part import read_part
 
-__all__ = ["is_deepspeed", "zero_fp32_weights"]
+__all__ = ["is_deepspeed", "stage3_whole", "zero_fp32_weights"]
 
 _PARTITIONS = {1: "single_partition_of_fp32_groups", 2: "single_partition_of_fp32_groups", 3: "fp32_flat_groups"}
 
@@ -88,7 +88,7 @@ def _partitions(part: Any, key: str, version: Path, rank: int) -> list[torch.Ten
     return [t.reshape(-1) for t in flat]
 
 
-def _take(flat: torch.Tensor, offset: int, numel: int, what: str, version: Path) -> torch.Tensor:
+def _take(flat: torch.Tensor, offset: int, numel: int, what: str, version: Path | str) -> torch.Tensor:
     if offset + numel > flat.numel():
         raise CorruptCheckpointError(f"{version}: the fp32 partitions hold {flat.numel()} elements, {what} needs {offset + numel}")
     return flat.narrow(0, offset, numel)
@@ -108,13 +108,29 @@ def _stage12(shapes: list[Mapping[str, Any]], partitions: list[list[torch.Tensor
 
 
 def _stage3(shapes: list[Mapping[str, Any]], partitions: list[list[torch.Tensor]], version: Path) -> dict[str, torch.Tensor]:
-    world, weights, offset = len(partitions), {}, 0
-    flats = [torch.cat(p) if p else torch.zeros(0) for p in partitions]
-    for group in shapes:
+    whole = stage3_whole(shapes, [[{"fp32": t} for t in p] for p in partitions], version)
+    return {name: values["fp32"] for name, values in whole.items()}
+
+
+def stage3_whole(shapes: Sequence[Mapping[str, Any]], per_rank: Sequence[Sequence[Mapping[str, torch.Tensor]]],
+                 version: Path | str = "the version") -> dict[str, dict[str, torch.Tensor]]:
+    """ZeRO-3's whole parameters from every rank's flat partitions: ``per_rank[q][g]`` maps each kind
+    (the fp32 master, each optimizer moment) to rank q's flat partition of sub-group g, in which each
+    parameter of ``shapes[g]`` has ``ceil(numel / ranks)`` elements; each parameter's kinds, by name,
+    whole (also what a resharding load cuts its new partitions from).
+
+    Raises:
+        CorruptCheckpointError: a sub-group missing on a rank, or partitions shorter than their parameters.
+    """
+    world, whole = len(per_rank), {}
+    for g, group in enumerate(shapes):
+        if any(g >= len(groups) for groups in per_rank):
+            raise CorruptCheckpointError(f"{version}: sub-group {g} has no fp32 partition on every rank")
+        kinds, offset = per_rank[0][g].keys(), 0
         for name, shape in group.items():
             numel = math.prod(shape)
             part = math.ceil(numel / world)
-            pieces = [_take(flat, offset, part, name, version) for flat in flats]
-            weights[name] = torch.cat(pieces)[:numel].clone().view(*shape)
+            whole[name] = {kind: torch.cat([_take(groups[g][kind].reshape(-1), offset, part, name, version) for groups in per_rank])[:numel].clone().view(*shape)
+                           for kind in kinds}
             offset += part
-    return weights
+    return whole

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from tierckpt.errors import ConfigError, CorruptCheckpointError
+from tierckpt.export.zero import stage3_whole
 
 __all__ = ["resharded"]
 
@@ -84,16 +85,9 @@ def _moments(state: Mapping[Any, Any], group: int) -> dict[str, torch.Tensor]:
 
 
 def _whole_stage3(shapes: list[Mapping[str, Any]], osds: Sequence[Mapping[str, Any]]) -> Whole:
-    world, full = len(osds), {}
-    for g, params in enumerate(shapes):
-        per_rank = [{"fp32": osd["fp32_flat_groups"][g], **_moments(osd[_OPTIM]["state"], g)} for osd in osds]
-        offset = 0
-        for name, shape in params.items():
-            numel = math.prod(shape)
-            part = math.ceil(numel / world)
-            full[name] = {key: torch.cat([r[key].narrow(0, offset, part) for r in per_rank])[:numel].view(shape) for key in per_rank[0]}
-            offset += part
-    return full
+    """Each parameter's fp32 master and moments, whole, from every saved rank's ZeRO-3 optimizer file."""
+    per_rank = [[{"fp32": flat, **_moments(osd[_OPTIM]["state"], g)} for g, flat in enumerate(osd["fp32_flat_groups"])] for osd in osds]
+    return stage3_whole(shapes, per_rank)
 
 
 # -- this rank's partitions in the live layout ----------------------------------------------------------

@@ -7,7 +7,7 @@ small JSON pointer naming the step (:mod:`tierckpt.integrations.pointer`), and t
 with ``save_latest``, ``save_dir/latest`` is replaced atomically by the tag. So after a crash
 ``latest`` names only a tag whose step can be restored, and DeepSpeed's own reading of it (and of its
 glob) works unchanged; what reads the files with ``torch.load`` (``zero_to_fp32.py``) cannot
-follow a pointer (``tierckpt export`` writes whole tensors instead).
+follow a pointer (``tierckpt export`` gives what it gives: :mod:`tierckpt.export.zero`).
 """
 
 from __future__ import annotations
