@@ -19,37 +19,67 @@ from helpers import Opened
 SUITE_COUNTS = pytest.StashKey[dict[str, int]]()
 
 
+def _whole_suite(config: pytest.Config) -> bool:
+    """Whether this run collects all of tests/ (before -m or -k deselect anything)."""
+    here = config.invocation_params.dir
+    return [Path(here, a).resolve() for a in config.args] in ([], [Path(config.rootpath, "tests").resolve()])
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    here = config.invocation_params.dir
-    whole = [Path(here, a).resolve() for a in config.args] in ([], [Path(config.rootpath, "tests").resolve()])
-    if whole:
+    if _whole_suite(config):
         config.stash[SUITE_COUNTS] = {"all": len(items), "slow": sum(1 for i in items if i.get_closest_marker("slow"))}
 
 
 # tierckpt/__main__.py is run (python -m tierckpt), never imported: test_cli runs it in this process.
 RUN_NOT_IMPORTED = frozenset({"tierckpt.__main__"})
+# Under pytest-xdist (scripts/test.sh runs 2 workers) each worker imports only what its tests need:
+# the controller puts together what every worker imported (pytest_testnodedown) before it checks.
+IMPORTED_BY_WORKERS = pytest.StashKey[set[str]]()
 
 
-def unimported_modules() -> list[str]:
-    """The package's modules that this process has not imported (but :data:`RUN_NOT_IMPORTED`)."""
+def package_modules() -> set[str]:
     import tierckpt
 
     root = Path(tierckpt.__file__).parent
-    names = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__") for p in root.rglob("*.py")}
-    return sorted(names - set(sys.modules) - RUN_NOT_IMPORTED)
+    return {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__") for p in root.rglob("*.py")}
+
+
+def unimported_modules(imported: set[str] | None = None) -> list[str]:
+    """The package's modules that this process (and, given ``imported``, its workers) has not imported,
+    but :data:`RUN_NOT_IMPORTED`."""
+    return sorted(package_modules() - set(sys.modules) - (imported or set()) - RUN_NOT_IMPORTED)
+
+
+def _quick_run(config: pytest.Config) -> bool:
+    """A run of the quick subset over all of tests/: ``-m "not slow"``, no -k, not --collect-only."""
+    return (_whole_suite(config) and config.getoption("markexpr") == "not slow" and not config.getoption("keyword")
+            and not config.getoption("collectonly"))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """An xdist worker finished: keep the package modules it imported for the controller's check."""
+    imported = getattr(node, "workeroutput", {}).get("tierckpt_imported", ())
+    config = node.config
+    config.stash[IMPORTED_BY_WORKERS] = config.stash.get(IMPORTED_BY_WORKERS, set()) | set(imported)
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """The quick subset must still exercise every module of the package: a passing run of
     ``-m "not slow"`` over all of tests/ fails when one of them was never imported by its tests, in
-    this process (what a rank or a child process imports does not count)."""
+    the pytest processes (its xdist workers, or the one process; what a rank or a child process
+    imports does not count)."""
     config = session.config
-    quick = SUITE_COUNTS in config.stash and config.getoption("markexpr") == "not slow" and not config.getoption("keyword")
-    if exitstatus != 0 or not quick or config.getoption("collectonly"):
+    if not _quick_run(config):
         return
-    missing = unimported_modules()
+    if hasattr(config, "workeroutput"):  # an xdist worker: its controller checks
+        config.workeroutput["tierckpt_imported"] = sorted(package_modules() & set(sys.modules))
+        return
+    if exitstatus != 0:
+        return
+    missing = unimported_modules(config.stash.get(IMPORTED_BY_WORKERS, None))
     if missing:
         config.pluginmanager.get_plugin("terminalreporter").write_line(
             f"the quick subset (-m \"not slow\") imported none of: {', '.join(missing)}: give each a test that is not marked slow", red=True

@@ -9,11 +9,13 @@ checkpoint engine), ``resume`` (load_checkpoint first), ``tag`` (load that tag),
 every rank right after the save of that step returned), ``save_latest_from`` (the first step saved with ``save_latest=False``), ``kill_ranks`` (the ranks that kill does; all), ``kill_when_latest`` (first wait until
 ``save_dir/latest`` names this tag: a gate on what the background made durable), ``hold_at`` (hold
 the copy threads through the save of that step; a watcher notes what ran until the training thread
-parked in the lazy barrier, then lets the copy go: ZeRO-1/2).
+parked in the lazy barrier, then lets the copy go: ZeRO-1/2), ``metrics`` (read the tier config's
+metrics endpoint at the end).
 
 Each rank writes ``<root>/<name>-<rank>.json``: the losses by step (``float.hex``), the step it
 resumed from, what ``load_checkpoint`` returned of ``client_state``, the tierckpt warnings logged,
-and digests of every parameter's fp32 master and Adam moments (``safe_get_full_*``) at the end.
+digests of every parameter's fp32 master and Adam moments (``safe_get_full_*``) at the end, and the
+metrics read (``metrics``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import signal
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -218,6 +221,11 @@ def train(root: Path, run: dict[str, Any]) -> None:
     if run.get("load_back"):  # the last save, loaded by this process at once (not durable yet, maybe), by a relative path
         path, client = engine.load_checkpoint(os.path.relpath(save_dir), tag=f"global_step{run['steps']}")
         result["loaded_back"] = {"path": os.path.basename(path), "step": client["step"], "digests": digests(engine)}
+    if run.get("metrics"):  # what the run's Prometheus endpoint serves once its saves are durable
+        ckpt = engine.checkpoint_engine.checkpointer
+        ckpt.wait_sync()
+        with urllib.request.urlopen(ckpt.metrics_url, timeout=30) as page:
+            result["metrics"] = [line for line in page.read().decode().splitlines() if line.startswith("tierckpt_")]
     if run.get("save_16bit"):  # an inference weights file, not a training checkpoint: DeepSpeed's torch.save
         engine.save_16bit_model(str(root / f"{run['name']}-weights"))
     result["warnings"], result["reads"] = warned.messages, warned.reads

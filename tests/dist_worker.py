@@ -369,6 +369,10 @@ def main() -> None:
         ckpt = Checkpointer(config(root, timeout), tier_factory=factory)
         for step in range(1, at):
             assert ckpt.save_sync(step, state(step, rank)).committed_sync("disk", timeout=120)
+        # A gate: every rank has the outcome of step at - 1 before the victim starts to write step at.
+        # Without it, a loaded machine lets the leader commit step at - 1 and die in step at before
+        # a relay passed that outcome on, and the ranks behind it cannot learn it any more.
+        dist.barrier()
         handle = ckpt.save_sync(at, state(at, rank))
         t0 = time.monotonic()
         try:

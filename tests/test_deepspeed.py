@@ -25,7 +25,7 @@ from tierckpt.integrations.deepspeed_values import from_plain, to_plain  # noqa:
 from tierckpt.state import flatten, unflatten  # noqa: E402
 from tierckpt.testing.ranks import failures, free_port, launch_ranks  # noqa: E402
 
-from helpers import fs_tier, tier_config, tierckpt_cli  # noqa: E402
+from helpers import SHUFFLED_ZSTD, fs_tier, tier_config, tierckpt_cli  # noqa: E402
 
 WORKER = Path(__file__).with_name("deepspeed_worker.py")
 STEPS = 8
@@ -39,6 +39,14 @@ ZERO1 = {"stage": 1, "optimizer": "config"}
 
 def _tiers(root: Path, name: str, **nvme: Any) -> dict[str, Any]:
     return tier_config(fs_tier("nvme", root / f"nvme-{name}", keep={"last": 10}, **nvme), capacity="4MiB")
+
+
+def _every_feature_tiers(root: Path, name: str) -> dict[str, Any]:
+    """RAM, then an nvme tier storing delta versions compressed, then a pfs tier taking every 3rd step
+    and keeping 2; an events file per rank and a metrics endpoint."""
+    config = tier_config(fs_tier("nvme", root / f"nvme-{name}", keep={"last": 10}, compression=SHUFFLED_ZSTD, delta={"full_every": 3}),
+                         fs_tier("pfs", root / f"pfs-{name}", flush={"every_steps": 3}, keep={"last": 2}), capacity="4MiB")
+    return {**config, "events": str(root / f"events-{name}-{{rank}}.jsonl"), "metrics": {"port": 0}}
 
 
 def _launch(root: Path, runs: list[dict[str, Any]], world: int = 2, killed: bool = False) -> None:
@@ -85,6 +93,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {"name": "nolatest1", **ZERO1, "steps": 4, "save_every": 1, "save_latest_from": 3, "save_dir": "nolatest1", "tiers": _tiers(root, "nolatest1")},
         {"name": "saved2", **ZERO2, "steps": 4, "save_every": 2, "save_dir": "saved2", "tiers": _tiers(root, "saved2"), "load_back": True},
         {"name": "saved3", **ZERO3, "steps": 4, "save_every": 2, "save_dir": "saved3", "tiers": _tiers(root, "saved3")},
+        {"name": "tiers2", **ZERO2, "steps": 6, "save_every": 1, "save_dir": "tiers2", "tiers": _every_feature_tiers(root, "tiers2"), "metrics": True},
     ])
     _launch(root, [{"name": "kill2", **ZERO2, "steps": STEPS, "save_every": 1, "save_dir": "ckpts2", "tiers": _tiers(root, "2", flush={"every_steps": 2}),
                     "kill_at": 4, "kill_when_latest": "global_step4"}], killed=True)
@@ -105,6 +114,10 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     rollback = root / "rollback"
     shutil.copytree(root / "ckpts1", rollback / "ckpts1")
     shutil.copytree(root / "nvme-1", rollback / "nvme-1")
+    # tiers2's nvme tier lost (a node's disk gone): its pfs tier holds global_step6 and 3.
+    lost = root / "lost"
+    shutil.copytree(root / "tiers2", lost / "tiers2")
+    shutil.copytree(root / "pfs-tiers2", lost / "pfs-tiers2")
     data = damaged / "nvme-1" / "step-000000000006" / "data-r00001.bin"
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
@@ -120,6 +133,8 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {"name": "nooptim3", **ZERO3, "steps": STEPS, "expect_error": True, "load_kwargs": {"load_optimizer_states": False},
          "save_dir": "ckpts3", "tiers": _tiers(root, "3")},
         {"name": "unwritten1", **ZERO1, "steps": STEPS, "resume": True, "save_dir": "unwritten/ckpts1", "tiers": _tiers(unwritten, "1")},
+        {"name": "resume-tiers2", **ZERO2, "steps": STEPS, "resume": True, "save_dir": "tiers2", "tiers": _every_feature_tiers(root, "tiers2")},
+        {"name": "lost2", **ZERO2, "steps": STEPS, "resume": True, "save_dir": "lost/tiers2", "tiers": _every_feature_tiers(lost, "tiers2")},
         {"name": "back1", **ZERO1, "steps": 5, "resume": True, "tag": "global_step3", "save_every": 1, "save_dir": "rollback/ckpts1",
          "tiers": _tiers(rollback, "1")},
     ])
@@ -223,6 +238,48 @@ def test_zero1_resumes_its_latest_tag_or_a_named_one_and_a_missing_tag_is_named(
         error = _result(jobs, "missing1", rank)["error"]
         assert error.startswith("NoCheckpointError: ") and "no checkpoint of tag 'global_step99' here" in error, error
         assert "holds tag(s) global_step1, global_step2, global_step3, global_step4, global_step5, global_step6" in error, error
+
+
+@pytest.mark.slow
+def test_a_deepspeed_job_uses_every_tier_feature_and_the_cli_reads_its_versions(jobs: Path) -> None:
+    """tiers2 (ZeRO-2): delta versions compressed on nvme, every 3rd step on pfs keeping 2, an events file
+    per rank and a metrics endpoint. It resumes bitwise from nvme's newest version (a delta), and from
+    pfs once nvme is lost; tierckpt ls, verify and status read its versions."""
+    _assert_resumed_bitwise(jobs, "resume-tiers2", "ref2", resumed_at=5)
+    _assert_resumed_bitwise(jobs, "lost2", "ref2", resumed_at=5)
+    nvme, pfs = jobs / "nvme-tiers2", jobs / "pfs-tiers2"
+    listed = tierckpt_cli("ls", str(nvme))
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    rows = [line.split() for line in listed.stdout.splitlines()[1:]]
+    assert rows[-1][:2] == [version_dirname(6), "6"] and any("delta of step 1" in line for line in listed.stdout.splitlines()), listed.stdout
+    # pfs takes every 3rd step and keeps 2: global_step6, and none that is not a multiple of 3
+    on_pfs = sorted(int(p.name.removeprefix("step-")) for p in pfs.iterdir() if p.name.startswith("step-"))
+    assert on_pfs[-1] == 6 and len(on_pfs) <= 2 and all(s % 3 == 0 for s in on_pfs), on_pfs
+    for directory in (nvme, pfs):
+        checked = tierckpt_cli("verify", str(directory))
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+    config = jobs / "tiers2.yaml"
+    config.write_text(json.dumps(_every_feature_tiers(jobs, "tiers2")))  # JSON is YAML
+    shown = tierckpt_cli("status", str(config))
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    header, *lines = shown.stdout.split("\n\n")[0].splitlines()  # the table of versions, before the events' table
+    column = {name: header.index(name) for name in ("VERSIONS", "NEWEST", "STORED")}
+    table = {line.split()[0]: line for line in lines}
+    cell = lambda tier, name, end: table[tier][column[name]:column[end]].strip()  # noqa: E731
+    assert cell("nvme", "NEWEST", "STORED") == "6" and cell("nvme", "VERSIONS", "NEWEST").endswith("deltas)"), shown.stdout
+    assert cell("pfs", "NEWEST", "STORED") == "6" and cell("pfs", "VERSIONS", "NEWEST") == str(len(on_pfs)), shown.stdout
+    for rank in (0, 1):
+        events = [json.loads(line) for line in (jobs / f"events-tiers2-{rank}.jsonl").read_text().splitlines()]
+        flushed = [(e["tier"], e["step"]) for e in events if e["event"] == "flushed"]
+        assert ("nvme", 6) in flushed and ("pfs", 6) in flushed, flushed
+        assert [(e["tier"], e["step"]) for e in events if e["event"] == "restored"] == [("nvme", 6)]  # resume-tiers2
+        lost = [json.loads(line) for line in (jobs / "lost" / f"events-tiers2-{rank}.jsonl").read_text().splitlines()]
+        assert [(e["tier"], e["step"]) for e in lost if e["event"] == "restored"] == [("pfs", 6)]
+        # the metrics endpoint counted what the events file holds
+        metrics = dict(line.rsplit(" ", 1) for line in _result(jobs, "tiers2", rank)["metrics"])
+        assert float(metrics["tierckpt_saves_total"]) == 6.0, metrics
+        for tier in ("nvme", "pfs"):
+            assert float(metrics[f'tierckpt_flushes_total{{tier="{tier}"}}']) == sum(1 for t, _ in flushed if t == tier), (tier, metrics)
 
 
 @pytest.mark.slow

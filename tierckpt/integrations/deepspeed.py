@@ -358,13 +358,13 @@ class TierckptCheckpointEngine(CheckpointEngine):
         return Path(held[0].path)  # type: ignore[arg-type]
 
     def _restore_tag(self, save_dir: Path, tag: str) -> Restored:
-        """The step of ``tag`` (saved by this process and not durable yet, or named by its pointers).
+        """The step of ``tag`` (saved by this process, its pointers written or not yet, or named by its pointers).
 
         Raises:
             NoCheckpointError, CorruptCheckpointError: no such tag, or its step cannot be restored; names the tag.
         """
         check_tag(tag)
-        step = self._saves.pending_step(str(save_dir / tag))
+        step = self._saves.saved_step(str(save_dir / tag))
         if step is None:
             try:
                 step = tag_step(save_dir, tag)

@@ -203,8 +203,8 @@ class TierckptCheckpointIO(CheckpointIO):
         strategy = self._strategy
         assert strategy is not None and strategy.model is not None and strategy.lightning_module is not None
         key = os.fspath(checkpoint_path)
-        pending = self._saves.pending_step(key)
-        step = read_pointer(key) if pending is None else pending
+        saved = self._saves.saved_step(key)
+        step = read_pointer(key) if saved is None else saved
         model = strategy.model
         optimizers = [_bare(o) for o in strategy.optimizers]
         # get_optimizer_state_dict gives a fresh optimizer its states (zeros) first: every moment has a
@@ -291,7 +291,7 @@ class TierckptCheckpointIO(CheckpointIO):
         if _is_torch_archive(key):  # written by Lightning's own I/O: loaded as Lightning does, without running code
             state = TorchCheckpointIO().load_checkpoint(key, weights_only=True)
         else:
-            step = self._saves.pending_step(key)
+            step = self._saves.saved_step(key)
             step = read_pointer(key) if step is None else step
             state = restore_named(self.checkpointer, key, step, instead=_EARLIER).state
         return _to(state, torch.device(map_location)) if map_location is not None else state

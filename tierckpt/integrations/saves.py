@@ -70,6 +70,9 @@ class DurableSaves:
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}  # key -> its newest save whose action has not run yet
         self._removed: dict[str, int] = {}  # key -> seq of the newest save before cancel(key)
+        # key -> the step of its newest save by this process, its action run or not: on a rank that does
+        # not run the actions, a save can be durable before the lead rank has written its pointer.
+        self._saved: dict[str, int] = {}
         # step -> its newest save. A trainer may save one step under several keys (a top-k file,
         # then last.ckpt): each save replaces the version, so only the newest one commits, for every key.
         self._newest: dict[int, SaveHandle] = {}
@@ -128,14 +131,15 @@ class DurableSaves:
         item = _Pending(key, step, handle, next(self._seq), then)
         with self._lock:
             self._pending[key] = item
+            self._saved[key] = step
         self._queue.put(item)
         return True
 
-    def pending_step(self, key: str) -> int | None:
-        """The step of ``key``'s newest save whose action has not run yet, if any."""
+    def saved_step(self, key: str) -> int | None:
+        """The step of ``key``'s newest save by this process (durable or not yet, its pointer written
+        or not yet), unless cancelled since; None when this process has saved none under ``key``."""
         with self._lock:
-            item = self._pending.get(key)
-        return None if item is None else item.step
+            return self._saved.get(key)
 
     def cancel(self, key: str, also: Callable[[], None] = lambda: None) -> None:
         """No action for the saves of ``key`` made so far; ``also()`` under the same lock (removing
@@ -144,6 +148,7 @@ class DurableSaves:
             item = self._pending.pop(key, None)
             if item is not None:
                 self._removed[key] = item.seq
+            self._saved.pop(key, None)
             also()
 
     def close(self) -> None:
