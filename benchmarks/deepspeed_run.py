@@ -12,7 +12,10 @@ swap places every other repeat):
   true}}``: a writer process per rank, committed in the next ``engine.step()``), at ZeRO-3 only: at
   ZeRO-2 it fails (``Cowardly refusing to serialize non-leaf tensor``);
 - ``tierckpt``: ``attach(engine, ...)``: host RAM, then a filesystem tier in the same directory
-  (fsynced), keep 2.
+  (fsynced), keep 2;
+- ``floor``: a checkpoint engine that keeps nothing (decoupled, every rank handed the model states as
+  tierckpt has them): what DeepSpeed's own ``save_checkpoint`` costs before any engine stores a
+  byte, the least any engine can block for.
 
 Per rank 0, medians over the saves: ``save``, the time ``save_checkpoint`` blocked the training
 thread; ``commit``, the time the decoupled engines' commit took in the next ``engine.step()``, before
@@ -39,8 +42,31 @@ import time
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("none", "deepspeed", "decoupled", "tierckpt")
+VARIANTS = ("none", "floor", "deepspeed", "decoupled", "tierckpt")
 BYTES_PER_PARAM = 16  # fp32 weights, fp32 master, two Adam moments
+
+
+def keeps_nothing() -> Any:
+    """The ``floor`` variant's checkpoint engine (made once DeepSpeed is imported)."""
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+
+    class KeepsNothingEngine(CheckpointEngine):
+        def create(self, info: Any) -> None:
+            pass
+
+        def save(self, state_dict: Any, path: str) -> None:
+            pass
+
+        def load(self, path: str, map_location: Any = None) -> Any:
+            raise NotImplementedError("the floor variant keeps nothing to load")
+
+        def commit(self, info: Any) -> bool:
+            return True
+
+        def is_decoupled(self) -> bool:
+            return True
+
+    return KeepsNothingEngine()
 
 
 def worker(out: Path, variant: str, params_m: float, stage: int, steps: int, every: int, root: Path) -> None:
@@ -62,6 +88,9 @@ def worker(out: Path, variant: str, params_m: float, stage: int, steps: int, eve
         os.environ.setdefault("CROSS_SIZE", "1")
         os.environ.setdefault("CROSS_RANK", "0")
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4), config=config)
+    if variant == "floor":
+        engine.checkpoint_engine = keeps_nothing()
+        engine.save_non_zero_checkpoint = True
     if variant == "tierckpt":
         from tierckpt.integrations.deepspeed import attach
 
