@@ -10,8 +10,8 @@ echo "test: mypy, then pytest ${*:-(the whole suite: about 15 minutes on 2 cores
 .venv/bin/python -m mypy
 set +e
 # TIERCKPT_TEST_WORKERS=N runs the suite on N pytest-xdist workers, each taking a whole test file at
-# a time (a file's module fixtures run once). The default, 0, runs it in this one process: on 2 cores
-# -n 2 saved only about a tenth of the time (docs/contributing.md), and a hang it exposed is open.
+# a time (a file's module fixtures run once). The default, 0, runs it in this one process: -n 2 was
+# about a third faster on 2 cores, but exposed a hang that is open (docs/contributing.md).
 .venv/bin/python -m pytest -q -n "${TIERCKPT_TEST_WORKERS:-0}" --dist loadfile "$@"
 rc=$?
 set -e
