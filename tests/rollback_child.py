@@ -22,6 +22,9 @@ an ``open`` op; its gate is also opened when the ops end.
 Started as a rank of a job (``RANK`` and the rest set, :func:`tierckpt.testing.launch_ranks`), it joins a
 gloo group first; its part of the state is ``value + rank / 4``, and its lines go to
 ``<root>/<PHASE>-rank-<rank>.jsonl`` (``PHASE`` from the environment).
+
+With ``DUMP_AFTER=<seconds>`` in the environment, a phase still running then prints every thread's
+stack to stderr (the ranks' output tail in a failing test's message), to see where a stall waits.
 """
 
 from __future__ import annotations
@@ -53,6 +56,10 @@ def _say(**line: Any) -> None:
 
 
 def main(root: Path, config: dict[str, Any], ops: list[list[Any]]) -> None:
+    if os.environ.get("DUMP_AFTER"):  # a phase that stalls: every thread's stack on stderr, once; it runs on
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["DUMP_AFTER"]), exit=False)
     gated = {t["name"] for t in config["tiers"] if t.pop("gated", False)}
     for t in config["tiers"]:
         if "path" in t:
