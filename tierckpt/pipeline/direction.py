@@ -55,7 +55,11 @@ class Direction:
                     cuts.append(Cut(0, _serial(lineage), serial))
                 if lineage is None:  # restored from a version without a lineage: those above it are left
                     cuts.append(Cut(at + 1, -1, 1))
-            if step <= at:  # going back, or saving a step again: what was saved at or above it is left
+            # Going back, or saving a restored or held step again: what was saved at or above it is
+            # left. The step this process saved last, saved again with no restore between (Lightning's top-k
+            # file, then last.ckpt, at one step), goes on from that save: cut, the earlier save (maybe
+            # the only durable one) would be left, and retention would delete it.
+            if step < at or (step == at and (self._parent is None or self._restored)):
                 cuts.append(Cut(step, -1, serial))
             made = (lineage if lineage is not None else Lineage(0)).then(serial, *cuts)
         self.known = serial
